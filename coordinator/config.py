@@ -1,0 +1,55 @@
+"""CoordinatorConfig: every knob of the coordinator, declared once.
+
+Values come from keyword arguments, then `DUALVLLM_*` environment variables (e.g.
+`DUALVLLM_TOP_K=50`), then the defaults below.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from dualvllm.validation import RaisesInvalidInput
+
+
+class CoordinatorConfig(RaisesInvalidInput, BaseSettings):
+    """Settings of a DualVLLMCoordinator. Invalid values raise InvalidInputError."""
+
+    model_config = SettingsConfigDict(env_prefix="DUALVLLM_", extra="forbid", frozen=True)
+
+    theta_url: str = Field("http://127.0.0.1:8000", description="Base URL of the base-model (pi_theta) vLLM server.")
+    t_url: str = Field("http://127.0.0.1:8001", description="Base URL of the teacher (pi_t) vLLM server.")
+    api_key: SecretStr | None = Field(None, description="Bearer token both servers expect (vLLM --api-key); None = no auth.")
+    top_k: int = Field(20, ge=1, le=1000, description="Next-token candidates fetched from each server per step; servers need --max-logprobs >= top_k.")
+    fill_rule: Literal["min", "floor", "spread"] = Field(
+        "min", description="Logprob given to a candidate one model did not report: see theory.merge.")
+    alpha_tol: float = Field(1e-6, gt=0, lt=0.1, description="Tolerance of the alpha* root search.")
+    alpha_max_iter: int = Field(20, ge=1, le=200, description="Iteration cap of the alpha* root search.")
+    max_retries: int = Field(3, ge=0, le=20, description="Retries of a failed request (5xx, timeout, connection error; never 4xx).")
+    retry_delay: float = Field(0.2, ge=0, le=60, description="First retry backoff in seconds; doubles per retry, with jitter.")
+    request_timeout: float = Field(60.0, gt=0, description="Seconds one HTTP request may take before it counts as failed.")
+    connection_pool_size: int = Field(32, ge=1, le=1024, description="Open connections kept per server.")
+    max_batch_size: int = Field(64, ge=1, le=4096, description="Sequences generated concurrently; each step sends one request per server for all of them.")
+    seed: int | None = Field(0, description="Seed of the per-sequence samplers when a call gives none; None = fresh entropy.")
+    eos_token_ids: tuple[int, ...] | None = Field(
+        None, description="Override the EOS ids learned from the servers (needed if they cannot tell).")
+    enable_logging: bool = Field(False, description="Log start-up checks and per-step progress to the 'dualvllm' logger.")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Level of that logger when logging is on.")
+
+    @field_validator("theta_url", "t_url")
+    @classmethod
+    def _http_url(cls, url: str) -> str:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"server URL {url!r} must start with http:// or https://")
+        return url.rstrip("/")
+
+    @model_validator(mode="after")
+    def _distinct_servers(self) -> CoordinatorConfig:
+        if self.theta_url == self.t_url:
+            raise ValueError(
+                f"theta_url and t_url are both {self.theta_url}: the base and the teacher must be "
+                "two servers (q* of a model with itself is the model)."
+            )
+        return self

@@ -1,0 +1,228 @@
+"""DualVLLMCoordinator: the public face of the sampling service.
+
+    async with DualVLLMCoordinator(CoordinatorConfig(theta_url=..., t_url=...)) as c:
+        outputs = await c.generate_batch(["12+34="], max_tokens=8)
+        async for out in c.stream(prompts, max_tokens=64):
+            ...
+
+Entering checks that both servers are healthy, share a tokenizer and EOS, and accept
+top_k. Concurrent calls on one coordinator share its continuous batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import AsyncIterator, Sequence
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from coordinator.checks import check_health, check_tokenizers, check_top_k, resolve_eos
+from coordinator.config import CoordinatorConfig
+from coordinator.outputs import GenerationOutput, Prompt
+from coordinator.prompts import encode_prompts
+from coordinator.scheduler import Scheduler
+from coordinator.sequence import SamplingParams, SequenceState
+from coordinator.stats import Statistics
+from dualvllm.errors import InvalidInputError, LifecycleError
+from engines.protocol import Engine
+from engines.vllm_client import VLLMClient
+
+log = logging.getLogger("dualvllm.coordinator")
+
+
+class DualVLLMCoordinator:
+    """Samples from q* ∝ pi_theta^(1-alpha*) pi_t^alpha* over two engines."""
+
+    def __init__(
+        self,
+        config: CoordinatorConfig | None = None,
+        *,
+        theta_engine: Engine | None = None,
+        t_engine: Engine | None = None,
+    ) -> None:
+        """`theta_engine`/`t_engine` replace the HTTP clients (in-process engines, tests)."""
+        self.config = config or CoordinatorConfig()
+        self._given_engines = (theta_engine, t_engine)
+        self._theta: Engine | None = None
+        self._t: Engine | None = None
+        self._stack = contextlib.AsyncExitStack()
+        self._scheduler: Scheduler | None = None
+        self._stats = Statistics()
+        self._seed_source = np.random.default_rng(self.config.seed)
+        self._state = "new"
+
+    async def __aenter__(self) -> DualVLLMCoordinator:
+        if self._state != "new":
+            raise LifecycleError("a DualVLLMCoordinator can be entered once; create a new one")
+        self._state = "open"
+        if self.config.enable_logging:
+            logging.getLogger("dualvllm").setLevel(self.config.log_level)
+        try:
+            await self._open()
+        except BaseException:
+            await self._stack.aclose()
+            self._state = "closed"
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._scheduler is not None:
+            await self._scheduler.close()
+        await self._stack.aclose()
+        self._state = "closed"
+
+    async def _open(self) -> None:
+        theta, t = self._given_engines
+        cfg = self.config
+        api_key = cfg.api_key.get_secret_value() if cfg.api_key else None
+        if theta is None:
+            theta = await self._stack.enter_async_context(self._client(cfg.theta_url, "theta", api_key))
+        if t is None:
+            t = await self._stack.enter_async_context(self._client(cfg.t_url, "t", api_key))
+        await check_health(theta, t)
+        infos = (await theta.model_info(), await t.model_info())
+        await check_tokenizers(theta, t, infos)
+        eos_ids = await resolve_eos(theta, t, infos, cfg.eos_token_ids)
+        await check_top_k(theta, t, cfg.top_k, await theta.tokenize("Hello", add_special_tokens=True))
+        max_len = min(infos[0].max_model_len, infos[1].max_model_len)
+        log.info("coordinator ready: base %s, teacher %s, top_k=%d, eos=%s, max_model_len=%d",
+                 infos[0].name, infos[1].name, cfg.top_k, sorted(eos_ids), max_len)
+        self._theta, self._t = theta, t
+        self._scheduler = Scheduler(theta, t, config=cfg, eos_ids=eos_ids, max_len=max_len,
+                                    stats=self._stats)
+
+    def _client(self, url: str, name: str, api_key: str | None) -> VLLMClient:
+        cfg = self.config
+        return VLLMClient(
+            url, name=name, api_key=api_key, request_timeout_s=cfg.request_timeout,
+            connection_pool_size=cfg.connection_pool_size, max_retries=cfg.max_retries,
+            retry_delay_s=cfg.retry_delay,
+        )
+
+    # -- generation ------------------------------------------------------------------
+
+    async def stream(
+        self,
+        prompts: Sequence[Prompt],
+        max_tokens: int,
+        temperature: float = 1.0,
+        stop: Sequence[str] | str | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        seed: int | None = None,
+        return_diagnostics: bool = False,
+        show_progress: bool = False,
+        fixed_alpha: float | None = None,
+        seeds: Sequence[int] | None = None,
+    ) -> AsyncIterator[GenerationOutput]:
+        """Yield each prompt's output as soon as it finishes (any order; see `.index`).
+
+        temperature 0 is greedy decoding of q*. `seed` makes the call reproducible (each
+        sequence gets its own sampler, seeded by (seed, index), so results do not depend
+        on what else is in the batch); `seeds` gives one seed per prompt instead, so a
+        resumed job samples each prompt as the first run would have. `fixed_alpha`
+        replaces alpha* (0 = base only, 1 = teacher only) for ablations.
+        """
+        scheduler = self._require_open()
+        params = _sampling_params(max_tokens, temperature, stop, stop_token_ids,
+                                  fixed_alpha, return_diagnostics)
+        if not prompts:
+            return
+        assert self._theta is not None and self._t is not None
+        encoded = await encode_prompts(prompts, self._theta, self._t)
+        if seeds is not None and len(seeds) != len(prompts):
+            raise InvalidInputError(f"got {len(seeds)} seeds for {len(prompts)} prompts; give one per prompt")
+        base_seed = int(self._seed_source.integers(2**63)) if seed is None else seed
+        rng_keys = [[int(s)] for s in seeds] if seeds is not None else [[base_seed, i] for i in range(len(prompts))]
+        sink: "asyncio.Queue[GenerationOutput]" = asyncio.Queue()
+        sequences = [
+            SequenceState(index=i, prompt=prompt, theta_prompt_ids=ids_theta, t_prompt_ids=ids_t,
+                          params=params, rng=np.random.default_rng(rng_keys[i]), sink=sink)
+            for i, (prompt, (ids_theta, ids_t)) in enumerate(zip(prompts, encoded))
+        ]
+        runnable = []
+        for seq in sequences:
+            longest = max(len(seq.theta_prompt_ids), len(seq.t_prompt_ids))
+            if longest >= scheduler.max_len:
+                seq.finish_reason, seq.text = "context_limit", ""
+                seq.error = (f"the prompt has {longest} tokens and leaves no room in the "
+                             f"servers' context limit of {scheduler.max_len} tokens")
+                sink.put_nowait(seq.output())
+            else:
+                runnable.append(seq)
+        scheduler.submit(runnable)
+        try:
+            with tqdm(total=len(sequences), disable=not show_progress, unit="seq",
+                      desc="generating") as progress:
+                for _ in range(len(sequences)):
+                    output = await sink.get()
+                    progress.update(1)
+                    yield output
+        finally:
+            for seq in sequences:
+                seq.cancelled = True
+
+    async def generate_batch(
+        self,
+        prompts: Sequence[Prompt],
+        max_tokens: int,
+        temperature: float = 1.0,
+        stop: Sequence[str] | str | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        seed: int | None = None,
+        return_diagnostics: bool = False,
+        show_progress: bool = False,
+        fixed_alpha: float | None = None,
+        seeds: Sequence[int] | None = None,
+    ) -> list[GenerationOutput]:
+        """Generate for every prompt; outputs in input order. Arguments as in `stream`."""
+        outputs: list[GenerationOutput | None] = [None] * len(prompts)
+        async for output in self.stream(
+            prompts, max_tokens, temperature=temperature, stop=stop, stop_token_ids=stop_token_ids,
+            seed=seed, return_diagnostics=return_diagnostics, show_progress=show_progress,
+            fixed_alpha=fixed_alpha, seeds=seeds,
+        ):
+            outputs[output.index] = output
+        assert all(o is not None for o in outputs)
+        return outputs  # type: ignore[return-value]
+
+    def get_statistics(self) -> dict[str, float]:
+        """Tokens, requests, retries, failures, mean alpha, tokens/s, step latency p50/p95."""
+        engines = [e for e in (self._theta, self._t) if e is not None]
+        return self._stats.summary(
+            requests=sum(getattr(e, "requests", 0) for e in engines),
+            retries=sum(getattr(e, "retries", 0) for e in engines),
+            request_failures=sum(getattr(e, "failures", 0) for e in engines),
+        )
+
+    def _require_open(self) -> Scheduler:
+        if self._state != "open" or self._scheduler is None:
+            raise LifecycleError(
+                "the coordinator is not open; use `async with DualVLLMCoordinator(config) as c:`")
+        return self._scheduler
+
+
+def _sampling_params(
+    max_tokens: int,
+    temperature: float,
+    stop: Sequence[str] | str | None,
+    stop_token_ids: Sequence[int] | None,
+    fixed_alpha: float | None,
+    return_diagnostics: bool,
+) -> SamplingParams:
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise InvalidInputError(f"max_tokens must be a positive int, got {max_tokens!r}")
+    if not temperature >= 0 or not np.isfinite(temperature):
+        raise InvalidInputError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
+    if fixed_alpha is not None and not 0.0 <= fixed_alpha <= 1.0:
+        raise InvalidInputError(f"fixed_alpha must be in [0, 1] or None, got {fixed_alpha!r}")
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if any(not isinstance(s, str) or not s for s in stops):
+        raise InvalidInputError(f"stop strings must be non-empty strings, got {stops!r}")
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=float(temperature), stop=stops,
+        stop_token_ids=frozenset(int(i) for i in stop_token_ids or ()),
+        fixed_alpha=fixed_alpha, return_diagnostics=return_diagnostics,
+    )

@@ -1,0 +1,60 @@
+"""Turn user prompts (text, token ids, or a (theta, t) pair) into token ids per model."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Sequence
+
+from coordinator.outputs import Prompt, PromptPart
+from dualvllm.errors import InvalidInputError
+from engines.protocol import Engine
+
+# At most this many tokenize requests in flight per server while preparing a call.
+MAX_CONCURRENT_TOKENIZE = 32
+
+
+def split_prompt(index: int, prompt: Prompt) -> tuple[PromptPart, PromptPart]:
+    """(theta part, t part) of one prompt; both are the same unless a pair was given."""
+    if isinstance(prompt, tuple):
+        if len(prompt) != 2:
+            raise InvalidInputError(
+                f"prompt {index}: a tuple prompt must be (theta_prompt, t_prompt), got {len(prompt)} items")
+        parts = prompt
+    else:
+        parts = (prompt, prompt)
+    for part in parts:
+        _check_part(index, part)
+    return parts[0], parts[1]
+
+
+def _check_part(index: int, part: object) -> None:
+    if isinstance(part, str):
+        if not part:
+            raise InvalidInputError(f"prompt {index} is empty; give at least one character")
+        return
+    if isinstance(part, Sequence) and part and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in part
+    ):
+        return
+    raise InvalidInputError(
+        f"prompt {index}: expected a non-empty string, a non-empty list of token ids (ints "
+        f">= 0), or a (theta_prompt, t_prompt) pair of those; got {type(part).__name__}"
+    )
+
+
+async def encode_prompts(
+    prompts: Sequence[Prompt], theta: Engine, t: Engine
+) -> list[tuple[list[int], list[int]]]:
+    """Token ids of every prompt for each model; text is tokenized by that model's server."""
+    parts = [split_prompt(i, p) for i, p in enumerate(prompts)]
+    limits = {theta.name: asyncio.Semaphore(MAX_CONCURRENT_TOKENIZE),
+              t.name: asyncio.Semaphore(MAX_CONCURRENT_TOKENIZE)}
+
+    async def encode(engine: Engine, part: PromptPart) -> list[int]:
+        if not isinstance(part, str):
+            return list(part)
+        async with limits[engine.name]:
+            return await engine.tokenize(part)
+
+    ids = await asyncio.gather(*(encode(e, part) for pair in parts for e, part in zip((theta, t), pair)))
+    return [(ids[2 * i], ids[2 * i + 1]) for i in range(len(parts))]

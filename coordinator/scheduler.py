@@ -1,0 +1,194 @@
+"""Continuous batching of sequences over the two engines.
+
+One background task runs steps while there is work. Each step sends ONE batched
+request per server for all active sequences, to both servers concurrently, samples one
+token per sequence, and retires finished sequences; waiting sequences take their places.
+A request that fails after its retries fails only the sequences it carried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+
+import numpy as np
+
+from coordinator.config import CoordinatorConfig
+from coordinator.sequence import SequenceState
+from coordinator.stats import Statistics
+from coordinator.step import StepResult, mix_and_sample
+from dualvllm.errors import DualVLLMError
+from engines.protocol import Engine, TopKBatch
+
+log = logging.getLogger("dualvllm.coordinator")
+
+
+class Scheduler:
+    def __init__(
+        self,
+        theta: Engine,
+        t: Engine,
+        *,
+        config: CoordinatorConfig,
+        eos_ids: frozenset[int],
+        max_len: int,
+        stats: Statistics,
+    ) -> None:
+        self._theta, self._t = theta, t
+        self._config = config
+        self._eos_ids = eos_ids
+        self._max_len = max_len
+        self._stats = stats
+        self._waiting: deque[SequenceState] = deque()
+        self._active: list[SequenceState] = []
+        self._work = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._finishing: set[asyncio.Task[None]] = set()
+
+    @property
+    def max_len(self) -> int:
+        return self._max_len
+
+    def submit(self, sequences: list[SequenceState]) -> None:
+        self._waiting.extend(sequences)
+        self._work.set()
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="dualvllm-scheduler")
+
+    async def close(self) -> None:
+        """Stop stepping; every unfinished sequence is returned with an error."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        for seq in [*self._active, *self._waiting]:
+            seq.fail("the coordinator was closed before this sequence finished")
+            self._deliver(seq, text="")
+        self._active.clear()
+        self._waiting.clear()
+        if self._finishing:
+            await asyncio.gather(*self._finishing, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            if not self._active and not self._waiting:
+                self._work.clear()
+                await self._work.wait()
+            self._admit()
+            if not self._active:
+                continue
+            try:
+                await self._step(self._active)
+            except Exception as exc:  # a bug must not hang the callers or every later call
+                log.exception("coordinator step failed")
+                for seq in self._active:
+                    seq.fail(f"internal error in the coordinator step: {exc!r}")
+            still_active = []
+            for seq in self._active:
+                if seq.finish_reason is None:
+                    still_active.append(seq)
+                else:
+                    self._retire(seq)
+            self._active = still_active
+
+    def _admit(self) -> None:
+        self._active = [s for s in self._active if not s.cancelled]
+        while self._waiting and len(self._active) < self._config.max_batch_size:
+            seq = self._waiting.popleft()
+            if not seq.cancelled:
+                self._active.append(seq)
+
+    async def _step(self, active: list[SequenceState]) -> None:
+        started = time.perf_counter()
+        k = self._config.top_k
+        results = await asyncio.gather(
+            self._theta.next_token_topk([s.theta_context() for s in active], k),
+            self._t.next_token_topk([s.t_context() for s in active], k),
+            return_exceptions=True,
+        )
+        for engine, result in zip((self._theta, self._t), results):
+            if isinstance(result, DualVLLMError):
+                log.warning("%s request for %d sequences failed: %s", engine.name, len(active), result)
+                for seq in active:
+                    seq.fail(f"{engine.name} server: {result}")
+                return
+            if isinstance(result, BaseException):
+                raise result
+        theta_topk, t_topk = results
+        assert isinstance(theta_topk, TopKBatch) and isinstance(t_topk, TopKBatch)
+
+        step = self._sample(active, theta_topk, t_topk)
+        self._record(active, step)
+        await self._check_stop_strings([s for s in active if s.params.stop and s.error is None])
+        self._stats.record_step(len(active), float(step.alpha.sum()), time.perf_counter() - started)
+
+    def _sample(self, active: list[SequenceState], theta: TopKBatch, t: TopKBatch) -> StepResult:
+        params = [s.params for s in active]
+        fixed = [p.fixed_alpha for p in params]
+        return mix_and_sample(
+            theta, t,
+            temperature=np.fromiter((p.temperature for p in params), np.float64, len(active)),
+            fixed_alpha=np.array([np.nan if a is None else a for a in fixed], dtype=np.float64),
+            uniforms=np.fromiter((s.rng.random() for s in active), np.float64, len(active)),
+            fill=self._config.fill_rule,
+            alpha_tol=self._config.alpha_tol,
+            alpha_max_iter=self._config.alpha_max_iter,
+            with_diagnostics=any(p.return_diagnostics for p in params),
+        )
+
+    def _record(self, active: list[SequenceState], step: StepResult) -> None:
+        tokens = step.token_ids.tolist()
+        alphas, lq = step.alpha.tolist(), step.logprob_q.tolist()
+        lth, lt = step.logprob_theta.tolist(), step.logprob_t.tolist()
+        for row, seq in enumerate(active):
+            seq.tokens.append(tokens[row])
+            seq.alphas.append(alphas[row])
+            seq.logprobs_q.append(lq[row])
+            seq.logprobs_theta.append(lth[row])
+            seq.logprobs_t.append(lt[row])
+            if step.diagnostics is not None and seq.params.return_diagnostics:
+                for key, values in step.diagnostics.items():
+                    seq.diagnostics.setdefault(key, []).append(float(values[row]))
+            seq.check_token_stop(tokens[row], self._eos_ids, self._max_len)
+
+    async def _check_stop_strings(self, sequences: list[SequenceState]) -> None:
+        if not sequences:
+            return
+        texts = await asyncio.gather(
+            *(self._theta.detokenize(s.tokens_for_text()) for s in sequences), return_exceptions=True
+        )
+        for seq, text in zip(sequences, texts):
+            if isinstance(text, DualVLLMError):
+                seq.fail(f"{self._theta.name} server, detokenize: {text}")
+            elif isinstance(text, BaseException):
+                raise text
+            else:
+                seq.check_stop_strings(text)
+
+    def _retire(self, seq: SequenceState) -> None:
+        if seq.text is not None or seq.error is not None:
+            self._deliver(seq, text=seq.text or "")
+            return
+        task = asyncio.create_task(self._detokenize_and_deliver(seq))
+        self._finishing.add(task)
+        task.add_done_callback(self._finishing.discard)
+
+    async def _detokenize_and_deliver(self, seq: SequenceState) -> None:
+        try:
+            text = await self._theta.detokenize(seq.tokens_for_text())
+        except DualVLLMError as err:
+            seq.fail(f"{self._theta.name} server, detokenize: {err}")
+            text = ""
+        self._deliver(seq, text=text)
+
+    def _deliver(self, seq: SequenceState, *, text: str) -> None:
+        seq.text = text
+        self._stats.sequences_finished += 1
+        if seq.error is not None:
+            self._stats.sequences_failed += 1
+        seq.sink.put_nowait(seq.output())

@@ -1,0 +1,101 @@
+"""Per-sequence state while a sequence is being generated, and its stop rules."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from coordinator.outputs import FinishReason, GenerationOutput, Prompt
+from theory.diagnostics import summarize
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-call sampling settings (validated by the coordinator before use)."""
+
+    max_tokens: int
+    temperature: float  # 0 = greedy over q* (alpha* then solved at temperature 1)
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    fixed_alpha: float | None = None  # None = solve alpha* per token; 0 = base only, 1 = teacher only
+    return_diagnostics: bool = False
+
+
+@dataclass
+class SequenceState:
+    """A sequence in flight: both prompts as token ids, the shared continuation, records."""
+
+    index: int
+    prompt: Prompt
+    theta_prompt_ids: list[int]
+    t_prompt_ids: list[int]
+    params: SamplingParams
+    rng: np.random.Generator
+    sink: asyncio.Queue[GenerationOutput]
+    tokens: list[int] = field(default_factory=list)
+    alphas: list[float] = field(default_factory=list)
+    logprobs_q: list[float] = field(default_factory=list)
+    logprobs_theta: list[float] = field(default_factory=list)
+    logprobs_t: list[float] = field(default_factory=list)
+    diagnostics: dict[str, list[float]] = field(default_factory=dict)
+    text: str | None = None  # set when stop strings are checked, or at the end
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    cancelled: bool = False  # the caller stopped listening; drop at the next step
+
+    def theta_context(self) -> list[int]:
+        return self.theta_prompt_ids + self.tokens
+
+    def t_context(self) -> list[int]:
+        return self.t_prompt_ids + self.tokens
+
+    def fail(self, message: str) -> None:
+        self.finish_reason, self.error = "error", message
+
+    def check_token_stop(self, token: int, eos_ids: frozenset[int], max_len: int) -> None:
+        """Finish on EOS, a stop token, max_tokens or the context limit, in that order."""
+        if token in eos_ids:
+            self.finish_reason = "eos"
+        elif token in self.params.stop_token_ids:
+            self.finish_reason = "stop_token"
+        elif len(self.tokens) >= self.params.max_tokens:
+            self.finish_reason = "max_tokens"
+        elif max(len(self.theta_prompt_ids), len(self.t_prompt_ids)) + len(self.tokens) >= max_len:
+            self.finish_reason = "context_limit"
+
+    def check_stop_strings(self, text: str) -> None:
+        """Cut `text` before the earliest stop string; finish if one occurred."""
+        cut = min((i for i in (text.find(s) for s in self.params.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text = text[:cut]
+            if self.finish_reason is None or self.finish_reason in ("max_tokens", "context_limit"):
+                self.finish_reason = "stop_string"
+        else:
+            self.text = text
+
+    def tokens_for_text(self) -> list[int]:
+        """Generated tokens whose text the output shows: a final EOS/stop token is not text."""
+        if self.finish_reason in ("eos", "stop_token") and self.tokens:
+            return self.tokens[:-1]
+        return self.tokens
+
+    def output(self) -> GenerationOutput:
+        assert self.finish_reason is not None, f"sequence {self.index} is not finished"
+        diagnostics = None
+        if self.params.return_diagnostics and self.diagnostics:
+            diagnostics = summarize({k: np.asarray(v) for k, v in self.diagnostics.items()})
+        return GenerationOutput(
+            index=self.index,
+            prompt=self.prompt,
+            generated_text=self.text or "",
+            generated_tokens=list(self.tokens),
+            alpha_history=self.alphas,
+            logprobs_q=self.logprobs_q,
+            logprobs_theta=self.logprobs_theta,
+            logprobs_t=self.logprobs_t,
+            finish_reason=self.finish_reason,
+            diagnostics=diagnostics,
+            error=self.error,
+        )

@@ -1,0 +1,74 @@
+"""One coordinator step's math: merge both top-k lists, solve alpha*, sample from q*.
+
+Pure and vectorized over the active batch; no I/O, so it is tested without servers and
+benchmarked on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engines.protocol import TopKBatch
+from theory.alpha import solve_alpha
+from theory.diagnostics import token_diagnostics
+from theory.merge import FillRule, merge_topk
+from theory.mixture import apply_temperature, greedy_indices, mixture_logprobs, sample_indices
+
+
+@dataclass(frozen=True)
+class StepResult:
+    token_ids: np.ndarray  # int64 [B], the sampled tokens
+    alpha: np.ndarray  # float64 [B], the alpha used per row
+    logprob_q: np.ndarray  # float64 [B], log q*(token) at the row's temperature
+    logprob_theta: np.ndarray  # float64 [B], raw server logprob of the token (or its fill)
+    logprob_t: np.ndarray  # float64 [B]
+    diagnostics: dict[str, np.ndarray] | None  # key -> [B], when asked for
+
+
+def mix_and_sample(
+    theta: TopKBatch,
+    t: TopKBatch,
+    *,
+    temperature: np.ndarray,  # float64 [B]; 0 = greedy
+    fixed_alpha: np.ndarray,  # float64 [B]; NaN = solve alpha* for that row
+    uniforms: np.ndarray,  # float64 [B] in [0, 1), one draw per row from its own sampler
+    fill: FillRule,
+    alpha_tol: float,
+    alpha_max_iter: int,
+    vocab_size: int | None = None,
+    with_diagnostics: bool = False,
+) -> StepResult:
+    merged = merge_topk(theta.token_ids, theta.logprobs, t.token_ids, t.logprobs,
+                        fill=fill, vocab_size=vocab_size)
+    mask = merged.mask
+    greedy = temperature == 0.0
+    # Greedy rows still need a q* to take the argmax of: use temperature 1 for them.
+    temps = np.where(greedy, 1.0, temperature)
+    logp_theta = apply_temperature(merged.logp_theta, temps, mask)  # [B, n]
+    logp_t = apply_temperature(merged.logp_t, temps, mask)  # [B, n]
+
+    alpha = fixed_alpha.copy()
+    solve = np.isnan(alpha)
+    if solve.any():
+        alpha[solve] = solve_alpha(logp_theta[solve], logp_t[solve], mask[solve],
+                                   tol=alpha_tol, max_iter=alpha_max_iter)
+    logq = mixture_logprobs(logp_theta, logp_t, alpha, mask)  # [B, n]
+
+    index = sample_indices(logq, mask, uniforms)  # [B]
+    if greedy.any():
+        index = np.where(greedy, greedy_indices(logq, mask), index)
+    rows = np.arange(index.shape[0])
+    diagnostics = None
+    if with_diagnostics:
+        diagnostics = token_diagnostics(logp_theta, logp_t, logq, mask,
+                                        merged.coverage_theta, merged.coverage_t)
+    return StepResult(
+        token_ids=merged.token_ids[rows, index],
+        alpha=alpha,
+        logprob_q=logq[rows, index],
+        logprob_theta=merged.logp_theta[rows, index],
+        logprob_t=merged.logp_t[rows, index],
+        diagnostics=diagnostics,
+    )

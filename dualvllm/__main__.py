@@ -1,0 +1,5 @@
+import sys
+
+from dualvllm.cli import main
+
+sys.exit(main())

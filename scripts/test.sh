@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up (scripts/setup.sh) and run the whole test suite, real vLLM servers included.
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not integration"`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/python -m pytest "$@"

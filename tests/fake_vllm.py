@@ -1,0 +1,140 @@
+"""An in-process HTTP server that speaks the slice of vLLM's API dualvllm uses.
+
+Unit tests run the real VLLMClient and coordinator against it over real loopback HTTP,
+with a tiny synthetic model whose exact next-token distribution is known, and with
+scripted failures (status codes, delays) to exercise retries and error isolation.
+It is a test double for unit tests only; integration tests use real vLLM servers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+ALPHABET = "abcdefghijklmno"  # ids 1..15; id 0 is <eos>
+VOCAB_SIZE = len(ALPHABET) + 1
+EOS_ID = 0
+
+
+def tokenize(text: str) -> list[int]:
+    return [ALPHABET.index(c) + 1 for c in text]
+
+
+def detokenize(ids: list[int]) -> str:
+    return "".join(ALPHABET[i - 1] for i in ids if i != EOS_ID)
+
+
+@dataclass
+class FakeModel:
+    """Next-token logprobs that depend on (seed, context length, last token) only."""
+
+    seed: int
+    eos_after: int = 6  # EOS becomes likely once the context is this long
+    max_model_len: int = 64
+
+    def logprobs(self, context: list[int]) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, len(context), context[-1]])
+        logits = rng.normal(0.0, 1.5, VOCAB_SIZE)
+        logits[EOS_ID] = 3.0 if len(context) >= self.eos_after else -3.0
+        return logits - np.logaddexp.reduce(logits)
+
+
+@dataclass
+class Failure:
+    status: int = 500
+    body: str = "injected failure"
+    delay_s: float = 0.0
+
+
+@dataclass
+class FakeVLLM:
+    model: FakeModel
+    name: str = "fake"
+    max_logprobs: int = 20
+    api_key: str | None = None
+    failures: dict[str, deque[Failure]] = field(default_factory=lambda: defaultdict(deque))
+    calls: dict[str, list[dict]] = field(default_factory=lambda: defaultdict(list))
+    server: TestServer | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return str(self.server.make_url("")).rstrip("/")
+
+    def fail_next(self, path: str, *failures: Failure) -> None:
+        self.failures[path].extend(failures)
+
+    async def start(self) -> None:
+        app = web.Application(middlewares=[self._middleware])
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._detokenize)
+        app.router.add_get("/tokenizer_info", self._tokenizer_info)
+        app.router.add_post("/v1/completions", self._completions)
+        self.server = TestServer(app, host="127.0.0.1")
+        await self.server.start_server()
+
+    async def close(self) -> None:
+        if self.server is not None:
+            await self.server.close()
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler):
+        body = await request.json() if request.can_read_body else None
+        self.calls[request.path].append(body)
+        if self.api_key and request.path.startswith("/v1") and \
+                request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            return web.Response(status=401, text="Unauthorized")
+        queue = self.failures.get(request.path)
+        if queue:
+            failure = queue.popleft()
+            await asyncio.sleep(failure.delay_s)
+            if failure.status:
+                return web.Response(status=failure.status, text=failure.body)
+        return await handler(request)
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": self.name, "root": f"/nonexistent/{self.name}",
+                                            "max_model_len": self.model.max_model_len}]})
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        text = (await request.json())["prompt"]
+        if text == "<eos>":
+            return web.json_response({"tokens": [EOS_ID], "count": 1})
+        try:
+            ids = tokenize(text)
+        except ValueError:
+            ids = [1 + (ord(c) % len(ALPHABET)) for c in text]  # the startup probes are free text
+        return web.json_response({"tokens": ids, "count": len(ids)})
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        return web.json_response({"prompt": detokenize((await request.json())["tokens"])})
+
+    async def _tokenizer_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"tokenizer_class": "Fake", "eos_token": "<eos>"})
+
+    async def _completions(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        k = body["logprobs"]
+        if k > self.max_logprobs:
+            return web.Response(status=400, text=f"Requested sample logprobs of {k}, which is "
+                                                 f"greater than max allowed: {self.max_logprobs}")
+        prompts = body["prompt"]
+        choices = []
+        for index, context in enumerate(prompts):
+            if len(context) + 1 > self.model.max_model_len:
+                return web.Response(status=400, text="This model's maximum context length is exceeded")
+            logprobs = self.model.logprobs(context)
+            top = np.argsort(-logprobs)[:k]
+            choices.append({"index": index, "text": "", "logprobs": {
+                "top_logprobs": [{f"token_id:{int(t)}": float(logprobs[t]) for t in top}]}})
+        return web.json_response({"choices": choices})

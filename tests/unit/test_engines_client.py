@@ -1,0 +1,139 @@
+"""VLLMClient over real loopback HTTP against the fake vLLM: request shape, parsing, retries, errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from dualvllm.errors import (
+    LifecycleError,
+    MalformedResponseError,
+    ServerInternalError,
+    ServerRejectedError,
+    ServerTimeoutError,
+    ServerUnavailableError,
+    TopKUnsupportedError,
+)
+from engines.vllm_client import VLLMClient
+from tests.fake_vllm import EOS_ID, Failure
+
+
+def client(url: str, **kw) -> VLLMClient:
+    kw.setdefault("retry_delay_s", 0.0)
+    return VLLMClient(url, name="theta", **kw)
+
+
+async def test_topk_batches_all_contexts_into_one_request(fake_theta):
+    async with client(fake_theta.url) as c:
+        batch = await c.next_token_topk([[1, 2], [3]], k=4)
+    (request,) = fake_theta.calls["/v1/completions"]
+    assert request["prompt"] == [[1, 2], [3]]
+    assert request["max_tokens"] == 1 and request["logprobs"] == 4
+    assert request["temperature"] == 0.0 and request["return_tokens_as_token_ids"] is True
+    assert batch.token_ids.shape == (2, 5)  # k + 1: vLLM may add the sampled token
+    for row, context in enumerate([[1, 2], [3]]):
+        exact = fake_theta.model.logprobs(context)
+        ids = batch.token_ids[row, :4]
+        np.testing.assert_allclose(batch.logprobs[row, :4], exact[ids])
+        assert set(ids) == set(np.argsort(-exact)[:4])
+        assert batch.token_ids[row, 4] == -1 and np.isneginf(batch.logprobs[row, 4])
+
+
+async def test_5xx_is_retried_then_succeeds_and_is_counted(fake_theta):
+    fake_theta.fail_next("/v1/completions", Failure(503), Failure(500))
+    async with client(fake_theta.url, max_retries=3) as c:
+        batch = await c.next_token_topk([[1]], k=2)
+        assert batch.token_ids.shape == (1, 3)
+        assert (c.retries, c.failures, c.requests) == (2, 0, 4)  # /v1/models + 3 tries
+
+
+async def test_5xx_gives_up_after_max_retries_with_typed_error(fake_theta):
+    fake_theta.fail_next("/v1/completions", *[Failure(500, "engine dead")] * 3)
+    async with client(fake_theta.url, max_retries=2) as c:
+        with pytest.raises(ServerInternalError, match=r"theta .*HTTP 500: engine dead"):
+            await c.next_token_topk([[1]], k=2)
+        assert (c.retries, c.failures) == (2, 1)
+
+
+async def test_4xx_is_never_retried(fake_theta):
+    fake_theta.fail_next("/v1/completions", Failure(422, "bad prompt"), Failure(422))
+    async with client(fake_theta.url, max_retries=5) as c:
+        with pytest.raises(ServerRejectedError) as info:
+            await c.next_token_topk([[1]], k=2)
+        assert info.value.status == 422 and c.retries == 0
+    assert len(fake_theta.calls["/v1/completions"]) == 1
+
+
+async def test_too_large_top_k_names_the_server_flag(fake_theta):
+    async with client(fake_theta.url) as c:
+        with pytest.raises(TopKUnsupportedError, match="--max-logprobs 50"):
+            await c.next_token_topk([[1]], k=50)
+
+
+async def test_timeouts_are_retried_then_typed(fake_theta):
+    fake_theta.fail_next("/tokenize", Failure(0, delay_s=1.0))
+    async with client(fake_theta.url, request_timeout_s=0.3, max_retries=1) as c:
+        assert await c.tokenize("abc") == [1, 2, 3]  # the retry succeeds
+        assert c.retries == 1
+        fake_theta.fail_next("/tokenize", Failure(0, delay_s=1.0), Failure(0, delay_s=1.0))
+        with pytest.raises(ServerTimeoutError, match="request_timeout"):
+            await c.tokenize("abc")
+
+
+async def test_unreachable_server_is_typed_and_says_what_to_check():
+    async with client("http://127.0.0.1:9", max_retries=1) as c:
+        with pytest.raises(ServerUnavailableError, match="is it running"):
+            await c.health()
+        assert c.retries == 1
+
+
+async def test_malformed_answer_is_reported_not_misparsed(fake_theta):
+    fake_theta.fail_next("/v1/completions", Failure(200, json.dumps({"choices": [{"index": 0, "logprobs": None}]})))
+    fake_theta.fail_next("/v1/completions", Failure(200, "<html>proxy</html>"))
+    async with client(fake_theta.url) as c:
+        with pytest.raises(MalformedResponseError, match="top_logprobs"):
+            await c.next_token_topk([[1]], k=2)
+        with pytest.raises(MalformedResponseError, match="expected JSON"):
+            await c.next_token_topk([[1]], k=2)
+
+
+async def test_api_key_is_sent_as_bearer_token(fake_theta):
+    fake_theta.api_key = "s3cret"
+    async with client(fake_theta.url, api_key="wrong") as c:
+        with pytest.raises(ServerRejectedError, match="401"):
+            await c.model_info()
+    async with client(fake_theta.url, api_key="s3cret") as c:
+        assert (await c.model_info()).name == "fake-base"
+
+
+async def test_eos_comes_from_tokenizer_info_when_the_model_dir_is_remote(fake_theta):
+    async with client(fake_theta.url) as c:
+        assert await c.eos_token_ids() == frozenset({EOS_ID})
+
+
+async def test_eos_is_empty_when_the_server_cannot_tell(fake_theta):
+    fake_theta.fail_next("/tokenizer_info", Failure(404, "Not Found"))
+    async with client(fake_theta.url) as c:
+        assert await c.eos_token_ids() == frozenset()
+
+
+async def test_eos_comes_from_a_readable_model_dir(fake_theta, tmp_path, monkeypatch):
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [7, 9]}')
+    (tmp_path / "config.json").write_text('{"eos_token_id": 7}')
+    async with client(fake_theta.url) as c:
+        info = await c.model_info()
+        monkeypatch.setattr(c, "_model_info", type(info)(info.name, str(tmp_path), info.max_model_len))
+        assert await c.eos_token_ids() == frozenset({7, 9})
+
+
+async def test_client_lifecycle_is_enforced(fake_theta):
+    c = client(fake_theta.url)
+    with pytest.raises(LifecycleError, match="async with"):
+        await c.tokenize("x")
+    async with c:
+        pass
+    with pytest.raises(LifecycleError, match="already entered"):
+        async with c:
+            pass
