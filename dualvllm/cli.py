@@ -83,7 +83,8 @@ async def _demo(args: argparse.Namespace) -> int:
 async def _coordinator(args: argparse.Namespace, default_local: bool = False) -> AsyncIterator[DualVLLMCoordinator]:
     """A coordinator on the servers named by the flags, starting local ones if asked."""
     overrides = {f: getattr(args, f) for f in COORDINATOR_FLAGS if getattr(args, f) is not None}
-    local = args.base is not None or args.teacher is not None or default_local
+    given_urls = args.theta_url is not None and args.t_url is not None
+    local = args.base is not None or args.teacher is not None or (default_local and not given_urls)
     async with contextlib.AsyncExitStack() as stack:
         if local:
             base, teacher = _server_configs(args)
@@ -94,12 +95,17 @@ async def _coordinator(args: argparse.Namespace, default_local: bool = False) ->
 
 
 def _server_configs(args: argparse.Namespace) -> tuple[ServerConfig, ServerConfig]:
+    """Configs of the servers to start; they require the key the coordinator sends
+    (DUALVLLM_API_KEY, kept out of argv so `ps` does not show it)."""
     import tinymodels
+
+    secret = CoordinatorConfig().api_key
+    api_key = secret.get_secret_value() if secret else None
 
     base = args.base or str(tinymodels.BASE_DIR)
     teacher = args.teacher or str(tinymodels.TEACHER_DIR)
     common: dict[str, Any] = {"host": args.host, "max_logprobs": args.max_logprobs,
-                              "dev_mode": args.dev_mode}
+                              "dev_mode": args.dev_mode, "api_key": api_key}
     if args.log_dir is not None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
     base_cfg, teacher_cfg = pair_configs(base, teacher, **common)
@@ -127,7 +133,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_coordinator_flags(generate)
     generate.set_defaults(command=_generate)
 
-    demo = commands.add_parser("demo", help="q* vs base vs teacher on the bundled tiny arithmetic models")
+    demo = commands.add_parser(
+        "demo", help="q* vs base vs teacher on the bundled tiny arithmetic models "
+                     "(starts both servers unless --theta-url and --t-url are given)")
     demo.add_argument("--num-prompts", type=int, default=64, help="held-out problems per arm")
     demo.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of every arm")
     _add_server_flags(demo)

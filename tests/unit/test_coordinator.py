@@ -1,0 +1,234 @@
+"""The coordinator over real HTTP against two fake vLLM servers with known distributions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from coordinator import CoordinatorConfig, DualVLLMCoordinator
+from dualvllm.errors import (
+    IncompatibleModelsError,
+    InvalidInputError,
+    LifecycleError,
+    TopKUnsupportedError,
+)
+from tests.fake_vllm import EOS_ID, VOCAB_SIZE, Failure, detokenize, tokenize
+from theory.alpha import solve_alpha
+from theory.mixture import mixture_logprobs
+
+
+def config(theta, t, **kw) -> CoordinatorConfig:
+    kw.setdefault("retry_delay", 0.0)
+    kw.setdefault("top_k", 8)
+    return CoordinatorConfig(theta_url=theta.url, t_url=t.url, **kw)
+
+
+def completions_batches(server) -> list[int]:
+    """Batch size of every /v1/completions request after the start-up probe."""
+    return [len(call["prompt"]) for call in server.calls["/v1/completions"][1:]]
+
+
+async def test_outputs_come_back_in_input_order_with_consistent_records(fake_theta, fake_t):
+    prompts = ["abc", "de", [1, 2, 3, 4], "o"]
+    async with DualVLLMCoordinator(config(fake_theta, fake_t)) as c:
+        outputs = await c.generate_batch(prompts, max_tokens=20, seed=3)
+    assert [o.index for o in outputs] == [0, 1, 2, 3]
+    assert [o.prompt for o in outputs] == prompts
+    for out in outputs:
+        assert out.ok and out.finish_reason in ("eos", "max_tokens")
+        n = len(out.generated_tokens)
+        assert n >= 1
+        assert len(out.alpha_history) == len(out.logprobs_q) == len(out.logprobs_theta) == len(out.logprobs_t) == n
+        assert all(0.0 <= a <= 1.0 for a in out.alpha_history)
+        assert all(lq <= 0.0 for lq in out.logprobs_q)
+        if out.finish_reason == "eos":
+            assert out.generated_tokens[-1] == EOS_ID and EOS_ID not in out.generated_tokens[:-1]
+            assert out.generated_text == detokenize(out.generated_tokens[:-1])
+        else:
+            assert n == 20
+
+
+async def test_each_step_sends_one_request_per_server_for_all_active_sequences(fake_theta, fake_t):
+    async with DualVLLMCoordinator(config(fake_theta, fake_t, max_batch_size=3)) as c:
+        outputs = await c.generate_batch(["ab"] * 7, max_tokens=10, seed=0)
+        statistics = c.get_statistics()
+    theta_batches, t_batches = completions_batches(fake_theta), completions_batches(fake_t)
+    assert theta_batches == t_batches  # the two servers always see the same step
+    assert max(theta_batches) == 3  # never more than max_batch_size
+    assert sum(theta_batches) == sum(len(o.generated_tokens) for o in outputs) == statistics["tokens"]
+    assert statistics["steps"] == len(theta_batches)
+    # Continuous batching: a finished sequence's slot is refilled at once, so the batch
+    # stays full while work is waiting (only the tail may run below 3).
+    waiting_steps = len(theta_batches) - max(len(o.generated_tokens) for o in outputs)
+    assert all(b == 3 for b in theta_batches[:max(waiting_steps, 1)])
+
+
+async def test_prompt_pairs_give_each_model_its_own_prompt_and_a_shared_continuation(fake_theta, fake_t):
+    async with DualVLLMCoordinator(config(fake_theta, fake_t)) as c:
+        (out,) = await c.generate_batch([("ab", "cdef")], max_tokens=3, seed=1)
+    theta_contexts = [call["prompt"][0] for call in fake_theta.calls["/v1/completions"][1:]]
+    t_contexts = [call["prompt"][0] for call in fake_t.calls["/v1/completions"][1:]]
+    generated = out.generated_tokens
+    for step, (ctx_theta, ctx_t) in enumerate(zip(theta_contexts, t_contexts)):
+        assert ctx_theta == tokenize("ab") + generated[:step]
+        assert ctx_t == tokenize("cdef") + generated[:step]
+
+
+async def test_a_failed_request_fails_only_the_sequences_it_carried(fake_theta, fake_t):
+    cfg = config(fake_theta, fake_t, max_batch_size=2, max_retries=1)
+    async with DualVLLMCoordinator(cfg) as c:
+        # Step 1 passes; step 2's request fails on its try and its one retry.
+        crash = Failure(500, "worker crashed")
+        fake_theta.fail_next("/v1/completions", Failure(0), crash, crash)
+        outputs = await c.generate_batch(["ab", "cd", "ef", "gh"], max_tokens=4, seed=0)
+        statistics = c.get_statistics()
+    failed = [o for o in outputs if not o.ok]
+    assert [o.index for o in failed] == [0, 1]  # the two sequences in flight at step 2
+    for out in failed:
+        assert out.finish_reason == "error"
+        assert "theta" in out.error and "500" in out.error and "worker crashed" in out.error
+        assert len(out.generated_tokens) == 1  # what was sampled before the failure is kept
+    assert all(o.ok for o in outputs[2:])
+    assert statistics["sequences_failed"] == 2 and statistics["retries"] == 1
+
+
+async def test_finish_reasons_stop_token_stop_string_max_tokens_and_context_limit(fake_theta, fake_t):
+    fake_theta.model.max_model_len = fake_t.model.max_model_len = 8
+    fake_theta.model.eos_after = fake_t.model.eos_after = 100  # no EOS: let other rules stop
+    async with DualVLLMCoordinator(config(fake_theta, fake_t, top_k=VOCAB_SIZE)) as c:
+        # Greedy decoding makes the continuation deterministic, so stops can be aimed at it.
+        (free,) = await c.generate_batch(["ab"], max_tokens=5, temperature=0)
+        assert free.finish_reason == "max_tokens" and len(free.generated_tokens) == 5
+        second = free.generated_tokens[1]
+        (by_token,) = await c.generate_batch(["ab"], max_tokens=5, temperature=0, stop_token_ids=[second])
+        assert by_token.finish_reason == "stop_token" and by_token.generated_tokens == free.generated_tokens[:2]
+        assert by_token.generated_text == free.generated_text[:1]
+        stop = free.generated_text[2:4]
+        (by_string,) = await c.generate_batch(["ab"], max_tokens=5, temperature=0, stop=stop)
+        assert by_string.finish_reason == "stop_string"
+        assert by_string.generated_text == free.generated_text[: free.generated_text.index(stop)]
+        (limited,) = await c.generate_batch(["abcde"], max_tokens=50, temperature=0)
+        assert limited.finish_reason == "context_limit" and len(limited.generated_tokens) == 3
+        (too_long,) = await c.generate_batch(["abcdefgh"], max_tokens=5)
+        assert too_long.finish_reason == "context_limit" and "8 tokens" in too_long.error
+
+
+async def test_seeded_sampling_is_reproducible_and_independent_of_batch_mates(fake_theta, fake_t):
+    async with DualVLLMCoordinator(config(fake_theta, fake_t, max_batch_size=4)) as c:
+        alone = await c.generate_batch(["abc"], max_tokens=12, seeds=[42])
+        crowded = await c.generate_batch(["de", "abc", "fg", "hi", "jk"], max_tokens=12, seeds=[1, 42, 2, 3, 4])
+        again = await c.generate_batch(["de", "abc", "fg", "hi", "jk"], max_tokens=12, seeds=[1, 42, 2, 3, 4])
+        other = await c.generate_batch(["abc"] * 8, max_tokens=12, seed=5)
+    assert crowded[1].generated_tokens == alone[0].generated_tokens
+    assert [o.generated_tokens for o in crowded] == [o.generated_tokens for o in again]
+    assert len({tuple(o.generated_tokens) for o in other}) > 1  # different sequences, different draws
+
+
+async def test_fixed_alpha_pins_the_mixture_weight(fake_theta, fake_t):
+    async with DualVLLMCoordinator(config(fake_theta, fake_t, top_k=VOCAB_SIZE)) as c:
+        (base,) = await c.generate_batch(["ab"], max_tokens=6, fixed_alpha=0.0, seed=0)
+        (teacher,) = await c.generate_batch(["ab"], max_tokens=6, fixed_alpha=1.0, seed=0)
+    assert set(base.alpha_history) == {0.0} and set(teacher.alpha_history) == {1.0}
+    # With the full vocabulary, q at alpha=0 is the base itself, at alpha=1 the teacher.
+    np.testing.assert_allclose(base.logprobs_q, base.logprobs_theta, atol=1e-9)
+    np.testing.assert_allclose(teacher.logprobs_q, teacher.logprobs_t, atol=1e-9)
+
+
+async def test_first_token_frequencies_match_exact_q_star(fake_theta, fake_t):
+    """With top_k = vocabulary the merge is exact, so draws must follow q* exactly."""
+    context = tokenize("abc")
+    lt_theta = fake_theta.model.logprobs(context)[None, :]
+    lt_t = fake_t.model.logprobs(context)[None, :]
+    temperature = 0.7
+    scaled_theta = lt_theta / temperature - np.logaddexp.reduce(lt_theta / temperature)
+    scaled_t = lt_t / temperature - np.logaddexp.reduce(lt_t / temperature)
+    alpha = solve_alpha(scaled_theta, scaled_t)
+    q = np.exp(mixture_logprobs(scaled_theta, scaled_t, alpha))[0]
+    n = 4000
+    async with DualVLLMCoordinator(config(fake_theta, fake_t, top_k=VOCAB_SIZE, max_batch_size=1000)) as c:
+        outputs = await c.generate_batch(["abc"] * n, max_tokens=1, temperature=temperature, seed=11)
+    first = np.array([o.generated_tokens[0] for o in outputs])
+    np.testing.assert_allclose([o.alpha_history[0] for o in outputs], alpha[0], atol=1e-9)
+    np.testing.assert_allclose([o.logprobs_q[0] for o in outputs], np.log(q[first]), atol=1e-9)
+    observed = np.bincount(first, minlength=VOCAB_SIZE)
+    keep = q * n >= 5  # chi-square needs expected counts >= 5; pool the rest
+    expected = np.append(q[keep] * n, q[~keep].sum() * n)
+    counts = np.append(observed[keep], observed[~keep].sum())
+    if expected[-1] == 0:
+        expected, counts = expected[:-1], counts[:-1]
+    assert stats.chisquare(counts, expected).pvalue > 1e-3
+
+
+async def test_stream_yields_each_output_once_and_early_exit_cancels_the_rest(fake_theta, fake_t):
+    async with DualVLLMCoordinator(config(fake_theta, fake_t, max_batch_size=2)) as c:
+        seen = [out.index async for out in c.stream(["ab", "cd", "ef", "gh", "ij"], max_tokens=8, seed=0)]
+        assert sorted(seen) == [0, 1, 2, 3, 4]
+        async for _ in c.stream(["ab"] * 50, max_tokens=8, seed=0):
+            break
+        requests_after_break = len(fake_theta.calls["/v1/completions"])
+        await c.generate_batch(["ab"], max_tokens=1, seed=0)
+    # The 49 abandoned sequences were dropped, not generated to the end.
+    assert len(fake_theta.calls["/v1/completions"]) - requests_after_break <= 3
+
+
+async def test_statistics_summarize_the_run(fake_theta, fake_t):
+    async with DualVLLMCoordinator(config(fake_theta, fake_t)) as c:
+        outputs = await c.generate_batch(["ab", "cd"], max_tokens=6, seed=0, return_diagnostics=True)
+        s = c.get_statistics()
+    all_alphas = [a for o in outputs for a in o.alpha_history]
+    assert s["tokens"] == len(all_alphas)
+    assert s["mean_alpha"] == pytest.approx(np.mean(all_alphas))
+    assert s["sequences_finished"] == 2 and s["sequences_failed"] == 0
+    assert s["tokens_per_s"] > 0 and s["step_latency_p95_ms"] >= s["step_latency_p50_ms"] > 0
+    for out in outputs:
+        assert out.diagnostics["ess_ratio"]["min"] > 0.0
+        assert out.diagnostics["coverage_theta"]["max"] <= 1.0 + 1e-9
+        assert out.diagnostics["kl_diff"]["max"] == pytest.approx(0.0, abs=1e-5)
+
+
+async def test_startup_refuses_a_top_k_the_servers_do_not_allow(fake_theta, fake_t):
+    with pytest.raises(TopKUnsupportedError, match="--max-logprobs 50"):
+        async with DualVLLMCoordinator(config(fake_theta, fake_t, top_k=50)):
+            pass
+
+
+async def test_startup_refuses_models_with_different_tokenizers(fake_theta, fake_t, monkeypatch):
+    import tests.fake_vllm as fake
+
+    async def shifted(self, request):
+        from aiohttp import web
+        text = (await request.json())["prompt"]
+        return web.json_response({"tokens": [ord(ch) for ch in text]})
+
+    monkeypatch.setattr(fake.FakeVLLM, "_tokenize", shifted)
+    other = fake.FakeVLLM(fake.FakeModel(seed=3), name="other-family")
+    await other.start()
+    try:
+        with pytest.raises(IncompatibleModelsError, match="fake-base.*other-family"):
+            async with DualVLLMCoordinator(config(fake_theta, other)):
+                pass
+    finally:
+        await other.close()
+
+
+async def test_bad_calls_raise_clear_errors(fake_theta, fake_t):
+    coordinator = DualVLLMCoordinator(config(fake_theta, fake_t))
+    with pytest.raises(LifecycleError, match="async with"):
+        await coordinator.generate_batch(["ab"], max_tokens=1)
+    async with coordinator as c:
+        for prompts, kwargs, message in [
+            ([""], {}, "prompt 0 is empty"),
+            (["ab", 3.5], {}, "prompt 1"),
+            ([("ab", "cd", "ef")], {}, "theta_prompt, t_prompt"),
+            (["ab"], {"max_tokens": 0}, "max_tokens"),
+            (["ab"], {"temperature": -1.0}, "temperature"),
+            (["ab"], {"fixed_alpha": 1.5}, "fixed_alpha"),
+            (["ab"], {"seeds": [1, 2]}, "2 seeds for 1 prompts"),
+        ]:
+            kwargs.setdefault("max_tokens", 2)
+            with pytest.raises(InvalidInputError, match=message):
+                await c.generate_batch(prompts, **kwargs)
+    with pytest.raises(LifecycleError, match="entered once"):
+        async with coordinator:
+            pass

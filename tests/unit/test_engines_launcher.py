@@ -1,0 +1,108 @@
+"""The launcher's command line, environment, safety rules and process handling (no vLLM needed)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+
+import pytest
+
+from dualvllm.errors import InvalidInputError, LifecycleError, ServerStartupError
+from engines.launcher import ServerConfig, VLLMServer, split_cores
+
+
+def test_command_has_the_flags_vllm_needs(tmp_path):
+    server = VLLMServer(ServerConfig(model="m", port=8123, max_logprobs=50, device="cpu",
+                                     api_key="k", log_path=tmp_path / "l"))
+    cmd = server.command()
+    assert cmd[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    value = lambda flag: cmd[cmd.index(flag) + 1]
+    assert value("--model") == "m" and value("--host") == "127.0.0.1" and value("--port") == "8123"
+    assert value("--max-logprobs") == "50" and "k" not in cmd  # the key travels in the environment
+    assert server.environment()["VLLM_API_KEY"] == "k"
+    assert "--enforce-eager" in cmd and "--enable-tokenizer-info-endpoint" in cmd
+    assert server.url == "http://127.0.0.1:8123"
+
+
+def test_gpu_servers_share_the_gpu_and_skip_eager_mode():
+    cmd = VLLMServer(ServerConfig(model="m", port=1, device="gpu")).command()
+    assert "--enforce-eager" not in cmd
+    assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.45"
+
+
+def test_cpu_environment_binds_cores_and_caps_the_kv_cache():
+    env = VLLMServer(ServerConfig(model="m", port=1, device="cpu", cpu_cores="1",
+                                  kv_cache_space_gib=2, dev_mode=True)).environment()
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"
+    plain = VLLMServer(ServerConfig(model="m", port=1, device="cpu")).environment()
+    assert plain["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and "VLLM_SERVER_DEV_MODE" not in plain
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.5", "example.org", "::"])
+def test_dev_mode_is_refused_off_loopback(host):
+    with pytest.raises(InvalidInputError, match="collective_rpc.*not loopback"):
+        ServerConfig(model="m", host=host, dev_mode=True)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "127.0.0.2"])
+def test_dev_mode_is_allowed_on_loopback(host):
+    assert ServerConfig(model="m", host=host, dev_mode=True).dev_mode
+
+
+def test_split_cores_gives_each_server_its_own_block():
+    assert split_cores(2, 2) == ["0", "1"]
+    assert split_cores(2, 8) == ["0-3", "4-7"]
+    assert split_cores(2, 1) == [None, None]
+
+
+FAKE_SERVER = textwrap.dedent("""
+    import http.server, os, subprocess, sys, time
+    # A grandchild, like vLLM's engine core: it must die with the group.
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    open(sys.argv[2], "w").write(str(child.pid))
+    time.sleep(float(sys.argv[3]))
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200); self.end_headers()
+        def log_message(self, *a): pass
+    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+""")
+
+
+def fake_server(tmp_path, delay_s: float, **config) -> tuple[VLLMServer, object]:
+    script = tmp_path / "fake_server.py"
+    script.write_text(FAKE_SERVER)
+    pid_file = tmp_path / "child.pid"
+    server = VLLMServer(ServerConfig(model="m", log_path=tmp_path / "log", **config))
+    server.command = lambda: [sys.executable, str(script), str(server.port), str(pid_file), str(delay_s)]
+    return server, pid_file
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie has exited
+        return stat.read().split()[2] != "Z"
+
+
+async def test_start_waits_for_health_and_stop_kills_the_whole_group(tmp_path):
+    server, pid_file = fake_server(tmp_path, delay_s=1.0)
+    async with server:
+        assert server.running
+        child = int(pid_file.read_text())
+        assert alive(child)
+    assert not server.running and not alive(child)
+    with pytest.raises(LifecycleError, match="already started"):
+        await server.start()
+
+
+async def test_start_up_timeout_reports_the_log_and_cleans_up(tmp_path):
+    server, pid_file = fake_server(tmp_path, delay_s=60.0, startup_timeout_s=1.5)
+    with pytest.raises(ServerStartupError, match="not healthy after 2 s"):
+        await server.start()
+    assert not server.running and not alive(int(pid_file.read_text()))
