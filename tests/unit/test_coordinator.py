@@ -141,8 +141,8 @@ async def test_first_token_frequencies_match_exact_q_star(fake_theta, fake_t):
     lt_theta = fake_theta.model.logprobs(context)[None, :]
     lt_t = fake_t.model.logprobs(context)[None, :]
     temperature = 0.7
-    scaled_theta = lt_theta / temperature - np.logaddexp.reduce(lt_theta / temperature)
-    scaled_t = lt_t / temperature - np.logaddexp.reduce(lt_t / temperature)
+    scaled_theta = lt_theta / temperature - np.logaddexp.reduce(lt_theta / temperature, axis=1, keepdims=True)
+    scaled_t = lt_t / temperature - np.logaddexp.reduce(lt_t / temperature, axis=1, keepdims=True)
     alpha = solve_alpha(scaled_theta, scaled_t)
     q = np.exp(mixture_logprobs(scaled_theta, scaled_t, alpha))[0]
     n = 4000

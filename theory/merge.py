@@ -1,0 +1,125 @@
+"""Merge two models' top-k next-token lists into one candidate set per row.
+
+Each server reports only its own top-k, so a candidate one model ranked highly may be
+missing from the other model's list. The candidate set is the union of both lists (at
+the token-id level), and a missing logprob gets a fill value chosen by a `FillRule`:
+
+- "min" (default): the model's smallest reported logprob in that row. Every unreported
+  token ranks below every reported one, so this is an upper bound on its true logprob:
+  it never makes the other model's favourite look more impossible than it is.
+- "floor": a fixed floor (default -100): what the reference implementation did. It
+  treats unreported tokens as impossible, which pushes alpha* towards the model that
+  reported them; kept for comparison.
+- "spread": the model's uncovered mass (1 - sum of its reported probabilities) split
+  evenly over the candidates it did not report, capped at the "min" upper bound.
+
+How much each rule moves alpha* and q* against the exact full-vocabulary computation is
+measured in benchmarks/topk_error.py.
+
+Everything is vectorized: inputs are padded [B, w] arrays (id -1 / logprob -inf for
+padding), outputs padded [B, n] arrays with a mask, n = the largest union in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+FillRule = Literal["min", "floor", "spread"]
+FILL_RULES: tuple[FillRule, ...] = ("min", "floor", "spread")
+DEFAULT_FLOOR = -100.0
+PAD_ID = -1
+
+
+@dataclass(frozen=True)
+class MergedTopK:
+    """The union of both top-k lists per row; entries past a row's count are masked."""
+
+    token_ids: np.ndarray  # int64 [B, n], PAD_ID where masked
+    logp_theta: np.ndarray  # float64 [B, n], reported or filled; -inf where masked
+    logp_t: np.ndarray  # float64 [B, n]
+    mask: np.ndarray  # bool [B, n]
+    reported_theta: np.ndarray  # bool [B, n], the base model reported this candidate
+    reported_t: np.ndarray  # bool [B, n], the teacher reported it
+    coverage_theta: np.ndarray  # float64 [B], probability mass of the base's reported tokens
+    coverage_t: np.ndarray  # float64 [B]
+
+
+def merge_topk(ids_theta: np.ndarray, logp_theta: np.ndarray, ids_t: np.ndarray, logp_t: np.ndarray,
+               *, fill: FillRule = "min", floor: float = DEFAULT_FLOOR) -> MergedTopK:
+    """Union of the two lists per row, with missing logprobs filled by `fill` (see module doc).
+
+    `ids_*`: int [B, w] token ids, PAD_ID for padding; `logp_*`: float [B, w] raw logprobs.
+    A token id must appear at most once per row in each list.
+    """
+    if fill not in FILL_RULES:
+        raise ValueError(f"unknown fill rule {fill!r}; choose one of {FILL_RULES}")
+    ids_theta, ids_t = np.asarray(ids_theta, dtype=np.int64), np.asarray(ids_t, dtype=np.int64)
+    logp_theta, logp_t = np.asarray(logp_theta, dtype=np.float64), np.asarray(logp_t, dtype=np.float64)
+    batch, w_theta = ids_theta.shape
+    if ids_t.shape[0] != batch or logp_theta.shape != ids_theta.shape or logp_t.shape != ids_t.shape:
+        raise ValueError(f"merge_topk shapes disagree: ids_theta {ids_theta.shape}, logp_theta "
+                         f"{logp_theta.shape}, ids_t {ids_t.shape}, logp_t {logp_t.shape}")
+
+    # Pool both lists, sort each row by token id; a token both reported sits in two
+    # adjacent slots, the first of which keeps both values.
+    ids = np.concatenate([ids_theta, ids_t], axis=1)  # [B, w1 + w2]
+    from_theta = np.arange(ids.shape[1]) < w_theta  # [w1 + w2]
+    val_theta = np.where(from_theta, np.concatenate([logp_theta, logp_t], axis=1), np.nan)
+    val_t = np.where(from_theta, np.nan, np.concatenate([logp_theta, logp_t], axis=1))
+    valid = ids != PAD_ID
+    # Padding sorts last: give it a key above every real id.
+    order = np.argsort(np.where(valid, ids, np.iinfo(np.int64).max), axis=1, kind="stable")
+    ids, valid = np.take_along_axis(ids, order, 1), np.take_along_axis(valid, order, 1)
+    val_theta, val_t = np.take_along_axis(val_theta, order, 1), np.take_along_axis(val_t, order, 1)
+
+    same_as_next = np.zeros_like(valid)
+    same_as_next[:, :-1] = valid[:, :-1] & (ids[:, :-1] == ids[:, 1:])
+    first = valid.copy()
+    first[:, 1:] &= ~same_as_next[:, :-1]
+    nxt_theta = np.concatenate([val_theta[:, 1:], np.full((batch, 1), np.nan)], axis=1)
+    nxt_t = np.concatenate([val_t[:, 1:], np.full((batch, 1), np.nan)], axis=1)
+    val_theta = np.where(same_as_next & np.isnan(val_theta), nxt_theta, val_theta)
+    val_t = np.where(same_as_next & np.isnan(val_t), nxt_t, val_t)
+
+    # Compact the kept slots to the front of each row (stable, so ids stay sorted).
+    keep_order = np.argsort(~first, axis=1, kind="stable")
+    width = max(int(first.sum(axis=1).max(initial=0)), 1)
+    keep_order = keep_order[:, :width]
+    mask = np.take_along_axis(first, keep_order, 1)
+    token_ids = np.where(mask, np.take_along_axis(ids, keep_order, 1), PAD_ID)
+    raw_theta = np.where(mask, np.take_along_axis(val_theta, keep_order, 1), np.nan)
+    raw_t = np.where(mask, np.take_along_axis(val_t, keep_order, 1), np.nan)
+    reported_theta, reported_t = mask & ~np.isnan(raw_theta), mask & ~np.isnan(raw_t)
+
+    coverage_theta = _coverage(logp_theta, ids_theta != PAD_ID)
+    coverage_t = _coverage(logp_t, ids_t != PAD_ID)
+    filled_theta = _fill(raw_theta, reported_theta, mask, coverage_theta, fill, floor)
+    filled_t = _fill(raw_t, reported_t, mask, coverage_t, fill, floor)
+    return MergedTopK(token_ids, filled_theta, filled_t, mask, reported_theta, reported_t,
+                      coverage_theta, coverage_t)
+
+
+def _coverage(logp: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """Probability mass of the reported tokens per row, capped at 1 against rounding."""
+    return np.minimum(np.sum(np.where(valid, np.exp(np.where(valid, logp, -np.inf)), 0.0), axis=1), 1.0)
+
+
+def _fill(raw: np.ndarray, reported: np.ndarray, mask: np.ndarray, coverage: np.ndarray,
+          rule: FillRule, floor: float) -> np.ndarray:
+    """Reported values where present, the rule's fill value for missing candidates, -inf on padding."""
+    # A row where this model reported nothing has no min: fall back to the floor.
+    smallest = np.min(np.where(reported, raw, np.inf), axis=1)  # [B]
+    upper = np.where(np.isfinite(smallest), smallest, floor)  # [B]
+    if rule == "min":
+        value = upper
+    elif rule == "floor":
+        value = np.minimum(np.full_like(upper, floor), upper)
+    else:
+        missing = np.sum(mask & ~reported, axis=1)  # [B]
+        with np.errstate(divide="ignore"):
+            spread = np.log(np.maximum(1.0 - coverage, 0.0)) - np.log(np.maximum(missing, 1))
+        value = np.minimum(np.maximum(spread, floor), upper)
+    return np.where(reported, raw, np.where(mask, value[:, None], -np.inf))
