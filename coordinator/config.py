@@ -21,6 +21,8 @@ class CoordinatorConfig(RaisesInvalidInput, BaseSettings):
 
     theta_url: str = Field("http://127.0.0.1:8000", description="Base URL of the base-model (pi_theta) vLLM server.")
     t_url: str = Field("http://127.0.0.1:8001", description="Base URL of the teacher (pi_t) vLLM server.")
+    theta_model: str | None = Field(None, description="Served model name to use on the base server (vLLM --served-model-name or a LoRA name); None = the first it lists.")
+    t_model: str | None = Field(None, description="Served model name to use on the teacher server; None = the first it lists.")
     api_key: SecretStr | None = Field(None, description="Bearer token both servers expect (vLLM --api-key); None = no auth.")
     top_k: int = Field(20, ge=1, le=1000, description="Next-token candidates fetched from each server per step; servers need --max-logprobs >= top_k.")
     fill_rule: Literal["min", "floor", "spread"] = Field(

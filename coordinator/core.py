@@ -79,9 +79,9 @@ class DualVLLMCoordinator:
         cfg = self.config
         api_key = cfg.api_key.get_secret_value() if cfg.api_key else None
         if theta is None:
-            theta = await self._stack.enter_async_context(self._client(cfg.theta_url, "theta", api_key))
+            theta = await self._stack.enter_async_context(self._client(cfg.theta_url, "theta", cfg.theta_model, api_key))
         if t is None:
-            t = await self._stack.enter_async_context(self._client(cfg.t_url, "t", api_key))
+            t = await self._stack.enter_async_context(self._client(cfg.t_url, "t", cfg.t_model, api_key))
         await check_health(theta, t)
         infos = (await theta.model_info(), await t.model_info())
         await check_tokenizers(theta, t, infos)
@@ -94,10 +94,10 @@ class DualVLLMCoordinator:
         self._scheduler = Scheduler(theta, t, config=cfg, eos_ids=eos_ids, max_len=max_len,
                                     stats=self._stats)
 
-    def _client(self, url: str, name: str, api_key: str | None) -> VLLMClient:
+    def _client(self, url: str, name: str, model: str | None, api_key: str | None) -> VLLMClient:
         cfg = self.config
         return VLLMClient(
-            url, name=name, api_key=api_key, request_timeout_s=cfg.request_timeout,
+            url, name=name, model=model, api_key=api_key, request_timeout_s=cfg.request_timeout,
             connection_pool_size=cfg.connection_pool_size, max_retries=cfg.max_retries,
             retry_delay_s=cfg.retry_delay,
         )

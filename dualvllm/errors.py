@@ -2,7 +2,8 @@
 
     DualVLLMError
     ├── InvalidInputError (also ValueError)   bad arguments, config or input file
-    │   └── InputFormatError                  a malformed line of a JSONL input file
+    │   ├── InputFormatError                  a malformed line of a JSONL input file
+    │   └── UnknownModelError                 a server does not serve the model name asked for
     ├── IncompatibleModelsError               the two servers' tokenizers disagree
     ├── TopKUnsupportedError                  a server refuses the requested top_k
     ├── LifecycleError                        a client/coordinator used outside `async with`
@@ -39,6 +40,10 @@ class InputFormatError(InvalidInputError):
         self.path = path
         self.line_number = line_number
         super().__init__(f"{path}:{line_number}: {problem}")
+
+
+class UnknownModelError(InvalidInputError):
+    """The model name given for a server is not among the models it serves."""
 
 
 class IncompatibleModelsError(DualVLLMError):

@@ -24,6 +24,7 @@ from dualvllm.errors import (
     ServerError,
     ServerRejectedError,
     TopKUnsupportedError,
+    UnknownModelError,
 )
 from engines.http import RetryPolicy, expect, request_json
 from engines.protocol import PAD_TOKEN_ID, ModelInfo, TopKBatch
@@ -39,6 +40,7 @@ class VLLMClient:
         url: str,
         *,
         name: str = "server",
+        model: str | None = None,
         api_key: str | None = None,
         request_timeout_s: float = 60.0,
         connect_timeout_s: float = 10.0,
@@ -48,6 +50,7 @@ class VLLMClient:
     ) -> None:
         self.url = url.rstrip("/")
         self.name = name
+        self._model = model  # the served model name to use; None = the first one listed
         self._api_key = api_key
         self._timeout = aiohttp.ClientTimeout(total=request_timeout_s, connect=connect_timeout_s)
         self._pool_size = connection_pool_size
@@ -113,14 +116,25 @@ class VLLMClient:
         if self._model_info is None:
             body = await self.call("GET", "/v1/models")
             data = body.get("data") if isinstance(body, dict) else None
-            expect(bool(data), self.name, self.url, "/v1/models lists no model")
-            card = data[0]
+            expect(isinstance(data, list) and bool(data), self.name, self.url, "/v1/models lists no model")
+            card = self._pick_model(data)
             self._model_info = ModelInfo(
                 name=card["id"],
                 root=card.get("root") or card["id"],
                 max_model_len=int(card.get("max_model_len") or 0),
             )
         return self._model_info
+
+    def _pick_model(self, cards: list[dict[str, Any]]) -> dict[str, Any]:
+        if self._model is None:
+            return cards[0]
+        for card in cards:
+            if card.get("id") == self._model:
+                return card
+        served = [card.get("id") for card in cards]
+        raise UnknownModelError(
+            f"{self.name} server at {self.url} does not serve a model named {self._model!r}; it "
+            f"serves {served}. Use one of those names (or none, to take the first).")
 
     async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         info = await self.model_info()

@@ -91,6 +91,10 @@ class FakeVLLM:
         if self.api_key and request.path.startswith("/v1") and \
                 request.headers.get("Authorization") != f"Bearer {self.api_key}":
             return web.Response(status=401, text="Unauthorized")
+        if isinstance(body, dict) and "model" in body and body["model"] != self.name:
+            # vLLM's answer to a model name it does not serve.
+            return web.json_response({"error": {"message": f"The model `{body['model']}` does not exist.",
+                                                "type": "NotFoundError", "code": 404}}, status=404)
         queue = self.failures.get(request.path)
         if queue:
             failure = queue.popleft()

@@ -12,6 +12,7 @@ from dualvllm.errors import (
     InvalidInputError,
     LifecycleError,
     TopKUnsupportedError,
+    UnknownModelError,
 )
 from tests.fake_vllm import EOS_ID, VOCAB_SIZE, Failure, detokenize, tokenize
 from theory.alpha import solve_alpha
@@ -91,6 +92,27 @@ async def test_a_failed_request_fails_only_the_sequences_it_carried(fake_theta, 
         assert len(out.generated_tokens) == 1  # what was sampled before the failure is kept
     assert all(o.ok for o in outputs[2:])
     assert statistics["sequences_failed"] == 2 and statistics["retries"] == 1
+
+
+async def test_one_slow_server_delays_but_does_not_change_the_samples(fake_theta, fake_t):
+    prompts = ["ab", "cd", "ef"]
+    async with DualVLLMCoordinator(config(fake_theta, fake_t)) as c:
+        fast = await c.generate_batch(prompts, max_tokens=3, seed=5)
+        # The teacher answers each of the next 3 steps 0.3 s late (within the timeout).
+        fake_t.fail_next("/v1/completions", *[Failure(0, delay_s=0.3)] * 3)
+        slow = await c.generate_batch(prompts, max_tokens=3, seed=5)
+        statistics = c.get_statistics()
+    assert [o.generated_tokens for o in slow] == [o.generated_tokens for o in fast]
+    assert [o.alpha_history for o in slow] == [o.alpha_history for o in fast]
+    assert all(o.ok for o in slow) and statistics["retries"] == 0
+    # The slow steps were waited for, and show in the latency statistics.
+    assert statistics["step_latency_p95_ms"] >= 300
+
+
+async def test_startup_names_the_model_a_server_does_not_serve(fake_theta, fake_t):
+    with pytest.raises(UnknownModelError, match="does not serve a model named 'qwen'"):
+        async with DualVLLMCoordinator(config(fake_theta, fake_t, t_model="qwen")):
+            pass
 
 
 async def test_finish_reasons_stop_token_stop_string_max_tokens_and_context_limit(fake_theta, fake_t):

@@ -15,6 +15,7 @@ from dualvllm.errors import (
     ServerTimeoutError,
     ServerUnavailableError,
     TopKUnsupportedError,
+    UnknownModelError,
 )
 from engines.vllm_client import VLLMClient
 from tests.fake_vllm import EOS_ID, Failure
@@ -97,6 +98,31 @@ async def test_malformed_answer_is_reported_not_misparsed(fake_theta):
             await c.next_token_topk([[1]], k=2)
         with pytest.raises(MalformedResponseError, match="expected JSON"):
             await c.next_token_topk([[1]], k=2)
+
+
+async def test_fewer_logprobs_than_asked_are_padded(fake_theta):
+    # The fake vocabulary has 16 tokens: asking for 20 gets 16 back, the rest is padding.
+    async with client(fake_theta.url) as c:
+        batch = await c.next_token_topk([[1, 2]], k=20)
+    assert batch.token_ids.shape == (1, 21)
+    assert (batch.token_ids[0] >= 0).sum() == 16 and set(batch.token_ids[0, 16:]) == {-1}
+    assert np.all(np.isneginf(batch.logprobs[0, 16:]))
+    np.testing.assert_allclose(np.logaddexp.reduce(batch.logprobs[0, :16]), 0.0, atol=1e-9)
+
+
+async def test_unknown_model_name_lists_what_the_server_serves(fake_theta):
+    async with client(fake_theta.url, model="Qwen/Qwen2.5-7B") as c:
+        with pytest.raises(UnknownModelError, match=r"serves \['fake-base'\]"):
+            await c.model_info()
+    async with client(fake_theta.url, model="fake-base") as c:
+        assert (await c.model_info()).name == "fake-base"
+
+
+async def test_a_model_name_the_server_rejects_is_a_4xx_not_a_retry(fake_theta):
+    async with client(fake_theta.url, max_retries=3) as c:
+        with pytest.raises(ServerRejectedError, match="does not exist") as info:
+            await c.call("POST", "/tokenize", {"model": "other", "prompt": "x"})
+        assert info.value.status == 404 and c.retries == 0
 
 
 async def test_api_key_is_sent_as_bearer_token(fake_theta):
