@@ -53,6 +53,7 @@ class DualVLLMCoordinator:
         self._stats = Statistics()
         self._seed_source = np.random.default_rng(self.config.seed)
         self._state = "new"
+        self._eos_ids: frozenset[int] = frozenset()
 
     async def __aenter__(self) -> DualVLLMCoordinator:
         if self._state != "new":
@@ -93,6 +94,12 @@ class DualVLLMCoordinator:
         self._theta, self._t = theta, t
         self._scheduler = Scheduler(theta, t, config=cfg, eos_ids=eos_ids, max_len=max_len,
                                     stats=self._stats)
+        self._eos_ids = eos_ids
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The end-of-sequence ids generation stops at (known once entered)."""
+        return self._eos_ids
 
     def _client(self, url: str, name: str, model: str | None, api_key: str | None) -> VLLMClient:
         cfg = self.config
@@ -116,6 +123,7 @@ class DualVLLMCoordinator:
         show_progress: bool = False,
         fixed_alpha: float | None = None,
         seeds: Sequence[int] | None = None,
+        ignore_eos: bool = False,
     ) -> AsyncIterator[GenerationOutput]:
         """Yield each prompt's output as soon as it finishes (any order; see `.index`).
 
@@ -123,11 +131,12 @@ class DualVLLMCoordinator:
         sequence gets its own sampler, seeded by (seed, index), so results do not depend
         on what else is in the batch); `seeds` gives one seed per prompt instead, so a
         resumed job samples each prompt as the first run would have. `fixed_alpha`
-        replaces alpha* (0 = base only, 1 = teacher only) for ablations.
+        replaces alpha* (0 = base only, 1 = teacher only) for ablations. `ignore_eos`
+        generates past EOS (fixed-length runs for benchmarks).
         """
         scheduler = self._require_open()
         params = _sampling_params(max_tokens, temperature, stop, stop_token_ids,
-                                  fixed_alpha, return_diagnostics)
+                                  fixed_alpha, return_diagnostics, ignore_eos)
         if not prompts:
             return
         assert self._theta is not None and self._t is not None
@@ -176,13 +185,14 @@ class DualVLLMCoordinator:
         show_progress: bool = False,
         fixed_alpha: float | None = None,
         seeds: Sequence[int] | None = None,
+        ignore_eos: bool = False,
     ) -> list[GenerationOutput]:
         """Generate for every prompt; outputs in input order. Arguments as in `stream`."""
         outputs: list[GenerationOutput | None] = [None] * len(prompts)
         async for output in self.stream(
             prompts, max_tokens, temperature=temperature, stop=stop, stop_token_ids=stop_token_ids,
             seed=seed, return_diagnostics=return_diagnostics, show_progress=show_progress,
-            fixed_alpha=fixed_alpha, seeds=seeds,
+            fixed_alpha=fixed_alpha, seeds=seeds, ignore_eos=ignore_eos,
         ):
             outputs[output.index] = output
         assert all(o is not None for o in outputs)
@@ -196,6 +206,10 @@ class DualVLLMCoordinator:
             retries=sum(getattr(e, "retries", 0) for e in engines),
             request_failures=sum(getattr(e, "failures", 0) for e in engines),
         )
+
+    def recent_step_latencies_s(self) -> list[float]:
+        """Wall time of the most recent steps, oldest first (a bounded window)."""
+        return list(self._stats.step_latencies_s)
 
     def _require_open(self) -> Scheduler:
         if self._state != "open" or self._scheduler is None:
@@ -211,6 +225,7 @@ def _sampling_params(
     stop_token_ids: Sequence[int] | None,
     fixed_alpha: float | None,
     return_diagnostics: bool,
+    ignore_eos: bool,
 ) -> SamplingParams:
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise InvalidInputError(f"max_tokens must be a positive int, got {max_tokens!r}")
@@ -224,5 +239,5 @@ def _sampling_params(
     return SamplingParams(
         max_tokens=max_tokens, temperature=float(temperature), stop=stops,
         stop_token_ids=frozenset(int(i) for i in stop_token_ids or ()),
-        fixed_alpha=fixed_alpha, return_diagnostics=return_diagnostics,
+        fixed_alpha=fixed_alpha, return_diagnostics=return_diagnostics, ignore_eos=ignore_eos,
     )

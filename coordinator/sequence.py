@@ -21,6 +21,7 @@ class SamplingParams:
     stop_token_ids: frozenset[int] = frozenset()
     fixed_alpha: float | None = None  # None = solve alpha* per token; 0 = base only, 1 = teacher only
     return_diagnostics: bool = False
+    ignore_eos: bool = False  # keep going past EOS (benchmarks that need fixed lengths)
 
 
 @dataclass
@@ -56,7 +57,7 @@ class SequenceState:
 
     def check_token_stop(self, token: int, eos_ids: frozenset[int], max_len: int) -> None:
         """Finish on EOS, a stop token, max_tokens or the context limit, in that order."""
-        if token in eos_ids:
+        if token in eos_ids and not self.params.ignore_eos:
             self.finish_reason = "eos"
         elif token in self.params.stop_token_ids:
             self.finish_reason = "stop_token"

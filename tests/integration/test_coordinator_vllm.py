@@ -77,3 +77,67 @@ async def test_a_server_that_cannot_start_reports_its_log(tmp_path):
         await server.start()
     assert "no-such-model" in str(info.value)  # the log tail says what vLLM complained about
     assert not server.running
+
+
+async def test_stream_text_is_the_detokenized_ids_and_eos_stops(vllm_pair):
+    tasks = problems("test", n=12, seed=4)
+    async with DualVLLMCoordinator(config(vllm_pair, top_k=20, max_batch_size=4)) as c:
+        outputs = [out async for out in c.stream([p.prompt for p in tasks], max_tokens=8, seed=3)]
+        eos = c.eos_token_ids
+        async with VLLMClient(vllm_pair[1].url) as client:
+            for out in outputs:
+                assert out.ok, out.error
+                tokens = out.generated_tokens
+                if out.finish_reason == "eos":
+                    assert tokens[-1] in eos and not set(tokens[:-1]) & eos
+                    tokens = tokens[:-1]
+                else:
+                    assert out.finish_reason == "max_tokens" and len(tokens) == 8
+                assert out.generated_text == await client.detokenize(tokens)
+    assert sorted(o.index for o in outputs) == list(range(len(tasks)))
+    assert sum(o.finish_reason == "eos" for o in outputs) >= len(tasks) // 2
+
+
+def _exact_q_star(prompt: str) -> tuple[np.ndarray, float]:
+    """q* over the full vocabulary from both models' transformers logits, alpha* by Brent."""
+    torch = pytest.importorskip("torch")
+    from scipy.optimize import brentq
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(tinymodels.BASE_DIR)(prompt, add_special_tokens=False)["input_ids"]
+    logps = []
+    for model_dir in (tinymodels.BASE_DIR, tinymodels.TEACHER_DIR):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1].double()
+        logps.append(torch.log_softmax(logits, dim=-1).numpy())
+    lp, lr = logps
+    l = lr - lp
+
+    def q_of(a: float) -> np.ndarray:
+        x = lp + a * l
+        return np.exp(x - np.logaddexp.reduce(x))
+
+    alpha = brentq(lambda a: float(q_of(a) @ l), 0.0, 1.0, xtol=1e-12)
+    return q_of(alpha), alpha
+
+
+async def test_first_token_follows_exact_q_star(vllm_pair):
+    """With top_k = the whole vocabulary, the merge is exact: draws must follow q* exactly."""
+    from scipy import stats
+
+    prompt = "4"  # the next character is an uncertain operand digit for both models
+    q, alpha = _exact_q_star(prompt)
+    vocab = q.shape[0]
+    draws = 3000
+    async with DualVLLMCoordinator(config(vllm_pair, top_k=min(vocab, 100), max_batch_size=500)) as c:
+        outputs = await c.generate_batch([prompt] * draws, max_tokens=1, seed=21)
+    assert all(o.ok for o in outputs)
+    np.testing.assert_allclose([o.alpha_history[0] for o in outputs], alpha, atol=1e-4)
+    first = np.array([o.generated_tokens[0] for o in outputs])
+    observed = np.bincount(first, minlength=vocab)
+    keep = q * draws >= 5  # chi-square wants expected counts >= 5: pool the rest into one bin
+    expected = np.append(q[keep] * draws, q[~keep].sum() * draws)
+    counts = np.append(observed[keep], observed[~keep].sum())
+    assert keep.sum() >= 3, "the probe prompt should leave several plausible next tokens"
+    assert stats.chisquare(counts, expected * counts.sum() / expected.sum()).pvalue > 1e-3

@@ -109,6 +109,16 @@ async def test_one_slow_server_delays_but_does_not_change_the_samples(fake_theta
     assert statistics["step_latency_p95_ms"] >= 300
 
 
+async def test_ignore_eos_generates_fixed_lengths(fake_theta, fake_t):
+    fake_theta.model.eos_after = fake_t.model.eos_after = 3  # EOS is very likely from position 3
+    async with DualVLLMCoordinator(config(fake_theta, fake_t)) as c:
+        normal = await c.generate_batch(["ab"] * 8, max_tokens=12, seed=1)
+        fixed = await c.generate_batch(["ab"] * 8, max_tokens=12, seed=1, ignore_eos=True)
+    assert any(o.finish_reason == "eos" for o in normal)
+    assert all(o.finish_reason == "max_tokens" and len(o.generated_tokens) == 12 for o in fixed)
+    assert any(EOS_ID in o.generated_tokens for o in fixed)
+
+
 async def test_startup_names_the_model_a_server_does_not_serve(fake_theta, fake_t):
     with pytest.raises(UnknownModelError, match="does not serve a model named 'qwen'"):
         async with DualVLLMCoordinator(config(fake_theta, fake_t, t_model="qwen")):
