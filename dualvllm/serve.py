@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+from dualvllm.errors import ServerStartupError
 from engines.launcher import ServerConfig, launch_pair
 
 # How often to check that both servers are still alive while serving.
@@ -19,4 +20,5 @@ async def serve_pair(base: ServerConfig, teacher: ServerConfig) -> None:
         while theta.running and t.running:
             await asyncio.sleep(LIVENESS_POLL_S)
         dead = theta if not theta.running else t
-        print(f"{dead.name} server exited; stopping. Log tail:\n{dead.log_tail()}")
+        raise ServerStartupError(f"{dead.name} server exited while serving; the other one was stopped. "
+                                 f"Log {dead.log_path}:\n{dead.log_tail()}")

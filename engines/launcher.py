@@ -125,7 +125,7 @@ class VLLMServer:
         self.config = config
         self.name = name
         self.port = config.port or free_port(config.host)
-        self.log_path = config.log_path or Path(tempfile.mkstemp(prefix=f"vllm-{name}-", suffix=".log")[1])
+        self.log_path = config.log_path  # a temp file is made at start when None
         self._process: subprocess.Popen[bytes] | None = None
         self._used = False
 
@@ -183,6 +183,8 @@ class VLLMServer:
         if self._used:
             raise LifecycleError(f"{self.name} server was already started; create a new VLLMServer")
         self._used = True
+        if self.log_path is None:
+            self.log_path = Path(tempfile.mkstemp(prefix=f"vllm-{self.name}-", suffix=".log")[1])
         with open(self.log_path, "wb") as log:
             self._process = subprocess.Popen(
                 self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -221,7 +223,7 @@ class VLLMServer:
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         try:
-            text = self.log_path.read_text(errors="replace")
+            text = self.log_path.read_text(errors="replace") if self.log_path else ""
         except OSError:
             return "(no log)"
         return "\n".join(text.splitlines()[-lines:])

@@ -1,0 +1,17 @@
+"""The bundled tiny base and teacher models, their tokenizer and their task.
+
+`BASE_DIR` and `TEACHER_DIR` are Hugging Face checkpoint directories (Qwen2
+architecture, character-level tokenizer) built by `python -m tinymodels.build`; the
+task (reversed-digit two-digit addition) is in `tinymodels.task`. The teacher solves
+the task; the base is deliberately weak, so sampling from q* has something to gain.
+Importing this package does not import torch.
+"""
+
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+BASE_DIR = HERE / "base"
+TEACHER_DIR = HERE / "teacher"
+BUILD_REPORT = HERE / "build_report.json"
+
+__all__ = ["BASE_DIR", "BUILD_REPORT", "TEACHER_DIR"]

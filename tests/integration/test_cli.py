@@ -82,3 +82,30 @@ def test_demo_reports_all_three_arms(vllm_pair):
     accuracy = {name: float(line.split("%")[0].split()[-1]) for name, line in rows.items()}
     assert set(accuracy) == {"base (alpha=0)", "teacher (alpha=1)", "q* (alpha*)"}
     assert accuracy["teacher (alpha=1)"] > accuracy["base (alpha=0)"]
+
+
+def test_serve_prints_both_urls_and_ctrl_c_stops_both(tmp_path):
+    import urllib.request
+
+    run = dualvllm("serve", "--log-dir", str(tmp_path))
+    urls: list[str] = []
+    deadline = time.monotonic() + 600
+    assert run.stdout is not None
+    for line in run.stdout:
+        if line.startswith("export "):
+            urls = [part.split("=", 1)[1] for part in line.split()[1:]]
+            break
+        assert time.monotonic() < deadline, "serve did not print its URLs"
+    assert len(urls) == 2 and all(u.startswith("http://127.0.0.1:") for u in urls)
+    for url in urls:
+        with urllib.request.urlopen(url + "/health", timeout=10) as answer:
+            assert answer.status == 200
+    run.send_signal(signal.SIGINT)
+    assert run.wait(timeout=120) == 130
+    for url in urls:  # both servers are gone, not orphaned
+        try:
+            urllib.request.urlopen(url + "/health", timeout=5)
+        except OSError:
+            continue
+        raise AssertionError(f"{url} still answers after Ctrl-C")
+    assert (tmp_path / "theta.log").stat().st_size > 0 and (tmp_path / "t.log").stat().st_size > 0
