@@ -58,7 +58,7 @@ async def run(args: argparse.Namespace) -> dict:
         theta_url, t_url = args.theta_url, args.t_url
         if theta_url is None or t_url is None:
             base, teacher = pair_configs(str(tinymodels.BASE_DIR), str(tinymodels.TEACHER_DIR),
-                                         max_logprobs=max(args.top_k, 20))
+                                         max_logprobs=max(args.top_k, 20), dtype=tinymodels.SERVER_DTYPE)
             theta, t = await stack.enter_async_context(launch_pair(base, teacher))
             theta_url, t_url = theta.url, t.url
         config = CoordinatorConfig(theta_url=theta_url, t_url=t_url, top_k=args.top_k,

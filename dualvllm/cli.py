@@ -104,7 +104,9 @@ def _server_configs(args: argparse.Namespace) -> tuple[ServerConfig, ServerConfi
 
     base = args.base or str(tinymodels.BASE_DIR)
     teacher = args.teacher or str(tinymodels.TEACHER_DIR)
-    common: dict[str, Any] = {"host": args.host, "max_logprobs": args.max_logprobs,
+    bundled = args.base is None and args.teacher is None
+    dtype = args.dtype or (tinymodels.SERVER_DTYPE if bundled else "auto")
+    common: dict[str, Any] = {"host": args.host, "max_logprobs": args.max_logprobs, "dtype": dtype,
                               "dev_mode": args.dev_mode, "api_key": api_key}
     if args.log_dir is not None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
@@ -158,6 +160,8 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--teacher", help="teacher model (pi_t) directory; default: the bundled tiny teacher")
     group.add_argument("--host", default="127.0.0.1", help="interface the servers bind to")
     group.add_argument("--max-logprobs", type=int, default=100, help="largest top_k the servers accept")
+    group.add_argument("--dtype", default=None,
+                       help="vLLM --dtype of both servers; default: float32 for the bundled models, else auto")
     group.add_argument("--dev-mode", action="store_true",
                        help="enable /collective_rpc for weight pushes (loopback hosts only)")
     group.add_argument("--log-dir", type=Path, default=None, help="write theta.log and t.log here")

