@@ -60,3 +60,24 @@ def test_done_ids_cuts_a_torn_last_line_so_appends_stay_valid(tmp_path):
 def test_job_seeds_are_stable_and_distinct():
     assert job_seed(0, "a") == job_seed(0, "a")
     assert len({job_seed(0, "a"), job_seed(0, "b"), job_seed(1, "a")}) == 3
+
+
+async def test_failed_prompts_are_not_written_and_a_rerun_completes_without_duplicates(tmp_path, fake_theta, fake_t):
+    from coordinator import CoordinatorConfig, DualVLLMCoordinator
+    from dualvllm.jsonl_job import run_jobs
+    from tests.fake_vllm import Failure
+
+    source = write(tmp_path, "".join(json.dumps({"id": f"j{i}", "prompt": "abc"}) + "\n" for i in range(6)))
+    out = tmp_path / "out.jsonl"
+    config = CoordinatorConfig(theta_url=fake_theta.url, t_url=fake_t.url, top_k=8, max_batch_size=2,
+                               max_retries=0, retry_delay=0.0)
+    async with DualVLLMCoordinator(config) as c:
+        # The teacher "dies" for one step: the two sequences it carried fail, nothing else.
+        fake_t.fail_next("/v1/completions", Failure(0), Failure(503, "server killed"))
+        first = await run_jobs(c, source, out, seed=1, max_tokens=3, show_progress=False)
+        assert first.written == 4 and len(first.failed) == 2 and len(done_ids(out)) == 4
+        assert all("503" in error and "server killed" in error for _, error in first.failed)
+        second = await run_jobs(c, source, out, seed=1, max_tokens=3, show_progress=False)
+    assert second.skipped == 4 and second.written == 2 and not second.failed
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert sorted(ids) == [f"j{i}" for i in range(6)]
