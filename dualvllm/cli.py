@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import signal
 import sys
 from pathlib import Path
 from typing import Any, AsyncIterator, Sequence
@@ -27,6 +28,7 @@ COORDINATOR_FLAGS = ("theta_url", "t_url", "top_k", "fill_rule", "max_batch_size
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    _stop_on_signals()
     parser = _parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -37,6 +39,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _stop_on_signals() -> None:
+    """Ctrl-C (SIGINT) and SIGTERM both stop the command cleanly, servers included.
+
+    A shell starts background jobs with SIGINT ignored, and Python keeps an inherited
+    SIG_IGN, so `dualvllm serve &` would otherwise ignore `kill -INT`; SIGTERM (what
+    process managers send) would kill us without stopping the servers' process groups.
+    """
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 async def _serve(args: argparse.Namespace) -> int:

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tinymodels.task import problems
 
 REPO = Path(__file__).resolve().parents[2]
@@ -84,28 +86,33 @@ def test_demo_reports_all_three_arms(vllm_pair):
     assert accuracy["teacher (alpha=1)"] > accuracy["base (alpha=0)"]
 
 
-def test_serve_prints_both_urls_and_ctrl_c_stops_both(tmp_path):
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_serve_prints_both_urls_and_a_signal_stops_both(tmp_path, stop_signal):
     import urllib.request
 
-    run = dualvllm("serve", "--log-dir", str(tmp_path))
-    urls: list[str] = []
-    deadline = time.monotonic() + 600
-    assert run.stdout is not None
-    for line in run.stdout:
-        if line.startswith("export "):
-            urls = [part.split("=", 1)[1] for part in line.split()[1:]]
-            break
-        assert time.monotonic() < deadline, "serve did not print its URLs"
-    assert len(urls) == 2 and all(u.startswith("http://127.0.0.1:") for u in urls)
-    for url in urls:
-        with urllib.request.urlopen(url + "/health", timeout=10) as answer:
-            assert answer.status == 200
-    run.send_signal(signal.SIGINT)
-    assert run.wait(timeout=120) == 130
+    # Started with SIGINT ignored, as a shell's background job is: Ctrl-C must still work.
+    run = dualvllm("serve", "--log-dir", str(tmp_path),
+                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        urls: list[str] = []
+        assert run.stdout is not None
+        for line in run.stdout:  # serve prints its URLs once both servers are healthy
+            if line.startswith("export "):
+                urls = [part.split("=", 1)[1] for part in line.split()[1:]]
+                break
+        assert len(urls) == 2 and all(u.startswith("http://127.0.0.1:") for u in urls), run.stderr.read()
+        for url in urls:
+            with urllib.request.urlopen(url + "/health", timeout=10) as answer:
+                assert answer.status == 200
+        run.send_signal(stop_signal)
+        assert run.wait(timeout=120) == 130
+    finally:
+        run.kill()
+        run.wait()
     for url in urls:  # both servers are gone, not orphaned
         try:
             urllib.request.urlopen(url + "/health", timeout=5)
         except OSError:
             continue
-        raise AssertionError(f"{url} still answers after Ctrl-C")
+        raise AssertionError(f"{url} still answers after the signal")
     assert (tmp_path / "theta.log").stat().st_size > 0 and (tmp_path / "t.log").stat().st_size > 0
