@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Sequence
 
 from coordinator.config import CoordinatorConfig
 from coordinator.core import DualVLLMCoordinator
-from dualvllm.errors import DualVLLMError
+from dualvllm.errors import DualVLLMError, InvalidInputError
 from engines.launcher import ServerConfig, VLLMServer, launch_pair, pair_configs
 
 # Coordinator fields exposed as flags (the rest are for the Python API / environment).
@@ -98,17 +98,37 @@ async def _demo(args: argparse.Namespace) -> int:
 
 @contextlib.asynccontextmanager
 async def _coordinator(args: argparse.Namespace, default_local: bool = False) -> AsyncIterator[DualVLLMCoordinator]:
-    """A coordinator on the servers named by the flags, starting local ones if asked."""
+    """A coordinator on the servers named by the flags, starting local ones if asked,
+    or on two in-process transformers engines with `--engine transformers`."""
     overrides = {f: getattr(args, f) for f in COORDINATOR_FLAGS if getattr(args, f) is not None}
     given_urls = args.theta_url is not None and args.t_url is not None
     local = args.base is not None or args.teacher is not None or (default_local and not given_urls)
     async with contextlib.AsyncExitStack() as stack:
+        if args.engine == "transformers":
+            engines = await stack.enter_async_context(_in_process_engines(args))
+            config = CoordinatorConfig(**overrides)
+            yield await stack.enter_async_context(
+                DualVLLMCoordinator(config, theta_engine=engines[0], t_engine=engines[1]))
+            return
         if local:
             base, teacher = _server_configs(args)
             theta_server, t_server = await stack.enter_async_context(launch_pair(base, teacher))
             overrides.update(theta_url=theta_server.url, t_url=t_server.url)
         config = CoordinatorConfig(**overrides)
         yield await stack.enter_async_context(DualVLLMCoordinator(config))
+
+
+@contextlib.asynccontextmanager
+async def _in_process_engines(args: argparse.Namespace) -> AsyncIterator[tuple[Any, Any]]:
+    import tinymodels
+    from engines.transformers_engine import TransformersEngine
+
+    if args.theta_url or args.t_url:
+        raise InvalidInputError("--engine transformers runs the models in this process; drop --theta-url/--t-url")
+    dtype = args.dtype if args.dtype not in (None, "auto") else "float32"
+    async with TransformersEngine(args.base or tinymodels.BASE_DIR, name="theta", dtype=dtype) as theta, \
+            TransformersEngine(args.teacher or tinymodels.TEACHER_DIR, name="t", dtype=dtype) as t:
+        yield theta, t
 
 
 def _server_configs(args: argparse.Namespace) -> tuple[ServerConfig, ServerConfig]:
@@ -173,6 +193,9 @@ def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
 
 def _add_server_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("local servers (generate starts them only if --base/--teacher is given)")
+    group.add_argument("--engine", choices=("vllm", "transformers"), default="vllm",
+                       help="vllm: servers (started or given by URL); transformers: both models in "
+                            "this process, no vLLM needed (slower; the fallback and the exact reference)")
     group.add_argument("--base", help="base model (pi_theta) directory; default: the bundled tiny base")
     group.add_argument("--teacher", help="teacher model (pi_t) directory; default: the bundled tiny teacher")
     group.add_argument("--host", default="127.0.0.1", help="interface the servers bind to")
