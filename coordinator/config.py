@@ -27,6 +27,8 @@ class CoordinatorConfig(RaisesInvalidInput, BaseSettings):
     top_k: int = Field(20, ge=1, le=1000, description="Next-token candidates fetched from each server per step; servers need --max-logprobs >= top_k.")
     fill_rule: Literal["min", "floor", "spread"] = Field(
         "min", description="Logprob given to a candidate one model did not report: see theory.merge.")
+    min_coverage_warning: float = Field(
+        0.9, ge=0, le=1, description="Warn once when a model's mean top-k covered mass is below this (k too small); 0 = never.")
     alpha_tol: float = Field(1e-6, gt=0, lt=0.1, description="Tolerance of the alpha* root search.")
     alpha_max_iter: int = Field(20, ge=1, le=200, description="Iteration cap of the alpha* root search.")
     max_retries: int = Field(3, ge=0, le=20, description="Retries of a failed request (5xx, timeout, connection error; never 4xx).")

@@ -23,6 +23,8 @@ from dualvllm.errors import DualVLLMError
 from engines.protocol import Engine, TopKBatch
 
 log = logging.getLogger("dualvllm.coordinator")
+# Tokens to average over before judging top-k coverage: the first few can be unusual.
+COVERAGE_WARNING_MIN_TOKENS = 64
 
 
 class Scheduler:
@@ -41,6 +43,7 @@ class Scheduler:
         self._eos_ids = eos_ids
         self._max_len = max_len
         self._stats = stats
+        self._coverage_warned = False
         self._waiting: deque[SequenceState] = deque()
         self._active: list[SequenceState] = []
         self._work = asyncio.Event()
@@ -125,7 +128,24 @@ class Scheduler:
         step = self._sample(active, theta_topk, t_topk)
         self._record(active, step)
         await self._check_stop_strings([s for s in active if s.params.stop and s.error is None])
-        self._stats.record_step(len(active), float(step.alpha.sum()), time.perf_counter() - started)
+        self._stats.record_step(len(active), float(step.alpha.sum()), time.perf_counter() - started,
+                                float(step.coverage_theta.sum()), float(step.coverage_t.sum()))
+        self._warn_if_k_is_too_small()
+
+    def _warn_if_k_is_too_small(self) -> None:
+        """Once per coordinator: the top-k lists hold too little of the models' mass."""
+        stats, threshold = self._stats, self._config.min_coverage_warning
+        if self._coverage_warned or stats.tokens < COVERAGE_WARNING_MIN_TOKENS:
+            return
+        means = {"base": stats.coverage_theta_sum / stats.tokens, "teacher": stats.coverage_t_sum / stats.tokens}
+        low = {name: mean for name, mean in means.items() if mean < threshold}
+        if low:
+            self._coverage_warned = True
+            described = ", ".join(f"{name} {mean:.3f}" for name, mean in low.items())
+            log.warning("top_k=%d covers little of the models' probability mass (mean over %d tokens: %s; "
+                        "warning below %.2f): q* and alpha* are then approximate. Raise top_k (and the "
+                        "servers' --max-logprobs); see theory/THEORY.md for the measured error.",
+                        self._config.top_k, stats.tokens, described, threshold)
 
     def _sample(self, active: list[SequenceState], theta: TopKBatch, t: TopKBatch) -> StepResult:
         params = [s.params for s in active]

@@ -24,6 +24,8 @@ class StepResult:
     logprob_q: np.ndarray  # float64 [B], log q*(token) at the row's temperature
     logprob_theta: np.ndarray  # float64 [B], raw server logprob of the token (or its fill)
     logprob_t: np.ndarray  # float64 [B]
+    coverage_theta: np.ndarray  # float64 [B], probability mass of the base's reported top-k
+    coverage_t: np.ndarray  # float64 [B]
     diagnostics: dict[str, np.ndarray] | None  # key -> [B], when asked for
 
 
@@ -69,5 +71,7 @@ def mix_and_sample(
         logprob_q=logq[rows, index],
         logprob_theta=merged.logp_theta[rows, index],
         logprob_t=merged.logp_t[rows, index],
+        coverage_theta=merged.coverage_theta,
+        coverage_t=merged.coverage_t,
         diagnostics=diagnostics,
     )

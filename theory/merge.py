@@ -11,7 +11,9 @@ the token-id level), and a missing logprob gets a fill value chosen by a `FillRu
   treats unreported tokens as impossible, which pushes alpha* towards the model that
   reported them; kept for comparison.
 - "spread": the model's uncovered mass (1 - sum of its reported probabilities) split
-  evenly over the candidates it did not report, capped at the "min" upper bound.
+  evenly over every token it did not report (vocab_size - reported; over the missing
+  candidates when the vocabulary size is not given), capped at the "min" upper bound:
+  the average probability of an unreported token.
 
 How much each rule moves alpha* and q* against the exact full-vocabulary computation is
 measured in benchmarks/topk_error.py.
@@ -48,11 +50,13 @@ class MergedTopK:
 
 
 def merge_topk(ids_theta: np.ndarray, logp_theta: np.ndarray, ids_t: np.ndarray, logp_t: np.ndarray,
-               *, fill: FillRule = "min", floor: float = DEFAULT_FLOOR) -> MergedTopK:
+               *, fill: FillRule = "min", floor: float = DEFAULT_FLOOR,
+               vocab_size: int | None = None) -> MergedTopK:
     """Union of the two lists per row, with missing logprobs filled by `fill` (see module doc).
 
     `ids_*`: int [B, w] token ids, PAD_ID for padding; `logp_*`: float [B, w] raw logprobs.
-    A token id must appear at most once per row in each list.
+    A token id must appear at most once per row in each list. `vocab_size` is used by
+    the "spread" rule only.
     """
     if fill not in FILL_RULES:
         raise ValueError(f"unknown fill rule {fill!r}; choose one of {FILL_RULES}")
@@ -96,8 +100,8 @@ def merge_topk(ids_theta: np.ndarray, logp_theta: np.ndarray, ids_t: np.ndarray,
 
     coverage_theta = _coverage(logp_theta, ids_theta != PAD_ID)
     coverage_t = _coverage(logp_t, ids_t != PAD_ID)
-    filled_theta = _fill(raw_theta, reported_theta, mask, coverage_theta, fill, floor)
-    filled_t = _fill(raw_t, reported_t, mask, coverage_t, fill, floor)
+    filled_theta = _fill(raw_theta, reported_theta, mask, coverage_theta, fill, floor, vocab_size)
+    filled_t = _fill(raw_t, reported_t, mask, coverage_t, fill, floor, vocab_size)
     return MergedTopK(token_ids, filled_theta, filled_t, mask, reported_theta, reported_t,
                       coverage_theta, coverage_t)
 
@@ -108,7 +112,7 @@ def _coverage(logp: np.ndarray, valid: np.ndarray) -> np.ndarray:
 
 
 def _fill(raw: np.ndarray, reported: np.ndarray, mask: np.ndarray, coverage: np.ndarray,
-          rule: FillRule, floor: float) -> np.ndarray:
+          rule: FillRule, floor: float, vocab_size: int | None) -> np.ndarray:
     """Reported values where present, the rule's fill value for missing candidates, -inf on padding."""
     # A row where this model reported nothing has no min: fall back to the floor.
     smallest = np.min(np.where(reported, raw, np.inf), axis=1)  # [B]
@@ -118,7 +122,8 @@ def _fill(raw: np.ndarray, reported: np.ndarray, mask: np.ndarray, coverage: np.
     elif rule == "floor":
         value = np.minimum(np.full_like(upper, floor), upper)
     else:
-        missing = np.sum(mask & ~reported, axis=1)  # [B]
+        missing = (vocab_size - np.sum(reported, axis=1) if vocab_size is not None
+                   else np.sum(mask & ~reported, axis=1))  # [B]
         with np.errstate(divide="ignore"):
             spread = np.log(np.maximum(1.0 - coverage, 0.0)) - np.log(np.maximum(missing, 1))
         value = np.minimum(np.maximum(spread, floor), upper)

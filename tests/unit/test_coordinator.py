@@ -109,6 +109,21 @@ async def test_one_slow_server_delays_but_does_not_change_the_samples(fake_theta
     assert statistics["step_latency_p95_ms"] >= 300
 
 
+async def test_a_too_small_top_k_is_warned_about_once(fake_theta, fake_t, caplog):
+    async with DualVLLMCoordinator(config(fake_theta, fake_t, top_k=2)) as c:
+        await c.generate_batch(["ab"] * 40, max_tokens=4, seed=0)
+        await c.generate_batch(["ab"] * 40, max_tokens=4, seed=1)
+        statistics = c.get_statistics()
+    warnings = [r for r in caplog.records if "covers little" in r.getMessage()]
+    assert len(warnings) == 1 and "Raise top_k" in warnings[0].getMessage()
+    assert 0 < statistics["mean_coverage_theta"] < 0.9 and 0 < statistics["mean_coverage_t"] < 0.9
+    caplog.clear()
+    async with DualVLLMCoordinator(config(fake_theta, fake_t, top_k=VOCAB_SIZE)) as c:
+        await c.generate_batch(["ab"] * 40, max_tokens=4, seed=0)
+        assert c.get_statistics()["mean_coverage_theta"] == pytest.approx(1.0)
+    assert not [r for r in caplog.records if "covers little" in r.getMessage()]
+
+
 async def test_ignore_eos_generates_fixed_lengths(fake_theta, fake_t):
     fake_theta.model.eos_after = fake_t.model.eos_after = 3  # EOS is very likely from position 3
     async with DualVLLMCoordinator(config(fake_theta, fake_t)) as c:

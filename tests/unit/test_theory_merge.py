@@ -100,3 +100,11 @@ def test_merge_matches_a_per_row_dictionary_union(case):
                 else:
                     # Every fill rule stays at or below the "min" upper bound, and finite.
                     assert np.isfinite(logp[r, j]) and logp[r, j] <= smallest
+
+
+def test_spread_over_the_vocabulary_uses_the_unreported_token_count():
+    # Vocabulary 12: theta reported 2 tokens covering .6, so 10 unreported tokens share .4.
+    merged = merge_topk(np.array([[1, 2]]), np.array([[LN(.5), LN(.1)]]),
+                        np.array([[3, 4]]), np.array([[LN(.9), LN(.09)]]), fill="spread", vocab_size=12)
+    np.testing.assert_allclose(merged.logp_theta, [[LN(.5), LN(.1), LN(.04), LN(.04)]])
+    np.testing.assert_allclose(merged.logp_t, [[LN(.001), LN(.001), LN(.9), LN(.09)]])

@@ -125,3 +125,24 @@ def test_diagnostics_by_hand_when_q_is_p():
 def test_summarize():
     out = summarize({"kl_t": np.array([1.0, 3.0]), "empty": np.array([])})
     assert out == {"kl_t": {"mean": 2.0, "std": 1.0, "min": 1.0, "max": 3.0}}
+
+
+@settings(max_examples=200, deadline=None)
+@given(distribution_pairs(max_n=60))
+def test_mass_outside_the_candidate_set_obeys_the_holder_bound(pair):
+    # THEORY.md section 5: q_a(V \\ S) <= (1 - p(S))^(1-a) (1 - r(S))^a / Z(a) for any set S.
+    lp, lr = pair
+    mask = np.ones(lp.shape, bool)
+    k = max(1, lp.shape[1] // 4)
+    rows = np.arange(lp.shape[0])[:, None]
+    in_s = np.zeros(lp.shape, bool)
+    in_s[rows, np.argsort(-lp, axis=1)[:, :k]] = True  # S = union of both top-k lists
+    in_s[rows, np.argsort(-lr, axis=1)[:, :k]] = True
+    for a in (0.2, 0.5, 0.8):
+        q = np.exp(mixture_logprobs(lp, lr, a, mask))
+        outside = np.sum(np.where(in_s, 0.0, q), axis=1)
+        # Summed outside S, not as 1 - p(S): that difference cancels catastrophically.
+        uncovered_p = np.sum(np.where(in_s, 0.0, np.exp(lp)), axis=1)
+        uncovered_r = np.sum(np.where(in_s, 0.0, np.exp(lr)), axis=1)
+        bound = uncovered_p ** (1 - a) * uncovered_r ** a / np.exp(log_partition(lp, lr, a, mask))
+        assert np.all(outside <= bound * (1 + 1e-9) + 1e-12)
