@@ -10,6 +10,7 @@ from coordinator import CoordinatorConfig, DualVLLMCoordinator
 from dualvllm.errors import ServerStartupError, TopKUnsupportedError
 from engines.launcher import ServerConfig, VLLMServer
 from engines.vllm_client import VLLMClient
+from tests.exact_q import chi_square_pvalue, exact_q_star
 from tinymodels.task import problems, score
 
 
@@ -99,10 +100,9 @@ async def test_stream_text_is_the_detokenized_ids_and_eos_stops(vllm_pair):
     assert sum(o.finish_reason == "eos" for o in outputs) >= len(tasks) // 2
 
 
-def _exact_q_star(prompt: str) -> tuple[np.ndarray, float]:
-    """q* over the full vocabulary from both models' transformers logits, alpha* by Brent."""
+def _full_logprobs(prompt: str) -> tuple[np.ndarray, np.ndarray]:
+    """Both models' full next-token logprobs after `prompt`, from transformers."""
     torch = pytest.importorskip("torch")
-    from scipy.optimize import brentq
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     ids = AutoTokenizer.from_pretrained(tinymodels.BASE_DIR)(prompt, add_special_tokens=False)["input_ids"]
@@ -112,33 +112,17 @@ def _exact_q_star(prompt: str) -> tuple[np.ndarray, float]:
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits[0, -1].double()
         logps.append(torch.log_softmax(logits, dim=-1).numpy())
-    lp, lr = logps
-    l = lr - lp
-
-    def q_of(a: float) -> np.ndarray:
-        x = lp + a * l
-        return np.exp(x - np.logaddexp.reduce(x))
-
-    alpha = brentq(lambda a: float(q_of(a) @ l), 0.0, 1.0, xtol=1e-12)
-    return q_of(alpha), alpha
+    return logps[0], logps[1]
 
 
 async def test_first_token_follows_exact_q_star(vllm_pair):
     """With top_k = the whole vocabulary, the merge is exact: draws must follow q* exactly."""
-    from scipy import stats
-
     prompt = "4"  # the next character is an uncertain operand digit for both models
-    q, alpha = _exact_q_star(prompt)
-    vocab = q.shape[0]
+    q, alpha = exact_q_star(*_full_logprobs(prompt))
     draws = 3000
-    async with DualVLLMCoordinator(config(vllm_pair, top_k=min(vocab, 100), max_batch_size=500)) as c:
+    async with DualVLLMCoordinator(config(vllm_pair, top_k=min(q.shape[0], 100), max_batch_size=500)) as c:
         outputs = await c.generate_batch([prompt] * draws, max_tokens=1, seed=21)
     assert all(o.ok for o in outputs)
     np.testing.assert_allclose([o.alpha_history[0] for o in outputs], alpha, atol=1e-4)
     first = np.array([o.generated_tokens[0] for o in outputs])
-    observed = np.bincount(first, minlength=vocab)
-    keep = q * draws >= 5  # chi-square wants expected counts >= 5: pool the rest into one bin
-    expected = np.append(q[keep] * draws, q[~keep].sum() * draws)
-    counts = np.append(observed[keep], observed[~keep].sum())
-    assert keep.sum() >= 3, "the probe prompt should leave several plausible next tokens"
-    assert stats.chisquare(counts, expected * counts.sum() / expected.sum()).pvalue > 1e-3
+    assert chi_square_pvalue(first, q, min_bins=3) > 1e-3

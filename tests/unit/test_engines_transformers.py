@@ -7,12 +7,11 @@ import shutil
 
 import numpy as np
 import pytest
-from scipy import stats
-from scipy.optimize import brentq
 
 import tinymodels
 from coordinator import CoordinatorConfig, DualVLLMCoordinator
 from dualvllm.errors import InvalidInputError, LifecycleError
+from tests.exact_q import chi_square_pvalue, exact_q_star
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -68,37 +67,16 @@ async def test_misuse_gets_clear_errors(tmp_path):
         assert await engine.detokenize(await engine.tokenize("12+34= 64")) == "12+34= 64"
 
 
-def exact_q(lp: np.ndarray, lr: np.ndarray, temperature: float) -> tuple[np.ndarray, float]:
-    """q* at a temperature from two full distributions; alpha* by Brent's method."""
-    lp = lp / temperature - np.logaddexp.reduce(lp / temperature)
-    lr = lr / temperature - np.logaddexp.reduce(lr / temperature)
-    l = lr - lp
-
-    def q_of(a: float) -> np.ndarray:
-        x = lp + a * l
-        return np.exp(x - np.logaddexp.reduce(x))
-
-    alpha = brentq(lambda a: float(q_of(a) @ l), 0.0, 1.0, xtol=1e-12)
-    return q_of(alpha), alpha
-
-
 async def first_token_matches_q_star(theta_dir, t_dir, prompt: str, temperature: float, draws: int, seed: int):
     async with TransformersEngine(theta_dir, name="theta") as theta, TransformersEngine(t_dir, name="t") as t:
         context = [await theta.tokenize(prompt)]
         lp, lr = (await theta.next_token_logprobs(context))[0], (await t.next_token_logprobs(context))[0]
-        q, alpha = exact_q(lp, lr, temperature)
+        q, alpha = exact_q_star(lp, lr, temperature)
         config = CoordinatorConfig(top_k=lp.shape[0], max_batch_size=draws)
         async with DualVLLMCoordinator(config, theta_engine=theta, t_engine=t) as c:
             outputs = await c.generate_batch([prompt] * draws, max_tokens=1, temperature=temperature, seed=seed)
     np.testing.assert_allclose([o.alpha_history[0] for o in outputs], alpha, atol=1e-5)
-    observed = np.bincount([o.generated_tokens[0] for o in outputs], minlength=q.shape[0])
-    keep = q * draws >= 5  # pool the rare tokens: chi-square wants expected counts >= 5
-    expected = np.append(q[keep], q[~keep].sum()) * draws
-    counts = np.append(observed[keep], observed[~keep].sum())
-    if expected[-1] < 5:
-        expected, counts = np.append(expected[:-2], expected[-2:].sum()), np.append(counts[:-2], counts[-2:].sum())
-    assert keep.sum() >= 2, "the test prompt should leave several plausible tokens"
-    return stats.chisquare(counts, expected * counts.sum() / expected.sum()).pvalue, q
+    return chi_square_pvalue(np.array([o.generated_tokens[0] for o in outputs]), q), q
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
