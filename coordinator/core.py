@@ -92,8 +92,9 @@ class DualVLLMCoordinator:
         log.info("coordinator ready: base %s, teacher %s, top_k=%d, eos=%s, max_model_len=%d",
                  infos[0].name, infos[1].name, cfg.top_k, sorted(eos_ids), max_len)
         self._theta, self._t = theta, t
+        vocab_sizes = [info.vocab_size for info in infos if info.vocab_size]
         self._scheduler = Scheduler(theta, t, config=cfg, eos_ids=eos_ids, max_len=max_len,
-                                    stats=self._stats)
+                                    stats=self._stats, vocab_size=min(vocab_sizes) if vocab_sizes else None)
         self._eos_ids = eos_ids
 
     @property

@@ -37,12 +37,15 @@ class Scheduler:
         eos_ids: frozenset[int],
         max_len: int,
         stats: Statistics,
+        vocab_size: int | None = None,
     ) -> None:
+        """`vocab_size` (None = unknown) lets the "spread" fill rule spread over the vocabulary."""
         self._theta, self._t = theta, t
         self._config = config
         self._eos_ids = eos_ids
         self._max_len = max_len
         self._stats = stats
+        self._vocab_size = vocab_size
         self._coverage_warned = False
         self._waiting: deque[SequenceState] = deque()
         self._active: list[SequenceState] = []
@@ -156,6 +159,7 @@ class Scheduler:
             fixed_alpha=np.array([np.nan if a is None else a for a in fixed], dtype=np.float64),
             uniforms=np.fromiter((s.rng.random() for s in active), np.float64, len(active)),
             fill=self._config.fill_rule,
+            vocab_size=self._vocab_size,
             alpha_tol=self._config.alpha_tol,
             alpha_max_iter=self._config.alpha_max_iter,
             with_diagnostics=any(p.return_diagnostics for p in params),

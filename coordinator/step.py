@@ -39,10 +39,11 @@ def mix_and_sample(
     fill: FillRule,
     alpha_tol: float,
     alpha_max_iter: int,
+    vocab_size: int | None = None,
     with_diagnostics: bool = False,
 ) -> StepResult:
     merged = merge_topk(theta.token_ids, theta.logprobs, t.token_ids, t.logprobs,
-                        fill=fill)
+                        fill=fill, vocab_size=vocab_size)
     mask = merged.mask
     greedy = temperature == 0.0
     # Greedy rows still need a q* to take the argmax of: use temperature 1 for them.

@@ -43,6 +43,7 @@ class ModelInfo:
     name: str  # the name requests must carry ("model" field)
     root: str  # where the weights came from (a local path or a hub id)
     max_model_len: int  # prompt + generated tokens the engine accepts
+    vocab_size: int | None = None  # output vocabulary, when the engine can tell
 
 
 @runtime_checkable

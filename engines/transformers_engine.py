@@ -91,7 +91,8 @@ class TransformersEngine:
     async def model_info(self) -> ModelInfo:
         self._require_open()
         limit = self._max_model_len or int(getattr(self._model.config, "max_position_embeddings", 0) or 0)
-        return ModelInfo(name=self.model_path, root=self.model_path, max_model_len=limit)
+        return ModelInfo(name=self.model_path, root=self.model_path, max_model_len=limit,
+                         vocab_size=int(self._model.config.vocab_size))
 
     async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         self._require_open()

@@ -118,10 +118,12 @@ class VLLMClient:
             data = body.get("data") if isinstance(body, dict) else None
             expect(isinstance(data, list) and bool(data), self.name, self.url, "/v1/models lists no model")
             card = self._pick_model(data)
+            root = card.get("root") or card["id"]
             self._model_info = ModelInfo(
                 name=card["id"],
-                root=card.get("root") or card["id"],
+                root=root,
                 max_model_len=int(card.get("max_model_len") or 0),
+                vocab_size=_vocab_size_from_model_dir(Path(root)),
             )
         return self._model_info
 
@@ -216,6 +218,16 @@ class VLLMClient:
             return frozenset()
         ids = await self.tokenize(eos, add_special_tokens=False)
         return frozenset(ids) if len(ids) == 1 else frozenset()
+
+
+def _vocab_size_from_model_dir(root: Path) -> int | None:
+    """config.json's vocab_size (or its text_config's), if the server's model dir is readable here."""
+    try:
+        config = json.loads((root / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def _eos_ids_from_model_dir(root: Path) -> frozenset[int]:

@@ -163,3 +163,13 @@ async def test_client_lifecycle_is_enforced(fake_theta):
     with pytest.raises(LifecycleError, match="already entered"):
         async with c:
             pass
+
+
+def test_vocab_size_comes_from_a_readable_model_dir(tmp_path):
+    from engines.vllm_client import _vocab_size_from_model_dir
+
+    assert _vocab_size_from_model_dir(tmp_path) is None  # nothing to read: unknown
+    (tmp_path / "config.json").write_text('{"text_config": {"vocab_size": 151936}}')
+    assert _vocab_size_from_model_dir(tmp_path) == 151936
+    (tmp_path / "config.json").write_text('{"vocab_size": 98}')
+    assert _vocab_size_from_model_dir(tmp_path) == 98
