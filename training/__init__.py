@@ -1,1 +1,4 @@
-"""Training loop (GRPO / DPO on q* rollouts). Empty until the training issue lands."""
+"""The training side: verifiers that score rollouts, the code sandbox, and (in progress)
+the GRPO/DPO learner that trains the base model on q* rollouts. torch lives here and
+below, never in `theory`, `engines` or `coordinator`.
+"""

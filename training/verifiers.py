@@ -1,0 +1,93 @@
+"""Verifiers: turn a model's completion into a reward in [0, 1]. They never raise on
+malformed model output: a completion that cannot be parsed earns 0.
+
+- `exact_match`: the bundled arithmetic task (and any short-answer task).
+- `math_reward`: LaTeX / \\boxed{} answers through the `math-verify` library, and
+  GSM8K-style "#### 42" answers.
+- `code_reward`: runs a completion against test cases in a sandboxed subprocess (see
+  `training.sandbox`), reward = fraction of tests passed.
+
+All three are plain functions of (completion, reference) so they pickle into a process
+pool: `score_in_pool` runs a batch off the event loop, so sampling never stalls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from concurrent.futures import Executor
+from typing import Callable, Sequence
+
+from training.sandbox import SandboxLimits, run_tests
+
+Verifier = Callable[[str, str], float]
+
+GSM8K_ANSWER = re.compile(r"####\s*([-+]?[\d,]*\.?\d+)")
+# The end-of-sequence text some tokenizers leave in decoded completions.
+EOS_MARKERS = ("<eos>", "<|endoftext|>", "<|im_end|>", "</s>")
+
+
+def exact_match(completion: str, answer: str) -> float:
+    """1.0 if the completion's first line (EOS text removed) is exactly the answer."""
+    if not isinstance(completion, str):
+        return 0.0
+    text = completion.split("\n", 1)[0]
+    for marker in EOS_MARKERS:
+        text = text.split(marker, 1)[0]
+    return 1.0 if text.strip() == str(answer).strip() else 0.0
+
+
+def _gsm8k_number(text: str) -> str | None:
+    found = GSM8K_ANSWER.findall(text)
+    return found[-1].replace(",", "") if found else None
+
+
+def math_reward(completion: str, reference: str) -> float:
+    """1.0 if the completion's final answer equals the reference mathematically.
+
+    The reference is a LaTeX answer ("\\frac{1}{2}", "\\boxed{3}") or a GSM8K solution
+    ending in "#### 42". A completion in GSM8K style is compared by its "####" number;
+    otherwise math-verify extracts the last boxed/LaTeX/plain answer from it.
+    """
+    if not isinstance(completion, str) or not isinstance(reference, str):
+        return 0.0
+    try:
+        from math_verify import parse, verify
+
+        gold_number = _gsm8k_number(reference)
+        gold = parse(f"${gold_number}$" if gold_number is not None else reference)
+        number = _gsm8k_number(completion)
+        answer = parse(f"${number}$" if number is not None else completion)
+        if not gold or not answer:
+            return 0.0
+        return 1.0 if verify(gold, answer) else 0.0
+    # Model output is arbitrary text: any failure inside the parser means "not verified".
+    except Exception:  # noqa: BLE001
+        return 0.0
+
+
+def code_reward(completion: str, tests: str, limits: SandboxLimits | None = None) -> float:
+    """Fraction of the test cases (newline-separated `assert` statements) the code passes."""
+    if not isinstance(completion, str) or not isinstance(tests, str):
+        return 0.0
+    cases = [line for line in tests.splitlines() if line.strip()]
+    if not cases:
+        return 0.0
+    result = run_tests(_strip_code_fence(completion), cases, limits or SandboxLimits())
+    return result.passed / len(cases)
+
+
+def _strip_code_fence(completion: str) -> str:
+    """The code inside the last ```python ... ``` block, or the completion as is."""
+    blocks = re.findall(r"```(?:python|py)?\s*\n(.*?)```", completion, flags=re.DOTALL)
+    return blocks[-1] if blocks else completion
+
+
+async def score_in_pool(verifier: Verifier, completions: Sequence[str], references: Sequence[str],
+                        executor: Executor) -> list[float]:
+    """Rewards for a batch, computed in `executor` (a process pool) off the event loop."""
+    if len(completions) != len(references):
+        raise ValueError(f"got {len(completions)} completions for {len(references)} references")
+    loop = asyncio.get_running_loop()
+    futures = [loop.run_in_executor(executor, verifier, c, r) for c, r in zip(completions, references)]
+    return list(await asyncio.gather(*futures))
