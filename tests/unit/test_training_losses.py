@@ -1,0 +1,69 @@
+"""GRPO pieces against values worked out by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from training.losses import group_advantages, importance_weights, k3_kl, normalize, policy_loss  # noqa: E402
+
+
+def test_group_advantages_by_hand():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
+    # Group 1: mean 0.5, unbiased std sqrt(1/3) -> ±0.5 / 0.57735 = ±0.86603.
+    scaled = group_advantages(rewards, eps=0.0)
+    assert scaled[0].tolist() == pytest.approx([0.866025, -0.866025, -0.866025, 0.866025], abs=1e-6)
+    assert group_advantages(rewards, eps=1e-4)[1].tolist() == [0.0] * 4  # all equal: no signal, no NaN
+    assert group_advantages(rewards, scale=False)[0].tolist() == [0.5, -0.5, -0.5, 0.5]
+
+
+def test_importance_weights_are_truncated_and_detached():
+    logp = torch.log(torch.tensor([[0.5, 0.1]])).requires_grad_()
+    behaviour = torch.log(torch.tensor([[0.1, 0.2]]))
+    weights, ratio = importance_weights(logp, behaviour, cap=2.0)
+    assert ratio.tolist()[0] == pytest.approx([5.0, 0.5])
+    assert weights.tolist()[0] == pytest.approx([2.0, 0.5])
+    assert not weights.requires_grad
+
+
+def test_k3_kl_by_hand():
+    # ref - logp = log(0.5): exp(.) - (.) - 1 = 0.5 + 0.693147 - 1.
+    value = k3_kl(torch.tensor([[0.0]]), torch.tensor([[math.log(0.5)]]))
+    assert value.item() == pytest.approx(0.5 + math.log(2) - 1)
+    assert k3_kl(torch.tensor([[-1.3]]), torch.tensor([[-1.3]])).item() == 0.0
+
+
+def test_normalizations_by_hand():
+    per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    assert normalize(per_token, mask, "grpo").item() == pytest.approx((2.0 + 4.0) / 2)  # seq means 2 and 4
+    assert normalize(per_token, mask, "dapo").item() == pytest.approx(10.0 / 4)
+    assert normalize(per_token, mask, "dr_grpo", max_completion_length=5).item() == pytest.approx(10.0 / 10)
+    with pytest.raises(ValueError, match="max_completion_length"):
+        normalize(per_token, mask, "dr_grpo")
+    with pytest.raises(ValueError, match="unknown normalization"):
+        normalize(per_token, mask, "ppo")
+
+
+def test_policy_loss_value_gradient_and_metrics_by_hand():
+    # One sequence, two tokens: pi = (0.5, 0.1), q* = (0.1, 0.2) -> w = (min(5, 2), 0.5) = (2, 0.5).
+    logp = torch.log(torch.tensor([[0.5, 0.1]])).requires_grad_()
+    behaviour = torch.log(torch.tensor([[0.1, 0.2]]))
+    loss, metrics = policy_loss(logp, behaviour, torch.tensor([1.5]), torch.ones(1, 2),
+                                is_cap=2.0, normalization="dapo")
+    expected = -(2.0 * 1.5 * math.log(0.5) + 0.5 * 1.5 * math.log(0.1)) / 2
+    assert loss.item() == pytest.approx(expected)
+    loss.backward()
+    # d loss / d logp_t = -w_t A / n_tokens: the weights carry no gradient of their own.
+    assert logp.grad.tolist()[0] == pytest.approx([-2.0 * 1.5 / 2, -0.5 * 1.5 / 2])
+    assert metrics == pytest.approx({"ratio_min": 0.5, "ratio_mean": 2.75, "ratio_max": 5.0, "clip_fraction": 0.5})
+
+
+def test_kl_penalty_is_added_per_token():
+    logp = torch.tensor([[math.log(0.5)]], requires_grad=True)
+    loss, metrics = policy_loss(logp, logp.detach(), torch.tensor([0.0]), torch.ones(1, 1),
+                                logp_reference=torch.tensor([[math.log(0.25)]]), kl_coef=0.1)
+    kl = 0.5 + math.log(2) - 1  # ref - logp = log(1/2)
+    assert loss.item() == pytest.approx(0.1 * kl) and metrics["kl_ref"] == pytest.approx(kl)
