@@ -1,6 +1,7 @@
 """Push the learner's weights into a live vLLM server, and prove they arrived.
 
-    save to a NEW directory -> POST /collective_rpc reload_weights -> POST /reset_prefix_cache
+    save to a NEW directory -> POST /pause?mode=wait -> POST /collective_rpc reload_weights
+    -> POST /reset_prefix_cache -> POST /resume
     -> compare the server's next-token logprobs on probe contexts with the learner's own
 
 The server must run with VLLM_SERVER_DEV_MODE=1 (`ServerConfig(dev_mode=True)`, loopback
@@ -21,7 +22,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dualvllm.errors import DualVLLMError
+from dualvllm.errors import DualVLLMError, ServerRejectedError
 from engines.vllm_client import VLLMClient
 
 log = logging.getLogger("dualvllm.training")
@@ -88,12 +89,30 @@ async def push_weights(client: VLLMClient, model: Any, tokenizer: Any, out_dir: 
                               "overwritten one can serve stale weights)")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     await asyncio.to_thread(_save, model, tokenizer, out_dir)
-    await client.call("POST", "/collective_rpc",
-                      {"method": "reload_weights", "kwargs": {"weights_path": str(out_dir)}})
-    await reset_prefix_cache(client)
+    # Fence the reload: requests in flight finish on the old weights, new ones wait.
+    fenced = await _pause(client)
+    try:
+        await client.call("POST", "/collective_rpc",
+                          {"method": "reload_weights", "kwargs": {"weights_path": str(out_dir)}})
+        await reset_prefix_cache(client)
+    finally:
+        if fenced:
+            await client.call("POST", "/resume")
     worst = await verify_server_matches(client, model, probes, top_k=top_k, tolerance=tolerance)
     log.info("pushed %s to %s: max |logprob diff| %.2e on %d probes", out_dir, client.url, worst, len(probes))
     return PushReport(path=out_dir, max_abs_diff=worst, probes=len(probes))
+
+
+async def _pause(client: VLLMClient) -> bool:
+    """Pause generation until in-flight requests are done; False if the server has no /pause."""
+    try:
+        await client.call("POST", "/pause?mode=wait")
+    except ServerRejectedError as err:
+        if err.status != 404:
+            raise
+        log.warning("%s server has no /pause endpoint; reloading weights without fencing requests", client.name)
+        return False
+    return True
 
 
 async def reset_prefix_cache(client: VLLMClient) -> None:

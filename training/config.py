@@ -1,0 +1,39 @@
+"""Every option of a training run, declared once (CLI flags are generated from it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from pydantic import BaseModel, ConfigDict, Field
+
+from dualvllm.validation import RaisesInvalidInput
+from training.losses import Normalization
+
+
+class TrainConfig(RaisesInvalidInput, BaseModel):
+    """GRPO on q* rollouts: sampling, the update, weight pushes, checkpoints."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    output_dir: Path = Field(description="Checkpoints, pushed weights, metrics.jsonl and the run's config go here.")
+    base: str | None = Field(None, description="Base model directory (trained); None = the bundled tiny base.")
+    teacher: str | None = Field(None, description="Teacher model directory; None = the bundled tiny teacher.")
+    steps: int = Field(60, ge=1, description="Learner updates to run.")
+    prompts_per_step: int = Field(8, ge=1, description="Prompts per update; each gets group_size rollouts.")
+    group_size: int = Field(8, ge=2, description="Rollouts per prompt (G): advantages compare a prompt's rollouts.")
+    max_tokens: int = Field(6, ge=1, description="Longest completion sampled.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the rollouts.")
+    fixed_alpha: float | None = Field(
+        None, ge=0, le=1, description="None = sample from q* (alpha* per token); 0 = on-policy (base only); 1 = teacher only.")
+    top_k: int = Field(20, ge=1, description="Top-k the coordinator merges per token.")
+    learning_rate: float = Field(3e-4, gt=0, description="AdamW learning rate.")
+    is_cap: float = Field(2.0, ge=1, description="Truncation of the per-token importance weight pi_theta / q*.")
+    normalization: Normalization = Field("dapo", description="Loss normalization: grpo, dr_grpo or dapo (TRL's meanings).")
+    scale_advantages: bool = Field(True, description="Divide group-relative advantages by the group std (False = Dr. GRPO).")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the k3 KL penalty to the frozen initial model; 0 = none.")
+    max_staleness: int = Field(1, ge=0, description="Drop rollouts sampled more than this many policy versions ago.")
+    queue_size: int = Field(2, ge=1, description="Scored batches the sampler may run ahead of the learner.")
+    push_every: int = Field(1, ge=1, description="Push weights to the base server every N updates.")
+    keep_checkpoints: int = Field(3, ge=1, description="Checkpoints kept on disk (newest first); older ones are deleted.")
+    eval_every: int = Field(20, ge=1, description="Held-out greedy accuracy of the base every N updates (and at start and end).")
+    eval_prompts: int = Field(200, ge=1, description="Held-out problems per evaluation.")
+    seed: int = Field(0, description="Seeds data order, sampling and the learner.")
