@@ -180,6 +180,13 @@ def _parser() -> argparse.ArgumentParser:
     _add_server_flags(demo)
     _add_coordinator_flags(demo)
     demo.set_defaults(command=_demo)
+
+    train = commands.add_parser(
+        "train", help="GRPO on q* rollouts: base and teacher servers, verified weight pushes, checkpoints")
+    train.add_argument("--method", choices=("grpo",), default="grpo", help="the update rule")
+    train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
+    _add_train_flags(train)
+    train.set_defaults(command=_train)
     return parser
 
 
@@ -205,6 +212,41 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dev-mode", action="store_true",
                        help="enable /collective_rpc for weight pushes (loopback hosts only)")
     group.add_argument("--log-dir", type=Path, default=None, help="write theta.log and t.log here")
+
+
+def _add_train_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per TrainConfig field; only the flags given override the schema's defaults."""
+    import typing
+
+    from training.config import TrainConfig
+
+    for name, field in TrainConfig.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        annotation = field.annotation
+        inner = [a for a in typing.get_args(annotation) if a is not type(None)]
+        kind = inner[0] if inner and typing.get_origin(annotation) is not typing.Literal else annotation
+        extra: dict[str, Any] = {}
+        if typing.get_origin(kind) is typing.Literal:
+            extra["choices"] = typing.get_args(kind)
+            kind = str
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=field.description)
+            continue
+        parser.add_argument(flag, type=kind, default=None, required=field.is_required(),
+                            help=f"{field.description} (default: {field.default})" if not field.is_required()
+                            else field.description, **extra)
+
+
+async def _train(args: argparse.Namespace) -> int:
+    from training.config import TrainConfig
+    from training.grpo import train_grpo
+
+    values = {name: getattr(args, name) for name in TrainConfig.model_fields if getattr(args, name, None) is not None}
+    report = await train_grpo(TrainConfig(**values), resume=args.resume)
+    print(f"{report.steps_done} steps; held-out greedy accuracy of the base {report.accuracy_before:.1%} -> "
+          f"{report.accuracy_after:.1%}; {report.dropped_stale_batches} stale batches dropped; "
+          f"metrics in {report.metrics_path}")
+    return 0
 
 
 def _add_coordinator_flags(parser: argparse.ArgumentParser) -> None:

@@ -97,7 +97,7 @@ class Learner:
         all_rewards = torch.cat(rewards)
         tokens = int(packed.target_mask.sum())
         return {
-            "loss": float(loss),
+            "loss": float(loss.detach()),
             "reward_mean": float(all_rewards.mean()),
             "reward_std": float(all_rewards.std()) if len(all_rewards) > 1 else 0.0,
             "accuracy": float((all_rewards >= 1.0).float().mean()),

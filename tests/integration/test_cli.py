@@ -116,3 +116,34 @@ def test_serve_prints_both_urls_and_a_signal_stops_both(tmp_path, stop_signal):
             continue
         raise AssertionError(f"{url} still answers after the signal")
     assert (tmp_path / "theta.log").stat().st_size > 0 and (tmp_path / "t.log").stat().st_size > 0
+
+
+def test_train_pushes_verified_weights_and_resumes_after_a_kill(tmp_path):
+    out = tmp_path / "run"
+    args = ["train", "--output-dir", str(out), "--steps", "4", "--prompts-per-step", "2", "--group-size", "4",
+            "--eval-every", "2", "--eval-prompts", "16"]
+    first = dualvllm(*args)
+    try:
+        deadline = time.monotonic() + 600
+        while not (out / "checkpoints" / "step-000002").exists():
+            assert first.poll() is None, first.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint after 10 minutes"
+            time.sleep(0.2)
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    finally:
+        first.kill()
+        first.wait()
+    second = dualvllm(*args, "--resume")
+    stdout, stderr = second.communicate(timeout=900)
+    assert second.returncode == 0, stderr[-3000:]
+    assert "4 steps" in stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if "event" not in r]
+    assert steps == sorted(set(steps)) and steps[-1] == 4, steps  # resumed, nothing trained twice
+    assert all(r["push_max_abs_diff"] < 1e-3 for r in records if "push_max_abs_diff" in r)
+    assert [p.name for p in sorted((out / "checkpoints").iterdir())][-1] == "step-000004"
+    # A fresh run refuses to overwrite the finished one.
+    third = dualvllm(*args)
+    _, stderr = third.communicate(timeout=120)
+    assert third.returncode == 2 and "--resume" in stderr

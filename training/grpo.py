@@ -1,0 +1,206 @@
+"""Streaming GRPO on q* rollouts, end to end: the recipe behind `dualvllm train`.
+
+    setup    servers (base in dev mode, on the newest checkpoint when resuming), learner,
+             coordinator, verifier pool, the sampler task
+    train    take a scored batch from the queue, drop it if too stale, update, push the
+             new weights into the base server (verified), checkpoint, log metrics
+    cleanup  stop the sampler, the pool and both servers
+
+The bundled arithmetic task is the dataset: the train split to learn from, the test
+split for held-out greedy accuracy of the base (alpha = 0) before, during and after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import torch
+from tqdm.auto import tqdm
+
+import tinymodels
+from coordinator import CoordinatorConfig, DualVLLMCoordinator
+from dualvllm.errors import InvalidInputError
+from engines.launcher import launch_pair, pair_configs
+from engines.vllm_client import VLLMClient
+from tinymodels.task import problems
+from training import checkpoint
+from training.checkpoint import RunState
+from training.config import TrainConfig
+from training.learner import Learner
+from training.rollouts import ScoredBatch, Task, produce, sample_batch
+from training.verifiers import exact_match
+from training.weight_sync import push_weights
+
+log = logging.getLogger("dualvllm.training")
+
+# Probe contexts for push verification: a few held-out prompts.
+PUSH_PROBES = 4
+
+
+@dataclass(frozen=True)
+class TrainReport:
+    steps_done: int
+    accuracy_before: float
+    accuracy_after: float
+    dropped_stale_batches: int
+    metrics_path: Path
+
+
+async def train_grpo(config: TrainConfig, *, resume: bool = False, show_progress: bool = True) -> TrainReport:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = config.output_dir
+    out.mkdir(parents=True, exist_ok=True)
+    newest = checkpoint.latest(out) if resume else None
+    if not resume and checkpoint.latest(out) is not None:
+        raise InvalidInputError(f"{out} already holds checkpoints; pass --resume to continue that run "
+                                "or choose a new --output-dir")
+    (out / "config.json").write_text(config.model_dump_json(indent=2) + "\n")
+    base_dir = config.base or str(tinymodels.BASE_DIR)
+    start_dir = str(newest) if newest is not None else base_dir
+    torch.manual_seed(config.seed)
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    model = AutoModelForCausalLM.from_pretrained(start_dir, dtype=torch.float32)
+    learner = Learner(model, learning_rate=config.learning_rate, kl_coef=config.kl_coef,
+                      pad_id=tokenizer.pad_token_id or 0)
+    state = checkpoint.load_state(newest, learner.optimizer) if newest is not None else RunState(0, 0, 0)
+    if newest is not None:
+        log.info("resuming from %s (step %d)", newest, state.step)
+
+    def encode(text: str) -> tuple[int, ...]:
+        return tuple(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    tasks = [Task(encode(p.prompt), p.answer) for p in problems("train", seed=config.seed)]
+    held_out = [Task(encode(p.prompt), p.answer) for p in problems("test", n=config.eval_prompts, seed=config.seed)]
+    probes = [list(t.prompt_ids) for t in held_out[:PUSH_PROBES]]
+    metrics_path = out / "metrics.jsonl"
+
+    async with _serving(config, start_dir) as (coordinator, base_client), \
+            _process_pool() as pool:
+        async def sample(chosen: list[Task], seed: int):
+            return await sample_batch(coordinator, chosen, group_size=config.group_size, max_tokens=config.max_tokens,
+                                      temperature=config.temperature, fixed_alpha=config.fixed_alpha,
+                                      seed=config.seed * 1_000_003 + seed, verifier=exact_match, executor=pool)
+
+        accuracy_before = await held_out_accuracy(coordinator, held_out, config.max_tokens, pool)
+        _log_metrics(metrics_path, {"step": state.step, "event": "eval", "held_out_accuracy": accuracy_before})
+        version = state.policy_version
+        queue: asyncio.Queue[ScoredBatch] = asyncio.Queue(maxsize=config.queue_size)
+        sampler = asyncio.create_task(produce(queue, sample, tasks, start=state.data_position,
+                                              prompts_per_step=config.prompts_per_step,
+                                              policy_version=lambda: version))
+        dropped = 0
+        step = state.step
+        try:
+            with tqdm(total=config.steps, initial=step, desc="grpo", unit="step", disable=not show_progress) as bar:
+                while step < config.steps:
+                    batch = await _next_batch(queue, sampler)
+                    staleness = version - batch.policy_version
+                    if staleness > config.max_staleness:
+                        dropped += 1
+                        continue
+                    started = time.perf_counter()
+                    metrics = await asyncio.to_thread(
+                        learner.train_step, batch, scale_advantages=config.scale_advantages, is_cap=config.is_cap,
+                        normalization=config.normalization, max_completion_length=config.max_tokens)
+                    step += 1
+                    if step % config.push_every == 0 or step == config.steps:
+                        push = await push_weights(base_client, learner.model, tokenizer,
+                                                  out / "pushed" / f"step-{step:06d}-{time.time_ns()}", probes)
+                        version += 1
+                        metrics["push_max_abs_diff"] = push.max_abs_diff
+                        _prune_pushed(out)
+                    state = RunState(step=step, data_position=batch.data_position, policy_version=version)
+                    await asyncio.to_thread(checkpoint.save, out, learner.model, tokenizer, learner.optimizer,
+                                            state, config.keep_checkpoints)
+                    alphas = [a for g in batch.groups for r in g for a in r.alphas]
+                    metrics.update(step=step, staleness=staleness, policy_version=version,
+                                   mean_alpha=sum(alphas) / max(len(alphas), 1),
+                                   sample_tokens_per_s=batch.tokens / max(batch.sample_seconds, 1e-9),
+                                   step_seconds=time.perf_counter() - started)
+                    if step % config.eval_every == 0 or step == config.steps:
+                        metrics["held_out_accuracy"] = await held_out_accuracy(
+                            coordinator, held_out, config.max_tokens, pool)
+                    _log_metrics(metrics_path, metrics)
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}",
+                                    held_out=f"{metrics.get('held_out_accuracy', float('nan')):.2f}")
+        finally:
+            sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampler
+        accuracy_after = await held_out_accuracy(coordinator, held_out, config.max_tokens, pool)
+        _log_metrics(metrics_path, {"step": step, "event": "eval", "held_out_accuracy": accuracy_after})
+    _prune_pushed(out)
+    return TrainReport(steps_done=step, accuracy_before=accuracy_before, accuracy_after=accuracy_after,
+                       dropped_stale_batches=dropped, metrics_path=metrics_path)
+
+
+async def held_out_accuracy(coordinator: DualVLLMCoordinator, tasks: list[Task], max_tokens: int,
+                            pool: ProcessPoolExecutor) -> float:
+    """Greedy exact-match accuracy of the base model alone (alpha = 0) on `tasks`."""
+    from training.verifiers import score_in_pool
+
+    outputs = await coordinator.generate_batch([list(t.prompt_ids) for t in tasks], max_tokens=max_tokens,
+                                               temperature=0.0, fixed_alpha=0.0)
+    rewards = await score_in_pool(exact_match, [o.generated_text for o in outputs], [t.reference for t in tasks], pool)
+    return sum(rewards) / len(rewards)
+
+
+async def _next_batch(queue: asyncio.Queue[ScoredBatch], sampler: asyncio.Task[None]) -> ScoredBatch:
+    """The next scored batch; if the sampler died, its error instead of waiting forever."""
+    getter = asyncio.ensure_future(queue.get())
+    done, _ = await asyncio.wait({getter, sampler}, return_when=asyncio.FIRST_COMPLETED)
+    if getter in done:
+        return getter.result()
+    getter.cancel()
+    sampler.result()  # raises the sampler's error
+    raise RuntimeError("the sampler stopped without an error")
+
+
+@contextlib.asynccontextmanager
+async def _serving(config: TrainConfig, start_dir: str) -> AsyncIterator[tuple[DualVLLMCoordinator, VLLMClient]]:
+    """The base server (dev mode, loopback, on `start_dir`) and the teacher, with a coordinator."""
+    teacher = config.teacher or str(tinymodels.TEACHER_DIR)
+    base_cfg, teacher_cfg = pair_configs(start_dir, teacher, max_logprobs=max(config.top_k, 20),
+                                         dtype=tinymodels.SERVER_DTYPE)
+    base_cfg = base_cfg.model_copy(update={"dev_mode": True, "log_path": config.output_dir / "theta.log"})
+    teacher_cfg = teacher_cfg.model_copy(update={"log_path": config.output_dir / "t.log"})
+    async with launch_pair(base_cfg, teacher_cfg) as (theta_server, t_server):
+        coordinator_config = CoordinatorConfig(theta_url=theta_server.url, t_url=t_server.url, top_k=config.top_k,
+                                               max_batch_size=max(64, config.prompts_per_step * config.group_size),
+                                               seed=config.seed)
+        async with DualVLLMCoordinator(coordinator_config) as coordinator, \
+                VLLMClient(theta_server.url, name="theta") as base_client:
+            yield coordinator, base_client
+
+
+@contextlib.asynccontextmanager
+async def _process_pool() -> AsyncIterator[ProcessPoolExecutor]:
+    pool = ProcessPoolExecutor(max_workers=1)
+    try:
+        yield pool
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+def _log_metrics(path: Path, record: dict[str, Any]) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _prune_pushed(out: Path, keep: int = 1) -> None:
+    """Pushed weight directories are only needed while the server loads them."""
+    import shutil
+
+    pushed = sorted((out / "pushed").glob("step-*")) if (out / "pushed").is_dir() else []
+    for old in pushed[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
