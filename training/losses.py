@@ -91,6 +91,9 @@ def policy_loss(
         "ratio_mean": float(ratio[real].mean()) if real.any() else float("nan"),
         "ratio_max": float(ratio[real].max()) if real.any() else float("nan"),
         "clip_fraction": float((ratio[real] > is_cap).float().mean()) if real.any() else 0.0,
+        # Group-centred advantages sum to zero; importance weights can break that, and a
+        # negative mean then pushes down every sampled token (watch it in the metrics).
+        "weighted_advantage_mean": float(normalize((weights * advantages[:, None]).detach(), mask, "dapo")),
     }
     if logp_reference is not None and kl_coef > 0:
         kl = k3_kl(logp_policy, logp_reference)  # [B, T]

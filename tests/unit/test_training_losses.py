@@ -58,7 +58,8 @@ def test_policy_loss_value_gradient_and_metrics_by_hand():
     loss.backward()
     # d loss / d logp_t = -w_t A / n_tokens: the weights carry no gradient of their own.
     assert logp.grad.tolist()[0] == pytest.approx([-2.0 * 1.5 / 2, -0.5 * 1.5 / 2])
-    assert metrics == pytest.approx({"ratio_min": 0.5, "ratio_mean": 2.75, "ratio_max": 5.0, "clip_fraction": 0.5})
+    assert metrics == pytest.approx({"ratio_min": 0.5, "ratio_mean": 2.75, "ratio_max": 5.0, "clip_fraction": 0.5,
+                                     "weighted_advantage_mean": (2.0 * 1.5 + 0.5 * 1.5) / 2})
 
 
 def test_kl_penalty_is_added_per_token():
