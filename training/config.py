@@ -25,7 +25,7 @@ class TrainConfig(RaisesInvalidInput, BaseModel):
     fixed_alpha: float | None = Field(
         None, ge=0, le=1, description="None = sample from q* (alpha* per token); 0 = on-policy (base only); 1 = teacher only.")
     top_k: int = Field(20, ge=1, description="Top-k the coordinator merges per token.")
-    learning_rate: float = Field(3e-4, gt=0, description="AdamW learning rate.")
+    learning_rate: float = Field(1e-4, gt=0, description="AdamW learning rate (3e-4 degraded the tiny base under q*-GRPO; see README).")
     is_cap: float = Field(2.0, ge=1, description="Truncation of the per-token importance weight pi_theta / q*.")
     normalization: Normalization = Field("dapo", description="Loss normalization: grpo, dr_grpo or dapo (TRL's meanings).")
     scale_advantages: bool = Field(True, description="Divide group-relative advantages by the group std (False = Dr. GRPO).")
