@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import shutil
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from training.checkpoint import RunState
 from training.config import TrainConfig
 from training.learner import Learner
 from training.rollouts import ScoredBatch, Task, produce, sample_batch
-from training.verifiers import exact_match
+from training.verifiers import exact_match, score_in_pool
 from training.weight_sync import push_weights
 
 log = logging.getLogger("dualvllm.training")
@@ -147,8 +148,6 @@ async def train_grpo(config: TrainConfig, *, resume: bool = False, show_progress
 async def held_out_accuracy(coordinator: DualVLLMCoordinator, tasks: list[Task], max_tokens: int,
                             pool: ProcessPoolExecutor) -> float:
     """Greedy exact-match accuracy of the base model alone (alpha = 0) on `tasks`."""
-    from training.verifiers import score_in_pool
-
     outputs = await coordinator.generate_batch([list(t.prompt_ids) for t in tasks], max_tokens=max_tokens,
                                                temperature=0.0, fixed_alpha=0.0)
     rewards = await score_in_pool(exact_match, [o.generated_text for o in outputs], [t.reference for t in tasks], pool)
@@ -199,8 +198,6 @@ def _log_metrics(path: Path, record: dict[str, Any]) -> None:
 
 def _prune_pushed(out: Path, keep: int = 1) -> None:
     """Pushed weight directories are only needed while the server loads them."""
-    import shutil
-
     pushed = sorted((out / "pushed").glob("step-*")) if (out / "pushed").is_dir() else []
     for old in pushed[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
