@@ -182,8 +182,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.set_defaults(command=_demo)
 
     train = commands.add_parser(
-        "train", help="GRPO on q* rollouts: base and teacher servers, verified weight pushes, checkpoints")
-    train.add_argument("--method", choices=("grpo",), default="grpo", help="the update rule")
+        "train", help="GRPO or DPO on q* rollouts from the base and teacher servers")
+    train.add_argument("--method", choices=("grpo", "dpo"), default="grpo",
+                       help="grpo: streaming GRPO with weight pushes; dpo: TRL DPO on pairs mined from q* rollouts")
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
     _add_train_flags(train)
     train.set_defaults(command=_train)
@@ -242,6 +243,15 @@ async def _train(args: argparse.Namespace) -> int:
     from training.grpo import train_grpo
 
     values = {name: getattr(args, name) for name in TrainConfig.model_fields if getattr(args, name, None) is not None}
+    if args.method == "dpo":
+        from training.dpo import train_dpo
+
+        if args.resume:
+            raise InvalidInputError("--resume applies to grpo runs; a dpo run is short, start it again")
+        dpo = await train_dpo(TrainConfig(**values))
+        print(f"{dpo.pairs} preference pairs ({dpo.pairs_path}); held-out greedy accuracy of the base "
+              f"{dpo.accuracy_before:.1%} -> {dpo.accuracy_after:.1%}; model in {dpo.model_dir}")
+        return 0
     report = await train_grpo(TrainConfig(**values), resume=args.resume)
     print(f"{report.steps_done} steps; held-out greedy accuracy of the base {report.accuracy_before:.1%} -> "
           f"{report.accuracy_after:.1%}; {report.dropped_stale_batches} stale batches dropped; "

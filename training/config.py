@@ -10,7 +10,7 @@ from training.losses import Normalization
 
 
 class TrainConfig(RaisesInvalidInput, BaseModel):
-    """GRPO on q* rollouts: sampling, the update, weight pushes, checkpoints."""
+    """Training on q* rollouts (GRPO or DPO): sampling, the update, weight pushes, checkpoints."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -36,4 +36,6 @@ class TrainConfig(RaisesInvalidInput, BaseModel):
     keep_checkpoints: int = Field(3, ge=1, description="Checkpoints kept on disk (newest first); older ones are deleted.")
     eval_every: int = Field(20, ge=1, description="Held-out greedy accuracy of the base every N updates (and at start and end).")
     eval_prompts: int = Field(200, ge=1, description="Held-out problems per evaluation.")
+    dpo_beta: float = Field(0.1, gt=0, description="DPO: strength of the implicit KL to the starting model (TRL's beta).")
+    dpo_epochs: int = Field(1, ge=1, description="DPO: passes over the mined preference pairs.")
     seed: int = Field(0, description="Seeds data order, sampling and the learner.")

@@ -27,17 +27,15 @@ import torch
 from tqdm.auto import tqdm
 
 import tinymodels
-from coordinator import CoordinatorConfig, DualVLLMCoordinator
 from dualvllm.errors import InvalidInputError
-from engines.launcher import launch_pair, pair_configs
-from engines.vllm_client import VLLMClient
 from tinymodels.task import problems
 from training import checkpoint
 from training.checkpoint import RunState
 from training.config import TrainConfig
 from training.learner import Learner
 from training.rollouts import ScoredBatch, Task, produce, sample_batch
-from training.verifiers import exact_match, score_in_pool
+from training.verifiers import exact_match
+from training.serving import held_out_accuracy, serving
 from training.weight_sync import push_weights
 
 log = logging.getLogger("dualvllm.training")
@@ -84,7 +82,7 @@ async def train_grpo(config: TrainConfig, *, resume: bool = False, show_progress
     probes = [list(t.prompt_ids) for t in held_out[:PUSH_PROBES]]
     metrics_path = out / "metrics.jsonl"
 
-    async with _serving(config, start_dir) as (coordinator, base_client), \
+    async with serving(config, start_dir) as (coordinator, base_client), \
             _process_pool() as pool:
         async def sample(chosen: list[Task], seed: int):
             return await sample_batch(coordinator, chosen, group_size=config.group_size, max_tokens=config.max_tokens,
@@ -145,15 +143,6 @@ async def train_grpo(config: TrainConfig, *, resume: bool = False, show_progress
                        dropped_stale_batches=dropped, metrics_path=metrics_path)
 
 
-async def held_out_accuracy(coordinator: DualVLLMCoordinator, tasks: list[Task], max_tokens: int,
-                            pool: ProcessPoolExecutor) -> float:
-    """Greedy exact-match accuracy of the base model alone (alpha = 0) on `tasks`."""
-    outputs = await coordinator.generate_batch([list(t.prompt_ids) for t in tasks], max_tokens=max_tokens,
-                                               temperature=0.0, fixed_alpha=0.0)
-    rewards = await score_in_pool(exact_match, [o.generated_text for o in outputs], [t.reference for t in tasks], pool)
-    return sum(rewards) / len(rewards)
-
-
 async def _next_batch(queue: asyncio.Queue[ScoredBatch], sampler: asyncio.Task[None]) -> ScoredBatch:
     """The next scored batch; if the sampler died, its error instead of waiting forever."""
     getter = asyncio.ensure_future(queue.get())
@@ -163,23 +152,6 @@ async def _next_batch(queue: asyncio.Queue[ScoredBatch], sampler: asyncio.Task[N
     getter.cancel()
     sampler.result()  # raises the sampler's error
     raise RuntimeError("the sampler stopped without an error")
-
-
-@contextlib.asynccontextmanager
-async def _serving(config: TrainConfig, start_dir: str) -> AsyncIterator[tuple[DualVLLMCoordinator, VLLMClient]]:
-    """The base server (dev mode, loopback, on `start_dir`) and the teacher, with a coordinator."""
-    teacher = config.teacher or str(tinymodels.TEACHER_DIR)
-    base_cfg, teacher_cfg = pair_configs(start_dir, teacher, max_logprobs=max(config.top_k, 20),
-                                         dtype=tinymodels.SERVER_DTYPE)
-    base_cfg = base_cfg.model_copy(update={"dev_mode": True, "log_path": config.output_dir / "theta.log"})
-    teacher_cfg = teacher_cfg.model_copy(update={"log_path": config.output_dir / "t.log"})
-    async with launch_pair(base_cfg, teacher_cfg) as (theta_server, t_server):
-        coordinator_config = CoordinatorConfig(theta_url=theta_server.url, t_url=t_server.url, top_k=config.top_k,
-                                               max_batch_size=max(64, config.prompts_per_step * config.group_size),
-                                               seed=config.seed)
-        async with DualVLLMCoordinator(coordinator_config) as coordinator, \
-                VLLMClient(theta_server.url, name="theta") as base_client:
-            yield coordinator, base_client
 
 
 @contextlib.asynccontextmanager
