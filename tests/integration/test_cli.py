@@ -147,3 +147,17 @@ def test_train_pushes_verified_weights_and_resumes_after_a_kill(tmp_path):
     third = dualvllm(*args)
     _, stderr = third.communicate(timeout=120)
     assert third.returncode == 2 and "--resume" in stderr
+
+
+def test_train_dpo_mines_pairs_and_trains(tmp_path):
+    out = tmp_path / "dpo"
+    run = dualvllm("train", "--method", "dpo", "--output-dir", str(out), "--steps", "2", "--prompts-per-step", "8",
+                   "--group-size", "4", "--eval-prompts", "16")
+    stdout, stderr = run.communicate(timeout=900)
+    assert run.returncode == 0, stderr[-3000:]
+    pairs = [json.loads(line) for line in (out / "pairs.jsonl").read_text().splitlines()]
+    assert pairs and f"{len(pairs)} preference pairs" in stdout
+    tasks = {p.prompt: p.answer for p in problems("train")}
+    for pair in pairs:  # chosen is the verified answer, rejected is not
+        assert pair["chosen"] == tasks[pair["prompt"]] and pair["rejected"] != tasks[pair["prompt"]]
+    assert (out / "final" / "model.safetensors").is_file()
