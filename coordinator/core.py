@@ -25,7 +25,7 @@ from coordinator.outputs import GenerationOutput, Prompt
 from coordinator.prompts import encode_prompts
 from coordinator.scheduler import Scheduler
 from coordinator.sequence import SamplingParams, SequenceState
-from coordinator.stats import Statistics
+from coordinator.stats import Statistics, StepTiming
 from dualvllm.errors import InvalidInputError, LifecycleError
 from engines.protocol import Engine
 from engines.vllm_client import VLLMClient
@@ -211,6 +211,10 @@ class DualVLLMCoordinator:
     def recent_step_latencies_s(self) -> list[float]:
         """Wall time of the most recent steps, oldest first (a bounded window)."""
         return list(self._stats.step_latencies_s)
+
+    def recent_step_timings(self) -> list[StepTiming]:
+        """Where the most recent steps spent their time, phase by phase, oldest first."""
+        return list(self._stats.step_timings)
 
     def _require_open(self) -> Scheduler:
         if self._state != "open" or self._scheduler is None:

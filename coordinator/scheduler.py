@@ -12,12 +12,13 @@ import asyncio
 import logging
 import time
 from collections import deque
+from typing import Awaitable, TypeVar
 
 import numpy as np
 
 from coordinator.config import CoordinatorConfig
 from coordinator.sequence import SequenceState
-from coordinator.stats import Statistics
+from coordinator.stats import Statistics, StepTiming
 from coordinator.step import StepResult, mix_and_sample
 from dualvllm.errors import DualVLLMError
 from engines.protocol import Engine, TopKBatch
@@ -25,6 +26,7 @@ from engines.protocol import Engine, TopKBatch
 log = logging.getLogger("dualvllm.coordinator")
 # Tokens to average over before judging top-k coverage: the first few can be unusual.
 COVERAGE_WARNING_MIN_TOKENS = 64
+T = TypeVar("T")
 
 
 class Scheduler:
@@ -112,12 +114,12 @@ class Scheduler:
     async def _step(self, active: list[SequenceState]) -> None:
         started = time.perf_counter()
         k = self._config.top_k
-        results = await asyncio.gather(
-            self._theta.next_token_topk([s.theta_context() for s in active], k),
-            self._t.next_token_topk([s.t_context() for s in active], k),
-            return_exceptions=True,
+        (theta_result, theta_s), (t_result, t_s) = await asyncio.gather(
+            _timed(self._theta.next_token_topk([s.theta_context() for s in active], k)),
+            _timed(self._t.next_token_topk([s.t_context() for s in active], k)),
         )
-        for engine, result in zip((self._theta, self._t), results):
+        answered = time.perf_counter()
+        for engine, result in ((self._theta, theta_result), (self._t, t_result)):
             if isinstance(result, DualVLLMError):
                 log.warning("%s request for %d sequences failed: %s", engine.name, len(active), result)
                 for seq in active:
@@ -125,14 +127,23 @@ class Scheduler:
                 return
             if isinstance(result, BaseException):
                 raise result
-        theta_topk, t_topk = results
-        assert isinstance(theta_topk, TopKBatch) and isinstance(t_topk, TopKBatch)
+        assert isinstance(theta_result, TopKBatch) and isinstance(t_result, TopKBatch)
 
-        step = self._sample(active, theta_topk, t_topk)
+        step = self._sample(active, theta_result, t_result)
+        sampled = time.perf_counter()
         self._record(active, step)
         await self._check_stop_strings([s for s in active if s.params.stop and s.error is None])
-        self._stats.record_step(len(active), float(step.alpha.sum()), time.perf_counter() - started,
-                                float(step.coverage_theta.sum()), float(step.coverage_t.sum()))
+        finished = time.perf_counter()
+        merge_s, alpha_s, sample_s = step.phase_s
+        timing = StepTiming(
+            batch=len(active), theta_s=theta_s, t_s=t_s, servers_s=answered - started,
+            merge_s=merge_s, alpha_s=alpha_s, sample_s=sample_s,
+            # what _sample spent outside the three phases (building its inputs) counts here too
+            bookkeeping_s=(finished - answered) - (merge_s + alpha_s + sample_s),
+            total_s=finished - started,
+        )
+        self._stats.record_step(len(active), float(step.alpha.sum()), finished - started,
+                                float(step.coverage_theta.sum()), float(step.coverage_t.sum()), timing)
         self._warn_if_k_is_too_small()
 
     def _warn_if_k_is_too_small(self) -> None:
@@ -216,3 +227,13 @@ class Scheduler:
         if seq.error is not None:
             self._stats.sequences_failed += 1
         seq.sink.put_nowait(seq.output())
+
+
+async def _timed(call: Awaitable[T]) -> tuple[T | BaseException, float]:
+    """(result or the exception it raised, wall seconds): one server call of a step."""
+    started = time.perf_counter()
+    try:
+        result: T | BaseException = await call
+    except Exception as exc:  # handed to the step, which decides what fails
+        result = exc
+    return result, time.perf_counter() - started

@@ -11,6 +11,27 @@ import numpy as np
 LATENCY_WINDOW_STEPS = 10_000
 
 
+@dataclass(frozen=True, slots=True)
+class StepTiming:
+    """Where one step's wall time went (seconds, from time.perf_counter).
+
+    The two server calls run concurrently, so `servers_s` (both done) is about
+    max(theta_s, t_s), not their sum; each call's time includes building its request and
+    parsing its answer. The other phases run one after another: total_s ≈ servers_s +
+    merge_s + alpha_s + sample_s + bookkeeping_s.
+    """
+
+    batch: int  # sequences in the step (= tokens it produced)
+    theta_s: float  # base server call, request built to answer parsed
+    t_s: float  # teacher server call
+    servers_s: float  # both calls, from the first sent to the last parsed
+    merge_s: float  # union of the two top-k lists and fill values
+    alpha_s: float  # temperature and the alpha* solve
+    sample_s: float  # q*, the sampled index, gathering the per-row results
+    bookkeeping_s: float  # per-sequence records, stop rules and stop strings, statistics
+    total_s: float
+
+
 @dataclass
 class Statistics:
     tokens: int = 0  # tokens sampled (all sequences)
@@ -22,9 +43,11 @@ class Statistics:
     coverage_t_sum: float = 0.0
     busy_s: float = 0.0  # wall time spent inside steps
     step_latencies_s: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW_STEPS))
+    step_timings: deque[StepTiming] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW_STEPS))
 
     def record_step(self, n_tokens: int, alpha_sum: float, seconds: float,
-                    coverage_theta_sum: float = 0.0, coverage_t_sum: float = 0.0) -> None:
+                    coverage_theta_sum: float = 0.0, coverage_t_sum: float = 0.0,
+                    timing: StepTiming | None = None) -> None:
         self.steps += 1
         self.tokens += n_tokens
         self.alpha_sum += alpha_sum
@@ -32,6 +55,8 @@ class Statistics:
         self.coverage_t_sum += coverage_t_sum
         self.busy_s += seconds
         self.step_latencies_s.append(seconds)
+        if timing is not None:
+            self.step_timings.append(timing)
 
     def summary(self, requests: int, retries: int, request_failures: int) -> dict[str, float]:
         latencies = np.asarray(self.step_latencies_s) * 1e3

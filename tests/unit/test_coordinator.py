@@ -109,6 +109,27 @@ async def test_one_slow_server_delays_but_does_not_change_the_samples(fake_theta
     assert statistics["step_latency_p95_ms"] >= 300
 
 
+async def test_step_timings_attribute_a_slow_server_to_its_own_call(fake_theta, fake_t):
+    async with DualVLLMCoordinator(config(fake_theta, fake_t)) as c:
+        # The teacher answers the first 2 steps 0.3 s late; the base is not delayed.
+        fake_t.fail_next("/v1/completions", *[Failure(0, delay_s=0.3)] * 2)
+        await c.generate_batch(["ab", "cd", "ef"], max_tokens=4, seed=5, ignore_eos=True)
+        timings = c.recent_step_timings()
+        latencies = c.recent_step_latencies_s()
+    assert [t.batch for t in timings] == [3, 3, 3, 3]
+    assert [t.total_s for t in timings] == latencies
+    slow, fast = timings[:2], timings[2:]
+    for timing in slow:
+        assert timing.t_s >= 0.3 and timing.theta_s < 0.3
+        # The calls ran concurrently: waiting for both took about as long as the slower one.
+        assert timing.t_s <= timing.servers_s < timing.t_s + timing.theta_s
+    assert all(t.t_s < 0.3 for t in fast)
+    for timing in timings:
+        phases = (timing.servers_s, timing.merge_s, timing.alpha_s, timing.sample_s, timing.bookkeeping_s)
+        assert all(p >= 0 for p in phases)
+        assert sum(phases) == pytest.approx(timing.total_s, rel=1e-9)
+
+
 async def test_a_too_small_top_k_is_warned_about_once(fake_theta, fake_t, caplog):
     async with DualVLLMCoordinator(config(fake_theta, fake_t, top_k=2)) as c:
         await c.generate_batch(["ab"] * 40, max_tokens=4, seed=0)
