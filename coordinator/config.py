@@ -36,6 +36,10 @@ class CoordinatorConfig(RaisesInvalidInput, BaseSettings):
     request_timeout: float = Field(60.0, gt=0, description="Seconds one HTTP request may take before it counts as failed.")
     connection_pool_size: int = Field(32, ge=1, le=1024, description="Open connections kept per server.")
     max_batch_size: int = Field(64, ge=1, le=4096, description="Sequences generated concurrently; each step sends one request per server for all of them.")
+    speculative_gamma: int = Field(
+        0, ge=0, le=64, description="Speculative q* sampling: tokens the drafter samples per round, kept up to the first one q*'s acceptance rule rejects (coordinator/speculative.py); 0 = per-token mode.")
+    speculative_drafter: Literal["theta", "t"] = Field(
+        "theta", description="Which server drafts in speculative mode (the other scores the draft): theta = the base, t = the teacher.")
     seed: int | None = Field(0, description="Seed of the per-sequence samplers when a call gives none; None = fresh entropy.")
     eos_token_ids: tuple[int, ...] | None = Field(
         None, description="Override the EOS ids learned from the servers (needed if they cannot tell).")

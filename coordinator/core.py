@@ -25,6 +25,7 @@ from coordinator.outputs import GenerationOutput, Prompt
 from coordinator.prompts import encode_prompts
 from coordinator.scheduler import Scheduler
 from coordinator.sequence import SamplingParams, SequenceState
+from coordinator.speculative import SpeculativeScheduler, speculative_scheduler
 from coordinator.stats import Statistics, StepTiming
 from dualvllm.errors import InvalidInputError, LifecycleError
 from engines.protocol import Engine
@@ -93,7 +94,8 @@ class DualVLLMCoordinator:
                  infos[0].name, infos[1].name, cfg.top_k, sorted(eos_ids), max_len)
         self._theta, self._t = theta, t
         vocab_sizes = [info.vocab_size for info in infos if info.vocab_size]
-        self._scheduler = Scheduler(theta, t, config=cfg, eos_ids=eos_ids, max_len=max_len,
+        scheduler = speculative_scheduler(theta, t) if cfg.speculative_gamma else Scheduler
+        self._scheduler = scheduler(theta, t, config=cfg, eos_ids=eos_ids, max_len=max_len,
                                     stats=self._stats, vocab_size=min(vocab_sizes) if vocab_sizes else None)
         self._eos_ids = eos_ids
 
@@ -200,13 +202,17 @@ class DualVLLMCoordinator:
         return outputs  # type: ignore[return-value]
 
     def get_statistics(self) -> dict[str, float]:
-        """Tokens, requests, retries, failures, mean alpha, tokens/s, step latency p50/p95."""
+        """Tokens, requests, retries, failures, mean alpha, tokens/s, step latency p50/p95;
+        in speculative mode also the acceptance rate and tokens per sequence-round."""
         engines = [e for e in (self._theta, self._t) if e is not None]
-        return self._stats.summary(
+        summary = self._stats.summary(
             requests=sum(getattr(e, "requests", 0) for e in engines),
             retries=sum(getattr(e, "retries", 0) for e in engines),
             request_failures=sum(getattr(e, "failures", 0) for e in engines),
         )
+        if isinstance(self._scheduler, SpeculativeScheduler):
+            summary.update(self._scheduler.acceptance.summary())
+        return summary
 
     def recent_step_latencies_s(self) -> list[float]:
         """Wall time of the most recent steps, oldest first (a bounded window)."""

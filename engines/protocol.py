@@ -69,3 +69,40 @@ class Engine(Protocol):
     async def eos_token_ids(self) -> frozenset[int]:
         """Ids that end a sequence (empty if the engine cannot tell)."""
         ...
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Tokens one engine sampled natively, with its top-k before each of them.
+
+    Sampling is restricted to the engine's own top-k at the given temperature, so the
+    draft distribution p_D(y) = exp(lp(y)/T) / sum_{z in top-k} exp(lp(z)/T) is known
+    exactly from `topk` (what speculative acceptance needs).
+    """
+
+    token_ids: np.ndarray  # int64 [n], the sampled continuation
+    topk: TopKBatch  # [n, w]: row j is the top-k before token j (raw logprobs)
+
+
+@runtime_checkable
+class SpeculativeEngine(Engine, Protocol):
+    """An engine that can also draft several tokens and score continuations in one call each."""
+
+    async def draft(self, context: Sequence[int], *, max_tokens: int, k: int, temperature: float,
+                    seed: int) -> Draft:
+        """Sample `max_tokens` tokens after `context` from the top-k at `temperature` (0 = greedy).
+
+        EOS does not stop a draft: the caller applies its own stop rules. `seed` makes the
+        draft reproducible.
+        """
+        ...
+
+    async def score_continuations(self, contexts: Sequence[Sequence[int]],
+                                  continuations: Sequence[Sequence[int]], k: int) -> list[TopKBatch]:
+        """Top-k before each token of each continuation, in one batched call.
+
+        Row j of answer i is the top-k after contexts[i] + continuations[i][:j] (exactly the
+        rows next_token_topk would give for those contexts; the continuation's own tokens
+        are not added unless they are in the top-k).
+        """
+        ...

@@ -8,6 +8,10 @@ Next-token top-k uses `/v1/completions` with token-id prompts (a list of lists b
 all contexts into one request), `max_tokens: 1`, `temperature: 0` (so the sampled token
 is the argmax and already inside the top k) and `return_tokens_as_token_ids: true`
 (otherwise distinct ids that decode to the same string collide in the logprobs dict).
+
+Speculative rounds use native generation (`draft`: several tokens sampled from the top-k,
+with their top-k per position) and `prompt_logprobs` (`score_continuations`: the top-k at
+every position of context + draft in one request).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from dualvllm.errors import (
     UnknownModelError,
 )
 from engines.http import RetryPolicy, expect, request_json
-from engines.protocol import PAD_TOKEN_ID, ModelInfo, TopKBatch
+from engines.protocol import PAD_TOKEN_ID, Draft, ModelInfo, TopKBatch
 
 TOKEN_ID_PREFIX = "token_id:"  # key format with return_tokens_as_token_ids
 
@@ -175,8 +179,13 @@ class VLLMClient:
             "temperature": 0.0,
             "return_tokens_as_token_ids": True,
         }
+        body = await self._completions(payload, k)
+        return self._parse_topk(body, len(contexts), k)
+
+    async def _completions(self, payload: dict[str, Any], k: int) -> Any:
+        """POST /v1/completions; a refused logprob count becomes TopKUnsupportedError."""
         try:
-            body = await self.call("POST", "/v1/completions", payload)
+            return await self.call("POST", "/v1/completions", payload)
         except ServerRejectedError as err:
             if "max_logprobs" in err.body or "max allowed" in err.body:
                 raise TopKUnsupportedError(
@@ -184,7 +193,6 @@ class VLLMClient:
                     f"Restart it with `--max-logprobs {k}` (or more), or lower top_k."
                 ) from err
             raise
-        return self._parse_topk(body, len(contexts), k)
 
     def _parse_topk(self, body: Any, batch_size: int, k: int) -> TopKBatch:
         choices = body.get("choices") if isinstance(body, dict) else None
@@ -205,6 +213,67 @@ class VLLMClient:
             token_ids[row, :n] = ids[:n]
             logprobs[row, :n] = list(entries.values())[:n]
         return TopKBatch(token_ids=token_ids, logprobs=logprobs)
+
+    # -- speculative rounds (engines.protocol.SpeculativeEngine) ------------------------
+
+    async def draft(self, context: Sequence[int], *, max_tokens: int, k: int, temperature: float,
+                    seed: int) -> Draft:
+        """Native generation of `max_tokens` tokens sampled from the top-k at `temperature`.
+
+        One request per sequence: vLLM gives every prompt of a batched request the same
+        seed, which would draw identical drafts for identical prompts.
+        """
+        info = await self.model_info()
+        payload = {
+            "model": info.name, "prompt": list(context), "max_tokens": max_tokens, "logprobs": k,
+            "temperature": temperature, "seed": seed, "ignore_eos": True,
+            "return_tokens_as_token_ids": True, **neutral_sampling(k),
+        }
+        body = await self._completions(payload, k)
+        choices = body.get("choices") if isinstance(body, dict) else None
+        expect(isinstance(choices, list) and len(choices) == 1, self.name, self.url, "expected 1 choice")
+        logprobs = choices[0].get("logprobs") or {}
+        tokens = [_token_id(t) for t in logprobs.get("tokens") or []]
+        top = logprobs.get("top_logprobs") or []
+        expect(0 < len(tokens) == len(top), self.name, self.url,
+               "a draft without per-token top_logprobs; was `logprobs` dropped by a proxy?")
+        rows = [_top_row({_token_id(key): v for key, v in entries.items()}, token, k)
+                for entries, token in zip(top, tokens)]
+        return Draft(token_ids=np.asarray(tokens, dtype=np.int64), topk=_pack_rows(rows, k))
+
+    async def score_continuations(self, contexts: Sequence[Sequence[int]],
+                                  continuations: Sequence[Sequence[int]], k: int) -> list[TopKBatch]:
+        """One batched request: prompt_logprobs over each context + continuation[:-1], and the
+        next-token top-k after it for the continuation's last position."""
+        info = await self.model_info()
+        payload: dict[str, Any] = {
+            "model": info.name,
+            "prompt": [list(c) + list(x[:-1]) for c, x in zip(contexts, continuations)],
+            "max_tokens": 1, "logprobs": k, "temperature": 0.0, "return_tokens_as_token_ids": True,
+        }
+        # prompt_logprobs bypasses the prefix cache: ask for them only when some row needs them.
+        if any(len(x) > 1 for x in continuations):
+            payload["prompt_logprobs"] = k
+        body = await self._completions(payload, k)
+        choices = body.get("choices") if isinstance(body, dict) else None
+        expect(isinstance(choices, list) and len(choices) == len(contexts), self.name, self.url,
+               f"expected {len(contexts)} choices")
+        answers: list[TopKBatch | None] = [None] * len(contexts)
+        for choice in choices:
+            index = int(choice["index"])
+            continuation = list(continuations[index])
+            prompt_logprobs = choice.get("prompt_logprobs") or []
+            prompt_rows = prompt_logprobs[len(prompt_logprobs) - (len(continuation) - 1):]
+            expect(len(prompt_rows) == len(continuation) - 1 and all(prompt_rows), self.name, self.url,
+                   "prompt_logprobs missing for the scored continuation")
+            rows = [_top_row({int(key): v["logprob"] for key, v in entries.items()}, token, k)
+                    for entries, token in zip(prompt_rows, continuation[:-1])]
+            top = ((choice.get("logprobs") or {}).get("top_logprobs") or [None])[0]
+            expect(isinstance(top, dict) and len(top) > 0, self.name, self.url, "choice without top_logprobs")
+            rows.append(_top_row({_token_id(key): v for key, v in top.items()}, None, k))
+            answers[index] = _pack_rows(rows, k)
+        assert all(a is not None for a in answers)
+        return answers  # type: ignore[return-value]
 
     async def _eos_ids_from_tokenizer_info(self) -> frozenset[int]:
         try:
@@ -246,3 +315,38 @@ def _eos_ids_from_model_dir(root: Path) -> frozenset[int]:
         elif isinstance(value, list):
             ids.update(v for v in value if isinstance(v, int))
     return frozenset(ids)
+
+
+def neutral_sampling(k: int) -> dict[str, Any]:
+    """Sampling fields that make a draft's distribution the top-k at the request temperature.
+
+    Every field is sent explicitly: vLLM otherwise takes defaults from the model's
+    generation_config.json (e.g. top_p 0.8, repetition_penalty 1.05 for Qwen models), and
+    any of them would change the distribution the acceptance test divides by.
+    """
+    return {"top_k": k, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
+            "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_tokens": 0}
+
+
+def _token_id(key: str) -> int:
+    return int(key[len(TOKEN_ID_PREFIX):]) if key.startswith(TOKEN_ID_PREFIX) else int(key)
+
+
+def _top_row(entries: dict[int, float], token: int | None, k: int) -> tuple[list[int], list[float]]:
+    """A position's top-k as (ids, logprobs); vLLM adds the position's own token as a (k+1)-th
+    entry when it is not in the top k, and that entry is dropped so rows match next_token_topk."""
+    if token is not None and len(entries) > k:
+        entries = {t: v for t, v in entries.items() if t != token}
+    return list(entries), [float(v) for v in entries.values()]
+
+
+def _pack_rows(rows: list[tuple[list[int], list[float]]], k: int) -> TopKBatch:
+    """Rows of (ids, logprobs) -> a TopKBatch padded to width k + 1."""
+    width = k + 1
+    token_ids = np.full((len(rows), width), PAD_TOKEN_ID, dtype=np.int64)
+    logprobs = np.full((len(rows), width), -np.inf, dtype=np.float64)
+    for row, (ids, values) in enumerate(rows):
+        n = min(len(ids), width)
+        token_ids[row, :n] = ids[:n]
+        logprobs[row, :n] = values[:n]
+    return TopKBatch(token_ids=token_ids, logprobs=logprobs)

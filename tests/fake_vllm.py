@@ -133,12 +133,46 @@ class FakeVLLM:
             return web.Response(status=400, text=f"Requested sample logprobs of {k}, which is "
                                                  f"greater than max allowed: {self.max_logprobs}")
         prompts = body["prompt"]
+        if prompts and isinstance(prompts[0], int):  # a single prompt
+            prompts = [prompts]
+        max_tokens = body.get("max_tokens", 1)
         choices = []
         for index, context in enumerate(prompts):
-            if len(context) + 1 > self.model.max_model_len:
+            if len(context) + max_tokens > self.model.max_model_len:
                 return web.Response(status=400, text="This model's maximum context length is exceeded")
-            logprobs = self.model.logprobs(context)
-            top = np.argsort(-logprobs)[:k]
-            choices.append({"index": index, "text": "", "logprobs": {
-                "top_logprobs": [{f"token_id:{int(t)}": float(logprobs[t]) for t in top}]}})
+            # Like vLLM, every prompt of a request gets a generator seeded with the request's seed.
+            rng = np.random.default_rng(body.get("seed"))
+            sequence, tokens, tops = list(context), [], []
+            for _ in range(max_tokens):
+                logprobs = self.model.logprobs(sequence)
+                top = np.argsort(-logprobs)[:k]
+                token = self._sample(logprobs, body, rng)
+                entries = {f"token_id:{int(t)}": float(logprobs[t]) for t in top}
+                entries.setdefault(f"token_id:{token}", float(logprobs[token]))
+                tokens.append(f"token_id:{token}")
+                tops.append(entries)
+                sequence.append(token)
+            choice = {"index": index, "text": "", "logprobs": {"tokens": tokens, "top_logprobs": tops}}
+            if body.get("prompt_logprobs"):
+                choice["prompt_logprobs"] = [None] + [
+                    self._prompt_entries(context[:j], context[j], body["prompt_logprobs"])
+                    for j in range(1, len(context))]
+            choices.append(choice)
         return web.json_response({"choices": choices})
+
+    def _sample(self, logprobs: np.ndarray, body: dict, rng: np.random.Generator) -> int:
+        """vLLM's sampler: argmax at temperature 0, else softmax(lp/T) over the top_k (0 = all)."""
+        temperature = body.get("temperature", 1.0)
+        if temperature == 0:
+            return int(np.argmax(logprobs))
+        allowed = np.argsort(-logprobs)[:body.get("top_k") or len(logprobs)]
+        scaled = logprobs[allowed] / temperature
+        return int(rng.choice(allowed, p=np.exp(scaled - np.logaddexp.reduce(scaled))))
+
+    def _prompt_entries(self, prefix: list[int], token: int, k: int) -> dict[str, dict]:
+        """vLLM's prompt_logprobs entry: the top-k before `token`, plus `token` itself."""
+        logprobs = self.model.logprobs(prefix)
+        ranked = [int(t) for t in np.argsort(-logprobs)]
+        chosen = dict.fromkeys([*ranked[:k], token])
+        return {str(t): {"logprob": float(logprobs[t]), "rank": ranked.index(t) + 1,
+                         "decoded_token": f"token_id:{t}"} for t in chosen}

@@ -1,0 +1,305 @@
+"""Speculative q* sampling: several tokens per round trip, distributed as per-token q* sampling.
+
+Opt-in with `CoordinatorConfig.speculative_gamma` = gamma > 0. Each round, for every
+active sequence:
+
+1. the drafter D (the base by default: alpha* is usually below 1/2, so q* is closer to it)
+   samples up to gamma tokens natively, from its own top-k at the sampling temperature,
+   with their top-k per position: one seeded request per sequence, all concurrent;
+2. the scorer S returns its top-k before every drafted token: ONE batched request for
+   all sequences (prompt_logprobs);
+3. per position, the two top-k lists are merged and q* is solved exactly as in the
+   per-token step (same fill rule, temperature, alpha* solver); the drafted tokens are
+   kept up to the first one the speculative rule rejects, which is replaced by a draw
+   from the residual (theory.speculative). A round yields 1 to gamma tokens.
+
+Exact: every kept token is distributed as q* over the merged candidates, the very
+distribution per-token mode samples from (the top-k approximation is the same), for any
+drafter, because D's sampling distribution is known exactly (its top-k at temperature T,
+renormalized; vLLM `top_k` = k). The records (alpha, log q*, log pi_theta, log pi_t) are
+those per-token mode would write. Approximate, as in per-token mode: q* is over the union
+of the two top-k lists with filled values. Not bit-identical to per-token mode: the samples
+differ (the same distribution, other draws), and S's logprobs come from a prefill instead
+of a decode step (float rounding).
+
+Stops are the coordinator's own: drafts run past EOS, and a sequence keeps the round's
+tokens only up to the one that ends it (EOS, stop token, stop string, max_tokens, context
+limit). A failed draft request fails its one sequence; a failed scoring request the
+sequences it carried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from coordinator.scheduler import Scheduler
+from coordinator.sequence import SequenceState
+from dualvllm.errors import DualVLLMError, InvalidInputError
+from engines.protocol import PAD_TOKEN_ID, Draft, SpeculativeEngine, TopKBatch
+from theory.alpha import solve_alpha
+from theory.diagnostics import token_diagnostics
+from theory.merge import MergedTopK, merge_topk
+from theory.mixture import apply_temperature, mixture_logprobs
+from theory.speculative import NOT_A_CANDIDATE, RoundDecision, decide_round, draft_logprobs
+
+log = logging.getLogger("dualvllm.coordinator")
+# vLLM takes a seed in [-2^63, 2^63).
+SEED_BOUND = 2**63
+
+
+@dataclass
+class AcceptanceStats:
+    """Counters of the speculative rule, summed over rounds and sequences."""
+
+    rounds: int = 0  # sequence-rounds (one draft each)
+    drafted: int = 0  # tokens drafted
+    judged: int = 0  # drafted tokens the rule looked at (up to and including the first rejection)
+    accepted: int = 0  # of those, kept
+    emitted: int = 0  # tokens appended to sequences (kept drafts and replacements, after stops)
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "speculative_rounds": self.rounds,
+            "speculative_drafted_tokens": self.drafted,
+            "speculative_acceptance_rate": self.accepted / self.judged if self.judged else float("nan"),
+            "speculative_tokens_per_round": self.emitted / self.rounds if self.rounds else float("nan"),
+        }
+
+
+@dataclass
+class TokenRecord:
+    """One emitted token and what per-token mode would record for it."""
+
+    token: int
+    alpha: float
+    logprob_q: float
+    logprob_theta: float
+    logprob_t: float
+    coverage_theta: float
+    coverage_t: float
+    diagnostics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Target:
+    """q* at every drafted position, as the per-token step computes it."""
+
+    merged: MergedTopK
+    logp_theta: np.ndarray  # float64 [R, n], tempered and renormalized over the candidates
+    logp_t: np.ndarray  # float64 [R, n]
+    alpha: np.ndarray  # float64 [R]
+    logq: np.ndarray  # float64 [R, n]
+
+
+def solve_target(theta: TopKBatch, t: TopKBatch, temperature: np.ndarray, fixed_alpha: np.ndarray, *,
+                 fill: str, vocab_size: int | None, alpha_tol: float, alpha_max_iter: int) -> Target:
+    """Merge, temperature (1 for greedy rows), alpha* (where fixed_alpha is NaN) and q* -> Target."""
+    merged = merge_topk(theta.token_ids, theta.logprobs, t.token_ids, t.logprobs,
+                        fill=fill, vocab_size=vocab_size)  # type: ignore[arg-type]
+    temps = np.where(temperature == 0.0, 1.0, temperature)
+    logp_theta = apply_temperature(merged.logp_theta, temps, merged.mask)
+    logp_t = apply_temperature(merged.logp_t, temps, merged.mask)
+    alpha = fixed_alpha.copy()
+    solve = np.isnan(alpha)
+    if solve.any():
+        alpha[solve] = solve_alpha(logp_theta[solve], logp_t[solve], merged.mask[solve],
+                                   tol=alpha_tol, max_iter=alpha_max_iter)
+    return Target(merged, logp_theta, logp_t, alpha, mixture_logprobs(logp_theta, logp_t, alpha, merged.mask))
+
+
+def speculative_scheduler(theta: object, t: object) -> type[Scheduler]:
+    """SpeculativeScheduler, once both engines are known to support speculative rounds."""
+    for engine in (theta, t):
+        if not isinstance(engine, SpeculativeEngine):
+            raise InvalidInputError(
+                f"speculative_gamma > 0 needs engines that draft and score continuations (the vLLM "
+                f"client, TransformersEngine); {type(engine).__name__} does not. Set speculative_gamma=0.")
+    return SpeculativeScheduler
+
+
+class SpeculativeScheduler(Scheduler):
+    """The continuous batch of `Scheduler`, advanced by speculative rounds instead of steps."""
+
+    def __init__(self, theta: SpeculativeEngine, t: SpeculativeEngine, **kwargs) -> None:
+        super().__init__(theta, t, **kwargs)
+        self._drafter_is_theta = self._config.speculative_drafter == "theta"
+        self._drafter, self._scorer = (theta, t) if self._drafter_is_theta else (t, theta)
+        self.acceptance = AcceptanceStats()
+
+    def _draft_context(self, seq: SequenceState) -> list[int]:
+        return seq.theta_context() if self._drafter_is_theta else seq.t_context()
+
+    def _score_context(self, seq: SequenceState) -> list[int]:
+        return seq.t_context() if self._drafter_is_theta else seq.theta_context()
+
+    def _draft_length(self, seq: SequenceState) -> int:
+        """gamma, cut so the round cannot pass max_tokens or the servers' context limit."""
+        room = self._max_len - max(len(seq.theta_prompt_ids), len(seq.t_prompt_ids)) - len(seq.tokens)
+        return max(1, min(self._config.speculative_gamma, seq.params.max_tokens - len(seq.tokens), room))
+
+    async def _step(self, active: list[SequenceState]) -> None:
+        started = time.perf_counter()
+        k = self._config.top_k
+        seeds = [int(seq.rng.integers(SEED_BOUND)) for seq in active]
+        results = await asyncio.gather(*(
+            self._drafter.draft(self._draft_context(seq), max_tokens=self._draft_length(seq), k=k,
+                                temperature=seq.params.temperature, seed=seed)
+            for seq, seed in zip(active, seeds)), return_exceptions=True)
+        carried: list[tuple[SequenceState, Draft]] = []
+        for seq, result in zip(active, results):
+            if isinstance(result, DualVLLMError):
+                log.warning("%s draft request failed: %s", self._drafter.name, result)
+                seq.fail(f"{self._drafter.name} server, draft: {result}")
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                carried.append((seq, result))
+        if not carried:
+            return
+        sequences, drafts = [s for s, _ in carried], [d for _, d in carried]
+        try:
+            scored = await self._scorer.score_continuations(
+                [self._score_context(s) for s in sequences], [d.token_ids.tolist() for d in drafts], k)
+        except DualVLLMError as err:
+            log.warning("%s scoring request for %d sequences failed: %s", self._scorer.name, len(sequences), err)
+            for seq in sequences:
+                seq.fail(f"{self._scorer.name} server: {err}")
+            return
+        records = self._judge(sequences, drafts, scored)
+        counts = await asyncio.gather(*(self._emit(seq, recs) for seq, recs in zip(sequences, records)))
+        emitted = [rec for recs, n in zip(records, counts) for rec in recs[:n]]
+        self.acceptance.emitted += len(emitted)
+        self._stats.record_step(len(emitted), sum(r.alpha for r in emitted), time.perf_counter() - started,
+                                sum(r.coverage_theta for r in emitted), sum(r.coverage_t for r in emitted))
+        self._warn_if_k_is_too_small()
+
+    def _judge(self, sequences: list[SequenceState], drafts: list[Draft],
+               scored: list[TopKBatch]) -> list[list[TokenRecord]]:
+        """q* at every drafted position and the speculative rule -> the tokens each sequence may keep."""
+        lengths = np.array([d.token_ids.shape[0] for d in drafts], dtype=np.int64)  # [S]
+        drafted = _stack([d.topk for d in drafts])
+        scoring = _stack(scored)
+        theta, t = (drafted, scoring) if self._drafter_is_theta else (scoring, drafted)
+        params = [s.params for s in sequences]
+        temperature = np.repeat([p.temperature for p in params], lengths)  # [R]
+        fixed = np.repeat([np.nan if p.fixed_alpha is None else p.fixed_alpha for p in params], lengths)
+        cfg = self._config
+        target = solve_target(theta, t, temperature, fixed, fill=cfg.fill_rule, vocab_size=self._vocab_size,
+                              alpha_tol=cfg.alpha_tol, alpha_max_iter=cfg.alpha_max_iter)
+        merged = target.merged
+        tokens = np.concatenate([d.token_ids for d in drafts])  # [R]
+        hit = merged.token_ids == tokens[:, None]  # [R, n]
+        draft_index = np.where(hit.any(axis=1), hit.argmax(axis=1), NOT_A_CANDIDATE)
+        reported, raw = ((merged.reported_theta, merged.logp_theta) if self._drafter_is_theta
+                         else (merged.reported_t, merged.logp_t))
+        greedy = temperature == 0.0
+        logp = draft_logprobs(raw, reported, np.where(greedy, 1.0, temperature))
+        accept_u = np.concatenate([s.rng.random(n) for s, n in zip(sequences, lengths)])
+        residual_u = np.concatenate([s.rng.random(n) for s, n in zip(sequences, lengths)])
+        decision = decide_round(target.logq, logp, merged.mask, draft_index, lengths, greedy, accept_u, residual_u)
+        diagnostics = None
+        if any(p.return_diagnostics for p in params):
+            diagnostics = token_diagnostics(target.logp_theta, target.logp_t, target.logq, merged.mask,
+                                            merged.coverage_theta, merged.coverage_t)
+        self._count(decision, lengths)
+        return _records(target, decision, draft_index, lengths, diagnostics)
+
+    def _count(self, decision: RoundDecision, lengths: np.ndarray) -> None:
+        stats = self.acceptance
+        stats.rounds += int(lengths.shape[0])
+        stats.drafted += int(lengths.sum())
+        stats.judged += int(np.minimum(decision.accepted + 1, lengths).sum())
+        stats.accepted += int(decision.accepted.sum())
+
+    async def _emit(self, seq: SequenceState, records: list[TokenRecord]) -> int:
+        """Append the round's tokens, stopping where per-token mode would have stopped -> how many."""
+        before = len(seq.tokens)
+        for record in records:
+            self._append(seq, record)
+            if seq.finish_reason is not None:
+                break
+        if seq.params.stop and seq.error is None:
+            text = await self._text(seq)
+            if text is not None and any(stop in text for stop in seq.params.stop):
+                await self._replay_until_stop_string(seq, records, before)
+            elif text is not None:
+                seq.check_stop_strings(text)
+        return len(seq.tokens) - before
+
+    async def _replay_until_stop_string(self, seq: SequenceState, records: list[TokenRecord], before: int) -> None:
+        """Per-token mode checks stop strings after every token: end at the token that made one."""
+        _truncate(seq, before)
+        for record in records:
+            self._append(seq, record)
+            text = await self._text(seq)
+            if text is None:
+                return
+            seq.check_stop_strings(text)
+            if seq.finish_reason is not None:
+                return
+
+    def _append(self, seq: SequenceState, record: TokenRecord) -> None:
+        seq.tokens.append(record.token)
+        seq.alphas.append(record.alpha)
+        seq.logprobs_q.append(record.logprob_q)
+        seq.logprobs_theta.append(record.logprob_theta)
+        seq.logprobs_t.append(record.logprob_t)
+        if seq.params.return_diagnostics:
+            for key, value in record.diagnostics.items():
+                seq.diagnostics.setdefault(key, []).append(value)
+        seq.check_token_stop(record.token, self._eos_ids, self._max_len)
+
+    async def _text(self, seq: SequenceState) -> str | None:
+        try:
+            return await self._theta.detokenize(seq.tokens_for_text())
+        except DualVLLMError as err:
+            seq.fail(f"{self._theta.name} server, detokenize: {err}")
+            return None
+
+
+def _stack(batches: list[TopKBatch]) -> TopKBatch:
+    """The rows of several TopKBatch, in order, padded to the widest."""
+    width = max(b.token_ids.shape[1] for b in batches)
+    rows = sum(b.batch_size for b in batches)
+    token_ids = np.full((rows, width), PAD_TOKEN_ID, dtype=np.int64)
+    logprobs = np.full((rows, width), -np.inf)
+    start = 0
+    for b in batches:
+        token_ids[start:start + b.batch_size, :b.token_ids.shape[1]] = b.token_ids
+        logprobs[start:start + b.batch_size, :b.logprobs.shape[1]] = b.logprobs
+        start += b.batch_size
+    return TopKBatch(token_ids=token_ids, logprobs=logprobs)
+
+
+def _records(target: Target, decision: RoundDecision, draft_index: np.ndarray, lengths: np.ndarray,
+             diagnostics: dict[str, np.ndarray] | None) -> list[list[TokenRecord]]:
+    """Per sequence: its kept drafted tokens, then the replacement if one was drawn."""
+    merged = target.merged
+    out = []
+    offset = 0
+    for s, length in enumerate(lengths.tolist()):
+        kept = int(decision.accepted[s])
+        picks = [(offset + j, int(draft_index[offset + j])) for j in range(kept)]
+        if decision.replacement[s] >= 0:
+            picks.append((offset + kept, int(decision.replacement[s])))
+        out.append([TokenRecord(
+            token=int(merged.token_ids[r, j]), alpha=float(target.alpha[r]), logprob_q=float(target.logq[r, j]),
+            logprob_theta=float(merged.logp_theta[r, j]), logprob_t=float(merged.logp_t[r, j]),
+            coverage_theta=float(merged.coverage_theta[r]), coverage_t=float(merged.coverage_t[r]),
+            diagnostics={key: float(v[r]) for key, v in diagnostics.items()} if diagnostics else {},
+        ) for r, j in picks])
+        offset += length
+    return out
+
+
+def _truncate(seq: SequenceState, n: int) -> None:
+    """Forget every token after the first n (and its records and finish)."""
+    for values in (seq.tokens, seq.alphas, seq.logprobs_q, seq.logprobs_theta, seq.logprobs_t,
+                   *seq.diagnostics.values()):
+        del values[n:]
+    seq.finish_reason, seq.text = None, None
