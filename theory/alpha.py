@@ -65,18 +65,23 @@ def solve_alpha(logp_theta: np.ndarray, logp_t: np.ndarray, mask: np.ndarray | N
                          f"{logp_theta.shape} and {logp_t.shape}")
     mask = all_candidates(logp_theta) if mask is None else np.asarray(mask, dtype=bool)
     batch = logp_theta.shape[0]
-    l = log_ratio(logp_theta, logp_t, mask)  # [B, n]
+    # Normalize once: every iteration then needs only q_a ∝ exp(lp + a·l), with lp = -inf
+    # and l = 0 on masked entries so they drop out without masking.
+    lp = log_normalize(logp_theta, mask)  # [B, n], -inf where masked
+    l = masked(log_normalize(logp_t, mask), mask) - masked(lp, mask)  # [B, n]
 
     alpha = np.full(batch, 0.5)
     lo, hi = np.zeros(batch), np.ones(batch)
     step_before = np.ones(batch)  # the step before last, for the rtsafe progress test
     step = np.ones(batch)
-    active = np.max(np.abs(l), axis=-1) > IDENTICAL_ATOL  # [B]; equal rows keep 0.5
+    active = np.max(np.abs(l), axis=-1, initial=0.0) > IDENTICAL_ATOL  # [B]; equal rows keep 0.5
+    rows = np.flatnonzero(active)
     for _ in range(max_iter):
-        if not active.any():
+        if rows.size == 0:
             break
-        rows = np.flatnonzero(active)
-        f, df = _moments(logp_theta[rows], l[rows], alpha[rows], mask[rows])
+        # Only the rows still searching; no copy while that is all of them.
+        lp_rows, l_rows = (lp, l) if rows.size == batch else (lp[rows], l[rows])
+        f, df = _normalized_moments(lp_rows, l_rows, alpha[rows])
         a, low, high = alpha[rows], lo[rows], hi[rows]
         low = np.where(f < 0, a, low)
         high = np.where(f > 0, a, high)
@@ -92,8 +97,18 @@ def solve_alpha(logp_theta: np.ndarray, logp_t: np.ndarray, mask: np.ndarray | N
         done = (f == 0) | (high - low < tol) | (step[rows] < tol)
         alpha[rows] = np.where(f == 0, a, new_alpha)
         lo[rows], hi[rows] = low, high
-        active[rows] = ~done
+        rows = rows[~done]
     return np.clip(alpha, 0.0, 1.0)
+
+
+def _normalized_moments(lp: np.ndarray, l: np.ndarray, alpha: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(E_{q_a}[l], Var_{q_a}(l)) per row for normalized lp (-inf where masked) and l (0 there)."""
+    z = lp + alpha[:, None] * l  # [B, n]; log q_a + log Z(a)
+    q = np.exp(z - np.max(z, axis=-1, keepdims=True))  # [B, n], unnormalized
+    total = np.sum(q, axis=-1)  # [B]
+    mean = np.sum(q * l, axis=-1) / total
+    var = np.sum(q * (l - mean[:, None]) ** 2, axis=-1) / total
+    return mean, var
 
 
 def alpha_kls(logp_theta: np.ndarray, logp_t: np.ndarray, alpha: np.ndarray,

@@ -33,6 +33,7 @@ FillRule = Literal["min", "floor", "spread"]
 FILL_RULES: tuple[FillRule, ...] = ("min", "floor", "spread")
 DEFAULT_FLOOR = -100.0
 PAD_ID = -1
+PAD_KEY = np.iinfo(np.int64).max  # sort key of padding: after every real candidate
 
 
 @dataclass(frozen=True)
@@ -67,35 +68,37 @@ def merge_topk(ids_theta: np.ndarray, logp_theta: np.ndarray, ids_t: np.ndarray,
         raise ValueError(f"merge_topk shapes disagree: ids_theta {ids_theta.shape}, logp_theta "
                          f"{logp_theta.shape}, ids_t {ids_t.shape}, logp_t {logp_t.shape}")
 
-    # Pool both lists, sort each row by token id; a token both reported sits in two
-    # adjacent slots, the first of which keeps both values.
+    # Pool both lists and sort each row by token id. The sort key packs the column into
+    # the low bits (ids are unique per list, so keys are unique and one plain sort does it);
+    # a token both reported then sits in two adjacent slots, the base's first (lower column).
     ids = np.concatenate([ids_theta, ids_t], axis=1)  # [B, w1 + w2]
-    from_theta = np.arange(ids.shape[1]) < w_theta  # [w1 + w2]
-    val_theta = np.where(from_theta, np.concatenate([logp_theta, logp_t], axis=1), np.nan)
-    val_t = np.where(from_theta, np.nan, np.concatenate([logp_theta, logp_t], axis=1))
-    valid = ids != PAD_ID
-    # Padding sorts last: give it a key above every real id.
-    order = np.argsort(np.where(valid, ids, np.iinfo(np.int64).max), axis=1, kind="stable")
-    ids, valid = np.take_along_axis(ids, order, 1), np.take_along_axis(valid, order, 1)
-    val_theta, val_t = np.take_along_axis(val_theta, order, 1), np.take_along_axis(val_t, order, 1)
+    col_bits = max((ids.shape[1] - 1).bit_length(), 1)
+    if ids.size and int(ids.max()) >= 1 << (62 - col_bits):
+        raise ValueError(f"token id {int(ids.max())} is too large to merge (the limit is 2**{62 - col_bits})")
+    keys = np.where(ids != PAD_ID, (ids << col_bits) | np.arange(ids.shape[1]), PAD_KEY)
+    keys.sort(axis=1)
+    valid = keys != PAD_KEY
+    col = np.where(valid, keys & ((1 << col_bits) - 1), 0)  # [B, w1 + w2], source column
+    ids = np.where(valid, keys >> col_bits, PAD_ID)
+    vals = np.take_along_axis(np.concatenate([logp_theta, logp_t], axis=1), col, 1)
+    from_theta = col < w_theta
 
     same_as_next = np.zeros_like(valid)
-    same_as_next[:, :-1] = valid[:, :-1] & (ids[:, :-1] == ids[:, 1:])
+    same_as_next[:, :-1] = valid[:, 1:] & (ids[:, :-1] == ids[:, 1:])
     first = valid.copy()
     first[:, 1:] &= ~same_as_next[:, :-1]
-    nxt_theta = np.concatenate([val_theta[:, 1:], np.full((batch, 1), np.nan)], axis=1)
-    nxt_t = np.concatenate([val_t[:, 1:], np.full((batch, 1), np.nan)], axis=1)
-    val_theta = np.where(same_as_next & np.isnan(val_theta), nxt_theta, val_theta)
-    val_t = np.where(same_as_next & np.isnan(val_t), nxt_t, val_t)
+    nxt = np.concatenate([vals[:, 1:], np.full((batch, 1), np.nan)], axis=1)
+    val_theta = np.where(from_theta, vals, np.nan)
+    val_t = np.where(from_theta, np.where(same_as_next, nxt, np.nan), vals)
 
-    # Compact the kept slots to the front of each row (stable, so ids stay sorted).
-    keep_order = np.argsort(~first, axis=1, kind="stable")
-    width = max(int(first.sum(axis=1).max(initial=0)), 1)
-    keep_order = keep_order[:, :width]
-    mask = np.take_along_axis(first, keep_order, 1)
-    token_ids = np.where(mask, np.take_along_axis(ids, keep_order, 1), PAD_ID)
-    raw_theta = np.where(mask, np.take_along_axis(val_theta, keep_order, 1), np.nan)
-    raw_t = np.where(mask, np.take_along_axis(val_t, keep_order, 1), np.nan)
+    # Compact the kept slots to the front of each row (in order, so ids stay sorted).
+    counts = first.sum(axis=1)  # [B]
+    width = max(int(counts.max(initial=0)), 1)
+    mask = np.arange(width) < counts[:, None]  # [B, n]
+    token_ids = np.full((batch, width), PAD_ID, dtype=np.int64)
+    raw_theta = np.full((batch, width), np.nan)
+    raw_t = np.full((batch, width), np.nan)
+    token_ids[mask], raw_theta[mask], raw_t[mask] = ids[first], val_theta[first], val_t[first]
     reported_theta, reported_t = mask & ~np.isnan(raw_theta), mask & ~np.isnan(raw_t)
 
     coverage_theta = _coverage(logp_theta, ids_theta != PAD_ID)
