@@ -40,3 +40,19 @@ def chi_square_pvalue(samples: np.ndarray, q: np.ndarray, min_bins: int = 2) -> 
         expected = np.append(expected[:-2], expected[-2:].sum())
         counts = np.append(counts[:-2], counts[-2:].sum())
     return stats.chisquare(counts, expected * counts.sum() / expected.sum()).pvalue
+
+
+def two_sample_pvalue(a: np.ndarray, b: np.ndarray) -> float:
+    """p-value of the hypothesis that two samples of category ids come from one distribution.
+
+    Categories with fewer than MIN_EXPECTED_COUNT expected draws in either sample are pooled.
+    """
+    categories, inverse = np.unique(np.concatenate([a, b]), return_inverse=True)
+    counts = np.stack([np.bincount(inverse[:len(a)], minlength=len(categories)),
+                       np.bincount(inverse[len(a):], minlength=len(categories))])  # [2, C]
+    share = np.array([len(a), len(b)]) / (len(a) + len(b))
+    keep = counts.sum(axis=0) * share.min() >= MIN_EXPECTED_COUNT
+    assert keep.sum() >= 2, "the samples should share several frequent categories"
+    table = np.column_stack([counts[:, keep], counts[:, ~keep].sum(axis=1)])
+    table = table[:, table.sum(axis=0) > 0]
+    return stats.chi2_contingency(table).pvalue
