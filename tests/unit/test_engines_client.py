@@ -100,6 +100,27 @@ async def test_malformed_answer_is_reported_not_misparsed(fake_theta):
             await c.next_token_topk([[1]], k=2)
 
 
+async def test_choices_are_put_back_in_prompt_order(fake_theta):
+    answer = {"choices": [
+        {"index": 1, "text": "x", "logprobs": {"top_logprobs": [{"token_id:7": -0.1, "token_id:3": -2.5}]}},
+        {"index": 0, "text": "y", "logprobs": {"top_logprobs": [{"token_id:2": -0.5}]}},
+    ], "usage": {"prompt_tokens": 3}}
+    fake_theta.fail_next("/v1/completions", Failure(200, json.dumps(answer)))
+    async with client(fake_theta.url) as c:
+        batch = await c.next_token_topk([[1], [2, 3]], k=2)
+    assert batch.token_ids.tolist() == [[2, -1, -1], [7, 3, -1]]
+    assert batch.logprobs.tolist() == [[-0.5, -np.inf, -np.inf], [-0.1, -2.5, -np.inf]]
+
+
+async def test_logprob_keys_without_token_ids_are_refused(fake_theta):
+    # A server (or proxy) that ignored return_tokens_as_token_ids keys entries by text.
+    answer = {"choices": [{"index": 0, "logprobs": {"top_logprobs": [{"12345678901": -0.1}]}}]}
+    fake_theta.fail_next("/v1/completions", Failure(200, json.dumps(answer)))
+    async with client(fake_theta.url) as c:
+        with pytest.raises(MalformedResponseError, match="return_tokens_as_token_ids"):
+            await c.next_token_topk([[1]], k=2)
+
+
 async def test_fewer_logprobs_than_asked_are_padded(fake_theta):
     # The fake vocabulary has 16 tokens: asking for 20 gets 16 back, the rest is padding.
     async with client(fake_theta.url) as c:
