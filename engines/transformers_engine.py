@@ -1,6 +1,6 @@
 """An in-process engine: a Hugging Face causal LM run with transformers, no server.
 
-It implements `engines.protocol.Engine`, so the coordinator runs on it unchanged (the
+It implements `engines.protocol.SpeculativeEngine`, so the coordinator runs on it unchanged (the
 fallback where vLLM cannot be installed), and it can return the FULL next-token
 distribution (`next_token_logprobs`), which makes it the ground truth for measuring
 what the top-k approximation costs.
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal, Sequence
 import numpy as np
 
 from dualvllm.errors import InvalidInputError, LifecycleError
-from engines.protocol import PAD_TOKEN_ID, ModelInfo, TopKBatch
+from engines.protocol import PAD_TOKEN_ID, Draft, ModelInfo, TopKBatch
 
 if TYPE_CHECKING:
     import torch
@@ -130,6 +130,35 @@ class TransformersEngine:
             raise InvalidInputError(f"{self.name} engine needs at least one non-empty context")
         async with self._lock:
             return await asyncio.to_thread(self._score, [tuple(int(t) for t in c) for c in contexts])
+
+    # -- speculative rounds (engines.protocol.SpeculativeEngine) ------------------------
+
+    async def draft(self, context: Sequence[int], *, max_tokens: int, k: int, temperature: float,
+                    seed: int) -> Draft:
+        """Sample `max_tokens` tokens from the top-k at `temperature` (0 = argmax), seeded."""
+        rng = np.random.default_rng(seed)
+        sequence, rows = list(context), []
+        for _ in range(max_tokens):
+            top = await self.next_token_topk([sequence], k)  # one row, sorted by logprob
+            if temperature == 0:
+                token = int(top.token_ids[0, 0])
+            else:
+                scaled = top.logprobs[0] / temperature
+                token = int(rng.choice(top.token_ids[0], p=np.exp(scaled - np.logaddexp.reduce(scaled))))
+            rows.append(top)
+            sequence.append(token)
+        return Draft(token_ids=np.asarray(sequence[len(context):], dtype=np.int64),
+                     topk=TopKBatch(token_ids=np.concatenate([r.token_ids for r in rows]),
+                                    logprobs=np.concatenate([r.logprobs for r in rows])))
+
+    async def score_continuations(self, contexts: Sequence[Sequence[int]],
+                                  continuations: Sequence[Sequence[int]], k: int) -> list[TopKBatch]:
+        """The top-k before every continuation token: all prefixes scored in one batched call."""
+        prefixes = [list(c) + list(x[:j]) for c, x in zip(contexts, continuations) for j in range(len(x))]
+        top = await self.next_token_topk(prefixes, k)
+        bounds = np.cumsum([0, *(len(x) for x in continuations)])
+        return [TopKBatch(token_ids=top.token_ids[a:b], logprobs=top.logprobs[a:b])
+                for a, b in zip(bounds[:-1], bounds[1:])]
 
     # -- the forward passes ----------------------------------------------------------
 
