@@ -59,11 +59,13 @@ def mix_and_sample(
 
     alpha = fixed_alpha.copy()
     solve = np.isnan(alpha)
-    if solve.any():
+    if solve.all():  # the usual case: no row copies
+        alpha = solve_alpha(logp_theta, logp_t, mask, tol=alpha_tol, max_iter=alpha_max_iter)
+    elif solve.any():
         alpha[solve] = solve_alpha(logp_theta[solve], logp_t[solve], mask[solve],
                                    tol=alpha_tol, max_iter=alpha_max_iter)
     solved_at = time.perf_counter()
-    logq = mixture_logprobs(logp_theta, logp_t, alpha, mask)  # [B, n]
+    logq = mixture_logprobs(logp_theta, logp_t, alpha, mask, normalized=True)  # [B, n]
 
     index = sample_indices(logq, mask, uniforms)  # [B]
     if greedy.any():
