@@ -19,10 +19,22 @@ from aiohttp.test_utils import TestServer
 ALPHABET = "abcdefghijklmno"  # ids 1..15; id 0 is <eos>
 VOCAB_SIZE = len(ALPHABET) + 1
 EOS_ID = 0
+EOS_TEXT = "<eos>"
 
 
 def tokenize(text: str) -> list[int]:
-    return [ALPHABET.index(c) + 1 for c in text]
+    """Character ids; the EOS token's text reads back as EOS, as vLLM's special tokens do."""
+    ids: list[int] = []
+    for n, part in enumerate(text.split(EOS_TEXT)):
+        if n:
+            ids.append(EOS_ID)
+        ids.extend(ALPHABET.index(c) + 1 for c in part)
+    return ids
+
+
+def token_text(token_id: int) -> str:
+    """One token's text as a logprobs key (vLLM without return_tokens_as_token_ids)."""
+    return EOS_TEXT if token_id == EOS_ID else ALPHABET[token_id - 1]
 
 
 def detokenize(ids: list[int]) -> str:
@@ -133,8 +145,11 @@ class FakeVLLM:
             return web.Response(status=400, text=f"Requested sample logprobs of {k}, which is "
                                                  f"greater than max allowed: {self.max_logprobs}")
         prompts = body["prompt"]
-        if prompts and isinstance(prompts[0], int):  # a single prompt
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):  # a single prompt
             prompts = [prompts]
+        prompts = [tokenize(p) if isinstance(p, str) else p for p in prompts]
+        # Like vLLM: logprob keys are the token's text unless ids were asked for.
+        key = (lambda t: f"token_id:{t}") if body.get("return_tokens_as_token_ids") else token_text
         max_tokens = body.get("max_tokens", 1)
         choices = []
         for index, context in enumerate(prompts):
@@ -147,9 +162,9 @@ class FakeVLLM:
                 logprobs = self.model.logprobs(sequence)
                 top = np.argsort(-logprobs)[:k]
                 token = self._sample(logprobs, body, rng)
-                entries = {f"token_id:{int(t)}": float(logprobs[t]) for t in top}
-                entries.setdefault(f"token_id:{token}", float(logprobs[token]))
-                tokens.append(f"token_id:{token}")
+                entries = {key(int(t)): float(logprobs[t]) for t in top}
+                entries.setdefault(key(token), float(logprobs[token]))
+                tokens.append(key(token))
                 tops.append(entries)
                 sequence.append(token)
             choice = {"index": index, "text": "", "logprobs": {"tokens": tokens, "top_logprobs": tops}}

@@ -1,0 +1,84 @@
+"""What the benchmark scripts share: the machine line, live servers, CPU accounting, output."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+from pathlib import Path
+from typing import AsyncIterator
+from urllib.parse import urlparse
+
+import psutil
+
+import tinymodels
+from engines.launcher import launch_pair, pair_configs
+from tinymodels.task import problems
+
+RESULTS_DIR = Path("benchmarks/results")
+
+
+def machine() -> str:
+    """One line naming the machine a result was taken on."""
+    memory_gb = psutil.virtual_memory().total / 2**30
+    return (f"{platform.machine()} Linux, {os.cpu_count()} cores, {memory_gb:.0f} GB RAM, no GPU; "
+            f"load average at start {os.getloadavg()[0]:.1f}")
+
+
+@contextlib.asynccontextmanager
+async def servers(theta_url: str | None, t_url: str | None, *, max_logprobs: int) -> AsyncIterator[tuple[str, str]]:
+    """The two server URLs: the given ones, or a freshly launched pair of the bundled models."""
+    if theta_url and t_url:
+        yield theta_url, t_url
+        return
+    base, teacher = pair_configs(str(tinymodels.BASE_DIR), str(tinymodels.TEACHER_DIR),
+                                 max_logprobs=max_logprobs, dtype=tinymodels.SERVER_DTYPE)
+    async with launch_pair(base, teacher) as (theta, t):
+        yield theta.url, t.url
+
+
+def prompts_for(batch_size: int, seed: int) -> list[str]:
+    """`batch_size` held-out addition prompts (repeated if the split is smaller)."""
+    prompts = [p.prompt for p in problems("test", n=min(batch_size, 400), seed=seed)]
+    return (prompts * (batch_size // len(prompts) + 1))[:batch_size]
+
+
+class ServerCPU:
+    """CPU seconds used by the process tree of the server listening on a URL's port.
+
+    vLLM runs an API process, an engine-core process and a worker; on this machine they
+    share the cores with the other server and the coordinator, so their CPU use is what
+    bounds any protocol's speed.
+    """
+
+    def __init__(self, url: str) -> None:
+        port = urlparse(url).port
+        pids = [c.pid for c in psutil.net_connections("tcp")
+                if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid]
+        root = psutil.Process(pids[0]) if pids else None
+        self._procs = [root, *root.children(recursive=True)] if root else []
+
+    def seconds(self) -> float:
+        total = 0.0
+        for proc in self._procs:
+            with contextlib.suppress(psutil.Error):
+                times = proc.cpu_times()
+                total += times.user + times.system
+        return total
+
+
+def write_report(report: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+def pyplot():
+    """matplotlib's pyplot on a non-interactive backend (benchmarks run headless)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

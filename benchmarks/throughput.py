@@ -1,0 +1,181 @@
+"""Tokens/s of the coordinator against the reference protocol and native vLLM generation.
+
+    python benchmarks/throughput.py                   # starts the bundled tiny models (one pair)
+    python benchmarks/throughput.py --theta-url URL --t-url URL --batch-sizes 1 8 64 --tokens 16 32 56
+
+Three arms, run back to back on the same two servers in every repeat, so their ratios
+come from one run of this noisy shared machine:
+- `coordinator`: DualVLLMCoordinator.generate_batch (one batched request per server per
+  step, both servers at once), temperature 1, ignore_eos;
+- `reference`: benchmarks/reference_protocol.py, the reference implementation's protocol
+  (full text per sequence per token, one request per sequence per server per token);
+- `native`: the base server alone generating the same tokens natively (one request for
+  the whole batch, `max_tokens` = N, ignore_eos, temperature 1): the bound no per-token
+  protocol can beat. `native_topk` also returns the top-k at every token (`logprobs` k).
+
+Each arm's tokens/s is generated tokens over its wall time. The CPU seconds per 1,000
+tokens of each server's process tree (API, engine core, worker) and of this process are
+recorded too: both servers and the coordinator share the machine's cores. Ratios are
+medians of per-repeat ratios. Writes benchmarks/results/throughput.json (units in keys)
+and throughput.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Awaitable, Callable
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
+
+from benchmarks.common import (  # noqa: E402
+    RESULTS_DIR,
+    ServerCPU,
+    machine,
+    prompts_for,
+    pyplot,
+    servers,
+    write_report,
+)
+from benchmarks.reference_protocol import ReferenceProtocolClient  # noqa: E402
+from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
+from engines.vllm_client import VLLMClient  # noqa: E402
+
+ARMS = ("coordinator", "reference", "native", "native_topk")
+
+
+async def timed(arm: Callable[[], Awaitable[int]], cpus: tuple[ServerCPU, ServerCPU]) -> dict[str, float]:
+    """Run one arm; its tokens/s and the CPU seconds per 1,000 tokens each party used."""
+    before = (time.process_time(), *(c.seconds() for c in cpus))
+    started = time.perf_counter()
+    tokens = await arm()
+    seconds = time.perf_counter() - started
+    after = (time.process_time(), *(c.seconds() for c in cpus))
+    used = [(a - b) / tokens * 1e3 for a, b in zip(after, before)]
+    return {"tokens_per_s": tokens / seconds, "seconds": seconds,
+            "coordinator_cpu_s_per_1k_tokens": used[0], "theta_server_cpu_s_per_1k_tokens": used[1],
+            "t_server_cpu_s_per_1k_tokens": used[2]}
+
+
+async def run(args: argparse.Namespace) -> dict:
+    async with servers(args.theta_url, args.t_url, max_logprobs=max(args.top_k, 20)) as (theta_url, t_url):
+        cpus = (ServerCPU(theta_url), ServerCPU(t_url))
+        config = CoordinatorConfig(theta_url=theta_url, t_url=t_url, top_k=args.top_k,
+                                   max_batch_size=max(args.batch_sizes))
+        async with DualVLLMCoordinator(config) as coordinator, \
+                ReferenceProtocolClient(theta_url, t_url, top_k=args.top_k, pool_size=args.pool_size) as reference, \
+                VLLMClient(theta_url, name="theta", request_timeout_s=600) as native:
+            model = (await native.model_info()).name
+            rows = []
+            for tokens in args.tokens:
+                for batch in args.batch_sizes:
+                    prompts = prompts_for(batch, seed=0)
+                    prompt_ids = [await native.tokenize(p) for p in prompts]
+
+                    async def coordinator_arm(seed: int) -> int:
+                        outs = await coordinator.generate_batch(prompts, max_tokens=tokens, seed=seed, ignore_eos=True)
+                        assert all(o.ok and len(o.generated_tokens) == tokens for o in outs), outs[0].error
+                        return batch * tokens
+
+                    async def reference_arm(seed: int) -> int:
+                        outs = await reference.generate(prompts, max_tokens=tokens, seed=seed)
+                        return sum(len(o.tokens) for o in outs)
+
+                    async def native_arm(seed: int, logprobs: int | None) -> int:
+                        payload = {"model": model, "prompt": prompt_ids, "max_tokens": tokens, "ignore_eos": True,
+                                   "temperature": 1.0, "seed": seed}
+                        if logprobs:
+                            payload |= {"logprobs": logprobs, "return_tokens_as_token_ids": True}
+                        body = await native.call("POST", "/v1/completions", payload)
+                        assert body["usage"]["completion_tokens"] == batch * tokens, body["usage"]
+                        return batch * tokens
+
+                    arms = {"coordinator": coordinator_arm, "native": lambda s: native_arm(s, None),
+                            "native_topk": lambda s: native_arm(s, args.top_k)}
+                    if batch <= args.reference_max_batch:
+                        arms["reference"] = reference_arm
+                    for arm in arms.values():  # warm-up (and the prefix cache, for every arm alike)
+                        await arm(0)
+                    runs: dict[str, list[dict[str, float]]] = {name: [] for name in arms}
+                    for repeat in range(args.repeats):
+                        for name, arm in arms.items():
+                            runs[name].append(await timed(lambda: arm(repeat + 1), cpus))
+                    rows.append(summarize(batch, tokens, runs))
+                    print_row(rows[-1])
+    return {"machine": machine(), "command": " ".join(["python", *sys.argv]), "top_k": args.top_k,
+            "repeats": args.repeats, "rows": rows}
+
+
+def summarize(batch: int, tokens: int, runs: dict[str, list[dict[str, float]]]) -> dict:
+    row: dict = {"batch_size": batch, "tokens_per_sequence": tokens}
+    for name, measured in runs.items():
+        for key in measured[0]:
+            row[f"{name}_{key}"] = statistics.median(m[key] for m in measured)
+    coord = [m["tokens_per_s"] for m in runs["coordinator"]]
+    row["coordinator_over_native_ratio"] = statistics.median(
+        c / n["tokens_per_s"] for c, n in zip(coord, runs["native"]))
+    row["coordinator_over_native_topk_ratio"] = statistics.median(
+        c / n["tokens_per_s"] for c, n in zip(coord, runs["native_topk"]))
+    if "reference" in runs:
+        row["coordinator_over_reference_ratio"] = statistics.median(
+            c / r["tokens_per_s"] for c, r in zip(coord, runs["reference"]))
+    return row
+
+
+def print_row(row: dict) -> None:
+    ref = row.get("reference_tokens_per_s")
+    print(f"batch {row['batch_size']:>4} x {row['tokens_per_sequence']:>3} tokens  tokens/s: coordinator "
+          f"{row['coordinator_tokens_per_s']:7.1f}  reference {ref if ref is None else round(ref, 1)!s:>7}  "
+          f"native {row['native_tokens_per_s']:7.1f}  native+top-k {row['native_topk_tokens_per_s']:7.1f}  |  "
+          f"coordinator/native {row['coordinator_over_native_ratio']:.2f}  coordinator/reference "
+          f"{row.get('coordinator_over_reference_ratio', float('nan')):.1f}  |  CPU s per 1k tokens "
+          f"(coordinator, theta, t): {row['coordinator_coordinator_cpu_s_per_1k_tokens']:.2f} "
+          f"{row['coordinator_theta_server_cpu_s_per_1k_tokens']:.2f} "
+          f"{row['coordinator_t_server_cpu_s_per_1k_tokens']:.2f}; native theta "
+          f"{row['native_theta_server_cpu_s_per_1k_tokens']:.2f}", flush=True)
+
+
+def plot(report: dict, path: Path) -> None:
+    plt = pyplot()
+    lengths = sorted({r["tokens_per_sequence"] for r in report["rows"]})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4.2), squeeze=False)
+    for ax, n in zip(axes[0], lengths):
+        rows = [r for r in report["rows"] if r["tokens_per_sequence"] == n]
+        for arm in ARMS:
+            points = [(r["batch_size"], r[f"{arm}_tokens_per_s"]) for r in rows if f"{arm}_tokens_per_s" in r]
+            if points:
+                ax.plot(*zip(*points), "o-", label=arm)
+        ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="tokens/s",
+               title=f"{n} tokens per sequence, top_k {report['top_k']}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--theta-url", help="running base server; default: start the bundled tiny models")
+    parser.add_argument("--t-url", help="running teacher server")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[16, 32, 56],
+                        help="output lengths (the bundled models' context is 64 tokens)")
+    parser.add_argument("--top-k", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--reference-max-batch", type=int, default=64,
+                        help="skip the reference arm above this batch size (it is slow)")
+    parser.add_argument("--pool-size", type=int, default=64, help="reference arm: connections per server")
+    parser.add_argument("--output", type=Path, default=RESULTS_DIR / "throughput.json")
+    args = parser.parse_args()
+    report = asyncio.run(run(args))
+    write_report(report, args.output)
+    plot(report, args.output.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
