@@ -65,7 +65,7 @@ def mix_and_sample(
         alpha[solve] = solve_alpha(logp_theta[solve], logp_t[solve], mask[solve],
                                    tol=alpha_tol, max_iter=alpha_max_iter)
     solved_at = time.perf_counter()
-    logq = mixture_logprobs(logp_theta, logp_t, alpha, mask, normalized=True)  # [B, n]
+    logq = mixture_logprobs(logp_theta, logp_t, alpha, mask)  # [B, n]
 
     index = sample_indices(logq, mask, uniforms)  # [B]
     if greedy.any():

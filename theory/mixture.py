@@ -52,16 +52,12 @@ def apply_temperature(logp: np.ndarray, temperature: float | np.ndarray, mask: n
 
 
 def mixture_logits(logp_theta: np.ndarray, logp_t: np.ndarray, alpha: float | np.ndarray,
-                   mask: np.ndarray, *, normalized: bool = False) -> np.ndarray:
-    """(1-a)·log p + a·log r with p, r normalized over the candidates: log q_a + log Z(a).
-
-    `normalized=True` promises both inputs already sum to 1 over the candidates (e.g. the
-    output of apply_temperature) and skips renormalizing them.
-    """
+                   mask: np.ndarray) -> np.ndarray:
+    """(1-a)·log p + a·log r with p, r normalized over the candidates: log q_a + log Z(a)."""
     alpha = np.asarray(alpha, dtype=np.float64)
     a = alpha[..., None] if alpha.ndim else alpha
-    lp = masked(logp_theta if normalized else log_normalize(logp_theta, mask), mask)
-    lr = masked(logp_t if normalized else log_normalize(logp_t, mask), mask)
+    lp = masked(log_normalize(logp_theta, mask), mask)
+    lr = masked(log_normalize(logp_t, mask), mask)
     return masked((1.0 - a) * lp + a * lr, mask, NEG_INF)
 
 
@@ -73,13 +69,10 @@ def log_partition(logp_theta: np.ndarray, logp_t: np.ndarray, alpha: float | np.
 
 
 def mixture_logprobs(logp_theta: np.ndarray, logp_t: np.ndarray, alpha: float | np.ndarray,
-                     mask: np.ndarray | None = None, *, normalized: bool = False) -> np.ndarray:
-    """log q_a(y) = (1-a)·log p(y) + a·log r(y) - log Z(a) -> [B, n]; alpha is scalar or [B].
-
-    `normalized`: as in mixture_logits.
-    """
+                     mask: np.ndarray | None = None) -> np.ndarray:
+    """log q_a(y) = (1-a)·log p(y) + a·log r(y) - log Z(a) -> [B, n]; alpha is scalar or [B]."""
     mask = all_candidates(logp_theta) if mask is None else mask
-    return log_normalize(mixture_logits(logp_theta, logp_t, alpha, mask, normalized=normalized), mask)
+    return log_normalize(mixture_logits(logp_theta, logp_t, alpha, mask), mask)
 
 
 def sample_indices(logq: np.ndarray, mask: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
