@@ -6,7 +6,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from dualvllm.validation import RaisesInvalidInput
-from training.losses import Normalization
+from training.losses import Correction, Normalization
 
 
 class TrainConfig(RaisesInvalidInput, BaseModel):
@@ -26,7 +26,11 @@ class TrainConfig(RaisesInvalidInput, BaseModel):
         None, ge=0, le=1, description="None = sample from q* (alpha* per token); 0 = on-policy (base only); 1 = teacher only.")
     top_k: int = Field(20, ge=1, description="Top-k the coordinator merges per token.")
     learning_rate: float = Field(1e-4, gt=0, description="AdamW learning rate (3e-4 degraded the tiny base under q*-GRPO; see README).")
-    is_cap: float = Field(2.0, ge=1, description="Truncation of the per-token importance weight pi_theta / q*.")
+    correction: Correction = Field(
+        "sequence", description="Off-policy correction for q* rollouts: sequence (self-normalized per group) or token "
+                                "(truncated per-token pi/q*; did not lift the bundled base, see README).")
+    is_cap: float = Field(
+        2.0, ge=1, description="Truncation: sequence = most rollouts' shares one rollout may count for; token = max pi/q* per token.")
     normalization: Normalization = Field("dapo", description="Loss normalization: grpo, dr_grpo or dapo (TRL's meanings).")
     scale_advantages: bool = Field(True, description="Divide group-relative advantages by the group std (False = Dr. GRPO).")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the k3 KL penalty to the frozen initial model; 0 = none.")

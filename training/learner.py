@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 import torch
 
-from training.losses import group_advantages, policy_loss
+from training.losses import advantages as group_advantages, policy_loss
 from training.rollouts import Rollout, ScoredBatch
 
 
@@ -70,24 +70,29 @@ class Learner:
         self.kl_coef = kl_coef
         self.pad_id = pad_id
 
-    def train_step(self, batch: ScoredBatch, *, scale_advantages: bool, is_cap: float,
+    def train_step(self, batch: ScoredBatch, *, correction: str, scale_advantages: bool, is_cap: float,
                    normalization: str, max_completion_length: int) -> dict[str, float]:
         started = time.perf_counter()
         groups = [g for g in batch.groups if len(g) >= 2]
         rewards = [torch.tensor([r.reward for r in g]) for g in groups]
-        advantages = torch.cat([group_advantages(r[None, :], scale=scale_advantages)[0] for r in rewards])
         rollouts = [r for g in groups for r in g]
         packed = pack(rollouts, self.pad_id)
-        logp = completion_logprobs(self.model, packed)
+        logp = completion_logprobs(self.model, packed)  # [B, T]
+        behaviour = packed.logp_behaviour.float()  # [B, T]
+        log_ratio = ((logp.detach() - behaviour) * packed.target_mask).sum(-1)  # [B]
+        advantages, advantage_metrics = group_advantages(
+            rewards, torch.split(log_ratio, [len(g) for g in groups]), correction=correction,  # type: ignore[arg-type]
+            scale=scale_advantages, is_cap=is_cap)
         reference = None
         if self.reference is not None:
             with torch.no_grad():
                 reference = completion_logprobs(self.reference, packed)
         loss, metrics = policy_loss(
-            logp, packed.logp_behaviour.float(), advantages.float(), packed.target_mask,
+            logp, behaviour, advantages.float(), packed.target_mask, correction=correction,  # type: ignore[arg-type]
             is_cap=is_cap, normalization=normalization,  # type: ignore[arg-type]
             max_completion_length=max_completion_length, logp_reference=reference, kl_coef=self.kl_coef,
         )
+        metrics.update(advantage_metrics)
         self.optimizer.zero_grad()
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)

@@ -2,17 +2,27 @@
 
 Pure functions of tensors; shapes on every line. The rollouts come from the behaviour
 policy q* (the coordinator records log q*(y_t) per token), not from pi_theta, so the
-policy gradient is importance-weighted per token:
+policy gradient of J(theta) = E_{y ~ pi_theta}[R(y)] is estimated with importance weights.
+Two corrections are offered (`Correction`):
 
-    grad J = E_{y ~ q*} [ sum_t w_t · A · grad log pi_theta(y_t | y_<t) ],   w_t = pi_theta(y_t) / q*(y_t)
+- "sequence" (the default): self-normalized importance sampling of whole sequences within
+  each group. A prompt's G rollouts get weights v_i = W_i / sum_j W_j with
+  W_i = prod_t pi_theta(y_it) / q*(y_it); the baseline is the weighted group mean
+  b = sum_i v_i r_i (an estimate of E_pi[R], not of E_q*[R]) and the advantage
+  A_i = G v_i (r_i - b), optionally divided by the weighted std. This is the
+  self-normalized off-policy policy gradient (Owen 2013, ch. 9; Precup et al. 2000);
+  with q* = pi_theta every v_i = 1/G and it is exactly GRPO's group advantage.
+  Truncation: G v_i is capped at `is_cap`, so no rollout counts for more than `is_cap`
+  rollouts' share.
+- "token": per-token truncated weights w_t = min(pi_theta(y_t) / q*(y_t), is_cap)
+  (truncated IS as in IMPALA's V-trace, Espeholt et al. 2018, and the TIS fix for
+  vLLM/trainer mismatch) on plain group advantages. Right for small mismatches; with q*
+  it is biased: the group mean of q* rollouts overestimates E_pi[R], the base's own
+  mistakes carry weights > 1 and the teacher-guided tokens < 1, so the update is mostly a
+  push-down (measured: it did not lift the bundled base, see the README).
 
-with w truncated at `is_cap` (truncated importance sampling, as in IMPALA's V-trace,
-Espeholt et al. 2018): a few tokens that q* drew where pi_theta is far more likely
-cannot dominate the batch. w is a detached weight, so the surrogate loss per token is
--min(w, cap) · A · log pi_theta.
-
-Advantages are group-relative (GRPO, Shao et al. 2024): a prompt's G rollouts are
-compared with each other. Loss normalizations follow TRL's names:
+Advantages are group-relative (GRPO, Shao et al. 2024). Loss normalizations follow
+TRL's names:
 - "grpo": mean over each sequence's tokens, then over sequences;
 - "dr_grpo": sum over all tokens / (sequences x max_completion_length) (Liu et al. 2025),
   no length bias;
@@ -23,11 +33,12 @@ exp(ref - logp) - (ref - logp) - 1 >= 0 (Schulman 2020), per token, normalized t
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Sequence
 
 import torch
 
 Normalization = Literal["grpo", "dr_grpo", "dapo"]
+Correction = Literal["sequence", "token"]
 
 
 def group_advantages(rewards: torch.Tensor, *, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
@@ -40,6 +51,42 @@ def group_advantages(rewards: torch.Tensor, *, scale: bool = True, eps: float = 
     if not scale:
         return centered
     return centered / (rewards.std(dim=-1, keepdim=True) + eps)
+
+
+def sequence_weights(log_ratio: torch.Tensor) -> torch.Tensor:
+    """Self-normalized sequence weights v = softmax(sum_t log(pi/q*)) over a group, [G] -> [G].
+
+    `log_ratio` holds each rollout's summed log pi_theta(y) - log q*(y); normalizing in log
+    space keeps products of many per-token ratios finite.
+    """
+    return torch.softmax(log_ratio.detach().double(), dim=-1).to(log_ratio.dtype)
+
+
+def weighted_group_advantages(rewards: torch.Tensor, weights: torch.Tensor, *, scale: bool = True,
+                              cap: float | None = None, eps: float = 1e-4) -> torch.Tensor:
+    """G v_i (r_i - b) with b = sum_i v_i r_i [/ weighted std]; rewards, weights [G] -> [G].
+
+    The std uses the unbiased weighted variance sum_i v_i (r_i - b)^2 / (1 - sum_i v_i^2)
+    (reliability weights), so uniform weights give exactly `group_advantages`. `cap`
+    truncates G v_i (None = no truncation).
+    """
+    group = rewards.shape[-1]
+    baseline = (weights * rewards).sum(-1, keepdim=True)  # [1]
+    centered = rewards - baseline  # [G]
+    shares = group * weights  # [G], 1 each when on-policy
+    if cap is not None:
+        shares = shares.clamp(max=cap)
+    advantages = shares * centered  # [G]
+    if not scale:
+        return advantages
+    # One dominant weight leaves no spread to estimate: the numerator is then 0 too.
+    unbiased = (weights * centered**2).sum(-1, keepdim=True) / (1.0 - (weights**2).sum(-1, keepdim=True)).clamp(min=1e-12)
+    return advantages / (unbiased.sqrt() + eps)
+
+
+def effective_sample_size_ratio(weights: torch.Tensor) -> torch.Tensor:
+    """Kish's ESS / G = 1 / (G sum_i v_i^2) in (0, 1] for normalized weights [G]; 1 = on-policy."""
+    return 1.0 / (weights.shape[-1] * (weights**2).sum(-1))
 
 
 def importance_weights(logp_policy: torch.Tensor, logp_behaviour: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,31 +117,61 @@ def normalize(per_token: torch.Tensor, mask: torch.Tensor, how: Normalization,
     raise ValueError(f"unknown normalization {how!r}; use grpo, dr_grpo or dapo")
 
 
+def advantages(rewards: Sequence[torch.Tensor], log_ratios: Sequence[torch.Tensor], *, correction: Correction,
+               scale: bool = True, is_cap: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-rollout advantages for groups of different sizes, concatenated in group order -> [B].
+
+    `rewards[g]`, `log_ratios[g]`: [G_g] rewards and summed log pi_theta(y) - log q*(y) of
+    group g's rollouts. "sequence" weights them (self-normalized, truncated at `is_cap`);
+    "token" ignores the ratios here (the loss weights each token instead).
+    Metrics: mean ESS ratio of the groups' weights, fraction of rollouts truncated.
+    """
+    if correction == "token":
+        return torch.cat([group_advantages(r[None, :], scale=scale)[0] for r in rewards]), {}
+    if correction != "sequence":
+        raise ValueError(f"unknown correction {correction!r}; use sequence or token")
+    weights = [sequence_weights(l) for l in log_ratios]  # [G_g] each
+    out = torch.cat([weighted_group_advantages(r, v, scale=scale, cap=is_cap) for r, v in zip(rewards, weights)])
+    shares = torch.cat([v * v.shape[-1] for v in weights])  # [B]
+    return out, {
+        "ess_ratio": float(torch.stack([effective_sample_size_ratio(v) for v in weights]).mean()),
+        "clip_fraction": float((shares > is_cap).float().mean()) if is_cap is not None else 0.0,
+        "sequence_weight_max": float(shares.max()),
+    }
+
+
 def policy_loss(
     logp_policy: torch.Tensor,  # [B, T] log pi_theta(y_t), with grad
     logp_behaviour: torch.Tensor,  # [B, T] log q*(y_t) recorded at sampling time
-    advantages: torch.Tensor,  # [B] one per sequence
+    advantages: torch.Tensor,  # [B] one per sequence (from `advantages`, same correction)
     mask: torch.Tensor,  # [B, T] 1 on completion tokens
     *,
+    correction: Correction = "sequence",
     is_cap: float = 2.0,
     normalization: Normalization = "dapo",
     max_completion_length: int | None = None,
     logp_reference: torch.Tensor | None = None,  # [B, T] frozen reference, for the KL penalty
     kl_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The truncated-IS policy-gradient loss and its metrics (ratio stats, clip fraction, KL)."""
-    weights, ratio = importance_weights(logp_policy, logp_behaviour, is_cap)  # [B, T]
+    """The importance-corrected policy-gradient loss and its metrics (ratio stats, KL).
+
+    "sequence": the advantages already carry the correction, each token weighs 1;
+    "token": each token weighs min(pi/q*, is_cap).
+    """
+    truncated, ratio = importance_weights(logp_policy, logp_behaviour, is_cap)  # [B, T]
+    weights = truncated if correction == "token" else torch.ones_like(truncated)
     per_token = -weights * advantages[:, None] * logp_policy  # [B, T]
     real = mask.bool()
     metrics = {
         "ratio_min": float(ratio[real].min()) if real.any() else float("nan"),
         "ratio_mean": float(ratio[real].mean()) if real.any() else float("nan"),
         "ratio_max": float(ratio[real].max()) if real.any() else float("nan"),
-        "clip_fraction": float((ratio[real] > is_cap).float().mean()) if real.any() else 0.0,
         # Group-centred advantages sum to zero; importance weights can break that, and a
         # negative mean then pushes down every sampled token (watch it in the metrics).
         "weighted_advantage_mean": float(normalize((weights * advantages[:, None]).detach(), mask, "dapo")),
     }
+    if correction == "token":
+        metrics["clip_fraction"] = float((ratio[real] > is_cap).float().mean()) if real.any() else 0.0
     if logp_reference is not None and kl_coef > 0:
         kl = k3_kl(logp_policy, logp_reference)  # [B, T]
         per_token = per_token + kl_coef * kl

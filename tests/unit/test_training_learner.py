@@ -42,14 +42,15 @@ def test_completion_logprobs_match_a_plain_forward_pass(tokenizer):
     assert got[1, 3:].abs().sum() == 0  # padding contributes nothing
 
 
-def test_an_update_makes_the_rewarded_completion_more_likely(tokenizer):
+@pytest.mark.parametrize("correction", ["sequence", "token"])
+def test_an_update_makes_the_rewarded_completion_more_likely(tokenizer, correction):
     model = transformers.AutoModelForCausalLM.from_pretrained(tinymodels.BASE_DIR)
     good, bad = rollout(tokenizer, "12+34=", "64", 1.0), rollout(tokenizer, "12+34=", "65", 0.0)
     batch = ScoredBatch(groups=((good, bad),), policy_version=0, data_position=1, sample_seconds=1.0, tokens=6)
     # A small step, where the update follows the gradient's first-order promise.
     learner = Learner(model, learning_rate=1e-5, kl_coef=0.0, pad_id=0)
     before = completion_logprobs(model, pack([good, bad], 0)).sum(-1).detach()
-    metrics = learner.train_step(batch, scale_advantages=True, is_cap=2.0, normalization="dapo",
+    metrics = learner.train_step(batch, correction=correction, scale_advantages=True, is_cap=2.0, normalization="dapo",
                                  max_completion_length=6)
     after = completion_logprobs(model, pack([good, bad], 0)).sum(-1).detach()
     assert after[0] > before[0] and after[1] < before[1]

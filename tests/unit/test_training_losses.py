@@ -7,7 +7,17 @@ import math
 import pytest
 
 torch = pytest.importorskip("torch")
-from training.losses import group_advantages, importance_weights, k3_kl, normalize, policy_loss  # noqa: E402
+from training.losses import (  # noqa: E402
+    advantages,
+    effective_sample_size_ratio,
+    group_advantages,
+    importance_weights,
+    k3_kl,
+    normalize,
+    policy_loss,
+    sequence_weights,
+    weighted_group_advantages,
+)
 
 
 def test_group_advantages_by_hand():
@@ -17,6 +27,49 @@ def test_group_advantages_by_hand():
     assert scaled[0].tolist() == pytest.approx([0.866025, -0.866025, -0.866025, 0.866025], abs=1e-6)
     assert group_advantages(rewards, eps=1e-4)[1].tolist() == [0.0] * 4  # all equal: no signal, no NaN
     assert group_advantages(rewards, scale=False)[0].tolist() == [0.5, -0.5, -0.5, 0.5]
+
+
+def test_sequence_weights_and_weighted_advantages_by_hand():
+    # W = pi/q* per rollout = (2, 1, 1) -> v = (1/2, 1/4, 1/4); rewards (1, 0, 0).
+    log_ratio = torch.log(torch.tensor([2.0, 1.0, 1.0])).requires_grad_()
+    v = sequence_weights(log_ratio)
+    assert v.tolist() == pytest.approx([0.5, 0.25, 0.25]) and not v.requires_grad
+    rewards = torch.tensor([1.0, 0.0, 0.0])
+    # b = 0.5 (not the plain mean 1/3), centred (0.5, -0.5, -0.5), shares G v = (1.5, 0.75, 0.75).
+    plain = weighted_group_advantages(rewards, v, scale=False)
+    assert plain.tolist() == pytest.approx([0.75, -0.375, -0.375])
+    # Weighted variance 0.25 / (1 - 0.375) = 0.4, std 0.632456.
+    scaled = weighted_group_advantages(rewards, v, eps=0.0)
+    assert scaled.tolist() == pytest.approx([0.75 / 0.632456, -0.375 / 0.632456, -0.375 / 0.632456], abs=1e-5)
+    capped = weighted_group_advantages(rewards, v, scale=False, cap=1.2)  # shares (1.2, 0.75, 0.75)
+    assert capped.tolist() == pytest.approx([0.6, -0.375, -0.375])
+    assert effective_sample_size_ratio(v).item() == pytest.approx(1 / (3 * 0.375))
+
+
+def test_uniform_sequence_weights_are_plain_grpo():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0])
+    uniform = sequence_weights(torch.zeros(5))
+    assert weighted_group_advantages(rewards, uniform).tolist() == pytest.approx(group_advantages(rewards[None])[0].tolist())
+    assert effective_sample_size_ratio(uniform).item() == pytest.approx(1.0)
+
+
+def test_one_dominant_rollout_gives_no_signal_and_no_nan():
+    v = sequence_weights(torch.tensor([0.0, -200.0, -200.0]))  # all the weight on rollout 0
+    out = weighted_group_advantages(torch.tensor([1.0, 0.0, 0.0]), v)
+    assert torch.isfinite(out).all() and out.abs().max() < 1e-6
+
+
+def test_advantages_over_ragged_groups():
+    rewards = [torch.tensor([1.0, 0.0, 0.0]), torch.tensor([0.0, 1.0])]
+    ratios = [torch.log(torch.tensor([2.0, 1.0, 1.0])), torch.zeros(2)]
+    out, metrics = advantages(rewards, ratios, correction="sequence", scale=False, is_cap=1.2)
+    assert out.tolist() == pytest.approx([0.6, -0.375, -0.375, -0.5, 0.5])
+    assert metrics["clip_fraction"] == pytest.approx(1 / 5) and metrics["sequence_weight_max"] == pytest.approx(1.5)
+    assert metrics["ess_ratio"] == pytest.approx((1 / (3 * 0.375) + 1.0) / 2)
+    token, token_metrics = advantages(rewards, ratios, correction="token", scale=False)
+    assert token.tolist() == pytest.approx([2 / 3, -1 / 3, -1 / 3, -0.5, 0.5]) and token_metrics == {}
+    with pytest.raises(ValueError, match="unknown correction"):
+        advantages(rewards, ratios, correction="none")  # type: ignore[arg-type]
 
 
 def test_importance_weights_are_truncated_and_detached():
@@ -52,7 +105,7 @@ def test_policy_loss_value_gradient_and_metrics_by_hand():
     logp = torch.log(torch.tensor([[0.5, 0.1]])).requires_grad_()
     behaviour = torch.log(torch.tensor([[0.1, 0.2]]))
     loss, metrics = policy_loss(logp, behaviour, torch.tensor([1.5]), torch.ones(1, 2),
-                                is_cap=2.0, normalization="dapo")
+                                correction="token", is_cap=2.0, normalization="dapo")
     expected = -(2.0 * 1.5 * math.log(0.5) + 0.5 * 1.5 * math.log(0.1)) / 2
     assert loss.item() == pytest.approx(expected)
     loss.backward()
@@ -68,3 +121,14 @@ def test_kl_penalty_is_added_per_token():
                                 logp_reference=torch.tensor([[math.log(0.25)]]), kl_coef=0.1)
     kl = 0.5 + math.log(2) - 1  # ref - logp = log(1/2)
     assert loss.item() == pytest.approx(0.1 * kl) and metrics["kl_ref"] == pytest.approx(kl)
+
+
+def test_sequence_correction_weighs_every_token_once():
+    # The advantage already carries the sequence weight: loss = -A * mean(logp), ratios only reported.
+    logp = torch.log(torch.tensor([[0.5, 0.1]])).requires_grad_()
+    behaviour = torch.log(torch.tensor([[0.1, 0.2]]))
+    loss, metrics = policy_loss(logp, behaviour, torch.tensor([1.5]), torch.ones(1, 2), correction="sequence")
+    assert loss.item() == pytest.approx(-1.5 * (math.log(0.5) + math.log(0.1)) / 2)
+    loss.backward()
+    assert logp.grad.tolist()[0] == pytest.approx([-1.5 / 2, -1.5 / 2])
+    assert metrics["ratio_max"] == pytest.approx(5.0) and "clip_fraction" not in metrics
