@@ -1,100 +1,170 @@
-"""Per-token latency of the coordinator against two live vLLM servers.
-
-One coordinator step = one batched top-k request to each server (concurrently), then
-merge, alpha* and sampling for every active sequence. At batch size B every step
-yields B tokens, so the step latency is the per-token latency each sequence sees.
+"""Per-token latency of the coordinator against two live vLLM servers, phase by phase.
 
     python benchmarks/per_token_latency.py                       # starts the bundled tiny models
-    python benchmarks/per_token_latency.py --theta-url URL --t-url URL --batch-sizes 1 8 64
+    python benchmarks/per_token_latency.py --theta-url URL --t-url URL --batch-sizes 1 8 64 256 --ks 20 96
 
-For each batch size: a warm-up run, then `--repeats` runs of `--tokens` tokens per
-sequence (ignore_eos, so the batch stays full); reports the median over runs of each
-run's median and p95 step latency, and tokens/s. Writes JSON (units in the keys).
+One coordinator step = one batched top-k request to each server (concurrently), then
+merge, alpha* and sampling for every active sequence, then bookkeeping (records, stop
+rules, statistics). At batch size B every step yields B tokens, so the step latency is
+the per-token latency each sequence sees. The coordinator records every step's phases
+(coordinator.stats.StepTiming); this script reports their median and p95 over all
+measured steps: both server calls together (`servers`), each call alone (`theta`, `t`),
+merge, alpha*, sampling and bookkeeping.
+
+For each k and batch size: a warm-up run, then `--repeats` runs of `--tokens` tokens per
+sequence (ignore_eos, so the batch stays full). Between the runs, in the same time
+window, single-prompt round trips are timed the same way the coordinator calls the
+servers (VLLMClient.next_token_topk on one context): the base alone, the teacher alone,
+and both concurrently; the batch-1 step is compared with them.
+
+The bundled models have a 98-token vocabulary: a request for more logprobs than that
+(k = 100) kills vLLM 0.32's engine, so the large-k runs use k = 96.
+Writes benchmarks/results/per_token_latency.json (units in the keys) and a plot.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import json
-import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-import tinymodels
-from coordinator import CoordinatorConfig, DualVLLMCoordinator
-from engines.launcher import launch_pair, pair_configs
-from tinymodels.task import problems
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
+
+from benchmarks.common import RESULTS_DIR, machine, prompts_for, pyplot, servers, write_report  # noqa: E402
+from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
+from coordinator.stats import StepTiming  # noqa: E402
+from engines.vllm_client import VLLMClient  # noqa: E402
+
+PHASES = ("servers", "theta", "t", "merge", "alpha", "sample", "bookkeeping", "total")
+ROUND_TRIPS = ("theta_alone", "t_alone", "both_concurrently")
 
 
-async def measure(coordinator: DualVLLMCoordinator, batch_size: int, tokens: int, seed: int) -> dict[str, float]:
-    """One run: `batch_size` sequences of exactly `tokens` tokens; step latencies from the stats."""
-    prompts = [p.prompt for p in problems("test", n=batch_size, seed=seed)]
-    prompts = (prompts * (batch_size // len(prompts) + 1))[:batch_size]
-    steps_before = coordinator.get_statistics()["steps"]
-    started = time.perf_counter()
-    outputs = await coordinator.generate_batch(prompts, max_tokens=tokens, seed=seed, ignore_eos=True)
-    seconds = time.perf_counter() - started
+async def coordinator_run(coordinator: DualVLLMCoordinator, batch: int, tokens: int, seed: int) -> list[StepTiming]:
+    """One run of `batch` sequences of exactly `tokens` tokens; its steps' timings."""
+    outputs = await coordinator.generate_batch(prompts_for(batch, seed), max_tokens=tokens, seed=seed, ignore_eos=True)
     failed = [o.error for o in outputs if not o.ok]
     if failed:
         raise RuntimeError(f"{len(failed)} sequences failed during the benchmark; first: {failed[0]}")
-    # The coordinator keeps recent step latencies; this run's are the last `tokens` steps.
-    run_steps = coordinator.get_statistics()["steps"] - steps_before
-    assert run_steps == tokens, f"expected {tokens} full steps, the coordinator took {run_steps}"
-    latencies_ms = np.asarray(coordinator.recent_step_latencies_s()[-tokens:]) * 1e3
-    return {
-        "step_median_ms": float(np.median(latencies_ms)),
-        "step_p95_ms": float(np.percentile(latencies_ms, 95)),
-        "tokens_per_s": batch_size * tokens / seconds,
-    }
+    timings = coordinator.recent_step_timings()[-tokens:]
+    assert len(timings) == tokens and all(t.batch == batch for t in timings), "steps were not all full"
+    return timings
+
+
+async def round_trips(theta: VLLMClient, t: VLLMClient, context: list[int], k: int, n: int) -> dict[str, list[float]]:
+    """Seconds of `n` single-prompt top-k requests of each kind, interleaved."""
+    out: dict[str, list[float]] = {kind: [] for kind in ROUND_TRIPS}
+    calls = {"theta_alone": lambda: theta.next_token_topk([context], k),
+             "t_alone": lambda: t.next_token_topk([context], k),
+             "both_concurrently": lambda: asyncio.gather(theta.next_token_topk([context], k),
+                                                         t.next_token_topk([context], k))}
+    for _ in range(n):
+        for kind, call in calls.items():
+            started = time.perf_counter()
+            await call()
+            out[kind].append(time.perf_counter() - started)
+    return out
+
+
+def ms(values: list[float]) -> dict[str, float]:
+    return {"median_ms": float(np.median(values)) * 1e3, "p95_ms": float(np.percentile(values, 95)) * 1e3}
+
+
+async def measure(theta_url: str, t_url: str, k: int, args: argparse.Namespace) -> list[dict]:
+    config = CoordinatorConfig(theta_url=theta_url, t_url=t_url, top_k=k, max_batch_size=max(args.batch_sizes))
+    rows = []
+    async with DualVLLMCoordinator(config) as coordinator, VLLMClient(theta_url, name="theta") as theta, \
+            VLLMClient(t_url, name="t") as t:
+        context = await theta.tokenize(prompts_for(1, seed=0)[0])
+        for batch in args.batch_sizes:
+            await coordinator_run(coordinator, batch, min(args.tokens, 4), seed=0)  # warm-up
+            await round_trips(theta, t, context, k, 3)
+            steps: list[StepTiming] = []
+            trips: dict[str, list[float]] = {kind: [] for kind in ROUND_TRIPS}
+            run_medians, tokens_per_s = [], []
+            for repeat in range(args.repeats):
+                started = time.perf_counter()
+                timings = await coordinator_run(coordinator, batch, args.tokens, seed=repeat + 1)
+                tokens_per_s.append(batch * args.tokens / (time.perf_counter() - started))
+                steps += timings
+                run_medians.append(float(np.median([s.total_s for s in timings])) * 1e3)
+                for kind, seconds in (await round_trips(theta, t, context, k, args.round_trips)).items():
+                    trips[kind] += seconds
+            row: dict = {"top_k": k, "batch_size": batch, "tokens_per_sequence": args.tokens,
+                         "repeats": args.repeats, "steps": len(steps),
+                         "tokens_per_s": statistics.median(tokens_per_s),
+                         "step_median_ms_per_run": [round(m, 2) for m in run_medians]}
+            for phase in PHASES:
+                for stat, value in ms([getattr(s, f"{phase}_s") for s in steps]).items():
+                    row[f"{phase}_{stat}"] = value
+            for kind, seconds in trips.items():
+                for stat, value in ms(seconds).items():
+                    row[f"round_trip_{kind}_{stat}"] = value
+            row["step_over_theta_round_trip_ratio"] = row["total_median_ms"] / row["round_trip_theta_alone_median_ms"]
+            row["step_over_concurrent_round_trips_ratio"] = (row["total_median_ms"]
+                                                             / row["round_trip_both_concurrently_median_ms"])
+            rows.append(row)
+            print_row(row)
+    return rows
+
+
+def print_row(row: dict) -> None:
+    print(f"k {row['top_k']:>3}  batch {row['batch_size']:>4}  step {row['total_median_ms']:7.2f} ms "
+          f"(p95 {row['total_p95_ms']:7.2f})  servers {row['servers_median_ms']:7.2f} [theta "
+          f"{row['theta_median_ms']:6.2f}, t {row['t_median_ms']:6.2f}]  merge {row['merge_median_ms']:5.2f}  "
+          f"alpha {row['alpha_median_ms']:5.2f}  sample {row['sample_median_ms']:5.2f}  bookkeeping "
+          f"{row['bookkeeping_median_ms']:5.2f}  |  {row['tokens_per_s']:7.1f} tok/s  |  round trip: theta "
+          f"{row['round_trip_theta_alone_median_ms']:5.2f}, t {row['round_trip_t_alone_median_ms']:5.2f}, both "
+          f"{row['round_trip_both_concurrently_median_ms']:5.2f} ms; step/theta round trip "
+          f"{row['step_over_theta_round_trip_ratio']:.2f}", flush=True)
+
+
+def plot(report: dict, path: Path) -> None:
+    plt = pyplot()
+    ks = sorted({r["top_k"] for r in report["rows"]})
+    fig, axes = plt.subplots(1, len(ks), figsize=(6 * len(ks), 4.5), squeeze=False)
+    for ax, k in zip(axes[0], ks):
+        rows = [r for r in report["rows"] if r["top_k"] == k]
+        labels = [str(r["batch_size"]) for r in rows]
+        bottom = np.zeros(len(rows))
+        for phase in ("servers", "merge", "alpha", "sample", "bookkeeping"):
+            values = np.array([r[f"{phase}_median_ms"] for r in rows])
+            ax.bar(labels, values, bottom=bottom, label=phase)
+            bottom += values
+        ax.plot(labels, [r["round_trip_theta_alone_median_ms"] for r in rows], "k_", ms=30, mew=2,
+                label="one single-prompt round trip (base)")
+        ax.set(yscale="log", xlabel="batch size", ylabel="median ms per step (= per token)", title=f"top_k {k}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
 
 
 async def run(args: argparse.Namespace) -> dict:
-    async with contextlib.AsyncExitStack() as stack:
-        theta_url, t_url = args.theta_url, args.t_url
-        if theta_url is None or t_url is None:
-            base, teacher = pair_configs(str(tinymodels.BASE_DIR), str(tinymodels.TEACHER_DIR),
-                                         max_logprobs=max(args.top_k, 20), dtype=tinymodels.SERVER_DTYPE)
-            theta, t = await stack.enter_async_context(launch_pair(base, teacher))
-            theta_url, t_url = theta.url, t.url
-        config = CoordinatorConfig(theta_url=theta_url, t_url=t_url, top_k=args.top_k,
-                                   max_batch_size=max(args.batch_sizes))
-        coordinator = await stack.enter_async_context(DualVLLMCoordinator(config))
-        results = []
-        for batch_size in args.batch_sizes:
-            await measure(coordinator, batch_size, min(args.tokens, 4), seed=0)  # warm-up
-            runs = [await measure(coordinator, batch_size, args.tokens, seed=r + 1) for r in range(args.repeats)]
-            row = {"batch_size": batch_size, "top_k": args.top_k, "tokens_per_sequence": args.tokens,
-                   "repeats": args.repeats}
-            for key in runs[0]:
-                row[key] = statistics.median(r[key] for r in runs)
-            row["step_median_ms_per_run"] = [round(r["step_median_ms"], 2) for r in runs]
-            results.append(row)
-            print(f"batch {batch_size:>4}  per-token latency median {row['step_median_ms']:7.1f} ms  "
-                  f"p95 {row['step_p95_ms']:7.1f} ms  {row['tokens_per_s']:8.1f} tokens/s  "
-                  f"(run medians {row['step_median_ms_per_run']})", flush=True)
-    return {"machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, "
-                       f"{__import__('os').cpu_count()} cores", "results": results}
+    async with servers(args.theta_url, args.t_url, max_logprobs=max(max(args.ks), 20)) as (theta_url, t_url):
+        rows = [row for k in args.ks for row in await measure(theta_url, t_url, k, args)]
+    return {"machine": machine(), "command": " ".join(["python", *sys.argv]), "rows": rows}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--theta-url", help="running base server; default: start the bundled tiny models")
     parser.add_argument("--t-url", help="running teacher server")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
+    parser.add_argument("--ks", type=int, nargs="+", default=[20, 96], help="top_k values (96: see above)")
     parser.add_argument("--tokens", type=int, default=32, help="tokens per sequence per run")
     parser.add_argument("--repeats", type=int, default=3, help="measured runs per batch size")
-    parser.add_argument("--top-k", type=int, default=20)
-    parser.add_argument("--output", type=Path, default=Path("benchmarks/results/per_token_latency.json"))
+    parser.add_argument("--round-trips", type=int, default=20, help="single-prompt round trips of each kind per run")
+    parser.add_argument("--output", type=Path, default=RESULTS_DIR / "per_token_latency.json")
     args = parser.parse_args()
     report = asyncio.run(run(args))
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.output}")
+    write_report(report, args.output)
+    plot(report, args.output.with_suffix(".png"))
 
 
 if __name__ == "__main__":
