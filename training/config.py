@@ -17,7 +17,7 @@ class TrainConfig(RaisesInvalidInput, BaseModel):
     output_dir: Path = Field(description="Checkpoints, pushed weights, metrics.jsonl and the run's config go here.")
     base: str | None = Field(None, description="Base model directory (trained); None = the bundled tiny base.")
     teacher: str | None = Field(None, description="Teacher model directory; None = the bundled tiny teacher.")
-    steps: int = Field(60, ge=1, description="Learner updates to run.")
+    steps: int = Field(200, ge=1, description="Learner updates to run.")
     prompts_per_step: int = Field(8, ge=1, description="Prompts per update; each gets group_size rollouts.")
     group_size: int = Field(8, ge=2, description="Rollouts per prompt (G): advantages compare a prompt's rollouts.")
     max_tokens: int = Field(6, ge=1, description="Longest completion sampled.")
@@ -25,12 +25,13 @@ class TrainConfig(RaisesInvalidInput, BaseModel):
     fixed_alpha: float | None = Field(
         None, ge=0, le=1, description="None = sample from q* (alpha* per token); 0 = on-policy (base only); 1 = teacher only.")
     top_k: int = Field(20, ge=1, description="Top-k the coordinator merges per token.")
-    learning_rate: float = Field(1e-4, gt=0, description="AdamW learning rate (3e-4 degraded the tiny base under q*-GRPO; see README).")
+    learning_rate: float = Field(2e-4, gt=0, description="AdamW learning rate (1e-3 collapsed every arm on the bundled base).")
     correction: Correction = Field(
         "sequence", description="Off-policy correction for q* rollouts: sequence (self-normalized per group) or token "
                                 "(truncated per-token pi/q*; did not lift the bundled base, see README).")
-    is_cap: float = Field(
-        2.0, ge=1, description="Truncation: sequence = most rollouts' shares one rollout may count for; token = max pi/q* per token.")
+    is_cap: float = Field(2.0, ge=1, description="correction=token: truncation of the per-token weight pi_theta / q*.")
+    share_cap: float = Field(
+        3.0, ge=1, description="correction=sequence: truncation of G·v, the group shares one rollout may count for.")
     normalization: Normalization = Field("dapo", description="Loss normalization: grpo, dr_grpo or dapo (TRL's meanings).")
     scale_advantages: bool = Field(True, description="Divide group-relative advantages by the group std (False = Dr. GRPO).")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the k3 KL penalty to the frozen initial model; 0 = none.")

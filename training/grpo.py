@@ -108,7 +108,8 @@ async def train_grpo(config: TrainConfig, *, resume: bool = False, show_progress
                         continue
                     started = time.perf_counter()
                     metrics = await asyncio.to_thread(
-                        learner.train_step, batch, correction=config.correction, scale_advantages=config.scale_advantages, is_cap=config.is_cap,
+                        learner.train_step, batch, correction=config.correction,
+                        scale_advantages=config.scale_advantages, is_cap=config.is_cap, share_cap=config.share_cap,
                         normalization=config.normalization, max_completion_length=config.max_tokens)
                     step += 1
                     if step % config.push_every == 0 or step == config.steps:

@@ -71,7 +71,7 @@ class Learner:
         self.pad_id = pad_id
 
     def train_step(self, batch: ScoredBatch, *, correction: str, scale_advantages: bool, is_cap: float,
-                   normalization: str, max_completion_length: int) -> dict[str, float]:
+                   share_cap: float, normalization: str, max_completion_length: int) -> dict[str, float]:
         started = time.perf_counter()
         groups = [g for g in batch.groups if len(g) >= 2]
         rewards = [torch.tensor([r.reward for r in g]) for g in groups]
@@ -82,7 +82,7 @@ class Learner:
         log_ratio = ((logp.detach() - behaviour) * packed.target_mask).sum(-1)  # [B]
         advantages, advantage_metrics = group_advantages(
             rewards, torch.split(log_ratio, [len(g) for g in groups]), correction=correction,  # type: ignore[arg-type]
-            scale=scale_advantages, is_cap=is_cap)
+            scale=scale_advantages, share_cap=share_cap)
         reference = None
         if self.reference is not None:
             with torch.no_grad():

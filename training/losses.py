@@ -12,8 +12,8 @@ Two corrections are offered (`Correction`):
   A_i = G v_i (r_i - b), optionally divided by the weighted std. This is the
   self-normalized off-policy policy gradient (Owen 2013, ch. 9; Precup et al. 2000);
   with q* = pi_theta every v_i = 1/G and it is exactly GRPO's group advantage.
-  Truncation: G v_i is capped at `is_cap`, so no rollout counts for more than `is_cap`
-  rollouts' share.
+  Truncation: G v_i is capped at `share_cap`, so no rollout counts for more than
+  `share_cap` rollouts' share.
 - "token": per-token truncated weights w_t = min(pi_theta(y_t) / q*(y_t), is_cap)
   (truncated IS as in IMPALA's V-trace, Espeholt et al. 2018, and the TIS fix for
   vLLM/trainer mismatch) on plain group advantages. Right for small mismatches; with q*
@@ -118,11 +118,11 @@ def normalize(per_token: torch.Tensor, mask: torch.Tensor, how: Normalization,
 
 
 def advantages(rewards: Sequence[torch.Tensor], log_ratios: Sequence[torch.Tensor], *, correction: Correction,
-               scale: bool = True, is_cap: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+               scale: bool = True, share_cap: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Per-rollout advantages for groups of different sizes, concatenated in group order -> [B].
 
     `rewards[g]`, `log_ratios[g]`: [G_g] rewards and summed log pi_theta(y) - log q*(y) of
-    group g's rollouts. "sequence" weights them (self-normalized, truncated at `is_cap`);
+    group g's rollouts. "sequence" weights them (self-normalized, G v truncated at `share_cap`);
     "token" ignores the ratios here (the loss weights each token instead).
     Metrics: mean ESS ratio of the groups' weights, fraction of rollouts truncated.
     """
@@ -131,11 +131,11 @@ def advantages(rewards: Sequence[torch.Tensor], log_ratios: Sequence[torch.Tenso
     if correction != "sequence":
         raise ValueError(f"unknown correction {correction!r}; use sequence or token")
     weights = [sequence_weights(l) for l in log_ratios]  # [G_g] each
-    out = torch.cat([weighted_group_advantages(r, v, scale=scale, cap=is_cap) for r, v in zip(rewards, weights)])
+    out = torch.cat([weighted_group_advantages(r, v, scale=scale, cap=share_cap) for r, v in zip(rewards, weights)])
     shares = torch.cat([v * v.shape[-1] for v in weights])  # [B]
     return out, {
         "ess_ratio": float(torch.stack([effective_sample_size_ratio(v) for v in weights]).mean()),
-        "clip_fraction": float((shares > is_cap).float().mean()) if is_cap is not None else 0.0,
+        "clip_fraction": float((shares > share_cap).float().mean()) if share_cap is not None else 0.0,
         "sequence_weight_max": float(shares.max()),
     }
 

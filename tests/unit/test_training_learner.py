@@ -50,7 +50,8 @@ def test_an_update_makes_the_rewarded_completion_more_likely(tokenizer, correcti
     # A small step, where the update follows the gradient's first-order promise.
     learner = Learner(model, learning_rate=1e-5, kl_coef=0.0, pad_id=0)
     before = completion_logprobs(model, pack([good, bad], 0)).sum(-1).detach()
-    metrics = learner.train_step(batch, correction=correction, scale_advantages=True, is_cap=2.0, normalization="dapo",
+    metrics = learner.train_step(batch, correction=correction, scale_advantages=True, is_cap=2.0, share_cap=3.0,
+                                 normalization="dapo",
                                  max_completion_length=6)
     after = completion_logprobs(model, pack([good, bad], 0)).sum(-1).detach()
     assert after[0] > before[0] and after[1] < before[1]

@@ -62,7 +62,7 @@ def test_one_dominant_rollout_gives_no_signal_and_no_nan():
 def test_advantages_over_ragged_groups():
     rewards = [torch.tensor([1.0, 0.0, 0.0]), torch.tensor([0.0, 1.0])]
     ratios = [torch.log(torch.tensor([2.0, 1.0, 1.0])), torch.zeros(2)]
-    out, metrics = advantages(rewards, ratios, correction="sequence", scale=False, is_cap=1.2)
+    out, metrics = advantages(rewards, ratios, correction="sequence", scale=False, share_cap=1.2)
     assert out.tolist() == pytest.approx([0.6, -0.375, -0.375, -0.5, 0.5])
     assert metrics["clip_fraction"] == pytest.approx(1 / 5) and metrics["sequence_weight_max"] == pytest.approx(1.5)
     assert metrics["ess_ratio"] == pytest.approx((1 / (3 * 0.375) + 1.0) / 2)
