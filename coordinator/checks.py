@@ -60,8 +60,16 @@ async def resolve_eos(
     return eos_theta | eos_t
 
 
-async def check_top_k(theta: Engine, t: Engine, k: int, probe_ids: list[int]) -> None:
-    """Send one real top-k request to each server, so a too-low --max-logprobs fails now."""
+async def check_top_k(theta: Engine, t: Engine, k: int, probe_ids: list[int], vocab_size: int | None = None) -> None:
+    """Send one real top-k request to each server, so a too-low --max-logprobs fails now.
+
+    A k above the vocabulary is refused before anything is sent: vLLM 0.32 (CPU build)
+    answered logprobs=100 on a 98-token model with HTTP 500 and its engine died.
+    """
+    if vocab_size is not None and k > vocab_size:
+        raise InvalidInputError(
+            f"top_k={k} is larger than the models' vocabulary of {vocab_size} tokens (a vLLM server "
+            f"asked for that many logprobs fails and stops serving); use top_k <= {vocab_size}.")
     results = await asyncio.gather(
         theta.next_token_topk([probe_ids], k), t.next_token_topk([probe_ids], k),
         return_exceptions=True,

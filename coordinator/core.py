@@ -88,12 +88,13 @@ class DualVLLMCoordinator:
         infos = (await theta.model_info(), await t.model_info())
         await check_tokenizers(theta, t, infos)
         eos_ids = await resolve_eos(theta, t, infos, cfg.eos_token_ids)
-        await check_top_k(theta, t, cfg.top_k, await theta.tokenize("Hello", add_special_tokens=True))
+        vocab_sizes = [info.vocab_size for info in infos if info.vocab_size]
+        await check_top_k(theta, t, cfg.top_k, await theta.tokenize("Hello", add_special_tokens=True),
+                          min(vocab_sizes) if vocab_sizes else None)
         max_len = min(infos[0].max_model_len, infos[1].max_model_len)
         log.info("coordinator ready: base %s, teacher %s, top_k=%d, eos=%s, max_model_len=%d",
                  infos[0].name, infos[1].name, cfg.top_k, sorted(eos_ids), max_len)
         self._theta, self._t = theta, t
-        vocab_sizes = [info.vocab_size for info in infos if info.vocab_size]
         scheduler = speculative_scheduler(theta, t) if cfg.speculative_gamma else Scheduler
         self._scheduler = scheduler(theta, t, config=cfg, eos_ids=eos_ids, max_len=max_len,
                                     stats=self._stats, vocab_size=min(vocab_sizes) if vocab_sizes else None)

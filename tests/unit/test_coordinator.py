@@ -270,6 +270,14 @@ async def test_startup_refuses_a_top_k_the_servers_do_not_allow(fake_theta, fake
             pass
 
 
+async def test_startup_refuses_a_top_k_above_the_vocabulary_before_asking_a_server(fake_theta, fake_t, monkeypatch):
+    monkeypatch.setattr("engines.vllm_client._vocab_size_from_model_dir", lambda root: VOCAB_SIZE)
+    with pytest.raises(InvalidInputError, match=f"top_k <= {VOCAB_SIZE}"):
+        async with DualVLLMCoordinator(config(fake_theta, fake_t, top_k=VOCAB_SIZE + 1)):
+            pass
+    assert not fake_theta.calls["/v1/completions"] and not fake_t.calls["/v1/completions"]
+
+
 async def test_startup_refuses_models_with_different_tokenizers(fake_theta, fake_t, monkeypatch):
     import tests.fake_vllm as fake
 
