@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from training import lora
+
 PREFIX = "step-"
 
 
@@ -39,7 +41,8 @@ def save(output_dir: Path, model: Any, tokenizer: Any, optimizer: torch.optim.Op
     final = checkpoint_dir(output_dir, state.step)
     partial = final.with_name(final.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial, safe_serialization=True)
+    lora.save_full(model, partial)  # what a restarted server starts on
+    lora.save_adapter(model, partial)  # what a LoRA learner resumes on
     tokenizer.save_pretrained(partial)
     torch.save(optimizer.state_dict(), partial / "optimizer.pt")
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}

@@ -34,6 +34,8 @@ class TrainConfig(RaisesInvalidInput, BaseModel):
         3.0, ge=1, description="correction=sequence: truncation of G·v, the group shares one rollout may count for.")
     normalization: Normalization = Field("dapo", description="Loss normalization: grpo, dr_grpo or dapo (TRL's meanings).")
     scale_advantages: bool = Field(True, description="Divide group-relative advantages by the group std (False = Dr. GRPO).")
+    lora_rank: int = Field(0, ge=0, description="LoRA rank of the learner's adapters (peft); 0 = train every weight.")
+    lora_alpha: int = Field(32, ge=1, description="LoRA scaling numerator (peft's lora_alpha); used when lora_rank > 0.")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the k3 KL penalty to the frozen initial model; 0 = none.")
     max_staleness: int = Field(1, ge=0, description="Drop rollouts sampled more than this many policy versions ago.")
     queue_size: int = Field(2, ge=1, description="Scored batches the sampler may run ahead of the learner.")

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 import tinymodels
 from dualvllm.errors import InvalidInputError
 from tinymodels.task import problems
-from training import checkpoint
+from training import checkpoint, lora
 from training.checkpoint import RunState
 from training.config import TrainConfig
 from training.learner import Learner
@@ -67,7 +67,12 @@ async def train_grpo(config: TrainConfig, *, resume: bool = False, show_progress
     start_dir = str(newest) if newest is not None else base_dir
     torch.manual_seed(config.seed)
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    model = AutoModelForCausalLM.from_pretrained(start_dir, dtype=torch.float32)
+    if config.lora_rank and newest is not None:
+        model = lora.resume(base_dir, newest, torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(start_dir, dtype=torch.float32)
+        if config.lora_rank:
+            model = lora.wrap(model, rank=config.lora_rank, alpha=config.lora_alpha)
     learner = Learner(model, learning_rate=config.learning_rate, kl_coef=config.kl_coef,
                       pad_id=tokenizer.pad_token_id or 0)
     state = checkpoint.load_state(newest, learner.optimizer) if newest is not None else RunState(0, 0, 0)

@@ -65,7 +65,8 @@ class Learner:
 
     def __init__(self, model: Any, *, learning_rate: float, kl_coef: float, pad_id: int) -> None:
         self.model = model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=learning_rate)
+        # Only what trains: with LoRA the base weights are frozen.
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=learning_rate)
         self.reference = copy.deepcopy(model).eval().requires_grad_(False) if kl_coef > 0 else None
         self.kl_coef = kl_coef
         self.pad_id = pad_id

@@ -24,6 +24,7 @@ import numpy as np
 
 from dualvllm.errors import DualVLLMError, ServerRejectedError
 from engines.vllm_client import VLLMClient
+from training import lora
 
 log = logging.getLogger("dualvllm.training")
 
@@ -127,6 +128,6 @@ async def reset_prefix_cache(client: VLLMClient) -> None:
 
 
 def _save(model: Any, tokenizer: Any, out_dir: Path) -> None:
-    model.save_pretrained(out_dir, safe_serialization=True)
+    lora.save_full(model, out_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)

@@ -83,3 +83,17 @@ async def test_the_tied_embedding_trap_is_caught(dev_servers, tmp_path):
     async with VLLMClient(dev_servers[1].url, name="theta") as client:
         with pytest.raises(WeightSyncError, match="tie"):
             await push_weights(client, learner, tokenizer, tmp_path / "step-000001", probes(tokenizer))
+
+
+async def test_a_lora_learner_is_pushed_as_merged_weights(dev_servers, tmp_path):
+    from training import lora
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tinymodels.BASE_DIR)
+    learner = lora.wrap(transformers.AutoModelForCausalLM.from_pretrained(tinymodels.BASE_DIR), rank=4, alpha=8)
+    with torch.no_grad():  # peft starts with B = 0 (no change); make the adapter matter
+        for name, param in learner.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.2)
+    async with VLLMClient(dev_servers[0].url, name="theta") as client:
+        report = await push_weights(client, learner, tokenizer, tmp_path / "lora-step-1", probes(tokenizer))
+    assert report.max_abs_diff < 1e-3
