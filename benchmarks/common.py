@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
 import platform
 from pathlib import Path
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, Callable
 from urllib.parse import urlparse
 
 import psutil
@@ -68,10 +69,21 @@ class ServerCPU:
         return total
 
 
-def write_report(report: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {path}")
+def argument_parser(doc: str, *, live_servers: bool) -> argparse.ArgumentParser:
+    """A script's parser, described by its docstring's first line; with the server URL options."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    if live_servers:
+        parser.add_argument("--theta-url", help="running base server; default: start the bundled tiny models")
+        parser.add_argument("--t-url", help="running teacher server")
+    return parser
+
+
+def finish(report: dict, output: Path, plot: Callable[[dict, Path], None]) -> None:
+    """Write the report as JSON and its plot beside it (same name, .png)."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {output}")
+    plot(report, output.with_suffix(".png"))
 
 
 def pyplot():
@@ -82,3 +94,9 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")

@@ -36,7 +36,16 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 
-from benchmarks.common import RESULTS_DIR, ServerCPU, machine, prompts_for, pyplot, write_report  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    RESULTS_DIR,
+    ServerCPU,
+    argument_parser,
+    finish,
+    machine,
+    prompts_for,
+    pyplot,
+    save_figure,
+)
 from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
 from engines.launcher import launch_pair, pair_configs  # noqa: E402
 from engines.protocol import TopKBatch  # noqa: E402
@@ -144,15 +153,11 @@ def plot(report: dict, path: Path) -> None:
     ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="tokens/s",
            title=f"coordinator variants, top_k {report['top_k']}")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--theta-url", help="running base server; default: start the bundled tiny models")
-    parser.add_argument("--t-url", help="running teacher server")
+    parser = argument_parser(__doc__, live_servers=True)
     parser.add_argument("--server-args", nargs="*", default=[], help="extra vLLM arguments when starting servers")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 64, 256])
     parser.add_argument("--lanes", type=int, nargs="+", default=[2], help="pipeline_lanes values to try besides 1")
@@ -163,9 +168,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "levers.json")
     args = parser.parse_args()
-    report = asyncio.run(run(args))
-    write_report(report, args.output)
-    plot(report, args.output.with_suffix(".png"))
+    finish(asyncio.run(run(args)), args.output, plot)
 
 
 if __name__ == "__main__":

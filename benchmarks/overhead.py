@@ -44,7 +44,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` and `tests` are not installed packages
 
-from benchmarks.common import RESULTS_DIR, machine, pyplot, write_report  # noqa: E402
+from benchmarks.common import RESULTS_DIR, argument_parser, finish, machine, pyplot, save_figure  # noqa: E402
 from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
 from coordinator.step import mix_and_sample  # noqa: E402
 from engines.protocol import ModelInfo, TopKBatch  # noqa: E402
@@ -262,13 +262,11 @@ def plot(report: dict, path: Path) -> None:
     ax.set(xscale="log", yscale="log", xlabel="batch size (sequences per step)",
            ylabel="thread CPU µs per sequence-token", title="coordinator CPU cost, no servers")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argument_parser(__doc__, live_servers=False)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--ks", type=int, nargs="+", default=[20, 100])
     parser.add_argument("--overlap", type=float, default=0.5, help="share of ids both top-k lists hold")
@@ -281,8 +279,7 @@ def main() -> None:
     args = parser.parse_args()
     report = {"machine": machine(), "command": " ".join(["python", *sys.argv]),
               "cpu": cpu_table(args), "memory": memory(args)}
-    write_report(report, args.output)
-    plot(report, args.output.with_suffix(".png"))
+    finish(report, args.output, plot)
 
 
 if __name__ == "__main__":

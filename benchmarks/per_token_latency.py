@@ -36,7 +36,16 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 
-from benchmarks.common import RESULTS_DIR, machine, prompts_for, pyplot, servers, write_report  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    RESULTS_DIR,
+    argument_parser,
+    finish,
+    machine,
+    prompts_for,
+    pyplot,
+    save_figure,
+    servers,
+)
 from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
 from coordinator.stats import StepTiming  # noqa: E402
 from engines.vllm_client import VLLMClient  # noqa: E402
@@ -140,9 +149,7 @@ def plot(report: dict, path: Path) -> None:
                 label="one single-prompt round trip (base)")
         ax.set(yscale="log", xlabel="batch size", ylabel="median ms per step (= per token)", title=f"top_k {k}")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 async def run(args: argparse.Namespace) -> dict:
@@ -152,9 +159,7 @@ async def run(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--theta-url", help="running base server; default: start the bundled tiny models")
-    parser.add_argument("--t-url", help="running teacher server")
+    parser = argument_parser(__doc__, live_servers=True)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--ks", type=int, nargs="+", default=[20, 96], help="top_k values (96: see above)")
     parser.add_argument("--tokens", type=int, default=32, help="tokens per sequence per run")
@@ -162,9 +167,7 @@ def main() -> None:
     parser.add_argument("--round-trips", type=int, default=20, help="single-prompt round trips of each kind per run")
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "per_token_latency.json")
     args = parser.parse_args()
-    report = asyncio.run(run(args))
-    write_report(report, args.output)
-    plot(report, args.output.with_suffix(".png"))
+    finish(asyncio.run(run(args)), args.output, plot)
 
 
 if __name__ == "__main__":

@@ -36,11 +36,13 @@ sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 from benchmarks.common import (  # noqa: E402
     RESULTS_DIR,
     ServerCPU,
+    argument_parser,
+    finish,
     machine,
     prompts_for,
     pyplot,
+    save_figure,
     servers,
-    write_report,
 )
 from benchmarks.reference_protocol import ReferenceProtocolClient  # noqa: E402
 from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
@@ -153,15 +155,11 @@ def plot(report: dict, path: Path) -> None:
         ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="tokens/s",
                title=f"{n} tokens per sequence, top_k {report['top_k']}")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--theta-url", help="running base server; default: start the bundled tiny models")
-    parser.add_argument("--t-url", help="running teacher server")
+    parser = argument_parser(__doc__, live_servers=True)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 32, 56],
                         help="output lengths (the bundled models' context is 64 tokens)")
@@ -172,9 +170,7 @@ def main() -> None:
     parser.add_argument("--pool-size", type=int, default=64, help="reference arm: connections per server")
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "throughput.json")
     args = parser.parse_args()
-    report = asyncio.run(run(args))
-    write_report(report, args.output)
-    plot(report, args.output.with_suffix(".png"))
+    finish(asyncio.run(run(args)), args.output, plot)
 
 
 if __name__ == "__main__":
