@@ -66,7 +66,8 @@ async def train_dpo(config: TrainConfig, *, show_progress: bool = True) -> DPORe
 
     import tinymodels
     from tinymodels.task import problems
-    
+    from training import lora
+
     out: Path = config.output_dir
     out.mkdir(parents=True, exist_ok=True)
     base_dir = config.base or str(tinymodels.BASE_DIR)
@@ -99,10 +100,17 @@ async def train_dpo(config: TrainConfig, *, show_progress: bool = True) -> DPORe
                          use_cpu=not torch.cuda.is_available(), seed=config.seed, logging_steps=5,
                          disable_tqdm=not show_progress)
         dataset = Dataset.from_list([{"prompt": p.prompt, "chosen": p.chosen, "rejected": p.rejected} for p in pairs])
-        trainer = DPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+        peft_config = None
+        if config.lora_rank:
+            from peft import LoraConfig
+
+            peft_config = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0,
+                                     target_modules=list(lora.TARGET_MODULES), task_type="CAUSAL_LM")
+        trainer = DPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                             peft_config=peft_config)
         trainer.train()
         final = out / "final"
-        trainer.model.save_pretrained(final, safe_serialization=True)
+        lora.save_full(trainer.model, final)  # merged weights when trained with LoRA
         tokenizer.save_pretrained(final)
         async with serving(config, str(final)) as (coordinator, _):
             accuracy_after = await held_out_accuracy(coordinator, held_out, config.max_tokens, pool)

@@ -118,10 +118,11 @@ def test_serve_prints_both_urls_and_a_signal_stops_both(tmp_path, stop_signal):
     assert (tmp_path / "theta.log").stat().st_size > 0 and (tmp_path / "t.log").stat().st_size > 0
 
 
-def test_train_pushes_verified_weights_and_resumes_after_a_kill(tmp_path):
+@pytest.mark.parametrize("lora_rank", ["0", "4"])
+def test_train_pushes_verified_weights_and_resumes_after_a_kill(tmp_path, lora_rank):
     out = tmp_path / "run"
     args = ["train", "--output-dir", str(out), "--steps", "4", "--prompts-per-step", "2", "--group-size", "4",
-            "--eval-every", "2", "--eval-prompts", "16"]
+            "--eval-every", "2", "--eval-prompts", "16", "--lora-rank", lora_rank]
     first = dualvllm(*args)
     try:
         deadline = time.monotonic() + 600
@@ -149,10 +150,11 @@ def test_train_pushes_verified_weights_and_resumes_after_a_kill(tmp_path):
     assert third.returncode == 2 and "--resume" in stderr
 
 
-def test_train_dpo_mines_pairs_and_trains(tmp_path):
+@pytest.mark.parametrize("lora_rank", ["0", "4"])
+def test_train_dpo_mines_pairs_and_trains(tmp_path, lora_rank):
     out = tmp_path / "dpo"
     run = dualvllm("train", "--method", "dpo", "--output-dir", str(out), "--steps", "2", "--prompts-per-step", "8",
-                   "--group-size", "4", "--eval-prompts", "16")
+                   "--group-size", "4", "--eval-prompts", "16", "--lora-rank", lora_rank)
     stdout, stderr = run.communicate(timeout=900)
     assert run.returncode == 0, stderr[-3000:]
     pairs = [json.loads(line) for line in (out / "pairs.jsonl").read_text().splitlines()]
