@@ -40,8 +40,6 @@ class CoordinatorConfig(RaisesInvalidInput, BaseSettings):
         0, ge=0, le=64, description="Speculative q* sampling: tokens the drafter samples per round, kept up to the first one q*'s acceptance rule rejects (coordinator/speculative.py); 0 = per-token mode.")
     speculative_drafter: Literal["theta", "t"] = Field(
         "theta", description="Which server drafts in speculative mode (the other scores the draft): theta = the base, t = the teacher.")
-    pipeline_lanes: int = Field(
-        1, ge=1, le=8, description="Split the active sequences into this many lanes stepped concurrently, so one lane's math overlaps the others' requests; 1 = one step for all (see README, Measured speed).")
     seed: int | None = Field(0, description="Seed of the per-sequence samplers when a call gives none; None = fresh entropy.")
     eos_token_ids: tuple[int, ...] | None = Field(
         None, description="Override the EOS ids learned from the servers (needed if they cannot tell).")

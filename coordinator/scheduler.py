@@ -50,8 +50,7 @@ class Scheduler:
         self._vocab_size = vocab_size
         self._coverage_warned = False
         self._waiting: deque[SequenceState] = deque()
-        # Each lane steps its own share of the active sequences (see _lane).
-        self._lanes: list[list[SequenceState]] = [[] for _ in range(config.pipeline_lanes)]
+        self._active: list[SequenceState] = []
         self._work = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._finishing: set[asyncio.Task[None]] = set()
@@ -75,61 +74,42 @@ class Scheduler:
             except asyncio.CancelledError:
                 pass
             self._task = None
-        for seq in [*(s for lane in self._lanes for s in lane), *self._waiting]:
+        for seq in [*self._active, *self._waiting]:
             seq.fail("the coordinator was closed before this sequence finished")
             self._deliver(seq, text="")
-        for lane in self._lanes:
-            lane.clear()
+        self._active.clear()
         self._waiting.clear()
         if self._finishing:
             await asyncio.gather(*self._finishing, return_exceptions=True)
 
     async def _run(self) -> None:
-        await asyncio.gather(*(self._lane(i) for i in range(len(self._lanes))))
-
-    async def _lane(self, lane: int) -> None:
-        """Step this lane's sequences while there is work.
-
-        With two or more lanes, one lane's merge, alpha* and sampling run while the
-        others' requests are at the servers, and each server has more than one request in
-        flight; with one lane, every step carries all active sequences.
-        """
         while True:
-            self._admit(lane)
-            active = self._lanes[lane]
-            if not active:
+            if not self._active and not self._waiting:
                 self._work.clear()
                 await self._work.wait()
+            self._admit()
+            if not self._active:
                 continue
             try:
-                await self._step(active)
+                await self._step(self._active)
             except Exception as exc:  # a bug must not hang the callers or every later call
                 log.exception("coordinator step failed")
-                for seq in active:
+                for seq in self._active:
                     seq.fail(f"internal error in the coordinator step: {exc!r}")
             still_active = []
-            for seq in active:
+            for seq in self._active:
                 if seq.finish_reason is None:
                     still_active.append(seq)
                 else:
                     self._retire(seq)
-            self._lanes[lane] = still_active
+            self._active = still_active
 
-    def _admit(self, lane: int) -> None:
-        """Fill a lane from the waiting queue, up to its share of max_batch_size.
-
-        Lanes split the work evenly: a lane takes no more than its part of everything
-        active or waiting, so a small batch is spread over every lane.
-        """
-        lanes = self._lanes
-        lanes[lane] = [s for s in lanes[lane] if not s.cancelled]
-        n_lanes, max_batch = len(lanes), self._config.max_batch_size
-        capacity = max_batch // n_lanes + (lane < max_batch % n_lanes)
-        share = -(-(sum(map(len, lanes)) + len(self._waiting)) // n_lanes)  # ceil
-        while self._waiting and len(lanes[lane]) < min(capacity, share):
+    def _admit(self) -> None:
+        self._active = [s for s in self._active if not s.cancelled]
+        while self._waiting and len(self._active) < self._config.max_batch_size:
             seq = self._waiting.popleft()
             if not seq.cancelled:
-                lanes[lane].append(seq)
+                self._active.append(seq)
 
     async def _step(self, active: list[SequenceState]) -> None:
         started = time.perf_counter()

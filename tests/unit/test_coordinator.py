@@ -109,21 +109,6 @@ async def test_one_slow_server_delays_but_does_not_change_the_samples(fake_theta
     assert statistics["step_latency_p95_ms"] >= 300
 
 
-async def test_pipeline_lanes_split_the_batch_and_do_not_change_the_samples(fake_theta, fake_t):
-    prompts = ["ab", "cd", "ef", "gh", "ij", "kl"]
-    async with DualVLLMCoordinator(config(fake_theta, fake_t, max_batch_size=4)) as c:
-        one_lane = await c.generate_batch(prompts, max_tokens=6, seed=2, ignore_eos=True)
-    fake_theta.calls.clear()
-    async with DualVLLMCoordinator(config(fake_theta, fake_t, max_batch_size=4, pipeline_lanes=2)) as c:
-        two_lanes = await c.generate_batch(prompts, max_tokens=6, seed=2, ignore_eos=True)
-        statistics = c.get_statistics()
-    assert [o.generated_tokens for o in two_lanes] == [o.generated_tokens for o in one_lane]
-    assert [o.alpha_history for o in two_lanes] == [o.alpha_history for o in one_lane]
-    batches = completions_batches(fake_theta)
-    # Each lane holds at most half of max_batch_size; together they cover every token.
-    assert max(batches) == 2 and sum(batches) == statistics["tokens"] == 6 * 6
-
-
 async def test_step_timings_attribute_a_slow_server_to_its_own_call(fake_theta, fake_t):
     async with DualVLLMCoordinator(config(fake_theta, fake_t)) as c:
         # The teacher answers the first 2 steps 0.3 s late; the base is not delayed.
