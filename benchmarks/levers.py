@@ -6,12 +6,11 @@
 
 Variants of the coordinator, each generating the same batch (ignore_eos, temperature 1)
 back to back in every repeat, so the ratios to the baseline come from one run:
-- `batched, 1 lane` (the default): one request per server per step for all sequences;
-- `batched, N lanes` (`pipeline_lanes` N): the active set split into N lanes stepped
-  concurrently, so one lane's math overlaps another's requests and each server has N
-  requests in flight;
+- `batched` (the default): one request per server per step for all sequences;
 - `single requests`: one request per sequence per server per step, all at once (the
   request shape the reference used, with token ids instead of text).
+Pipelining the active set in 2 or 4 lanes was measured with this script at commit
+079f4d4 (`--lanes 2 4`) and dropped; see the README.
 
 For each variant: tokens/s, its ratio to the baseline (median of per-repeat ratios), the
 servers' CPU seconds per 1,000 tokens and the servers' prefix-cache hit rate over the
@@ -73,9 +72,7 @@ async def prefix_cache(session: aiohttp.ClientSession, url: str) -> tuple[float,
 
 @contextlib.asynccontextmanager
 async def coordinator_for(variant: str, theta_url: str, t_url: str, args: argparse.Namespace):
-    lanes = int(variant.split()[1]) if variant.startswith("batched") else 1
-    config = CoordinatorConfig(theta_url=theta_url, t_url=t_url, top_k=args.top_k, pipeline_lanes=lanes,
-                               max_batch_size=max(args.batch_sizes), connection_pool_size=max(args.batch_sizes))
+    config = CoordinatorConfig(theta_url=theta_url, t_url=t_url, top_k=args.top_k, max_batch_size=max(args.batch_sizes), connection_pool_size=max(args.batch_sizes))
     engines = {}
     async with contextlib.AsyncExitStack() as stack:
         if variant == "single requests":
@@ -86,7 +83,7 @@ async def coordinator_for(variant: str, theta_url: str, t_url: str, args: argpar
 
 
 async def run(args: argparse.Namespace) -> dict:
-    variants = ["batched 1 lane", *(f"batched {n} lanes" for n in args.lanes), "single requests"]
+    variants = ["batched", "single requests"]
     async with contextlib.AsyncExitStack() as stack:
         theta_url, t_url = args.theta_url, args.t_url
         if not (theta_url and t_url):
@@ -160,7 +157,6 @@ def main() -> None:
     parser = argument_parser(__doc__, live_servers=True)
     parser.add_argument("--server-args", nargs="*", default=[], help="extra vLLM arguments when starting servers")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 64, 256])
-    parser.add_argument("--lanes", type=int, nargs="+", default=[2], help="pipeline_lanes values to try besides 1")
     parser.add_argument("--single-max-batch", type=int, default=64,
                         help="skip `single requests` above this batch size (it is slow)")
     parser.add_argument("--tokens", type=int, default=32)
