@@ -72,7 +72,8 @@ async def prefix_cache(session: aiohttp.ClientSession, url: str) -> tuple[float,
 
 @contextlib.asynccontextmanager
 async def coordinator_for(variant: str, theta_url: str, t_url: str, args: argparse.Namespace):
-    config = CoordinatorConfig(theta_url=theta_url, t_url=t_url, top_k=args.top_k, max_batch_size=max(args.batch_sizes), connection_pool_size=max(args.batch_sizes))
+    config = CoordinatorConfig(theta_url=theta_url, t_url=t_url, top_k=args.top_k,
+                               max_batch_size=max(args.batch_sizes), connection_pool_size=max(args.batch_sizes))
     engines = {}
     async with contextlib.AsyncExitStack() as stack:
         if variant == "single requests":
