@@ -134,21 +134,27 @@ def print_row(row: dict) -> None:
 
 
 def plot(report: dict, path: Path) -> None:
+    """Top: the step against the server calls and a single round trip; bottom: the coordinator's own phases."""
     plt = pyplot()
     ks = sorted({r["top_k"] for r in report["rows"]})
-    fig, axes = plt.subplots(1, len(ks), figsize=(6 * len(ks), 4.5), squeeze=False)
-    for ax, k in zip(axes[0], ks):
+    fig, axes = plt.subplots(2, len(ks), figsize=(6 * len(ks), 8), squeeze=False)
+    for column, k in enumerate(ks):
         rows = [r for r in report["rows"] if r["top_k"] == k]
         labels = [str(r["batch_size"]) for r in rows]
-        bottom = np.zeros(len(rows))
-        for phase in ("servers", "merge", "alpha", "sample", "bookkeeping"):
+        top, bottom_ax = axes[0][column], axes[1][column]
+        for key, label in (("total", "step (per-token latency)"), ("servers", "both server calls"),
+                           ("round_trip_both_concurrently", "2 single-prompt round trips, concurrent"),
+                           ("round_trip_theta_alone", "1 single-prompt round trip (base)")):
+            top.plot(labels, [r[f"{key}_median_ms"] for r in rows], "o-", label=label)
+        top.set(yscale="log", xlabel="batch size", ylabel="median ms", title=f"top_k {k}")
+        top.legend(fontsize=8)
+        stacked = np.zeros(len(rows))
+        for phase in ("merge", "alpha", "sample", "bookkeeping"):
             values = np.array([r[f"{phase}_median_ms"] for r in rows])
-            ax.bar(labels, values, bottom=bottom, label=phase)
-            bottom += values
-        ax.plot(labels, [r["round_trip_theta_alone_median_ms"] for r in rows], "k_", ms=30, mew=2,
-                label="one single-prompt round trip (base)")
-        ax.set(yscale="log", xlabel="batch size", ylabel="median ms per step (= per token)", title=f"top_k {k}")
-        ax.legend(fontsize=8)
+            bottom_ax.bar(labels, values, bottom=stacked, label=phase)
+            stacked += values
+        bottom_ax.set(xlabel="batch size", ylabel="median ms per step", title=f"coordinator's own phases, top_k {k}")
+        bottom_ax.legend(fontsize=8)
     save_figure(fig, path)
 
 
