@@ -130,7 +130,6 @@ class Scheduler:
         assert isinstance(theta_result, TopKBatch) and isinstance(t_result, TopKBatch)
 
         step = self._sample(active, theta_result, t_result)
-        sampled = time.perf_counter()
         self._record(active, step)
         await self._check_stop_strings([s for s in active if s.params.stop and s.error is None])
         finished = time.perf_counter()

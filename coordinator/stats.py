@@ -24,7 +24,7 @@ class StepTiming:
     batch: int  # sequences in the step (= tokens it produced)
     theta_s: float  # base server call, request built to answer parsed
     t_s: float  # teacher server call
-    servers_s: float  # both calls, from the first sent to the last parsed
+    servers_s: float  # both calls, from building the first request to parsing the last answer
     merge_s: float  # union of the two top-k lists and fill values
     alpha_s: float  # temperature and the alpha* solve
     sample_s: float  # q*, the sampled index, gathering the per-row results
