@@ -35,16 +35,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 
-from benchmarks.common import (  # noqa: E402
-    RESULTS_DIR,
-    ServerCPU,
-    argument_parser,
-    finish,
-    machine,
-    prompts_for,
-    pyplot,
-    save_figure,
-)
+from benchmarks import common  # noqa: E402
 from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
 from engines.launcher import launch_pair, pair_configs  # noqa: E402
 from engines.protocol import TopKBatch  # noqa: E402
@@ -94,11 +85,12 @@ async def run(args: argparse.Namespace) -> dict:
             theta, t = await stack.enter_async_context(launch_pair(base, teacher))
             theta_url, t_url = theta.url, t.url
         session = await stack.enter_async_context(aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)))
-        cpus = (ServerCPU(theta_url), ServerCPU(t_url))
-        coordinators = {v: await stack.enter_async_context(coordinator_for(v, theta_url, t_url, args)) for v in variants}
+        cpus = (common.ServerCPU(theta_url), common.ServerCPU(t_url))
+        coordinators = {v: await stack.enter_async_context(coordinator_for(v, theta_url, t_url, args))
+                        for v in variants}
         rows = []
         for batch in args.batch_sizes:
-            prompts = prompts_for(batch, seed=0)
+            prompts = common.prompts_for(batch, seed=0)
             active = [v for v in variants if v != "single requests" or batch <= args.single_max_batch]
             for variant in active:  # warm-up
                 await coordinators[variant].generate_batch(prompts, max_tokens=4, seed=0, ignore_eos=True)
@@ -136,12 +128,12 @@ async def run(args: argparse.Namespace) -> dict:
                 f"(x{row[v.replace(' ', '_') + '_over_baseline_ratio']:.2f}, servers "
                 f"{row[v.replace(' ', '_') + '_servers_cpu_s_per_1k_tokens']:.1f} CPU-s/1k tok, prefix hits "
                 f"{row[v.replace(' ', '_') + '_prefix_cache_hit_rate']:.0%})" for v in active), flush=True)
-    return {"machine": machine(), "command": " ".join(["python", *sys.argv]), "top_k": args.top_k,
+    return {"machine": common.machine(), "command": " ".join(["python", *sys.argv]), "top_k": args.top_k,
             "repeats": args.repeats, "variants": variants, "rows": rows}
 
 
 def plot(report: dict, path: Path) -> None:
-    plt = pyplot()
+    plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     batches = [r["batch_size"] for r in report["rows"]]
     for variant in report["variants"]:
@@ -151,11 +143,11 @@ def plot(report: dict, path: Path) -> None:
     ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="tokens/s",
            title=f"coordinator variants, top_k {report['top_k']}")
     ax.legend(fontsize=8)
-    save_figure(fig, path)
+    common.save_figure(fig, path)
 
 
 def main() -> None:
-    parser = argument_parser(__doc__, live_servers=True)
+    parser = common.argument_parser(__doc__, live_servers=True)
     parser.add_argument("--server-args", nargs="*", default=[], help="extra vLLM arguments when starting servers")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 64, 256])
     parser.add_argument("--single-max-batch", type=int, default=64,
@@ -163,9 +155,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--top-k", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--output", type=Path, default=RESULTS_DIR / "levers.json")
+    parser.add_argument("--output", type=Path, default=common.RESULTS_DIR / "levers.json")
     args = parser.parse_args()
-    finish(asyncio.run(run(args)), args.output, plot)
+    common.finish(asyncio.run(run(args)), args.output, plot)
 
 
 if __name__ == "__main__":

@@ -36,16 +36,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 
-from benchmarks.common import (  # noqa: E402
-    RESULTS_DIR,
-    argument_parser,
-    finish,
-    machine,
-    prompts_for,
-    pyplot,
-    save_figure,
-    servers,
-)
+from benchmarks import common  # noqa: E402
 from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
 from coordinator.stats import StepTiming  # noqa: E402
 from engines.vllm_client import VLLMClient  # noqa: E402
@@ -56,7 +47,8 @@ ROUND_TRIPS = ("theta_alone", "t_alone", "both_concurrently")
 
 async def coordinator_run(coordinator: DualVLLMCoordinator, batch: int, tokens: int, seed: int) -> list[StepTiming]:
     """One run of `batch` sequences of exactly `tokens` tokens; its steps' timings."""
-    outputs = await coordinator.generate_batch(prompts_for(batch, seed), max_tokens=tokens, seed=seed, ignore_eos=True)
+    outputs = await coordinator.generate_batch(common.prompts_for(batch, seed), max_tokens=tokens, seed=seed,
+                                               ignore_eos=True)
     failed = [o.error for o in outputs if not o.ok]
     if failed:
         raise RuntimeError(f"{len(failed)} sequences failed during the benchmark; first: {failed[0]}")
@@ -89,7 +81,7 @@ async def measure(theta_url: str, t_url: str, k: int, args: argparse.Namespace) 
     rows = []
     async with DualVLLMCoordinator(config) as coordinator, VLLMClient(theta_url, name="theta") as theta, \
             VLLMClient(t_url, name="t") as t:
-        context = await theta.tokenize(prompts_for(1, seed=0)[0])
+        context = await theta.tokenize(common.prompts_for(1, seed=0)[0])
         for batch in args.batch_sizes:
             await coordinator_run(coordinator, batch, min(args.tokens, 4), seed=0)  # warm-up
             await round_trips(theta, t, context, k, 3)
@@ -135,7 +127,7 @@ def print_row(row: dict) -> None:
 
 def plot(report: dict, path: Path) -> None:
     """Top: the step against the server calls and a single round trip; bottom: the coordinator's own phases."""
-    plt = pyplot()
+    plt = common.pyplot()
     ks = sorted({r["top_k"] for r in report["rows"]})
     fig, axes = plt.subplots(2, len(ks), figsize=(6 * len(ks), 8), squeeze=False)
     for column, k in enumerate(ks):
@@ -155,25 +147,25 @@ def plot(report: dict, path: Path) -> None:
             stacked += values
         bottom_ax.set(xlabel="batch size", ylabel="median ms per step", title=f"coordinator's own phases, top_k {k}")
         bottom_ax.legend(fontsize=8)
-    save_figure(fig, path)
+    common.save_figure(fig, path)
 
 
 async def run(args: argparse.Namespace) -> dict:
-    async with servers(args.theta_url, args.t_url, max_logprobs=max(max(args.ks), 20)) as (theta_url, t_url):
+    async with common.servers(args.theta_url, args.t_url, max_logprobs=max(max(args.ks), 20)) as (theta_url, t_url):
         rows = [row for k in args.ks for row in await measure(theta_url, t_url, k, args)]
-    return {"machine": machine(), "command": " ".join(["python", *sys.argv]), "rows": rows}
+    return {"machine": common.machine(), "command": " ".join(["python", *sys.argv]), "rows": rows}
 
 
 def main() -> None:
-    parser = argument_parser(__doc__, live_servers=True)
+    parser = common.argument_parser(__doc__, live_servers=True)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--ks", type=int, nargs="+", default=[20, 96], help="top_k values (96: see above)")
     parser.add_argument("--tokens", type=int, default=32, help="tokens per sequence per run")
     parser.add_argument("--repeats", type=int, default=3, help="measured runs per batch size")
     parser.add_argument("--round-trips", type=int, default=20, help="single-prompt round trips of each kind per run")
-    parser.add_argument("--output", type=Path, default=RESULTS_DIR / "per_token_latency.json")
+    parser.add_argument("--output", type=Path, default=common.RESULTS_DIR / "per_token_latency.json")
     args = parser.parse_args()
-    finish(asyncio.run(run(args)), args.output, plot)
+    common.finish(asyncio.run(run(args)), args.output, plot)
 
 
 if __name__ == "__main__":

@@ -54,10 +54,10 @@ class ReferenceProtocolClient:
     async def __aenter__(self) -> ReferenceProtocolClient:
         if self._sessions is not None:
             raise LifecycleError("a ReferenceProtocolClient can be entered once")
-        self._sessions = tuple(  # type: ignore[assignment]
-            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self._pool_size), timeout=self._timeout)
-            for _ in self._urls)
-        self._models = tuple([await self._model_name(s, u) for s, u in zip(self._sessions, self._urls)])  # type: ignore[assignment]
+        theta, t = (aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self._pool_size), timeout=self._timeout)
+                    for _ in self._urls)
+        self._sessions = (theta, t)
+        self._models = (await self._model_name(theta, self._urls[0]), await self._model_name(t, self._urls[1]))
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

@@ -33,17 +33,7 @@ from typing import Awaitable, Callable
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 
-from benchmarks.common import (  # noqa: E402
-    RESULTS_DIR,
-    ServerCPU,
-    argument_parser,
-    finish,
-    machine,
-    prompts_for,
-    pyplot,
-    save_figure,
-    servers,
-)
+from benchmarks import common  # noqa: E402
 from benchmarks.reference_protocol import ReferenceProtocolClient  # noqa: E402
 from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
 from engines.vllm_client import VLLMClient  # noqa: E402
@@ -51,7 +41,7 @@ from engines.vllm_client import VLLMClient  # noqa: E402
 ARMS = ("coordinator", "reference", "native", "native_topk")
 
 
-async def timed(arm: Callable[[], Awaitable[int]], cpus: tuple[ServerCPU, ServerCPU]) -> dict[str, float]:
+async def timed(arm: Callable[[], Awaitable[int]], cpus: tuple[common.ServerCPU, common.ServerCPU]) -> dict[str, float]:
     """Run one arm; its tokens/s and the CPU seconds per 1,000 tokens each party used."""
     before = (time.process_time(), *(c.seconds() for c in cpus))
     started = time.perf_counter()
@@ -65,8 +55,8 @@ async def timed(arm: Callable[[], Awaitable[int]], cpus: tuple[ServerCPU, Server
 
 
 async def run(args: argparse.Namespace) -> dict:
-    async with servers(args.theta_url, args.t_url, max_logprobs=max(args.top_k, 20)) as (theta_url, t_url):
-        cpus = (ServerCPU(theta_url), ServerCPU(t_url))
+    async with common.servers(args.theta_url, args.t_url, max_logprobs=max(args.top_k, 20)) as (theta_url, t_url):
+        cpus = (common.ServerCPU(theta_url), common.ServerCPU(t_url))
         config = CoordinatorConfig(theta_url=theta_url, t_url=t_url, top_k=args.top_k,
                                    max_batch_size=max(args.batch_sizes))
         async with DualVLLMCoordinator(config) as coordinator, \
@@ -76,7 +66,7 @@ async def run(args: argparse.Namespace) -> dict:
             rows = []
             for tokens in args.tokens:
                 for batch in args.batch_sizes:
-                    prompts = prompts_for(batch, seed=0)
+                    prompts = common.prompts_for(batch, seed=0)
                     prompt_ids = [await native.tokenize(p) for p in prompts]
 
                     async def coordinator_arm(seed: int) -> int:
@@ -109,7 +99,7 @@ async def run(args: argparse.Namespace) -> dict:
                             runs[name].append(await timed(lambda: arm(repeat + 1), cpus))
                     rows.append(summarize(batch, tokens, runs))
                     print_row(rows[-1])
-    return {"machine": machine(), "command": " ".join(["python", *sys.argv]), "top_k": args.top_k,
+    return {"machine": common.machine(), "command": " ".join(["python", *sys.argv]), "top_k": args.top_k,
             "repeats": args.repeats, "rows": rows}
 
 
@@ -143,7 +133,7 @@ def print_row(row: dict) -> None:
 
 
 def plot(report: dict, path: Path) -> None:
-    plt = pyplot()
+    plt = common.pyplot()
     lengths = sorted({r["tokens_per_sequence"] for r in report["rows"]})
     fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4.2), squeeze=False)
     for ax, n in zip(axes[0], lengths):
@@ -155,11 +145,11 @@ def plot(report: dict, path: Path) -> None:
         ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="tokens/s",
                title=f"{n} tokens per sequence, top_k {report['top_k']}")
         ax.legend(fontsize=8)
-    save_figure(fig, path)
+    common.save_figure(fig, path)
 
 
 def main() -> None:
-    parser = argument_parser(__doc__, live_servers=True)
+    parser = common.argument_parser(__doc__, live_servers=True)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 32, 56],
                         help="output lengths (the bundled models' context is 64 tokens)")
@@ -168,9 +158,9 @@ def main() -> None:
     parser.add_argument("--reference-max-batch", type=int, default=64,
                         help="skip the reference arm above this batch size (it is slow)")
     parser.add_argument("--pool-size", type=int, default=64, help="reference arm: connections per server")
-    parser.add_argument("--output", type=Path, default=RESULTS_DIR / "throughput.json")
+    parser.add_argument("--output", type=Path, default=common.RESULTS_DIR / "throughput.json")
     args = parser.parse_args()
-    finish(asyncio.run(run(args)), args.output, plot)
+    common.finish(asyncio.run(run(args)), args.output, plot)
 
 
 if __name__ == "__main__":
