@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -25,6 +26,19 @@ def dualvllm(*args: str, **kw) -> subprocess.Popen:
 
 def read_ids(path: Path) -> list[str]:
     return [json.loads(line)["id"] for line in path.read_text().splitlines()]
+
+
+def assert_top_k_above_max_logprobs_is_refused(urls: list[str], top_k: int) -> None:
+    """serve passed --max-logprobs to vLLM, and the coordinator's start-up says how to fix a larger top_k."""
+    from coordinator import CoordinatorConfig, DualVLLMCoordinator
+    from dualvllm.errors import TopKUnsupportedError
+
+    async def connect() -> None:
+        async with DualVLLMCoordinator(CoordinatorConfig(theta_url=urls[0], t_url=urls[1], top_k=top_k)):
+            pass
+
+    with pytest.raises(TopKUnsupportedError, match=f"--max-logprobs {top_k}"):
+        asyncio.run(connect())
 
 
 def test_generate_resumes_after_a_kill_without_losing_or_duplicating(vllm_pair, tmp_path):
@@ -91,7 +105,7 @@ def test_serve_prints_both_urls_and_a_signal_stops_both(tmp_path, stop_signal):
     import urllib.request
 
     # Started with SIGINT ignored, as a shell's background job is: Ctrl-C must still work.
-    run = dualvllm("serve", "--log-dir", str(tmp_path),
+    run = dualvllm("serve", "--log-dir", str(tmp_path), "--max-logprobs", "10",
                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         urls: list[str] = []
@@ -104,6 +118,7 @@ def test_serve_prints_both_urls_and_a_signal_stops_both(tmp_path, stop_signal):
         for url in urls:
             with urllib.request.urlopen(url + "/health", timeout=10) as answer:
                 assert answer.status == 200
+        assert_top_k_above_max_logprobs_is_refused(urls, top_k=20)
         run.send_signal(stop_signal)
         assert run.wait(timeout=120) == 130
     finally:

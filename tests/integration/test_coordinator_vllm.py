@@ -7,7 +7,7 @@ import pytest
 
 import tinymodels
 from coordinator import CoordinatorConfig, DualVLLMCoordinator
-from dualvllm.errors import ServerStartupError, TopKUnsupportedError
+from dualvllm.errors import InvalidInputError, ServerStartupError
 from engines.launcher import ServerConfig, VLLMServer
 from engines.vllm_client import VLLMClient
 from tests.exact_q import chi_square_pvalue, exact_q_star
@@ -66,10 +66,15 @@ async def test_recorded_logprobs_are_the_models_own(vllm_pair):
                     assert recorded >= exact - 2e-3
 
 
-async def test_start_up_refuses_a_top_k_above_the_servers_max_logprobs(vllm_pair):
-    with pytest.raises(TopKUnsupportedError, match="--max-logprobs 101"):
-        async with DualVLLMCoordinator(config(vllm_pair, top_k=101)):
+async def test_start_up_refuses_a_top_k_above_the_vocabulary_and_the_servers_keep_serving(vllm_pair):
+    # vLLM's CPU engine dies when asked for more logprobs than the vocabulary holds, so the
+    # refusal must come before any request: the same servers must still answer afterwards.
+    with pytest.raises(InvalidInputError, match="top_k=99 is larger than the models' vocabulary of 98"):
+        async with DualVLLMCoordinator(config(vllm_pair, top_k=99)):
             pass
+    async with DualVLLMCoordinator(config(vllm_pair, top_k=98)) as c:
+        [out] = [o async for o in c.stream(["12+34="], max_tokens=2, seed=0)]
+    assert out.ok, out.error
 
 
 async def test_a_server_that_cannot_start_reports_its_log(tmp_path):
