@@ -2,6 +2,7 @@
 
     python benchmarks/speculative.py                     # starts the bundled tiny models (one pair)
     python benchmarks/speculative.py --theta-url URL --t-url URL --batch-sizes 1 64 --gammas 2 4 8
+    python benchmarks/speculative.py --proposals argmax          # only the batched greedy drafts
 
 Two workloads at temperature 1, top_k 20, each at every batch size:
 - `fixed`: `--tokens` tokens per sequence with ignore_eos (the per_token_latency workload);
@@ -9,9 +10,10 @@ Two workloads at temperature 1, top_k 20, each at every batch size:
   models' real use: 3-4 tokens per answer.
 
 Each measured run generates the batch once in every mode (per-token, then speculative
-with each gamma) back to back, so modes are compared within one run on this noisy
-machine; the table shows medians over `--repeats` runs of tokens/s, the speed-up over
-per-token mode (the median of the per-run ratios) and the acceptance rate. Writes JSON
+with each proposal, `sample` and `argmax`, and each gamma) back to back, so modes are
+compared within one run on this noisy machine; the table shows medians over `--repeats`
+runs of tokens/s, the speed-up over per-token mode (the median of the per-run ratios) and
+the acceptance rate. Writes JSON
 (units in the keys) and a plot to benchmarks/results/.
 """
 
@@ -59,8 +61,15 @@ async def one_run(coordinator: DualVLLMCoordinator, prompts: list[str], workload
     return row
 
 
+Mode = tuple[int, str]  # (gamma, proposal); gamma 0 is per-token mode
+
+
+def label(mode: Mode) -> str:
+    return "per-token" if mode[0] == 0 else f"{mode[1]} γ={mode[0]}"
+
+
 async def run(args: argparse.Namespace) -> dict:
-    modes = [0, *args.gammas]
+    modes: list[Mode] = [(0, "sample"), *((g, p) for p in args.proposals for g in args.gammas)]
     results = []
     async with contextlib.AsyncExitStack() as stack:
         theta_url, t_url = args.theta_url, args.t_url
@@ -75,30 +84,33 @@ async def run(args: argparse.Namespace) -> dict:
                 prompts = (prompts * (batch_size // len(prompts) + 1))[:batch_size]
                 async with contextlib.AsyncExitStack() as coordinators:
                     by_mode = {}
-                    for gamma in modes:
+                    for gamma, proposal in modes:
                         config = CoordinatorConfig(theta_url=theta_url, t_url=t_url, top_k=args.top_k,
-                                                   max_batch_size=batch_size, speculative_gamma=gamma)
-                        by_mode[gamma] = await coordinators.enter_async_context(DualVLLMCoordinator(config))
-                    for gamma in modes:  # warm-up
-                        await one_run(by_mode[gamma], prompts, workload, min(args.tokens, 4), seed=0)
-                    runs: dict[int, list[dict]] = {gamma: [] for gamma in modes}
+                                                   max_batch_size=batch_size, speculative_gamma=gamma,
+                                                   speculative_proposal=proposal)
+                        by_mode[gamma, proposal] = await coordinators.enter_async_context(
+                            DualVLLMCoordinator(config))
+                    for mode in modes:  # warm-up
+                        await one_run(by_mode[mode], prompts, workload, min(args.tokens, 4), seed=0)
+                    runs: dict[Mode, list[dict]] = {mode: [] for mode in modes}
                     for repeat in range(args.repeats):
-                        for gamma in modes:
-                            runs[gamma].append(await one_run(by_mode[gamma], prompts, workload, args.tokens,
-                                                             seed=repeat + 1))
-                for gamma in modes:
-                    row = summarize(workload, batch_size, gamma, runs[gamma], runs[0], args)
+                        for mode in modes:
+                            runs[mode].append(await one_run(by_mode[mode], prompts, workload, args.tokens,
+                                                            seed=repeat + 1))
+                for mode in modes:
+                    row = summarize(workload, batch_size, mode, runs[mode], runs[modes[0]], args)
                     results.append(row)
                     print(render(row), flush=True)
     return {"machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "command": "python benchmarks/speculative.py " + " ".join(args.argv), "results": results}
 
 
-def summarize(workload: str, batch_size: int, gamma: int, runs: list[dict], baseline: list[dict],
+def summarize(workload: str, batch_size: int, mode: Mode, runs: list[dict], baseline: list[dict],
               args: argparse.Namespace) -> dict:
     ratios = [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs, baseline)]
-    row = {"workload": workload, "batch_size": batch_size, "mode": "per-token" if gamma == 0 else "speculative",
-           "gamma": gamma, "top_k": args.top_k, "repeats": args.repeats,
+    gamma = mode[0]
+    row = {"workload": workload, "batch_size": batch_size, "mode": label(mode),
+           "proposal": mode[1] if gamma else None, "gamma": gamma, "top_k": args.top_k, "repeats": args.repeats,
            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
            "speedup_over_per_token": statistics.median(ratios),
            "tokens_per_s_per_run": [round(r["tokens_per_s"], 1) for r in runs],
@@ -110,8 +122,8 @@ def summarize(workload: str, batch_size: int, gamma: int, runs: list[dict], base
 
 
 def render(row: dict) -> str:
-    mode = "per-token" if row["gamma"] == 0 else f"gamma {row['gamma']}"
-    line = (f"{row['workload']:>5}  batch {row['batch_size']:>3}  {mode:>9}  {row['tokens_per_s']:8.1f} tokens/s  "
+    line = (f"{row['workload']:>5}  batch {row['batch_size']:>3}  {row['mode']:>11}  "
+            f"{row['tokens_per_s']:8.1f} tokens/s  "
             f"x{row['speedup_over_per_token']:.2f}")
     if row["gamma"]:
         line += f"  acceptance {row['acceptance_rate']:.3f}  {row['tokens_per_sequence_round']:.2f} tokens/round"
@@ -126,12 +138,12 @@ def plot(report: dict, path: Path) -> None:
 
     rows = report["results"]
     panels = sorted({(r["workload"], r["batch_size"]) for r in rows})
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 3.8), squeeze=False)
     for ax, (workload, batch_size) in zip(axes[0], panels):
         mine = [r for r in rows if r["workload"] == workload and r["batch_size"] == batch_size]
-        labels = ["per-token" if r["gamma"] == 0 else f"γ={r['gamma']}" for r in mine]
-        bars = ax.bar(labels, [r["tokens_per_s"] for r in mine],
-                      color=["tab:gray" if r["gamma"] == 0 else "tab:blue" for r in mine])
+        colors = {None: "tab:gray", "sample": "tab:blue", "argmax": "tab:orange"}
+        bars = ax.bar([r["mode"].replace(" ", "\n") for r in mine], [r["tokens_per_s"] for r in mine],
+                      color=[colors[r["proposal"]] for r in mine])
         for bar, r in zip(bars, mine):
             note = f"x{r['speedup_over_per_token']:.2f}"
             if r["gamma"]:
@@ -151,6 +163,8 @@ def main() -> None:
     parser.add_argument("--t-url", help="running teacher server")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--gammas", type=int, nargs="+", default=[2, 4, 8], help="speculative draft lengths")
+    parser.add_argument("--proposals", nargs="+", choices=("sample", "argmax"), default=["sample", "argmax"],
+                        help="what the drafter proposes (CoordinatorConfig.speculative_proposal)")
     parser.add_argument("--workloads", nargs="+", choices=("fixed", "task"), default=["fixed", "task"])
     parser.add_argument("--tokens", type=int, default=32, help="tokens per sequence of the fixed workload")
     parser.add_argument("--repeats", type=int, default=3, help="measured runs per batch size and workload")

@@ -40,6 +40,8 @@ class CoordinatorConfig(RaisesInvalidInput, BaseSettings):
         0, ge=0, le=64, description="Speculative q* sampling: tokens the drafter samples per round, kept up to the first one q*'s acceptance rule rejects (coordinator/speculative.py); 0 = per-token mode.")
     speculative_drafter: Literal["theta", "t"] = Field(
         "theta", description="Which server drafts in speculative mode (the other scores the draft): theta = the base, t = the teacher.")
+    speculative_proposal: Literal["sample", "argmax"] = Field(
+        "sample", description="What the drafter proposes in speculative mode: sample = tokens sampled from its top-k (one seeded request per sequence; acceptance 1 - TV), argmax = its greedy continuation (one batched request for all sequences; acceptance q*(argmax)). Both are exact.")
     seed: int | None = Field(0, description="Seed of the per-sequence samplers when a call gives none; None = fresh entropy.")
     eos_token_ids: tuple[int, ...] | None = Field(
         None, description="Override the EOS ids learned from the servers (needed if they cannot tell).")

@@ -4,8 +4,12 @@ Opt-in with `CoordinatorConfig.speculative_gamma` = gamma > 0. Each round, for e
 active sequence:
 
 1. the drafter D (the base by default: alpha* is usually below 1/2, so q* is closer to it)
-   samples up to gamma tokens natively, from its own top-k at the sampling temperature,
-   with their top-k per position: one seeded request per sequence, all concurrent;
+   proposes up to gamma tokens natively, with its top-k per position. With
+   `speculative_proposal="sample"` it samples them from its own top-k at the sampling
+   temperature: one seeded request per sequence, all concurrent (vLLM seeds every prompt
+   of a batched request alike, which would draw identical drafts for identical contexts).
+   With "argmax" it proposes its greedy continuation: one batched request per draft
+   length for all sequences, the randomness staying in the coordinator's accept draws;
 2. the scorer S returns its top-k before every drafted token: ONE batched request for
    all sequences (prompt_logprobs);
 3. per position, the two top-k lists are merged and q* is solved exactly as in the
@@ -15,17 +19,17 @@ active sequence:
 
 Exact: every kept token is distributed as q* over the merged candidates, the very
 distribution per-token mode samples from (the top-k approximation is the same), for any
-drafter, because D's sampling distribution is known exactly (its top-k at temperature T,
-renormalized; vLLM `top_k` = k). The records (alpha, log q*, log pi_theta, log pi_t) are
-those per-token mode would write. Approximate, as in per-token mode: q* is over the union
+drafter, because D's proposal distribution is known exactly (its top-k at temperature T,
+renormalized, with vLLM `top_k` = k; or a point mass on its argmax). The records (alpha,
+log q*, log pi_theta, log pi_t) are those per-token mode would write. Approximate, as in per-token mode: q* is over the union
 of the two top-k lists with filled values. Not bit-identical to per-token mode: the samples
 differ (the same distribution, other draws), and S's logprobs come from a prefill instead
 of a decode step (float rounding).
 
 Stops are the coordinator's own: drafts run past EOS, and a sequence keeps the round's
 tokens only up to the one that ends it (EOS, stop token, stop string, max_tokens, context
-limit). A failed draft request fails its one sequence; a failed scoring request the
-sequences it carried.
+limit). A failed draft request fails the sequences it carried (one, when sampling); a failed
+scoring request the sequences it carried.
 """
 
 from __future__ import annotations
@@ -45,7 +49,13 @@ from theory.alpha import solve_alpha
 from theory.diagnostics import token_diagnostics
 from theory.merge import MergedTopK, merge_topk
 from theory.mixture import apply_temperature, mixture_logprobs
-from theory.speculative import NOT_A_CANDIDATE, RoundDecision, decide_round, draft_logprobs
+from theory.speculative import (
+    NOT_A_CANDIDATE,
+    RoundDecision,
+    decide_round,
+    draft_logprobs,
+    point_mass_logprobs,
+)
 
 log = logging.getLogger("dualvllm.coordinator")
 # vLLM takes a seed in [-2^63, 2^63).
@@ -129,6 +139,7 @@ class SpeculativeScheduler(Scheduler):
         super().__init__(theta, t, **kwargs)
         self._drafter_is_theta = self._config.speculative_drafter == "theta"
         self._drafter, self._scorer = (theta, t) if self._drafter_is_theta else (t, theta)
+        self._argmax = self._config.speculative_proposal == "argmax"
         self.acceptance = AcceptanceStats()
 
     def _draft_context(self, seq: SequenceState) -> list[int]:
@@ -144,12 +155,7 @@ class SpeculativeScheduler(Scheduler):
 
     async def _step(self, active: list[SequenceState]) -> None:
         started = time.perf_counter()
-        k = self._config.top_k
-        seeds = [int(seq.rng.integers(SEED_BOUND)) for seq in active]
-        results = await asyncio.gather(*(
-            self._drafter.draft(self._draft_context(seq), max_tokens=self._draft_length(seq), k=k,
-                                temperature=seq.params.temperature, seed=seed)
-            for seq, seed in zip(active, seeds)), return_exceptions=True)
+        results = await (self._draft_argmax(active) if self._argmax else self._draft_sampled(active))
         carried: list[tuple[SequenceState, Draft]] = []
         for seq, result in zip(active, results):
             if isinstance(result, DualVLLMError):
@@ -164,7 +170,8 @@ class SpeculativeScheduler(Scheduler):
         sequences, drafts = [s for s, _ in carried], [d for _, d in carried]
         try:
             scored = await self._scorer.score_continuations(
-                [self._score_context(s) for s in sequences], [d.token_ids.tolist() for d in drafts], k)
+                [self._score_context(s) for s in sequences], [d.token_ids.tolist() for d in drafts],
+                self._config.top_k)
         except DualVLLMError as err:
             log.warning("%s scoring request for %d sequences failed: %s", self._scorer.name, len(sequences), err)
             for seq in sequences:
@@ -177,6 +184,30 @@ class SpeculativeScheduler(Scheduler):
         self._stats.record_step(len(emitted), sum(r.alpha for r in emitted), time.perf_counter() - started,
                                 sum(r.coverage_theta for r in emitted), sum(r.coverage_t for r in emitted))
         self._warn_if_k_is_too_small()
+
+    async def _draft_sampled(self, active: list[SequenceState]) -> list[Draft | BaseException]:
+        """One seeded request per sequence, all concurrent -> a Draft or the error, per sequence."""
+        k = self._config.top_k
+        seeds = [int(seq.rng.integers(SEED_BOUND)) for seq in active]
+        return await asyncio.gather(*(
+            self._drafter.draft(self._draft_context(seq), max_tokens=self._draft_length(seq), k=k,
+                                temperature=seq.params.temperature, seed=seed)
+            for seq, seed in zip(active, seeds)), return_exceptions=True)
+
+    async def _draft_argmax(self, active: list[SequenceState]) -> list[Draft | BaseException]:
+        """One batched greedy request per draft length (vLLM takes one max_tokens per request)."""
+        groups: dict[int, list[int]] = {}
+        for i, seq in enumerate(active):
+            groups.setdefault(self._draft_length(seq), []).append(i)
+        answers = await asyncio.gather(*(
+            self._drafter.draft_argmax([self._draft_context(active[i]) for i in members], max_tokens=length,
+                                       k=self._config.top_k)
+            for length, members in groups.items()), return_exceptions=True)
+        results: list[Draft | BaseException] = [None] * len(active)  # type: ignore[list-item]
+        for members, answer in zip(groups.values(), answers):
+            for j, i in enumerate(members):
+                results[i] = answer if isinstance(answer, BaseException) else answer[j]
+        return results
 
     def _judge(self, sequences: list[SequenceState], drafts: list[Draft],
                scored: list[TopKBatch]) -> list[list[TokenRecord]]:
@@ -195,10 +226,13 @@ class SpeculativeScheduler(Scheduler):
         tokens = np.concatenate([d.token_ids for d in drafts])  # [R]
         hit = merged.token_ids == tokens[:, None]  # [R, n]
         draft_index = np.where(hit.any(axis=1), hit.argmax(axis=1), NOT_A_CANDIDATE)
-        reported, raw = ((merged.reported_theta, merged.logp_theta) if self._drafter_is_theta
-                         else (merged.reported_t, merged.logp_t))
         greedy = temperature == 0.0
-        logp = draft_logprobs(raw, reported, np.where(greedy, 1.0, temperature))
+        if self._argmax:
+            logp = point_mass_logprobs(draft_index, merged.token_ids.shape[1])
+        else:
+            reported, raw = ((merged.reported_theta, merged.logp_theta) if self._drafter_is_theta
+                             else (merged.reported_t, merged.logp_t))
+            logp = draft_logprobs(raw, reported, np.where(greedy, 1.0, temperature))
         accept_u = np.concatenate([s.rng.random(n) for s, n in zip(sequences, lengths)])
         residual_u = np.concatenate([s.rng.random(n) for s, n in zip(sequences, lengths)])
         decision = decide_round(target.logq, logp, merged.mask, draft_index, lengths, greedy, accept_u, residual_u)

@@ -24,7 +24,7 @@ from engines.launcher import ServerConfig, VLLMServer, launch_pair, pair_configs
 
 # Coordinator fields exposed as flags (the rest are for the Python API / environment).
 COORDINATOR_FLAGS = ("theta_url", "t_url", "top_k", "fill_rule", "max_batch_size", "max_retries",
-                     "request_timeout", "seed", "speculative_gamma", "speculative_drafter")
+                     "request_timeout", "seed", "speculative_gamma", "speculative_drafter", "speculative_proposal")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

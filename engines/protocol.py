@@ -80,7 +80,7 @@ class Draft:
     exactly from `topk` (what speculative acceptance needs).
     """
 
-    token_ids: np.ndarray  # int64 [n], the sampled continuation
+    token_ids: np.ndarray  # int64 [n], the sampled (or argmax) continuation
     topk: TopKBatch  # [n, w]: row j is the top-k before token j (raw logprobs)
 
 
@@ -94,6 +94,14 @@ class SpeculativeEngine(Engine, Protocol):
 
         EOS does not stop a draft: the caller applies its own stop rules. `seed` makes the
         draft reproducible.
+        """
+        ...
+
+    async def draft_argmax(self, contexts: Sequence[Sequence[int]], *, max_tokens: int, k: int) -> list[Draft]:
+        """Greedy drafts: the argmax continuation of `max_tokens` tokens after every context, in
+        one batched call (no seed needed: the draft is a function of the context).
+
+        EOS does not stop a draft.
         """
         ...
 

@@ -151,6 +151,11 @@ class TransformersEngine:
                      topk=TopKBatch(token_ids=np.concatenate([r.token_ids for r in rows]),
                                     logprobs=np.concatenate([r.logprobs for r in rows])))
 
+    async def draft_argmax(self, contexts: Sequence[Sequence[int]], *, max_tokens: int, k: int) -> list[Draft]:
+        """The argmax continuation after every context (one draft at a time: the forward
+        passes are serialized anyway)."""
+        return [await self.draft(c, max_tokens=max_tokens, k=k, temperature=0.0, seed=0) for c in contexts]
+
     async def score_continuations(self, contexts: Sequence[Sequence[int]],
                                   continuations: Sequence[Sequence[int]], k: int) -> list[TopKBatch]:
         """The top-k before every continuation token: all prefixes scored in one batched call."""

@@ -287,17 +287,36 @@ class VLLMClient:
             "temperature": temperature, "seed": seed, "ignore_eos": True,
             "return_tokens_as_token_ids": True, **neutral_sampling(k),
         }
-        body = await self._completions(payload, k)
+        (draft,) = self._drafts(await self._completions(payload, k), 1, k)
+        return draft
+
+    async def draft_argmax(self, contexts: Sequence[Sequence[int]], *, max_tokens: int, k: int) -> list[Draft]:
+        """One batched request at temperature 0 for every context."""
+        info = await self.model_info()
+        payload = {
+            "model": info.name, "prompt": [list(c) for c in contexts], "max_tokens": max_tokens, "logprobs": k,
+            "temperature": 0.0, "ignore_eos": True, "return_tokens_as_token_ids": True,
+        }
+        return self._drafts(await self._completions(payload, k), len(contexts), k)
+
+    def _drafts(self, body: Any, count: int, k: int) -> list[Draft]:
+        """The `count` choices of a draft request, in prompt order, each with its per-token top-k."""
         choices = body.get("choices") if isinstance(body, dict) else None
-        expect(isinstance(choices, list) and len(choices) == 1, self.name, self.url, "expected 1 choice")
-        logprobs = choices[0].get("logprobs") or {}
-        tokens = [_token_id(t) for t in logprobs.get("tokens") or []]
-        top = logprobs.get("top_logprobs") or []
-        expect(0 < len(tokens) == len(top), self.name, self.url,
-               "a draft without per-token top_logprobs; was `logprobs` dropped by a proxy?")
-        rows = [_top_row({_token_id(key): v for key, v in entries.items()}, token, k)
-                for entries, token in zip(top, tokens)]
-        return Draft(token_ids=np.asarray(tokens, dtype=np.int64), topk=_pack_rows(rows, k))
+        expect(isinstance(choices, list) and len(choices) == count, self.name, self.url,
+               f"expected {count} choices")
+        drafts: list[Draft | None] = [None] * count
+        for choice in choices:
+            logprobs = choice.get("logprobs") or {}
+            tokens = [_token_id(t) for t in logprobs.get("tokens") or []]
+            top = logprobs.get("top_logprobs") or []
+            expect(0 < len(tokens) == len(top), self.name, self.url,
+                   "a draft without per-token top_logprobs; was `logprobs` dropped by a proxy?")
+            rows = [_top_row({_token_id(key): v for key, v in entries.items()}, token, k)
+                    for entries, token in zip(top, tokens)]
+            drafts[int(choice.get("index", 0))] = Draft(token_ids=np.asarray(tokens, dtype=np.int64),
+                                                        topk=_pack_rows(rows, k))
+        expect(all(d is not None for d in drafts), self.name, self.url, "choice indices are not 0..n-1")
+        return drafts  # type: ignore[return-value]
 
     async def score_continuations(self, contexts: Sequence[Sequence[int]],
                                   continuations: Sequence[Sequence[int]], k: int) -> list[TopKBatch]:

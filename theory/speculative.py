@@ -14,6 +14,12 @@ wherever q(y) > 0: the drafter samples from its reported top-k only (vLLM `top_k
 p(y) = exp(lp(y)/T) / sum_{z in top-k} exp(lp(z)/T) on its top-k and 0 elsewhere, all
 known. The expected acceptance per position is sum_z min(p(z), q(z)) = 1 - TV(p, q).
 
+The rule holds for any proposal whose p is known, including a point mass: an argmax draft
+(D's most likely token x, p = 1 on x) is kept with probability q(x) and otherwise replaced
+by a draw from q without x, r(y) = q(y) / (1 - q(x)) for y != x; again P = q exactly. Such
+drafts need no sampling on the server, so one batched, unseeded request serves every
+sequence, and the expected acceptance is q(x) instead of 1 - TV(p, q).
+
 Greedy rows (temperature 0) draft the drafter's argmax and keep it iff it is q*'s argmax;
 otherwise q*'s argmax replaces it, exactly what greedy per-token decoding would emit.
 
@@ -36,6 +42,14 @@ def draft_logprobs(logp_raw: np.ndarray, reported: np.ndarray, temperature: np.n
     """log p(y) = lp(y)/T - log sum_{z reported} exp(lp(z)/T) on the drafter's reported top-k,
     -inf elsewhere -> [R, n]. `temperature` [R] > 0 (pass 1 for greedy rows)."""
     return apply_temperature(logp_raw, temperature, reported)
+
+
+def point_mass_logprobs(draft_index: np.ndarray, width: int) -> np.ndarray:
+    """log p of an argmax draft: 0 at the drafted candidate, -inf elsewhere -> [R, width]."""
+    logp = np.full((draft_index.shape[0], width), -np.inf)
+    rows = np.flatnonzero(draft_index != NOT_A_CANDIDATE)
+    logp[rows, draft_index[rows]] = 0.0
+    return logp
 
 
 def acceptance_probabilities(logq: np.ndarray, logp: np.ndarray, draft_index: np.ndarray) -> np.ndarray:

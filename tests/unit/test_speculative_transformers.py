@@ -28,6 +28,11 @@ async def test_draft_and_scoring_give_the_top_k_before_every_token():
             np.testing.assert_allclose(scored.logprobs[j], expected.logprobs[0], atol=1e-5)  # float32 padding
             assert draft.token_ids[j] in expected.token_ids[0]  # drafts come from the top-k only
         greedy = await engine.draft(context, max_tokens=3, k=5, temperature=0.0, seed=1)
+        other = await engine.tokenize("57+68=")
+        batched = await engine.draft_argmax([other, context], max_tokens=3, k=5)
+    np.testing.assert_array_equal(batched[1].token_ids, greedy.token_ids)
+    np.testing.assert_array_equal(batched[1].topk.token_ids, greedy.topk.token_ids)
+    assert batched[0].token_ids.shape == (3,)
     np.testing.assert_array_equal(draft.token_ids, again.token_ids)
     np.testing.assert_array_equal(greedy.token_ids, greedy.topk.token_ids[:, 0])
 

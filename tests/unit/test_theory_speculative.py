@@ -13,6 +13,7 @@ from theory.speculative import (
     acceptance_probabilities,
     decide_round,
     draft_logprobs,
+    point_mass_logprobs,
     residual_logprobs,
 )
 
@@ -127,3 +128,20 @@ def test_sampled_rounds_follow_q_chi_square():
     # The acceptance rate is sum min(p, q) = 1 - TV(p, q).
     expected_rate = np.minimum(np.exp(logp), np.exp(logq)).sum()
     assert abs(decision.accepted.mean() - expected_rate) < 4 * np.sqrt(expected_rate / draws)
+
+
+def test_an_argmax_draft_is_kept_with_probability_q_and_replaced_from_q_without_it():
+    logp = point_mass_logprobs(np.array([1]), 3)  # the drafter's argmax is candidate 1
+    np.testing.assert_array_equal(logp, [[-np.inf, 0.0, -np.inf]])
+    assert acceptance_probabilities(Q, logp, np.array([1]))[0] == 0.3
+    np.testing.assert_allclose(np.exp(residual_logprobs(Q, logp, ALL)), [[0.5 / 0.7, 0.0, 0.2 / 0.7]])
+    np.testing.assert_allclose(emitted_distribution(Q[0], logp[0]), np.exp(Q[0]), atol=1e-12)
+
+
+@settings(max_examples=100, deadline=None)
+@given(distribution_pairs(max_rows=1), st.integers(0, 39))
+def test_the_rule_reproduces_q_exactly_for_any_point_mass_draft(pair, drafted):
+    """Property: proposing one fixed token (p = 1 there) and applying the rule emits q."""
+    logq = pair[0][0]
+    logp = point_mass_logprobs(np.array([drafted % logq.shape[0]]), logq.shape[0])[0]
+    np.testing.assert_allclose(emitted_distribution(logq, logp), np.exp(logq), atol=1e-9)
