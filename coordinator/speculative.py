@@ -43,12 +43,11 @@ import numpy as np
 
 from coordinator.scheduler import Scheduler
 from coordinator.sequence import SequenceState
+from coordinator.step import Target, solve_target
 from dualvllm.errors import DualVLLMError, InvalidInputError
 from engines.protocol import PAD_TOKEN_ID, Draft, SpeculativeEngine, TopKBatch
-from theory.alpha import solve_alpha
 from theory.diagnostics import token_diagnostics
-from theory.merge import MergedTopK, merge_topk
-from theory.mixture import apply_temperature, mixture_logprobs
+from theory.merge import merge_topk
 from theory.speculative import (
     NOT_A_CANDIDATE,
     RoundDecision,
@@ -93,33 +92,6 @@ class TokenRecord:
     coverage_theta: float
     coverage_t: float
     diagnostics: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Target:
-    """q* at every drafted position, as the per-token step computes it."""
-
-    merged: MergedTopK
-    logp_theta: np.ndarray  # float64 [R, n], tempered and renormalized over the candidates
-    logp_t: np.ndarray  # float64 [R, n]
-    alpha: np.ndarray  # float64 [R]
-    logq: np.ndarray  # float64 [R, n]
-
-
-def solve_target(theta: TopKBatch, t: TopKBatch, temperature: np.ndarray, fixed_alpha: np.ndarray, *,
-                 fill: str, vocab_size: int | None, alpha_tol: float, alpha_max_iter: int) -> Target:
-    """Merge, temperature (1 for greedy rows), alpha* (where fixed_alpha is NaN) and q* -> Target."""
-    merged = merge_topk(theta.token_ids, theta.logprobs, t.token_ids, t.logprobs,
-                        fill=fill, vocab_size=vocab_size)  # type: ignore[arg-type]
-    temps = np.where(temperature == 0.0, 1.0, temperature)
-    logp_theta = apply_temperature(merged.logp_theta, temps, merged.mask)
-    logp_t = apply_temperature(merged.logp_t, temps, merged.mask)
-    alpha = fixed_alpha.copy()
-    solve = np.isnan(alpha)
-    if solve.any():
-        alpha[solve] = solve_alpha(logp_theta[solve], logp_t[solve], merged.mask[solve],
-                                   tol=alpha_tol, max_iter=alpha_max_iter)
-    return Target(merged, logp_theta, logp_t, alpha, mixture_logprobs(logp_theta, logp_t, alpha, merged.mask))
 
 
 def speculative_scheduler(theta: object, t: object) -> type[Scheduler]:
@@ -220,9 +192,9 @@ class SpeculativeScheduler(Scheduler):
         temperature = np.repeat([p.temperature for p in params], lengths)  # [R]
         fixed = np.repeat([np.nan if p.fixed_alpha is None else p.fixed_alpha for p in params], lengths)
         cfg = self._config
-        target = solve_target(theta, t, temperature, fixed, fill=cfg.fill_rule, vocab_size=self._vocab_size,
-                              alpha_tol=cfg.alpha_tol, alpha_max_iter=cfg.alpha_max_iter)
-        merged = target.merged
+        merged = merge_topk(theta.token_ids, theta.logprobs, t.token_ids, t.logprobs,
+                            fill=cfg.fill_rule, vocab_size=self._vocab_size)
+        target = solve_target(merged, temperature, fixed, alpha_tol=cfg.alpha_tol, alpha_max_iter=cfg.alpha_max_iter)
         tokens = np.concatenate([d.token_ids for d in drafts])  # [R]
         hit = merged.token_ids == tokens[:, None]  # [R, n]
         draft_index = np.where(hit.any(axis=1), hit.argmax(axis=1), NOT_A_CANDIDATE)

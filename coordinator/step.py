@@ -14,7 +14,7 @@ import numpy as np
 from engines.protocol import TopKBatch
 from theory.alpha import solve_alpha
 from theory.diagnostics import token_diagnostics
-from theory.merge import FillRule, merge_topk
+from theory.merge import FillRule, MergedTopK, merge_topk
 from theory.mixture import apply_temperature, greedy_indices, mixture_logprobs, sample_indices
 
 
@@ -28,9 +28,42 @@ class StepResult:
     coverage_theta: np.ndarray  # float64 [B], probability mass of the base's reported top-k
     coverage_t: np.ndarray  # float64 [B]
     diagnostics: dict[str, np.ndarray] | None  # key -> [B], when asked for
-    # Seconds spent merging, solving alpha* (with temperature), sampling: read by the
+    # Seconds spent merging, solving alpha* (with temperature and q*), sampling: read by the
     # scheduler's per-step timing; three clock reads per step cost nothing next to the math.
     phase_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+
+@dataclass(frozen=True)
+class Target:
+    """q* over the merged candidates of every row, with what it was built from."""
+
+    merged: MergedTopK
+    logp_theta: np.ndarray  # float64 [B, n], tempered and renormalized over the candidates
+    logp_t: np.ndarray  # float64 [B, n]
+    alpha: np.ndarray  # float64 [B]
+    logq: np.ndarray  # float64 [B, n]
+
+
+def solve_target(merged: MergedTopK, temperature: np.ndarray, fixed_alpha: np.ndarray, *,
+                 alpha_tol: float, alpha_max_iter: int) -> Target:
+    """Temperature, alpha* (where fixed_alpha is NaN) and q* of merged rows -> Target.
+
+    `temperature` [B], 0 = greedy: such rows still need a q* to take the argmax of, so they
+    use temperature 1. Shared by the per-token step and speculative rounds, so both sample
+    from the very same q*.
+    """
+    mask = merged.mask
+    temps = np.where(temperature == 0.0, 1.0, temperature)
+    logp_theta = apply_temperature(merged.logp_theta, temps, mask)  # [B, n]
+    logp_t = apply_temperature(merged.logp_t, temps, mask)  # [B, n]
+    alpha = fixed_alpha.copy()
+    solve = np.isnan(alpha)
+    if solve.all():  # the usual case: no row copies
+        alpha = solve_alpha(logp_theta, logp_t, mask, tol=alpha_tol, max_iter=alpha_max_iter)
+    elif solve.any():
+        alpha[solve] = solve_alpha(logp_theta[solve], logp_t[solve], mask[solve],
+                                   tol=alpha_tol, max_iter=alpha_max_iter)
+    return Target(merged, logp_theta, logp_t, alpha, mixture_logprobs(logp_theta, logp_t, alpha, mask))
 
 
 def mix_and_sample(
@@ -51,33 +84,21 @@ def mix_and_sample(
                         fill=fill, vocab_size=vocab_size)
     mask = merged.mask
     merged_at = time.perf_counter()
-    greedy = temperature == 0.0
-    # Greedy rows still need a q* to take the argmax of: use temperature 1 for them.
-    temps = np.where(greedy, 1.0, temperature)
-    logp_theta = apply_temperature(merged.logp_theta, temps, mask)  # [B, n]
-    logp_t = apply_temperature(merged.logp_t, temps, mask)  # [B, n]
-
-    alpha = fixed_alpha.copy()
-    solve = np.isnan(alpha)
-    if solve.all():  # the usual case: no row copies
-        alpha = solve_alpha(logp_theta, logp_t, mask, tol=alpha_tol, max_iter=alpha_max_iter)
-    elif solve.any():
-        alpha[solve] = solve_alpha(logp_theta[solve], logp_t[solve], mask[solve],
-                                   tol=alpha_tol, max_iter=alpha_max_iter)
+    target = solve_target(merged, temperature, fixed_alpha, alpha_tol=alpha_tol, alpha_max_iter=alpha_max_iter)
     solved_at = time.perf_counter()
-    logq = mixture_logprobs(logp_theta, logp_t, alpha, mask)  # [B, n]
-
+    logq = target.logq  # [B, n]
     index = sample_indices(logq, mask, uniforms)  # [B]
+    greedy = temperature == 0.0
     if greedy.any():
         index = np.where(greedy, greedy_indices(logq, mask), index)
     rows = np.arange(index.shape[0])
     diagnostics = None
     if with_diagnostics:
-        diagnostics = token_diagnostics(logp_theta, logp_t, logq, mask,
+        diagnostics = token_diagnostics(target.logp_theta, target.logp_t, logq, mask,
                                         merged.coverage_theta, merged.coverage_t)
     return StepResult(
         token_ids=merged.token_ids[rows, index],
-        alpha=alpha,
+        alpha=target.alpha,
         logprob_q=logq[rows, index],
         logprob_theta=merged.logp_theta[rows, index],
         logprob_t=merged.logp_t[rows, index],
