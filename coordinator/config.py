@@ -36,6 +36,8 @@ class CoordinatorConfig(RaisesInvalidInput, BaseSettings):
     request_timeout: float = Field(60.0, gt=0, description="Seconds one HTTP request may take before it counts as failed.")
     connection_pool_size: int = Field(32, ge=1, le=1024, description="Open connections kept per server.")
     max_batch_size: int = Field(64, ge=1, le=4096, description="Sequences generated concurrently; each step sends one request per server for all of them.")
+    max_prompts_per_request: int = Field(
+        1024, ge=1, description="Most prompts one request to a server may carry (vLLM refuses more than its VLLM_MAX_COMPLETION_PROMPTS, 1024 by default): a per-token step sends one per sequence, speculative scoring one per drafted token, split into requests of at most this many.")
     speculative_gamma: int = Field(
         0, ge=0, le=64, description="Speculative q* sampling: tokens the drafter samples per round, kept up to the first one q*'s acceptance rule rejects (coordinator/speculative.py); 0 = per-token mode.")
     speculative_drafter: Literal["theta", "t"] = Field(
@@ -54,6 +56,17 @@ class CoordinatorConfig(RaisesInvalidInput, BaseSettings):
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"server URL {url!r} must start with http:// or https://")
         return url.rstrip("/")
+
+    @model_validator(mode="after")
+    def _requests_fit_the_servers(self) -> CoordinatorConfig:
+        for name in ("max_batch_size", "speculative_gamma"):
+            if getattr(self, name) > self.max_prompts_per_request:
+                raise ValueError(
+                    f"{name}={getattr(self, name)} is above max_prompts_per_request={self.max_prompts_per_request}: "
+                    "one request carries that many prompts, and vLLM refuses more than its "
+                    "VLLM_MAX_COMPLETION_PROMPTS (1024 by default). Lower it, or raise that variable on both "
+                    "servers and max_prompts_per_request with it.")
+        return self
 
     @model_validator(mode="after")
     def _distinct_servers(self) -> CoordinatorConfig:

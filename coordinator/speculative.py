@@ -127,29 +127,16 @@ class SpeculativeScheduler(Scheduler):
 
     async def _step(self, active: list[SequenceState]) -> None:
         started = time.perf_counter()
-        results = await (self._draft_argmax(active) if self._argmax else self._draft_sampled(active))
-        carried: list[tuple[SequenceState, Draft]] = []
-        for seq, result in zip(active, results):
-            if isinstance(result, DualVLLMError):
-                log.warning("%s draft request failed: %s", self._drafter.name, result)
-                seq.fail(f"{self._drafter.name} server, draft: {result}")
-            elif isinstance(result, BaseException):
-                raise result
-            else:
-                carried.append((seq, result))
-        if not carried:
+        drafted = await (self._draft_argmax(active) if self._argmax else self._draft_sampled(active))
+        kept = _answered(active, drafted, f"{self._drafter.name} server, draft")
+        sequences = [active[i] for i in kept]
+        drafts: list[Draft] = [drafted[i] for i in kept]  # type: ignore[misc]
+        scored = await self._score(sequences, drafts)
+        kept = _answered(sequences, scored, f"{self._scorer.name} server")
+        if not kept:
             return
-        sequences, drafts = [s for s, _ in carried], [d for _, d in carried]
-        try:
-            scored = await self._scorer.score_continuations(
-                [self._score_context(s) for s in sequences], [d.token_ids.tolist() for d in drafts],
-                self._config.top_k)
-        except DualVLLMError as err:
-            log.warning("%s scoring request for %d sequences failed: %s", self._scorer.name, len(sequences), err)
-            for seq in sequences:
-                seq.fail(f"{self._scorer.name} server: {err}")
-            return
-        records = self._judge(sequences, drafts, scored)
+        sequences, drafts = [sequences[i] for i in kept], [drafts[i] for i in kept]
+        records = self._judge(sequences, drafts, [scored[i] for i in kept])  # type: ignore[misc]
         counts = await asyncio.gather(*(self._emit(seq, recs) for seq, recs in zip(sequences, records)))
         emitted = [rec for recs, n in zip(records, counts) for rec in recs[:n]]
         self.acceptance.emitted += len(emitted)
@@ -167,19 +154,29 @@ class SpeculativeScheduler(Scheduler):
             for seq, seed in zip(active, seeds)), return_exceptions=True)
 
     async def _draft_argmax(self, active: list[SequenceState]) -> list[Draft | BaseException]:
-        """One batched greedy request per draft length (vLLM takes one max_tokens per request)."""
-        groups: dict[int, list[int]] = {}
+        """Batched greedy requests, one per draft length (vLLM takes one max_tokens per request)
+        and per max_prompts_per_request sequences, all concurrent."""
+        by_length: dict[int, list[int]] = {}
         for i, seq in enumerate(active):
-            groups.setdefault(self._draft_length(seq), []).append(i)
+            by_length.setdefault(self._draft_length(seq), []).append(i)
+        limit = self._config.max_prompts_per_request
+        requests = [(length, members[start:start + limit])
+                    for length, members in by_length.items() for start in range(0, len(members), limit)]
         answers = await asyncio.gather(*(
             self._drafter.draft_argmax([self._draft_context(active[i]) for i in members], max_tokens=length,
                                        k=self._config.top_k)
-            for length, members in groups.items()), return_exceptions=True)
-        results: list[Draft | BaseException] = [None] * len(active)  # type: ignore[list-item]
-        for members, answer in zip(groups.values(), answers):
-            for j, i in enumerate(members):
-                results[i] = answer if isinstance(answer, BaseException) else answer[j]
-        return results
+            for length, members in requests), return_exceptions=True)
+        return _per_item([members for _, members in requests], answers, len(active))
+
+    async def _score(self, sequences: list[SequenceState], drafts: list[Draft]) -> list[TopKBatch | BaseException]:
+        """The scorer's top-k before every drafted token: one request per max_prompts_per_request
+        drafted tokens (the scorer gets one prompt per token), all concurrent."""
+        chunks = _chunks([d.token_ids.shape[0] for d in drafts], self._config.max_prompts_per_request)
+        answers = await asyncio.gather(*(
+            self._scorer.score_continuations([self._score_context(sequences[i]) for i in chunk],
+                                             [drafts[i].token_ids.tolist() for i in chunk], self._config.top_k)
+            for chunk in chunks), return_exceptions=True)
+        return _per_item(chunks, answers, len(sequences))
 
     def _judge(self, sequences: list[SequenceState], drafts: list[Draft],
                scored: list[TopKBatch]) -> list[list[TokenRecord]]:
@@ -266,6 +263,46 @@ class SpeculativeScheduler(Scheduler):
         except DualVLLMError as err:
             seq.fail(f"{self._theta.name} server, detokenize: {err}")
             return None
+
+
+def _chunks(sizes: list[int], limit: int) -> list[list[int]]:
+    """Consecutive index groups whose sizes sum to at most `limit` (an item larger than it alone)."""
+    chunks: list[list[int]] = []
+    total = limit + 1
+    for i, size in enumerate(sizes):
+        if total + size > limit:
+            chunks.append([])
+            total = 0
+        chunks[-1].append(i)
+        total += size
+    return chunks
+
+
+def _per_item(groups: list[list[int]], answers: list, count: int) -> list:
+    """Each item's element of its group's answer, or the group's exception -> list of `count`."""
+    out: list = [None] * count
+    for members, answer in zip(groups, answers):
+        for j, i in enumerate(members):
+            out[i] = answer if isinstance(answer, BaseException) else answer[j]
+    return out
+
+
+def _answered(sequences: list[SequenceState], results: list, what: str) -> list[int]:
+    """Indices of the sequences whose request answered; the others fail with its error (a
+    failed request fails only the sequences it carried). Non-server errors propagate."""
+    kept, failed = [], 0
+    for i, (seq, result) in enumerate(zip(sequences, results)):
+        if isinstance(result, DualVLLMError):
+            seq.fail(f"{what}: {result}")
+            failed += 1
+        elif isinstance(result, BaseException):
+            raise result
+        else:
+            kept.append(i)
+    if failed:
+        log.warning("%s: request failed for %d sequences: %s", what, failed,
+                    next(r for r in results if isinstance(r, DualVLLMError)))
+    return kept
 
 
 def _stack(batches: list[TopKBatch]) -> TopKBatch:

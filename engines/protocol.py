@@ -114,3 +114,14 @@ class SpeculativeEngine(Engine, Protocol):
         are not added unless they are in the top-k).
         """
         ...
+
+
+async def score_by_prefixes(engine: Engine, contexts: Sequence[Sequence[int]],
+                            continuations: Sequence[Sequence[int]], k: int) -> list[TopKBatch]:
+    """SpeculativeEngine.score_continuations as one next_token_topk call over every prefix
+    contexts[i] + continuations[i][:j], split back per continuation."""
+    prefixes = [list(c) + list(x[:j]) for c, x in zip(contexts, continuations) for j in range(len(x))]
+    top = await engine.next_token_topk(prefixes, k)
+    bounds = np.cumsum([0, *(len(x) for x in continuations)])
+    return [TopKBatch(token_ids=top.token_ids[a:b], logprobs=top.logprobs[a:b])
+            for a, b in zip(bounds[:-1], bounds[1:])]

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal, Sequence
 import numpy as np
 
 from dualvllm.errors import InvalidInputError, LifecycleError
-from engines.protocol import PAD_TOKEN_ID, Draft, ModelInfo, TopKBatch
+from engines.protocol import PAD_TOKEN_ID, Draft, ModelInfo, TopKBatch, score_by_prefixes
 
 if TYPE_CHECKING:
     import torch
@@ -159,11 +159,7 @@ class TransformersEngine:
     async def score_continuations(self, contexts: Sequence[Sequence[int]],
                                   continuations: Sequence[Sequence[int]], k: int) -> list[TopKBatch]:
         """The top-k before every continuation token: all prefixes scored in one batched call."""
-        prefixes = [list(c) + list(x[:j]) for c, x in zip(contexts, continuations) for j in range(len(x))]
-        top = await self.next_token_topk(prefixes, k)
-        bounds = np.cumsum([0, *(len(x) for x in continuations)])
-        return [TopKBatch(token_ids=top.token_ids[a:b], logprobs=top.logprobs[a:b])
-                for a, b in zip(bounds[:-1], bounds[1:])]
+        return await score_by_prefixes(self, contexts, continuations, k)
 
     # -- the forward passes ----------------------------------------------------------
 

@@ -14,6 +14,9 @@ from training.config import TrainConfig
 from training.rollouts import Task
 from training.verifiers import exact_match, score_in_pool
 
+# One per-token request carries every active sequence: no more than the servers accept.
+MAX_PROMPTS = CoordinatorConfig.model_fields["max_prompts_per_request"].default
+
 
 async def held_out_accuracy(coordinator: DualVLLMCoordinator, tasks: list[Task], max_tokens: int,
                             pool: ProcessPoolExecutor) -> float:
@@ -34,7 +37,8 @@ async def serving(config: TrainConfig, start_dir: str) -> AsyncIterator[tuple[Du
     teacher_cfg = teacher_cfg.model_copy(update={"log_path": config.output_dir / "t.log"})
     async with launch_pair(base_cfg, teacher_cfg) as (theta_server, t_server):
         coordinator_config = CoordinatorConfig(theta_url=theta_server.url, t_url=t_server.url, top_k=config.top_k,
-                                               max_batch_size=max(64, config.prompts_per_step * config.group_size),
+                                               max_batch_size=min(max(64, config.prompts_per_step * config.group_size),
+                                                                  MAX_PROMPTS),
                                                seed=config.seed)
         async with DualVLLMCoordinator(coordinator_config) as coordinator, \
                 VLLMClient(theta_server.url, name="theta") as base_client:

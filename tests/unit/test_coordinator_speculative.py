@@ -120,14 +120,39 @@ async def test_each_round_sends_one_draft_per_sequence_and_one_scoring_request(f
         statistics = c.get_statistics()
     drafts = fake_theta.calls["/v1/completions"][1:]
     scoring = fake_t.calls["/v1/completions"][1:]
-    # One scoring request per round, carrying every sequence that drafted in that round.
-    assert len(scoring) == statistics["steps"] and len(scoring[0]["prompt"]) == 3
-    assert len(drafts) == sum(len(call["prompt"]) for call in scoring) == statistics["speculative_rounds"]
+    assert len(drafts) == statistics["speculative_rounds"]
     first = drafts[0]
     assert first["max_tokens"] == 4 and first["top_k"] == 8 and first["top_p"] == 1.0
     assert first["repetition_penalty"] == 1.0 and first["ignore_eos"] is True
     assert len({call["seed"] for call in drafts}) == len(drafts)  # every draft its own seed
-    assert scoring[0]["prompt_logprobs"] == 8 and scoring[0]["temperature"] == 0.0
+    # One scoring request per round: a next-token prompt per drafted token, every prefix of the draft.
+    assert len(scoring) == statistics["steps"] and len(scoring[0]["prompt"]) == 3 * 4
+    assert scoring[0]["prompt"][:2] == [tokenize("ab"), tokenize("ab") + scoring[0]["prompt"][1][2:]]
+    assert [len(p) for p in scoring[0]["prompt"][:4]] == [2, 3, 4, 5]
+    assert scoring[0]["max_tokens"] == 1 and scoring[0]["temperature"] == 0.0
+    assert "prompt_logprobs" not in scoring[0]  # it covers the whole context and bypasses the prefix cache
+
+
+async def test_requests_are_split_at_max_prompts_per_request_and_a_failed_one_fails_only_its_sequences(
+        fake_theta, fake_t):
+    cfg = config(fake_theta, fake_t, max_batch_size=3, max_retries=0, max_prompts_per_request=5,
+                 speculative_proposal="argmax")
+    async with DualVLLMCoordinator(cfg) as c:
+        fake_t.fail_next("/v1/completions", Failure(400, "scoring refused"))
+        outputs = await c.generate_batch(["ab", "cd", "ef"], max_tokens=8, seed=0, ignore_eos=True)
+    scoring = fake_t.calls["/v1/completions"][1:]
+    assert all(len(call["prompt"]) <= 5 for call in scoring)
+    assert len(scoring[0]["prompt"]) == 4  # gamma 4: one sequence's draft per request (4 + 4 > 5)
+    assert [o.ok for o in outputs].count(False) == 1
+    assert all(len(o.generated_tokens) == 8 for o in outputs if o.ok)
+    assert "scoring refused" in next(o.error for o in outputs if not o.ok)
+
+
+def test_a_batch_larger_than_a_request_may_carry_is_refused_with_the_fix():
+    with pytest.raises(InvalidInputError, match="max_batch_size=2000 is above max_prompts_per_request=1024.*"
+                                                "VLLM_MAX_COMPLETION_PROMPTS"):
+        CoordinatorConfig(max_batch_size=2000)
+    assert CoordinatorConfig(max_batch_size=2000, max_prompts_per_request=2000).max_batch_size == 2000
 
 
 async def test_argmax_rounds_send_one_batched_greedy_draft_per_draft_length(fake_theta, fake_t):

@@ -72,7 +72,8 @@ async def first_token_matches_q_star(theta_dir, t_dir, prompt: str, temperature:
         context = [await theta.tokenize(prompt)]
         lp, lr = (await theta.next_token_logprobs(context))[0], (await t.next_token_logprobs(context))[0]
         q, alpha = exact_q_star(lp, lr, temperature)
-        config = CoordinatorConfig(top_k=lp.shape[0], max_batch_size=draws)
+        # In-process engines take any batch; vLLM's limit on prompts per request does not apply.
+        config = CoordinatorConfig(top_k=lp.shape[0], max_batch_size=draws, max_prompts_per_request=draws)
         async with DualVLLMCoordinator(config, theta_engine=theta, t_engine=t) as c:
             outputs = await c.generate_batch([prompt] * draws, max_tokens=1, temperature=temperature, seed=seed)
     np.testing.assert_allclose([o.alpha_history[0] for o in outputs], alpha, atol=1e-5)

@@ -50,7 +50,8 @@ async def test_generated_pairs_follow_exact_q_star_on_the_bundled_models():
         lp_theta, lp_t = await theta.next_token_logprobs(nexts), await t.next_token_logprobs(nexts)
         joint = np.concatenate([first[x] * exact_q_star(lp_theta[x], lp_t[x], temperature)[0]
                                 for x in range(vocab)])  # [V * V]
-        config = CoordinatorConfig(top_k=98, speculative_gamma=4, max_batch_size=draws)
+        config = CoordinatorConfig(top_k=98, speculative_gamma=4, max_batch_size=draws,
+                                   max_prompts_per_request=4 * draws)  # in-process: no request limit
         async with DualVLLMCoordinator(config, theta_engine=theta, t_engine=t) as c:
             outputs = await c.generate_batch([prompt] * draws, max_tokens=2, temperature=temperature, seed=4,
                                              ignore_eos=True)
