@@ -8,7 +8,11 @@ Variants of the coordinator, each generating the same batch (ignore_eos, tempera
 back to back in every repeat, so the ratios to the baseline come from one run:
 - `batched` (the default): one request per server per step for all sequences;
 - `single requests`: one request per sequence per server per step, all at once (the
-  request shape the reference used, with token ids instead of text).
+  request shape the reference used, with token ids instead of text);
+- `no server tokenizer`: a second pair started with --skip-tokenizer-init (the servers
+  detokenize nothing), the coordinator tokenizing with the models' own tokenizers
+  (`local_tokenizers`); only when the script starts the servers itself. Its servers sit
+  idle while the other variants run, and the reverse.
 Pipelining the active set in 2 or 4 lanes was measured with this script at commit
 079f4d4 (`--lanes 2 4`) and dropped; see the README.
 
@@ -64,7 +68,8 @@ async def prefix_cache(session: aiohttp.ClientSession, url: str) -> tuple[float,
 @contextlib.asynccontextmanager
 async def coordinator_for(variant: str, theta_url: str, t_url: str, args: argparse.Namespace):
     config = CoordinatorConfig(theta_url=theta_url, t_url=t_url, top_k=args.top_k,
-                               max_batch_size=max(args.batch_sizes), connection_pool_size=max(args.batch_sizes))
+                               max_batch_size=max(args.batch_sizes), connection_pool_size=max(args.batch_sizes),
+                               local_tokenizers=variant == "no server tokenizer")
     engines = {}
     async with contextlib.AsyncExitStack() as stack:
         if variant == "single requests":
@@ -78,16 +83,20 @@ async def run(args: argparse.Namespace) -> dict:
     variants = ["batched", "single requests"]
     async with contextlib.AsyncExitStack() as stack:
         theta_url, t_url = args.theta_url, args.t_url
+        urls = {}
         if not (theta_url and t_url):
-            base, teacher = pair_configs(str(tinymodels.BASE_DIR), str(tinymodels.TEACHER_DIR),
-                                         max_logprobs=max(args.top_k, 20), dtype=tinymodels.SERVER_DTYPE,
-                                         extra_args=tuple(args.server_args))
-            theta, t = await stack.enter_async_context(launch_pair(base, teacher))
-            theta_url, t_url = theta.url, t.url
+            for skip in (False, True):
+                base, teacher = pair_configs(str(tinymodels.BASE_DIR), str(tinymodels.TEACHER_DIR),
+                                             max_logprobs=max(args.top_k, 20), dtype=tinymodels.SERVER_DTYPE,
+                                             extra_args=tuple(args.server_args), skip_tokenizer_init=skip)
+                theta, t = await stack.enter_async_context(launch_pair(base, teacher))
+                urls["no server tokenizer" if skip else "batched"] = (theta.url, t.url)
+            theta_url, t_url = urls["batched"]
+            variants.append("no server tokenizer")
+        urls.update({v: (theta_url, t_url) for v in variants if v not in urls})
         session = await stack.enter_async_context(aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)))
-        cpus = (common.ServerCPU(theta_url), common.ServerCPU(t_url))
-        coordinators = {v: await stack.enter_async_context(coordinator_for(v, theta_url, t_url, args))
-                        for v in variants}
+        cpus = {v: (common.ServerCPU(urls[v][0]), common.ServerCPU(urls[v][1])) for v in variants}
+        coordinators = {v: await stack.enter_async_context(coordinator_for(v, *urls[v], args)) for v in variants}
         rows = []
         for batch in args.batch_sizes:
             prompts = common.prompts_for(batch, seed=0)
@@ -98,20 +107,21 @@ async def run(args: argparse.Namespace) -> dict:
             for repeat in range(args.repeats):
                 for variant in active:
                     coordinator = coordinators[variant]
-                    cache_before = [await prefix_cache(session, u) for u in (theta_url, t_url)]
-                    cpu_before = sum(c.seconds() for c in cpus)
+                    cache_before = [await prefix_cache(session, u) for u in urls[variant]]
+                    cpu_before = sum(c.seconds() for c in cpus[variant])
                     started = time.perf_counter()
                     outs = await coordinator.generate_batch(prompts, max_tokens=args.tokens, seed=repeat + 1,
                                                             ignore_eos=True)
                     seconds = time.perf_counter() - started
                     assert all(o.ok for o in outs), outs[0].error
                     tokens = batch * args.tokens
-                    cache_after = [await prefix_cache(session, u) for u in (theta_url, t_url)]
+                    cache_after = [await prefix_cache(session, u) for u in urls[variant]]
                     queried = sum(a[0] - b[0] for a, b in zip(cache_after, cache_before))
                     hit = sum(a[1] - b[1] for a, b in zip(cache_after, cache_before))
                     runs[variant].append({
                         "tokens_per_s": tokens / seconds,
-                        "servers_cpu_s_per_1k_tokens": (sum(c.seconds() for c in cpus) - cpu_before) / tokens * 1e3,
+                        "servers_cpu_s_per_1k_tokens":
+                            (sum(c.seconds() for c in cpus[variant]) - cpu_before) / tokens * 1e3,
                         "prefix_cache_hit_rate": hit / queried if queried else float("nan"),
                     })
             row: dict = {"batch_size": batch, "tokens_per_sequence": args.tokens}

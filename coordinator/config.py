@@ -36,6 +36,8 @@ class CoordinatorConfig(RaisesInvalidInput, BaseSettings):
     request_timeout: float = Field(60.0, gt=0, description="Seconds one HTTP request may take before it counts as failed.")
     connection_pool_size: int = Field(32, ge=1, le=1024, description="Open connections kept per server.")
     max_batch_size: int = Field(64, ge=1, le=4096, description="Sequences generated concurrently; each step sends one request per server for all of them.")
+    local_tokenizers: bool = Field(
+        False, description="Tokenize and detokenize in the coordinator with each model's own tokenizer (transformers, from the model directory the server reports, which must be readable here) instead of over HTTP; needed for servers started with --skip-tokenizer-init, which then skip detokenizing every top-k entry (faster per request).")
     max_prompts_per_request: int = Field(
         1024, ge=1, description="Most prompts one request to a server may carry (vLLM refuses more than its VLLM_MAX_COMPLETION_PROMPTS, 1024 by default): a per-token step sends one per sequence, speculative scoring one per drafted token, split into requests of at most this many.")
     speculative_gamma: int = Field(

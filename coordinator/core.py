@@ -110,7 +110,7 @@ class DualVLLMCoordinator:
         return VLLMClient(
             url, name=name, model=model, api_key=api_key, request_timeout_s=cfg.request_timeout,
             connection_pool_size=cfg.connection_pool_size, max_retries=cfg.max_retries,
-            retry_delay_s=cfg.retry_delay,
+            retry_delay_s=cfg.retry_delay, local_tokenizer=cfg.local_tokenizers,
         )
 
     # -- generation ------------------------------------------------------------------

@@ -24,7 +24,8 @@ from engines.launcher import ServerConfig, VLLMServer, launch_pair, pair_configs
 
 # Coordinator fields exposed as flags (the rest are for the Python API / environment).
 COORDINATOR_FLAGS = ("theta_url", "t_url", "top_k", "fill_rule", "max_batch_size", "max_retries",
-                     "request_timeout", "seed", "speculative_gamma", "speculative_drafter", "speculative_proposal")
+                     "request_timeout", "seed", "speculative_gamma", "speculative_drafter", "speculative_proposal",
+                     "local_tokenizers")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -114,6 +115,8 @@ async def _coordinator(args: argparse.Namespace, default_local: bool = False) ->
             base, teacher = _server_configs(args)
             theta_server, t_server = await stack.enter_async_context(launch_pair(base, teacher))
             overrides.update(theta_url=theta_server.url, t_url=t_server.url)
+            if args.skip_tokenizer_init:  # servers without tokenizers: the coordinator must tokenize
+                overrides["local_tokenizers"] = True
         config = CoordinatorConfig(**overrides)
         yield await stack.enter_async_context(DualVLLMCoordinator(config))
 
@@ -144,7 +147,8 @@ def _server_configs(args: argparse.Namespace) -> tuple[ServerConfig, ServerConfi
     bundled = args.base is None and args.teacher is None
     dtype = args.dtype or (tinymodels.SERVER_DTYPE if bundled else "auto")
     common: dict[str, Any] = {"host": args.host, "max_logprobs": args.max_logprobs, "dtype": dtype,
-                              "dev_mode": args.dev_mode, "api_key": api_key}
+                              "dev_mode": args.dev_mode, "api_key": api_key,
+                              "skip_tokenizer_init": args.skip_tokenizer_init}
     if args.log_dir is not None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
     base_cfg, teacher_cfg = pair_configs(base, teacher, **common)
@@ -210,6 +214,9 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-logprobs", type=int, default=100, help="largest top_k the servers accept")
     group.add_argument("--dtype", default=None,
                        help="vLLM --dtype of both servers; default: float32 for the bundled models, else auto")
+    group.add_argument("--skip-tokenizer-init", action="store_true",
+                       help="start the servers without their tokenizers (faster per request; the coordinator "
+                            "then tokenizes itself, from the model directories)")
     group.add_argument("--dev-mode", action="store_true",
                        help="enable /collective_rpc for weight pushes (loopback hosts only)")
     group.add_argument("--log-dir", type=Path, default=None, help="write theta.log and t.log here")
@@ -263,6 +270,10 @@ def _add_coordinator_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("coordinator (unset flags fall back to DUALVLLM_* variables)")
     for name in COORDINATOR_FLAGS:
         field = CoordinatorConfig.model_fields[name]
+        if field.annotation is bool:
+            group.add_argument("--" + name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=None,
+                               help=f"{field.description} (default: {field.default})")
+            continue
         kind = field.annotation if field.annotation in (int, float, str) else None
         if name == "seed":
             kind = int

@@ -67,6 +67,8 @@ class ServerConfig(RaisesInvalidInput, BaseModel):
     api_key: str | None = Field(None, description="If set, /v1/* requests need 'Authorization: Bearer KEY'.")
     log_path: Path | None = Field(None, description="Where the server's output goes; None = a temp file.")
     startup_timeout_s: float = Field(600.0, gt=0, description="How long to wait for /health before giving up.")
+    skip_tokenizer_init: bool = Field(
+        False, description="--skip-tokenizer-init: the server takes token ids only and detokenizes nothing (faster per request); clients must tokenize themselves (CoordinatorConfig.local_tokenizers).")
     extra_args: tuple[str, ...] = Field((), description="More vLLM CLI arguments, passed verbatim.")
 
     @model_validator(mode="after")
@@ -143,6 +145,8 @@ class VLLMServer:
             # Lets clients learn the EOS token of remote models (see VLLMClient.eos_token_ids).
             "--enable-tokenizer-info-endpoint",
         ]
+        if c.skip_tokenizer_init:
+            cmd += ["--skip-tokenizer-init"]
         if c.served_model_name:
             cmd += ["--served-model-name", c.served_model_name]
         if c.max_model_len:

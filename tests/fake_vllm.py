@@ -69,6 +69,7 @@ class FakeVLLM:
     name: str = "fake"
     max_logprobs: int = 20
     api_key: str | None = None
+    root: str | None = None  # the model directory /v1/models reports; None = a path that does not exist
     failures: dict[str, deque[Failure]] = field(default_factory=lambda: defaultdict(deque))
     calls: dict[str, list[dict]] = field(default_factory=lambda: defaultdict(list))
     server: TestServer | None = None
@@ -119,7 +120,7 @@ class FakeVLLM:
         return web.Response(text="")
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"data": [{"id": self.name, "root": f"/nonexistent/{self.name}",
+        return web.json_response({"data": [{"id": self.name, "root": self.root or f"/nonexistent/{self.name}",
                                             "max_model_len": self.model.max_model_len}]})
 
     async def _tokenize(self, request: web.Request) -> web.Response:

@@ -131,3 +131,29 @@ async def test_first_token_follows_exact_q_star(vllm_pair):
     np.testing.assert_allclose([o.alpha_history[0] for o in outputs], alpha, atol=1e-4)
     first = np.array([o.generated_tokens[0] for o in outputs])
     assert chi_square_pvalue(first, q, min_bins=3) > 1e-3
+
+
+async def test_servers_without_tokenizers_generate_what_servers_with_them_generate(vllm_pair, tmp_path):
+    """--skip-tokenizer-init servers plus the coordinator's own tokenizers: same tokens, text, stops."""
+    from dualvllm.errors import ServerStatusError
+    from engines.launcher import launch_pair, pair_configs
+
+    prompts = [p.prompt for p in problems("test", n=16, seed=6)]
+    kw = dict(max_tokens=6, temperature=0, stop=["+"])
+    async with DualVLLMCoordinator(config(vllm_pair, top_k=20)) as c:
+        expected = await c.generate_batch(prompts, **kw)
+    base, teacher = pair_configs(str(tinymodels.BASE_DIR), str(tinymodels.TEACHER_DIR), max_logprobs=20,
+                                 dtype=tinymodels.SERVER_DTYPE, skip_tokenizer_init=True)
+    base = base.model_copy(update={"log_path": tmp_path / "theta.log"})
+    teacher = teacher.model_copy(update={"log_path": tmp_path / "t.log"})
+    async with launch_pair(base, teacher) as bare:
+        async with VLLMClient(bare[0].url) as client:  # the flag took effect: no tokenizer on the server
+            with pytest.raises(ServerStatusError):
+                await client.tokenize("12+34=")
+        async with DualVLLMCoordinator(config(bare, top_k=20, local_tokenizers=True)) as c:
+            outputs = await c.generate_batch(prompts, **kw)
+    for got, want in zip(outputs, expected):
+        assert got.ok, got.error
+        assert (got.generated_tokens, got.generated_text, got.finish_reason) == \
+            (want.generated_tokens, want.generated_text, want.finish_reason)
+        np.testing.assert_allclose(got.logprobs_q, want.logprobs_q, atol=1e-4)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from dualvllm.errors import (
+    InvalidInputError,
     LifecycleError,
     MalformedResponseError,
     ServerInternalError,
@@ -194,3 +195,23 @@ def test_vocab_size_comes_from_a_readable_model_dir(tmp_path):
     assert _vocab_size_from_model_dir(tmp_path) == 151936
     (tmp_path / "config.json").write_text('{"vocab_size": 98}')
     assert _vocab_size_from_model_dir(tmp_path) == 98
+
+
+async def test_a_local_tokenizer_is_the_models_own_and_sends_no_tokenize_requests(fake_theta):
+    transformers = pytest.importorskip("transformers")
+    import tinymodels
+
+    fake_theta.root = str(tinymodels.BASE_DIR)
+    expected = transformers.AutoTokenizer.from_pretrained(tinymodels.BASE_DIR)
+    async with VLLMClient(fake_theta.url, local_tokenizer=True) as client:
+        ids = await client.tokenize("12+34= 46")
+        text = await client.detokenize(ids)
+    assert ids == expected("12+34= 46")["input_ids"] and text == "12+34= 46"
+    assert "/tokenize" not in fake_theta.calls and "/detokenize" not in fake_theta.calls
+
+
+async def test_a_local_tokenizer_needs_the_model_directory_here(fake_theta):
+    async with VLLMClient(fake_theta.url, name="theta", local_tokenizer=True) as client:
+        with pytest.raises(InvalidInputError, match="theta server's model directory /nonexistent/fake-base has no "
+                                                    "tokenizer files readable here"):
+            await client.tokenize("ab")
