@@ -28,13 +28,15 @@ def machine() -> str:
 
 
 @contextlib.asynccontextmanager
-async def servers(theta_url: str | None, t_url: str | None, *, max_logprobs: int) -> AsyncIterator[tuple[str, str]]:
-    """The two server URLs: the given ones, or a freshly launched pair of the bundled models."""
+async def servers(theta_url: str | None, t_url: str | None, *, max_logprobs: int,
+                  **options: object) -> AsyncIterator[tuple[str, str]]:
+    """The two server URLs: the given ones, or a freshly launched pair of the bundled models
+    (`options`: more ServerConfig fields)."""
     if theta_url and t_url:
         yield theta_url, t_url
         return
     base, teacher = pair_configs(str(tinymodels.BASE_DIR), str(tinymodels.TEACHER_DIR),
-                                 max_logprobs=max_logprobs, dtype=tinymodels.SERVER_DTYPE)
+                                 max_logprobs=max_logprobs, dtype=tinymodels.SERVER_DTYPE, **options)
     async with launch_pair(base, teacher) as (theta, t):
         yield theta.url, t.url
 

@@ -77,10 +77,13 @@ def ms(values: list[float]) -> dict[str, float]:
 
 
 async def measure(theta_url: str, t_url: str, k: int, args: argparse.Namespace) -> list[dict]:
-    config = CoordinatorConfig(theta_url=theta_url, t_url=t_url, top_k=k, max_batch_size=max(args.batch_sizes))
+    config = CoordinatorConfig(theta_url=theta_url, t_url=t_url, top_k=k, max_batch_size=max(args.batch_sizes),
+                               local_tokenizers=args.skip_tokenizer_init)
     rows = []
-    async with DualVLLMCoordinator(config) as coordinator, VLLMClient(theta_url, name="theta") as theta, \
-            VLLMClient(t_url, name="t") as t:
+    local = args.skip_tokenizer_init
+    async with DualVLLMCoordinator(config) as coordinator, \
+            VLLMClient(theta_url, name="theta", local_tokenizer=local) as theta, \
+            VLLMClient(t_url, name="t", local_tokenizer=local) as t:
         context = await theta.tokenize(common.prompts_for(1, seed=0)[0])
         for batch in args.batch_sizes:
             await coordinator_run(coordinator, batch, min(args.tokens, 4), seed=0)  # warm-up
@@ -151,7 +154,8 @@ def plot(report: dict, path: Path) -> None:
 
 
 async def run(args: argparse.Namespace) -> dict:
-    async with common.servers(args.theta_url, args.t_url, max_logprobs=max(max(args.ks), 20)) as (theta_url, t_url):
+    async with common.servers(args.theta_url, args.t_url, max_logprobs=max(max(args.ks), 20),
+                              skip_tokenizer_init=args.skip_tokenizer_init) as (theta_url, t_url):
         rows = [row for k in args.ks for row in await measure(theta_url, t_url, k, args)]
     return {"machine": common.machine(), "command": " ".join(["python", *sys.argv]), "rows": rows}
 
@@ -163,6 +167,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="tokens per sequence per run")
     parser.add_argument("--repeats", type=int, default=3, help="measured runs per batch size")
     parser.add_argument("--round-trips", type=int, default=20, help="single-prompt round trips of each kind per run")
+    parser.add_argument("--skip-tokenizer-init", action="store_true",
+                        help="servers without tokenizers (the coordinator tokenizes: local_tokenizers)")
     parser.add_argument("--output", type=Path, default=common.RESULTS_DIR / "per_token_latency.json")
     args = parser.parse_args()
     common.finish(asyncio.run(run(args)), args.output, plot)

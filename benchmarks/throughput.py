@@ -3,10 +3,14 @@
     python benchmarks/throughput.py                   # starts the bundled tiny models (one pair)
     python benchmarks/throughput.py --theta-url URL --t-url URL --batch-sizes 1 8 64 --tokens 16 32 56
 
-Three arms, run back to back on the same two servers in every repeat, so their ratios
-come from one run of this noisy shared machine:
+Arms run back to back on the same two servers in every repeat, so their ratios come
+from one run of this noisy shared machine:
 - `coordinator`: DualVLLMCoordinator.generate_batch (one batched request per server per
   step, both servers at once), temperature 1, ignore_eos;
+- `coordinator_no_tokenizer`: the same on a second pair started with --skip-tokenizer-init
+  (the servers detokenize nothing; the coordinator tokenizes with `local_tokenizers`),
+  idle while the other arms run; only when this script starts the servers. The reference
+  protocol sends text, so it needs servers with tokenizers;
 - `reference`: benchmarks/reference_protocol.py, the reference implementation's protocol
   (full text per sequence per token, one request per sequence per server per token);
 - `native`: the base server alone generating the same tokens natively (one request for
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import sys
 import time
@@ -38,7 +43,7 @@ from benchmarks.reference_protocol import ReferenceProtocolClient  # noqa: E402
 from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
 from engines.vllm_client import VLLMClient  # noqa: E402
 
-ARMS = ("coordinator", "reference", "native", "native_topk")
+ARMS = ("coordinator", "coordinator_no_tokenizer", "reference", "native", "native_topk")
 
 
 async def timed(arm: Callable[[], Awaitable[int]], cpus: tuple[common.ServerCPU, common.ServerCPU]) -> dict[str, float]:
@@ -55,50 +60,64 @@ async def timed(arm: Callable[[], Awaitable[int]], cpus: tuple[common.ServerCPU,
 
 
 async def run(args: argparse.Namespace) -> dict:
-    async with common.servers(args.theta_url, args.t_url, max_logprobs=max(args.top_k, 20)) as (theta_url, t_url):
+    async with contextlib.AsyncExitStack() as stack:
+        logprobs = max(args.top_k, 20)
+        theta_url, t_url = await stack.enter_async_context(common.servers(args.theta_url, args.t_url,
+                                                                          max_logprobs=logprobs))
         cpus = (common.ServerCPU(theta_url), common.ServerCPU(t_url))
         config = CoordinatorConfig(theta_url=theta_url, t_url=t_url, top_k=args.top_k,
                                    max_batch_size=max(args.batch_sizes))
-        async with DualVLLMCoordinator(config) as coordinator, \
-                ReferenceProtocolClient(theta_url, t_url, top_k=args.top_k, pool_size=args.pool_size) as reference, \
-                VLLMClient(theta_url, name="theta", request_timeout_s=600) as native:
-            model = (await native.model_info()).name
-            rows = []
-            for tokens in args.tokens:
-                for batch in args.batch_sizes:
-                    prompts = common.prompts_for(batch, seed=0)
-                    prompt_ids = [await native.tokenize(p) for p in prompts]
+        coordinator = await stack.enter_async_context(DualVLLMCoordinator(config))
+        reference = await stack.enter_async_context(
+            ReferenceProtocolClient(theta_url, t_url, top_k=args.top_k, pool_size=args.pool_size))
+        native = await stack.enter_async_context(VLLMClient(theta_url, name="theta", request_timeout_s=600))
+        bare = bare_cpus = None
+        if not (args.theta_url and args.t_url):
+            bare_urls = await stack.enter_async_context(common.servers(None, None, max_logprobs=logprobs,
+                                                                       skip_tokenizer_init=True))
+            bare_cpus = (common.ServerCPU(bare_urls[0]), common.ServerCPU(bare_urls[1]))
+            bare = await stack.enter_async_context(DualVLLMCoordinator(config.model_copy(update={
+                "theta_url": bare_urls[0], "t_url": bare_urls[1], "local_tokenizers": True})))
+        model = (await native.model_info()).name
+        rows = []
+        for tokens in args.tokens:
+            for batch in args.batch_sizes:
+                prompts = common.prompts_for(batch, seed=0)
+                prompt_ids = [await native.tokenize(p) for p in prompts]
 
-                    async def coordinator_arm(seed: int) -> int:
-                        outs = await coordinator.generate_batch(prompts, max_tokens=tokens, seed=seed, ignore_eos=True)
-                        assert all(o.ok and len(o.generated_tokens) == tokens for o in outs), outs[0].error
-                        return batch * tokens
+                async def coordinator_arm(seed: int, on: DualVLLMCoordinator = coordinator) -> int:
+                    outs = await on.generate_batch(prompts, max_tokens=tokens, seed=seed, ignore_eos=True)
+                    assert all(o.ok and len(o.generated_tokens) == tokens for o in outs), outs[0].error
+                    return batch * tokens
 
-                    async def reference_arm(seed: int) -> int:
-                        outs = await reference.generate(prompts, max_tokens=tokens, seed=seed)
-                        return sum(len(o.tokens) for o in outs)
+                async def reference_arm(seed: int) -> int:
+                    outs = await reference.generate(prompts, max_tokens=tokens, seed=seed)
+                    return sum(len(o.tokens) for o in outs)
 
-                    async def native_arm(seed: int, logprobs: int | None) -> int:
-                        payload = {"model": model, "prompt": prompt_ids, "max_tokens": tokens, "ignore_eos": True,
-                                   "temperature": 1.0, "seed": seed}
-                        if logprobs:
-                            payload |= {"logprobs": logprobs, "return_tokens_as_token_ids": True}
-                        body = await native.call("POST", "/v1/completions", payload)
-                        assert body["usage"]["completion_tokens"] == batch * tokens, body["usage"]
-                        return batch * tokens
+                async def native_arm(seed: int, logprobs: int | None) -> int:
+                    payload = {"model": model, "prompt": prompt_ids, "max_tokens": tokens, "ignore_eos": True,
+                               "temperature": 1.0, "seed": seed}
+                    if logprobs:
+                        payload |= {"logprobs": logprobs, "return_tokens_as_token_ids": True}
+                    body = await native.call("POST", "/v1/completions", payload)
+                    assert body["usage"]["completion_tokens"] == batch * tokens, body["usage"]
+                    return batch * tokens
 
-                    arms = {"coordinator": coordinator_arm, "native": lambda s: native_arm(s, None),
-                            "native_topk": lambda s: native_arm(s, args.top_k)}
-                    if batch <= args.reference_max_batch:
-                        arms["reference"] = reference_arm
-                    for arm in arms.values():  # warm-up (and the prefix cache, for every arm alike)
-                        await arm(0)
-                    runs: dict[str, list[dict[str, float]]] = {name: [] for name in arms}
-                    for repeat in range(args.repeats):
-                        for name, arm in arms.items():
-                            runs[name].append(await timed(lambda: arm(repeat + 1), cpus))
-                    rows.append(summarize(batch, tokens, runs))
-                    print_row(rows[-1])
+                arms = {"coordinator": coordinator_arm, "native": lambda s: native_arm(s, None),
+                        "native_topk": lambda s: native_arm(s, args.top_k)}
+                if bare is not None:
+                    arms["coordinator_no_tokenizer"] = lambda s: coordinator_arm(s, bare)
+                if batch <= args.reference_max_batch:
+                    arms["reference"] = reference_arm
+                for arm in arms.values():  # warm-up (and the prefix cache, for every arm alike)
+                    await arm(0)
+                runs: dict[str, list[dict[str, float]]] = {name: [] for name in arms}
+                for repeat in range(args.repeats):
+                    for name, arm in arms.items():
+                        meters = bare_cpus if name == "coordinator_no_tokenizer" else cpus
+                        runs[name].append(await timed(lambda: arm(repeat + 1), meters))
+                rows.append(summarize(batch, tokens, runs))
+                print_row(rows[-1])
     return {"machine": common.machine(), "command": " ".join(["python", *sys.argv]), "top_k": args.top_k,
             "repeats": args.repeats, "rows": rows}
 
@@ -116,6 +135,14 @@ def summarize(batch: int, tokens: int, runs: dict[str, list[dict[str, float]]]) 
     if "reference" in runs:
         row["coordinator_over_reference_ratio"] = statistics.median(
             c / r["tokens_per_s"] for c, r in zip(coord, runs["reference"]))
+    if "coordinator_no_tokenizer" in runs:
+        bare = [m["tokens_per_s"] for m in runs["coordinator_no_tokenizer"]]
+        row["coordinator_no_tokenizer_over_coordinator_ratio"] = statistics.median(b / c for b, c in zip(bare, coord))
+        row["coordinator_no_tokenizer_over_native_ratio"] = statistics.median(
+            b / n["tokens_per_s"] for b, n in zip(bare, runs["native"]))
+        if "reference" in runs:
+            row["coordinator_no_tokenizer_over_reference_ratio"] = statistics.median(
+                b / r["tokens_per_s"] for b, r in zip(bare, runs["reference"]))
     return row
 
 
@@ -130,6 +157,13 @@ def print_row(row: dict) -> None:
           f"{row['coordinator_theta_server_cpu_s_per_1k_tokens']:.2f} "
           f"{row['coordinator_t_server_cpu_s_per_1k_tokens']:.2f}; native theta "
           f"{row['native_theta_server_cpu_s_per_1k_tokens']:.2f}", flush=True)
+    if "coordinator_no_tokenizer_tokens_per_s" in row:
+        print(f"    servers without tokenizers: coordinator {row['coordinator_no_tokenizer_tokens_per_s']:7.1f} "
+              f"tokens/s, x{row['coordinator_no_tokenizer_over_coordinator_ratio']:.2f} of the default, "
+              f"/reference {row.get('coordinator_no_tokenizer_over_reference_ratio', float('nan')):.1f}, "
+              f"/native {row['coordinator_no_tokenizer_over_native_ratio']:.2f}; servers' CPU s per 1k tokens "
+              f"{row['coordinator_no_tokenizer_theta_server_cpu_s_per_1k_tokens']:.2f} "
+              f"{row['coordinator_no_tokenizer_t_server_cpu_s_per_1k_tokens']:.2f}", flush=True)
 
 
 def plot(report: dict, path: Path) -> None:
