@@ -10,8 +10,9 @@ active sequence:
    of a batched request alike, which would draw identical drafts for identical contexts).
    With "argmax" it proposes its greedy continuation: one batched request per draft
    length for all sequences, the randomness staying in the coordinator's accept draws;
-2. the scorer S returns its top-k before every drafted token: ONE batched request for
-   all sequences (prompt_logprobs);
+2. the scorer S returns its top-k before every drafted token: one batched next-token
+   request with a prompt per drafted token (context + draft[:j]), split at
+   `max_prompts_per_request`; not prompt_logprobs, whose cost grows with the context;
 3. per position, the two top-k lists are merged and q* is solved exactly as in the
    per-token step (same fill rule, temperature, alpha* solver); the drafted tokens are
    kept up to the first one the speculative rule rejects, which is replaced by a draw
@@ -21,10 +22,11 @@ Exact: every kept token is distributed as q* over the merged candidates, the ver
 distribution per-token mode samples from (the top-k approximation is the same), for any
 drafter, because D's proposal distribution is known exactly (its top-k at temperature T,
 renormalized, with vLLM `top_k` = k; or a point mass on its argmax). The records (alpha,
-log q*, log pi_theta, log pi_t) are those per-token mode would write. Approximate, as in per-token mode: q* is over the union
-of the two top-k lists with filled values. Not bit-identical to per-token mode: the samples
-differ (the same distribution, other draws), and S's logprobs come from a prefill instead
-of a decode step (float rounding).
+log q*, log pi_theta, log pi_t) are those per-token mode would write. Approximate, as in
+per-token mode: q* is over the union of the two top-k lists with filled values. Not
+bit-identical to per-token mode: the samples differ (the same distribution, other draws),
+and D's logprobs come from its generation rather than from next-token requests (float
+rounding). See theory/THEORY.md, section 7.
 
 Stops are the coordinator's own: drafts run past EOS, and a sequence keeps the round's
 tokens only up to the one that ends it (EOS, stop token, stop string, max_tokens, context
