@@ -98,6 +98,16 @@ def pyplot():
     return plt
 
 
+def plot_tokens_per_s(ax: Any, rows: list[dict], series: dict[str, str], title: str) -> None:
+    """One line per series (label -> row key of its tokens/s) against batch size, log-log."""
+    for label, key in series.items():
+        points = [(r["batch_size"], r[key]) for r in rows if key in r]
+        if points:
+            ax.plot(*zip(*points), "o-", label=label)
+    ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="tokens/s", title=title)
+    ax.legend(fontsize=8)
+
+
 def save_figure(fig: Any, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -145,14 +145,9 @@ async def run(args: argparse.Namespace) -> dict:
 def plot(report: dict, path: Path) -> None:
     plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    batches = [r["batch_size"] for r in report["rows"]]
-    for variant in report["variants"]:
-        key = f"{variant.replace(' ', '_')}_tokens_per_s"
-        points = [(r["batch_size"], r[key]) for r in report["rows"] if key in r]
-        ax.plot(*zip(*points), "o-", label=variant)
-    ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="tokens/s",
-           title=f"coordinator variants, top_k {report['top_k']}")
-    ax.legend(fontsize=8)
+    common.plot_tokens_per_s(ax, report["rows"],
+                             {v: f"{v.replace(' ', '_')}_tokens_per_s" for v in report["variants"]},
+                             f"coordinator variants, top_k {report['top_k']}")
     common.save_figure(fig, path)
 
 

@@ -172,13 +172,8 @@ def plot(report: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4.2), squeeze=False)
     for ax, n in zip(axes[0], lengths):
         rows = [r for r in report["rows"] if r["tokens_per_sequence"] == n]
-        for arm in ARMS:
-            points = [(r["batch_size"], r[f"{arm}_tokens_per_s"]) for r in rows if f"{arm}_tokens_per_s" in r]
-            if points:
-                ax.plot(*zip(*points), "o-", label=arm)
-        ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="tokens/s",
-               title=f"{n} tokens per sequence, top_k {report['top_k']}")
-        ax.legend(fontsize=8)
+        common.plot_tokens_per_s(ax, rows, {arm: f"{arm}_tokens_per_s" for arm in ARMS},
+                                 f"{n} tokens per sequence, top_k {report['top_k']}")
     common.save_figure(fig, path)
 
 
