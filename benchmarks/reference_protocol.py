@@ -21,7 +21,7 @@ import aiohttp
 import numpy as np
 
 from coordinator.step import mix_and_sample
-from dualvllm.errors import LifecycleError, MalformedResponseError
+from common.errors import LifecycleError, MalformedResponseError
 from engines.protocol import PAD_TOKEN_ID, TopKBatch
 
 ALPHA_TOL = 1e-6

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from dualvllm.errors import IncompatibleModelsError, InvalidInputError, TopKUnsupportedError
+from common.errors import IncompatibleModelsError, InvalidInputError, TopKUnsupportedError
 from engines.protocol import Engine, ModelInfo
 
 # Strings whose token ids must agree between the two servers: plain text, digits and

@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from dualvllm.validation import RaisesInvalidInput
+from common.validation import RaisesInvalidInput
 
 
 class CoordinatorConfig(RaisesInvalidInput, BaseSettings):

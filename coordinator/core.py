@@ -27,7 +27,7 @@ from coordinator.scheduler import Scheduler
 from coordinator.sequence import SamplingParams, SequenceState
 from coordinator.speculative import SpeculativeScheduler, speculative_scheduler
 from coordinator.stats import Statistics, StepTiming
-from dualvllm.errors import InvalidInputError, LifecycleError
+from common.errors import InvalidInputError, LifecycleError
 from engines.protocol import Engine
 from engines.vllm_client import VLLMClient
 

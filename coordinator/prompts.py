@@ -6,7 +6,7 @@ import asyncio
 from typing import Sequence
 
 from coordinator.outputs import Prompt, PromptPart
-from dualvllm.errors import InvalidInputError
+from common.errors import InvalidInputError
 from engines.protocol import Engine
 
 # At most this many tokenize requests in flight per server while preparing a call.

@@ -20,7 +20,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.sequence import SequenceState
 from coordinator.stats import Statistics, StepTiming
 from coordinator.step import StepResult, mix_and_sample
-from dualvllm.errors import DualVLLMError
+from common.errors import DualVLLMError
 from engines.protocol import Engine, TopKBatch
 
 log = logging.getLogger("dualvllm.coordinator")

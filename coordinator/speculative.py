@@ -46,7 +46,7 @@ import numpy as np
 from coordinator.scheduler import Scheduler
 from coordinator.sequence import SequenceState
 from coordinator.step import Target, solve_target
-from dualvllm.errors import DualVLLMError, InvalidInputError
+from common.errors import DualVLLMError, InvalidInputError
 from engines.protocol import PAD_TOKEN_ID, Draft, SpeculativeEngine, TopKBatch
 from theory.diagnostics import token_diagnostics
 from theory.merge import merge_topk

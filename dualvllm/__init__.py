@@ -1,10 +1,7 @@
 """dualvllm: RL post-training with optimal sampling from two vLLM servers.
 
-This namespace holds only what every layer shares (the error tree) and the command
-line. The layers, each importing only those to its left:
-
-    dualvllm.errors <- theory (numpy/scipy) <- engines, coordinator (asyncio/aiohttp)
-                    <- training (torch) <- dualvllm.cli
+This namespace is the top layer: the `dualvllm` command line and the jobs it runs
+(`generate`, `demo`, `serve`). The shared error tree lives at the bottom, in `common`.
 """
 
 __version__ = "0.1.0"

@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Sequence
 
 from coordinator.config import CoordinatorConfig
 from coordinator.core import DualVLLMCoordinator
-from dualvllm.errors import DualVLLMError, InvalidInputError
+from common.errors import DualVLLMError, InvalidInputError
 from engines.launcher import ServerConfig, VLLMServer, launch_pair, pair_configs
 
 # Coordinator fields exposed as flags (the rest are for the Python API / environment).

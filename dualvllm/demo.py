@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 
 from coordinator.core import DualVLLMCoordinator
-from dualvllm.errors import GenerationFailedError
+from common.errors import GenerationFailedError
 from tinymodels.task import Problem, problems, score
 
 # The answer is at most 3 digits and EOS; a little slack shows a model that rambles.

@@ -19,7 +19,7 @@ from typing import Any
 
 from coordinator.core import DualVLLMCoordinator
 from coordinator.outputs import GenerationOutput, Prompt
-from dualvllm.errors import InputFormatError, InvalidInputError
+from common.errors import InputFormatError, InvalidInputError
 
 PROMPT_KEYS = ("prompt", "theta_prompt", "t_prompt")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from dualvllm.errors import ServerStartupError
+from common.errors import ServerStartupError
 from engines.launcher import ServerConfig, launch_pair
 
 # How often to check that both servers are still alive while serving.

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import aiohttp
 import msgspec
 
-from dualvllm.errors import (
+from common.errors import (
     MalformedResponseError,
     ServerError,
     ServerInternalError,

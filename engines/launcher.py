@@ -32,8 +32,8 @@ from typing import AsyncIterator, Literal
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from dualvllm.errors import LifecycleError, ServerStartupError
-from dualvllm.validation import RaisesInvalidInput
+from common.errors import LifecycleError, ServerStartupError
+from common.validation import RaisesInvalidInput
 
 HEALTH_POLL_INTERVAL_S = 0.5
 # vLLM stops its engine core on SIGTERM within a few seconds; past this we SIGKILL.

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 import numpy as np
 
-from dualvllm.errors import InvalidInputError, LifecycleError
+from common.errors import InvalidInputError, LifecycleError
 from engines.protocol import PAD_TOKEN_ID, Draft, ModelInfo, TopKBatch, score_by_prefixes
 
 if TYPE_CHECKING:

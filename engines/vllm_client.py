@@ -26,7 +26,7 @@ import aiohttp
 import msgspec
 import numpy as np
 
-from dualvllm.errors import (
+from common.errors import (
     InvalidInputError,
     LifecycleError,
     MalformedResponseError,

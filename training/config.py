@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
-from dualvllm.validation import RaisesInvalidInput
+from common.validation import RaisesInvalidInput
 from training.losses import Correction, Normalization
 
 

@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 import tinymodels
-from dualvllm.errors import InvalidInputError
+from common.errors import InvalidInputError
 from tinymodels.task import problems
 from training import checkpoint, lora
 from training.checkpoint import RunState

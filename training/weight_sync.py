@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dualvllm.errors import DualVLLMError, ServerRejectedError
+from common.errors import DualVLLMError, ServerRejectedError
 from engines.vllm_client import VLLMClient
 from training import lora
 

@@ -31,7 +31,7 @@ def read_ids(path: Path) -> list[str]:
 def assert_top_k_above_max_logprobs_is_refused(urls: list[str], top_k: int) -> None:
     """serve passed --max-logprobs to vLLM, and the coordinator's start-up says how to fix a larger top_k."""
     from coordinator import CoordinatorConfig, DualVLLMCoordinator
-    from dualvllm.errors import TopKUnsupportedError
+    from common.errors import TopKUnsupportedError
 
     async def connect() -> None:
         async with DualVLLMCoordinator(CoordinatorConfig(theta_url=urls[0], t_url=urls[1], top_k=top_k)):

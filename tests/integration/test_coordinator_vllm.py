@@ -7,7 +7,7 @@ import pytest
 
 import tinymodels
 from coordinator import CoordinatorConfig, DualVLLMCoordinator
-from dualvllm.errors import InvalidInputError, ServerStartupError
+from common.errors import InvalidInputError, ServerStartupError
 from engines.launcher import ServerConfig, VLLMServer
 from engines.vllm_client import VLLMClient
 from tests.exact_q import chi_square_pvalue, exact_q_star
@@ -135,7 +135,7 @@ async def test_first_token_follows_exact_q_star(vllm_pair):
 
 async def test_servers_without_tokenizers_generate_what_servers_with_them_generate(vllm_pair, tmp_path):
     """--skip-tokenizer-init servers plus the coordinator's own tokenizers: same tokens, text, stops."""
-    from dualvllm.errors import ServerStatusError
+    from common.errors import ServerStatusError
     from engines.launcher import launch_pair, pair_configs
 
     prompts = [p.prompt for p in problems("test", n=16, seed=6)]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from coordinator import CoordinatorConfig, DualVLLMCoordinator
-from dualvllm.errors import (
+from common.errors import (
     IncompatibleModelsError,
     InvalidInputError,
     LifecycleError,

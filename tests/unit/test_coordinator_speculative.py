@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from coordinator import CoordinatorConfig, DualVLLMCoordinator
-from dualvllm.errors import InvalidInputError
+from common.errors import InvalidInputError
 from tests.exact_q import chi_square_pvalue, exact_q_star, two_sample_pvalue
 from tests.fake_vllm import EOS_ID, VOCAB_SIZE, Failure, tokenize
 

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from dualvllm.errors import (
+from common.errors import (
     InvalidInputError,
     LifecycleError,
     MalformedResponseError,

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from dualvllm.errors import InvalidInputError, LifecycleError, ServerStartupError
+from common.errors import InvalidInputError, LifecycleError, ServerStartupError
 from engines.launcher import ServerConfig, VLLMServer, split_cores
 
 

@@ -10,7 +10,7 @@ import pytest
 
 import tinymodels
 from coordinator import CoordinatorConfig, DualVLLMCoordinator
-from dualvllm.errors import InvalidInputError, LifecycleError
+from common.errors import InvalidInputError, LifecycleError
 from tests.exact_q import chi_square_pvalue, exact_q_star
 
 torch = pytest.importorskip("torch")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dualvllm.errors import InputFormatError, InvalidInputError
+from common.errors import InputFormatError, InvalidInputError
 from dualvllm.jsonl_job import done_ids, job_seed, read_jobs
 
 

@@ -19,6 +19,11 @@ def test_sampling_side_never_imports_torch_or_transformers(module):
     assert not {"torch", "transformers", "vllm"} & loaded, f"importing {module} pulled in heavy packages"
 
 
+def test_common_is_the_bottom_layer():
+    loaded = imported_after("common.errors") | imported_after("common.validation")
+    assert not {"theory", "engines", "coordinator", "training", "dualvllm", "numpy", "aiohttp"} & loaded
+
+
 def test_theory_has_no_io_dependencies():
     loaded = imported_after("theory")
     assert not {"aiohttp", "asyncio", "coordinator", "engines"} & loaded

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from dualvllm.errors import InvalidInputError
+from common.errors import InvalidInputError
 
 
 class RaisesInvalidInput:
