@@ -13,7 +13,6 @@ from urllib.parse import urlparse
 
 import psutil
 
-import tinymodels
 from engines.launcher import launch_pair, pair_configs
 from tinymodels.task import problems
 
@@ -35,9 +34,7 @@ async def servers(theta_url: str | None, t_url: str | None, *, max_logprobs: int
     if theta_url and t_url:
         yield theta_url, t_url
         return
-    base, teacher = pair_configs(str(tinymodels.BASE_DIR), str(tinymodels.TEACHER_DIR),
-                                 max_logprobs=max_logprobs, dtype=tinymodels.SERVER_DTYPE, **options)
-    async with launch_pair(base, teacher) as (theta, t):
+    async with launch_pair(*pair_configs(max_logprobs=max_logprobs, **options)) as (theta, t):
         yield theta.url, t.url
 
 

@@ -2,7 +2,7 @@
 
     python benchmarks/levers.py                        # starts the bundled tiny models (one pair)
     python benchmarks/levers.py --theta-url URL --t-url URL --batch-sizes 8 64 256 --tokens 32
-    python benchmarks/levers.py --server-args=--block-size=16   # servers with 16-token KV blocks
+    python benchmarks/levers.py --server-args=--block-size=32   # servers with 32-token KV blocks (the CPU build refuses 16)
 
 Variants of the coordinator, each generating the same batch (ignore_eos, temperature 1)
 back to back in every repeat, so the ratios to the baseline come from one run:
@@ -13,8 +13,7 @@ back to back in every repeat, so the ratios to the baseline come from one run:
   detokenize nothing), the coordinator tokenizing with the models' own tokenizers
   (`local_tokenizers`); only when the script starts the servers itself. Its servers sit
   idle while the other variants run, and the reverse.
-Pipelining the active set in 2 or 4 lanes was measured with this script at commit
-079f4d4 (`--lanes 2 4`) and dropped; see the README.
+Pipelining the active set in 2 or 4 lanes was measured and dropped; see benchmarks/README.md.
 
 For each variant: tokens/s, its ratio to the baseline (median of per-repeat ratios), the
 servers' CPU seconds per 1,000 tokens and the servers' prefix-cache hit rate over the
@@ -41,10 +40,8 @@ sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 
 from benchmarks import common  # noqa: E402
 from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
-from engines.launcher import launch_pair, pair_configs  # noqa: E402
 from engines.protocol import TopKBatch  # noqa: E402
 from engines.vllm_client import VLLMClient  # noqa: E402
-import tinymodels  # noqa: E402
 
 PREFIX_METRIC = re.compile(r"^vllm:prefix_cache_(queries|hits)_total\{[^}]*\} ([0-9.e+]+)$", re.M)
 
@@ -86,11 +83,9 @@ async def run(args: argparse.Namespace) -> dict:
         urls = {}
         if not (theta_url and t_url):
             for skip in (False, True):
-                base, teacher = pair_configs(str(tinymodels.BASE_DIR), str(tinymodels.TEACHER_DIR),
-                                             max_logprobs=max(args.top_k, 20), dtype=tinymodels.SERVER_DTYPE,
-                                             extra_args=tuple(args.server_args), skip_tokenizer_init=skip)
-                theta, t = await stack.enter_async_context(launch_pair(base, teacher))
-                urls["no server tokenizer" if skip else "batched"] = (theta.url, t.url)
+                urls["no server tokenizer" if skip else "batched"] = await stack.enter_async_context(
+                    common.servers(None, None, max_logprobs=max(args.top_k, 20),
+                                   extra_args=tuple(args.server_args), skip_tokenizer_init=skip))
             theta_url, t_url = urls["batched"]
             variants.append("no server tokenizer")
         urls.update({v: (theta_url, t_url) for v in variants if v not in urls})

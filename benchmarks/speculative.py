@@ -26,13 +26,16 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
-import tinymodels
-from coordinator import CoordinatorConfig, DualVLLMCoordinator
-from engines.launcher import launch_pair, pair_configs
-from tinymodels.task import problems
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
+
+from benchmarks import common  # noqa: E402
+from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
+from tinymodels.task import problems  # noqa: E402
 
 TASK_MAX_TOKENS = 8  # an answer is at most 3 digits and EOS
 
@@ -72,12 +75,8 @@ async def run(args: argparse.Namespace) -> dict:
     modes: list[Mode] = [(0, "sample"), *((g, p) for p in args.proposals for g in args.gammas)]
     results = []
     async with contextlib.AsyncExitStack() as stack:
-        theta_url, t_url = args.theta_url, args.t_url
-        if theta_url is None or t_url is None:
-            base, teacher = pair_configs(str(tinymodels.BASE_DIR), str(tinymodels.TEACHER_DIR),
-                                         max_logprobs=max(args.top_k, 20), dtype=tinymodels.SERVER_DTYPE)
-            theta, t = await stack.enter_async_context(launch_pair(base, teacher))
-            theta_url, t_url = theta.url, t.url
+        theta_url, t_url = await stack.enter_async_context(
+            common.servers(args.theta_url, args.t_url, max_logprobs=max(args.top_k, 20)))
         for workload in args.workloads:
             for batch_size in args.batch_sizes:
                 prompts = [p.prompt for p in problems("test", n=min(batch_size, 400), seed=batch_size)]

@@ -9,13 +9,21 @@
     ├── LifecycleError                        a client/coordinator used outside `async with`
     ├── ServerStartupError                    a launched vLLM server died or never got healthy
     ├── GenerationFailedError                 a caller needed every sequence, and some failed
+    ├── WeightSyncError                       a weight push did not take: the server serves other weights
+    ├── NoTrainingSignalError                 sampled data holds nothing to learn from (e.g. no DPO pair)
     └── ServerError                           a request to a running server failed
-        ├── ServerUnavailableError            connection refused / reset / DNS (retried)
-        ├── ServerTimeoutError                no answer within the timeout (retried)
+        ├── ServerUnavailableError            connection reset / closed after sending (retried if idempotent)
+        │   └── ServerConnectError            no connection opened: refused, DNS, connect timeout (retried)
+        ├── ServerTimeoutError                no answer within the timeout (retried if idempotent)
         ├── ServerStatusError                 a non-2xx answer
         │   ├── ServerRejectedError           4xx: the request is wrong, never retried
-        │   └── ServerInternalError           5xx: the server failed (retried)
+        │   └── ServerInternalError           5xx: the server failed (retried if idempotent)
         └── MalformedResponseError            2xx, but not the JSON we asked for
+
+Two flags on each ServerError class drive `engines.http`'s retries: `retryable` (a fresh
+try may succeed) and `request_sent` (the server may have received the request and acted
+on it). An idempotent call is resent on any retryable error; a call that changes state
+(a weight reload) only when `request_sent` is False, since otherwise a resend could act twice.
 
 Lower-level exceptions (aiohttp, asyncio, OSError) are translated into this tree at one
 place per boundary (`engines.http`, `engines.launcher`) with `raise ... from exc`.
@@ -66,10 +74,21 @@ class GenerationFailedError(DualVLLMError):
     """Sequences came back with errors where the caller cannot go on without them."""
 
 
+class WeightSyncError(DualVLLMError):
+    """Pushed weights are not what the server serves: its logprobs on probe contexts differ
+    from the learner's, or the checkpoint could not be written where a push needs it."""
+
+
+class NoTrainingSignalError(DualVLLMError):
+    """A training run sampled data that holds nothing to learn from, such as no preference
+    pair because every prompt's rollouts were all right or all wrong."""
+
+
 class ServerError(DualVLLMError):
     """A request to a running server failed. `server` names which one (e.g. 'theta')."""
 
-    retryable: bool = False
+    retryable: bool = False  # a fresh try may succeed
+    request_sent: bool = True  # the server may have received the request, and acted on it
 
     def __init__(self, server: str, url: str, message: str) -> None:
         self.server = server
@@ -78,9 +97,15 @@ class ServerError(DualVLLMError):
 
 
 class ServerUnavailableError(ServerError):
-    """The server could not be reached (connection refused, reset, name not resolved)."""
+    """The connection failed (reset, closed by the server) after the request may have gone out."""
 
     retryable = True
+
+
+class ServerConnectError(ServerUnavailableError):
+    """No connection could be opened (refused, name not resolved, connect timeout): nothing was sent."""
+
+    request_sent = False
 
 
 class ServerTimeoutError(ServerError):

@@ -12,6 +12,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.validation import RaisesInvalidInput
+from engines.http import CONNECT_TIMEOUT_S, CONNECTION_POOL_SIZE, MAX_RETRIES, REQUEST_TIMEOUT_S, RETRY_DELAY_S
 
 
 class CoordinatorConfig(RaisesInvalidInput, BaseSettings):
@@ -31,10 +32,11 @@ class CoordinatorConfig(RaisesInvalidInput, BaseSettings):
         0.9, ge=0, le=1, description="Warn once when a model's mean top-k covered mass is below this (k too small); 0 = never.")
     alpha_tol: float = Field(1e-6, gt=0, lt=0.1, description="Tolerance of the alpha* root search.")
     alpha_max_iter: int = Field(20, ge=1, le=200, description="Iteration cap of the alpha* root search.")
-    max_retries: int = Field(3, ge=0, le=20, description="Retries of a failed request (5xx, timeout, connection error; never 4xx).")
-    retry_delay: float = Field(0.2, ge=0, le=60, description="First retry backoff in seconds; doubles per retry, with jitter.")
-    request_timeout: float = Field(60.0, gt=0, description="Seconds one HTTP request may take before it counts as failed.")
-    connection_pool_size: int = Field(32, ge=1, le=1024, description="Open connections kept per server.")
+    max_retries: int = Field(MAX_RETRIES, ge=0, le=20, description="Retries of a failed request (5xx, timeout, connection error; never 4xx); a call that changes state is retried only if it was never sent.")
+    retry_delay: float = Field(RETRY_DELAY_S, ge=0, le=60, description="First retry backoff in seconds; doubles per retry, with jitter.")
+    request_timeout: float = Field(REQUEST_TIMEOUT_S, gt=0, description="Seconds one HTTP request may take before it counts as failed.")
+    connect_timeout: float = Field(CONNECT_TIMEOUT_S, gt=0, description="Seconds opening a connection may take before it counts as failed (and is retried: nothing was sent).")
+    connection_pool_size: int = Field(CONNECTION_POOL_SIZE, ge=1, le=1024, description="Open connections kept per server.")
     max_batch_size: int = Field(64, ge=1, le=4096, description="Sequences generated concurrently; each step sends one request per server for all of them.")
     local_tokenizers: bool = Field(
         False, description="Tokenize and detokenize in the coordinator with each model's own tokenizer (transformers, from the model directory the server reports, which must be readable here) instead of over HTTP; needed for servers started with --skip-tokenizer-init, which then skip detokenizing every top-k entry (faster per request).")

@@ -109,8 +109,8 @@ class DualVLLMCoordinator:
         cfg = self.config
         return VLLMClient(
             url, name=name, model=model, api_key=api_key, request_timeout_s=cfg.request_timeout,
-            connection_pool_size=cfg.connection_pool_size, max_retries=cfg.max_retries,
-            retry_delay_s=cfg.retry_delay, local_tokenizer=cfg.local_tokenizers,
+            connect_timeout_s=cfg.connect_timeout, connection_pool_size=cfg.connection_pool_size,
+            max_retries=cfg.max_retries, retry_delay_s=cfg.retry_delay, local_tokenizer=cfg.local_tokenizers,
         )
 
     # -- generation ------------------------------------------------------------------
@@ -139,8 +139,9 @@ class DualVLLMCoordinator:
         generates past EOS (fixed-length runs for benchmarks).
         """
         scheduler = self._require_open()
-        params = _sampling_params(max_tokens, temperature, stop, stop_token_ids,
-                                  fixed_alpha, return_diagnostics, ignore_eos)
+        params = sampling_params(max_tokens, temperature=temperature, stop=stop, stop_token_ids=stop_token_ids,
+                                 fixed_alpha=fixed_alpha, return_diagnostics=return_diagnostics,
+                                 ignore_eos=ignore_eos)
         if not prompts:
             return
         assert self._theta is not None and self._t is not None
@@ -230,21 +231,27 @@ class DualVLLMCoordinator:
         return self._scheduler
 
 
-def _sampling_params(
+def sampling_params(
     max_tokens: int,
-    temperature: float,
-    stop: Sequence[str] | str | None,
-    stop_token_ids: Sequence[int] | None,
-    fixed_alpha: float | None,
-    return_diagnostics: bool,
-    ignore_eos: bool,
+    *,
+    temperature: float = 1.0,
+    stop: Sequence[str] | str | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    fixed_alpha: float | None = None,
+    return_diagnostics: bool = False,
+    ignore_eos: bool = False,
 ) -> SamplingParams:
-    if not isinstance(max_tokens, int) or max_tokens < 1:
-        raise InvalidInputError(f"max_tokens must be a positive int, got {max_tokens!r}")
-    if not temperature >= 0 or not np.isfinite(temperature):
-        raise InvalidInputError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
+    """The per-call settings of `stream`, validated: raises InvalidInputError on a bad value.
+
+    Public so that a caller (the CLI) can refuse bad values before any server starts.
+    """
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise InvalidInputError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+    if not isinstance(temperature, (int, float)) or not temperature >= 0 or not np.isfinite(temperature):
+        raise InvalidInputError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     if fixed_alpha is not None and not 0.0 <= fixed_alpha <= 1.0:
-        raise InvalidInputError(f"fixed_alpha must be in [0, 1] or None, got {fixed_alpha!r}")
+        raise InvalidInputError(f"fixed_alpha must be in [0, 1] (0 = base only, 1 = teacher only) or None, "
+                                f"got {fixed_alpha!r}")
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if any(not isinstance(s, str) or not s for s in stops):
         raise InvalidInputError(f"stop strings must be non-empty strings, got {stops!r}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Literal, Sequence, Union
 
 # A prompt is text, token ids, or a (theta_prompt, t_prompt) pair: the two models may see
@@ -42,7 +42,6 @@ class GenerationOutput:
     finish_reason: FinishReason
     diagnostics: dict[str, dict[str, float]] | None = None  # key -> {mean, std, min, max}
     error: str | None = None  # which server failed and how, when finish_reason == "error"
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

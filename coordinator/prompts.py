@@ -15,31 +15,32 @@ MAX_CONCURRENT_TOKENIZE = 32
 
 def split_prompt(index: int, prompt: Prompt) -> tuple[PromptPart, PromptPart]:
     """(theta part, t part) of one prompt; both are the same unless a pair was given."""
+    problem = prompt_problem(prompt)
+    if problem is not None:
+        raise InvalidInputError(f"prompt {index}: {problem}")
+    return prompt if isinstance(prompt, tuple) else (prompt, prompt)  # type: ignore[return-value]
+
+
+def prompt_problem(prompt: object) -> str | None:
+    """What is wrong with a prompt, or None if it is valid: the one check of every way
+    prompts come in (the Python API, JSONL files)."""
     if isinstance(prompt, tuple):
         if len(prompt) != 2:
-            raise InvalidInputError(
-                f"prompt {index}: a tuple prompt must be (theta_prompt, t_prompt), got {len(prompt)} items")
-        parts = prompt
-    else:
-        parts = (prompt, prompt)
-    for part in parts:
-        _check_part(index, part)
-    return parts[0], parts[1]
+            return f"a tuple prompt must be (theta_prompt, t_prompt), got {len(prompt)} items"
+        return _part_problem(prompt[0]) or _part_problem(prompt[1])
+    return _part_problem(prompt)
 
 
-def _check_part(index: int, part: object) -> None:
+def _part_problem(part: object) -> str | None:
     if isinstance(part, str):
-        if not part:
-            raise InvalidInputError(f"prompt {index} is empty; give at least one character")
-        return
+        return None if part else "the prompt is empty; give at least one character"
     if isinstance(part, Sequence) and part and all(
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in part
     ):
-        return
-    raise InvalidInputError(
-        f"prompt {index}: expected a non-empty string, a non-empty list of token ids (ints "
-        f">= 0), or a (theta_prompt, t_prompt) pair of those; got {type(part).__name__}"
-    )
+        return None
+    shown = repr(part) if len(repr(part)) <= 60 else repr(part)[:57] + "..."
+    return ("a prompt must be a non-empty string, a non-empty list of token ids (ints >= 0), or a "
+            f"(theta_prompt, t_prompt) pair of those; got {shown}")
 
 
 async def encode_prompts(

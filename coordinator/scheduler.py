@@ -176,33 +176,32 @@ class Scheduler:
         )
 
     def _record(self, active: list[SequenceState], step: StepResult) -> None:
+        # Python lists: indexing them per row is far cheaper than indexing numpy arrays.
         tokens = step.token_ids.tolist()
         alphas, lq = step.alpha.tolist(), step.logprob_q.tolist()
         lth, lt = step.logprob_theta.tolist(), step.logprob_t.tolist()
+        diagnostics = {key: values.tolist() for key, values in (step.diagnostics or {}).items()}
         for row, seq in enumerate(active):
-            seq.tokens.append(tokens[row])
-            seq.alphas.append(alphas[row])
-            seq.logprobs_q.append(lq[row])
-            seq.logprobs_theta.append(lth[row])
-            seq.logprobs_t.append(lt[row])
-            if step.diagnostics is not None and seq.params.return_diagnostics:
-                for key, values in step.diagnostics.items():
-                    seq.diagnostics.setdefault(key, []).append(float(values[row]))
-            seq.check_token_stop(tokens[row], self._eos_ids, self._max_len)
+            seq.append(tokens[row], alphas[row], lq[row], lth[row], lt[row],
+                       {key: values[row] for key, values in diagnostics.items()} if diagnostics else {},
+                       self._eos_ids, self._max_len)
 
     async def _check_stop_strings(self, sequences: list[SequenceState]) -> None:
-        if not sequences:
-            return
-        texts = await asyncio.gather(
-            *(self._theta.detokenize(s.tokens_for_text()) for s in sequences), return_exceptions=True
-        )
+        texts = await asyncio.gather(*(self._text(s) for s in sequences), return_exceptions=True)
         for seq, text in zip(sequences, texts):
-            if isinstance(text, DualVLLMError):
-                seq.fail(f"{self._theta.name} server, detokenize: {text}")
-            elif isinstance(text, BaseException):
+            if isinstance(text, BaseException):
                 raise text
-            else:
+            if text is not None:
                 seq.check_stop_strings(text)
+
+    async def _text(self, seq: SequenceState) -> str | None:
+        """The text of `seq`'s generated tokens; None once `seq` failed because the server
+        could not detokenize them."""
+        try:
+            return await self._theta.detokenize(seq.tokens_for_text())
+        except DualVLLMError as err:
+            seq.fail(f"{self._theta.name} server, detokenize: {err}")
+            return None
 
     def _retire(self, seq: SequenceState) -> None:
         if seq.text is not None or seq.error is not None:
@@ -213,12 +212,7 @@ class Scheduler:
         task.add_done_callback(self._finishing.discard)
 
     async def _detokenize_and_deliver(self, seq: SequenceState) -> None:
-        try:
-            text = await self._theta.detokenize(seq.tokens_for_text())
-        except DualVLLMError as err:
-            seq.fail(f"{self._theta.name} server, detokenize: {err}")
-            text = ""
-        self._deliver(seq, text=text)
+        self._deliver(seq, text=await self._text(seq) or "")
 
     def _deliver(self, seq: SequenceState, *, text: str) -> None:
         seq.text = text

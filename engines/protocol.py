@@ -1,8 +1,8 @@
 """What the coordinator needs from a model engine, and the data it gets back.
 
 An engine is anything that can score "which token comes next" for a batch of token-id
-contexts: the vLLM HTTP client today, an in-process transformers engine later. The
-coordinator only ever talks to this Protocol.
+contexts: the vLLM HTTP client (engines/vllm_client.py) or an in-process transformers
+model (engines/transformers_engine.py). The coordinator only ever talks to this Protocol.
 """
 
 from __future__ import annotations
@@ -34,6 +34,27 @@ class TopKBatch:
     @property
     def batch_size(self) -> int:
         return self.token_ids.shape[0]
+
+    @classmethod
+    def from_flat(cls, token_ids: np.ndarray, logprobs: np.ndarray, counts: np.ndarray, width: int) -> TopKBatch:
+        """Rows given one after another (row i has counts[i] entries), padded to `width`.
+
+        `token_ids`, `logprobs`: [sum(counts)]; `counts`: int64 [B], each <= width. Vectorized:
+        the entries are scattered into the padded arrays by a row-length mask.
+        """
+        filled = np.arange(width) < counts[:, None]  # [B, w]
+        padded_ids = np.full(filled.shape, PAD_TOKEN_ID, dtype=np.int64)
+        padded_logprobs = np.full(filled.shape, -np.inf, dtype=np.float64)
+        padded_ids[filled], padded_logprobs[filled] = token_ids, logprobs
+        return cls(token_ids=padded_ids, logprobs=padded_logprobs)
+
+    @classmethod
+    def concat(cls, batches: Sequence[TopKBatch]) -> TopKBatch:
+        """The rows of several batches, in order, padded to the widest."""
+        widths = [b.token_ids.shape[1] for b in batches]
+        return cls.from_flat(np.concatenate([b.token_ids.ravel() for b in batches]),
+                             np.concatenate([b.logprobs.ravel() for b in batches]),
+                             np.repeat(widths, [b.batch_size for b in batches]), max(widths))
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ is the argmax and already inside the top k) and `return_tokens_as_token_ids: tru
 (otherwise distinct ids that decode to the same string collide in the logprobs dict).
 
 Speculative rounds use native generation (`draft`: several tokens sampled from the top-k,
-with their top-k per position) and `prompt_logprobs` (`score_continuations`: the top-k at
-every position of context + draft in one request).
+with their top-k per position) and next-token requests (`score_continuations`: one prompt
+per prefix context + draft[:j], batched, as per-token mode would send them).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import asyncio
 import itertools
 import json
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import aiohttp
 import msgspec
@@ -35,8 +35,17 @@ from common.errors import (
     TopKUnsupportedError,
     UnknownModelError,
 )
-from engines.http import RetryPolicy, expect, request_json
-from engines.protocol import PAD_TOKEN_ID, Draft, ModelInfo, TopKBatch, score_by_prefixes
+from engines.http import (
+    CONNECT_TIMEOUT_S,
+    CONNECTION_POOL_SIZE,
+    MAX_RETRIES,
+    REQUEST_TIMEOUT_S,
+    RETRY_DELAY_S,
+    RetryPolicy,
+    expect,
+    request_json,
+)
+from engines.protocol import Draft, ModelInfo, TopKBatch, score_by_prefixes
 
 TOKEN_ID_PREFIX = "token_id:"  # key format with return_tokens_as_token_ids
 
@@ -61,18 +70,23 @@ class _Completion(msgspec.Struct):
 _decode_completion: Callable[[bytes], _Completion] = msgspec.json.Decoder(_Completion).decode
 
 
+def _token_id(key: str) -> int:
+    """"token_id:123" -> 123; any other key is a ValueError (the client always asks for ids)."""
+    if not key.startswith(TOKEN_ID_PREFIX) or not key[len(TOKEN_ID_PREFIX):].isdigit():
+        raise ValueError(f"logprob key {key[:40]!r} is not 'token_id:N'; the server ignored "
+                         "return_tokens_as_token_ids")
+    return int(key[len(TOKEN_ID_PREFIX):])
+
+
 class _TokenIdCache(dict[str, int]):
-    """"token_id:123" -> 123, parsed once per distinct key (at most the vocabulary).
+    """_token_id of every key, parsed once per distinct key (at most the vocabulary).
 
     A dict lookup per logprob entry instead of a slice and an int(): 38 µs instead of
     142 µs for the 1,280 entries of a 64-prompt top-20 answer.
     """
 
     def __missing__(self, key: str) -> int:
-        if not key.startswith(TOKEN_ID_PREFIX) or not key[len(TOKEN_ID_PREFIX):].isdigit():
-            raise ValueError(f"logprob key {key[:40]!r} is not 'token_id:N'; the server ignored "
-                             "return_tokens_as_token_ids")
-        value = self[key] = int(key[len(TOKEN_ID_PREFIX):])
+        value = self[key] = _token_id(key)
         return value
 
 
@@ -86,11 +100,11 @@ class VLLMClient:
         name: str = "server",
         model: str | None = None,
         api_key: str | None = None,
-        request_timeout_s: float = 60.0,
-        connect_timeout_s: float = 10.0,
-        connection_pool_size: int = 32,
-        max_retries: int = 3,
-        retry_delay_s: float = 0.2,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
+        connection_pool_size: int = CONNECTION_POOL_SIZE,
+        max_retries: int = MAX_RETRIES,
+        retry_delay_s: float = RETRY_DELAY_S,
         local_tokenizer: bool = False,
     ) -> None:
         self.url = url.rstrip("/")
@@ -136,15 +150,29 @@ class VLLMClient:
 
     # -- raw calls -------------------------------------------------------------------
 
+    # POST routes that are safe to send twice, so engines.http retries them like reads.
+    # Every GET is. Any other POST counts as changing state and is resent only when
+    # nothing was sent: /collective_rpc runs an arbitrary worker method (reload_weights),
+    # and training.weight_sync checks what the server holds before it sends one again.
+    IDEMPOTENT_POSTS = frozenset({
+        "/tokenize", "/detokenize",  # read the tokenizer
+        "/v1/completions",  # generation changes no model state, only costs compute
+        "/reset_prefix_cache",  # emptying an empty cache changes nothing
+        "/pause", "/resume",  # set a state; a second send sets the same state
+    })
+
     async def call(self, method: str, path: str, payload: Any = None,
                    decode: Callable[[bytes], Any] = json.loads) -> Any:
         """One JSON request to `path`, with retries; the building block of every call.
 
-        `decode` parses a 2xx body (default: any JSON); see engines.http.request_json.
+        Retried like a read if it is a GET or in IDEMPOTENT_POSTS, else only when it
+        never left (engines.http's table). `decode` parses a 2xx body (default: any JSON);
+        see engines.http.request_json.
         """
         if self._session is None:
             raise LifecycleError(f"{self.name} client for {self.url} is not open; "
                                  "use `async with VLLMClient(...) as client:`")
+        idempotent = method == "GET" or path.partition("?")[0] in self.IDEMPOTENT_POSTS
         self.requests += 1
 
         def count_retry(_: ServerError) -> None:
@@ -154,7 +182,8 @@ class VLLMClient:
         try:
             return await request_json(
                 self._session, method, self.url + path, server=self.name,
-                payload=payload, retry=self._retry, on_retry=count_retry, decode=decode,
+                payload=payload, retry=self._retry, idempotent=idempotent, on_retry=count_retry,
+                decode=decode,
             )
         except ServerError:
             self.failures += 1
@@ -163,6 +192,18 @@ class VLLMClient:
     async def health(self) -> None:
         """Raise a ServerError unless GET /health answers 200."""
         await self.call("GET", "/health")
+
+    async def wait_healthy(self, timeout_s: float, poll_s: float = 1.0) -> None:
+        """Poll GET /health every `poll_s` until it answers 200; after `timeout_s`, raise its last error."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            try:
+                return await self.health()
+            except ServerError:
+                if loop.time() >= deadline:
+                    raise
+            await asyncio.sleep(poll_s)
 
     # -- Engine protocol -------------------------------------------------------------
 
@@ -275,38 +316,42 @@ class VLLMClient:
             raise
 
     def _parse_topk(self, answer: _Completion, batch_size: int, k: int) -> TopKBatch:
-        """Pad every row's top-k into [batch_size, k + 1] arrays, rows in prompt order.
-
-        Vectorized over the batch: the entries of all rows are read in one pass each for
-        ids and values, then scattered into the padded arrays by a row-length mask.
-        """
+        """Pad every row's top-k into [batch_size, k + 1] arrays, rows in prompt order."""
         choices = answer.choices
         expect(len(choices) == batch_size, self.name, self.url, f"expected {batch_size} choices")
         entries = [c.logprobs.top_logprobs[0] if c.logprobs and c.logprobs.top_logprobs else None
                    for c in choices]
         expect(all(entries), self.name, self.url,
                "choice without top_logprobs; was `logprobs` dropped by a proxy?")
-        # Up to k+1 entries per row: vLLM adds the sampled token if it is not in the top k.
-        width = k + 1
-        counts = np.fromiter(map(len, entries), np.int64, batch_size)  # [B]
-        expect(int(counts.max(initial=0)) <= width, self.name, self.url, f"more than {width} logprobs in a row")
         rows = np.fromiter((c.index for c in choices), np.int64, batch_size)  # [B]
         expect(np.array_equal(np.sort(rows), np.arange(batch_size)), self.name, self.url,
                f"choice indices {rows.tolist()[:8]}... are not 0..{batch_size - 1}")
+        # Up to k+1 entries per row: vLLM adds the sampled token if it is not in the top k.
+        batch = self._pad_rows(entries, k + 1)  # rows in answer order
+        if np.array_equal(rows, np.arange(batch_size)):
+            return batch
+        order = np.argsort(rows)
+        return TopKBatch(token_ids=batch.token_ids[order], logprobs=batch.logprobs[order])
+
+    def _pad_rows(self, entries: list[dict[str, float]], width: int) -> TopKBatch:
+        """Each {"token_id:N": logprob} dict as one row, in order, padded to `width`.
+
+        Vectorized over the rows: the entries of all rows are read in one pass each for
+        ids and values (TopKBatch.from_flat scatters them into the padded arrays).
+        """
+        counts = np.fromiter(map(len, entries), np.int64, len(entries))  # [B]
+        expect(int(counts.max(initial=0)) <= width, self.name, self.url, f"more than {width} logprobs in a row")
         total = int(counts.sum())
+        ids = self._parse_token_ids(itertools.chain.from_iterable(entries), total)
+        values = np.fromiter(itertools.chain.from_iterable(e.values() for e in entries), np.float64, total)
+        return TopKBatch.from_flat(ids, values, counts, width)
+
+    def _parse_token_ids(self, keys: Iterable[str], count: int) -> np.ndarray:
+        """`count` "token_id:N" keys -> int64 [count]; any other key is a MalformedResponseError."""
         try:
-            ids = np.fromiter(map(self._token_ids.__getitem__, itertools.chain.from_iterable(entries)),
-                              np.int64, total)
+            return np.fromiter(map(self._token_ids.__getitem__, keys), np.int64, count)
         except ValueError as err:
             raise MalformedResponseError(self.name, self.url, str(err)) from err
-        values = np.fromiter(itertools.chain.from_iterable(e.values() for e in entries), np.float64, total)
-        filled = np.arange(width) < counts[:, None]  # [B, w], rows in answer order
-        token_ids = np.full((batch_size, width), PAD_TOKEN_ID, dtype=np.int64)
-        logprobs = np.full((batch_size, width), -np.inf, dtype=np.float64)
-        token_ids[filled], logprobs[filled] = ids, values
-        if not np.array_equal(rows, np.arange(batch_size)):
-            token_ids[rows], logprobs[rows] = token_ids.copy(), logprobs.copy()
-        return TopKBatch(token_ids=token_ids, logprobs=logprobs)
 
     # -- speculative rounds (engines.protocol.SpeculativeEngine) ------------------------
 
@@ -343,14 +388,13 @@ class VLLMClient:
         drafts: list[Draft | None] = [None] * count
         for choice in choices:
             logprobs = choice.get("logprobs") or {}
-            tokens = [_token_id(t) for t in logprobs.get("tokens") or []]
+            tokens = logprobs.get("tokens") or []
             top = logprobs.get("top_logprobs") or []
             expect(0 < len(tokens) == len(top), self.name, self.url,
                    "a draft without per-token top_logprobs; was `logprobs` dropped by a proxy?")
-            rows = [_top_row({_token_id(key): v for key, v in entries.items()}, token, k)
-                    for entries, token in zip(top, tokens)]
-            drafts[int(choice.get("index", 0))] = Draft(token_ids=np.asarray(tokens, dtype=np.int64),
-                                                        topk=_pack_rows(rows, k))
+            rows = [_top_row(entries, token, k) for entries, token in zip(top, tokens)]
+            drafts[int(choice.get("index", 0))] = Draft(token_ids=self._parse_token_ids(tokens, len(tokens)),
+                                                        topk=self._pad_rows(rows, k + 1))
         expect(all(d is not None for d in drafts), self.name, self.url, "choice indices are not 0..n-1")
         return drafts  # type: ignore[return-value]
 
@@ -420,25 +464,10 @@ def neutral_sampling(k: int) -> dict[str, Any]:
             "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_tokens": 0}
 
 
-def _token_id(key: str) -> int:
-    return int(key[len(TOKEN_ID_PREFIX):]) if key.startswith(TOKEN_ID_PREFIX) else int(key)
-
-
-def _top_row(entries: dict[int, float], token: int | None, k: int) -> tuple[list[int], list[float]]:
-    """A position's top-k as (ids, logprobs); vLLM adds the position's own token as a (k+1)-th
-    entry when it is not in the top k, and that entry is dropped so rows match next_token_topk."""
-    if token is not None and len(entries) > k:
-        entries = {t: v for t, v in entries.items() if t != token}
-    return list(entries), [float(v) for v in entries.values()]
-
-
-def _pack_rows(rows: list[tuple[list[int], list[float]]], k: int) -> TopKBatch:
-    """Rows of (ids, logprobs) -> a TopKBatch padded to width k + 1."""
-    width = k + 1
-    token_ids = np.full((len(rows), width), PAD_TOKEN_ID, dtype=np.int64)
-    logprobs = np.full((len(rows), width), -np.inf, dtype=np.float64)
-    for row, (ids, values) in enumerate(rows):
-        n = min(len(ids), width)
-        token_ids[row, :n] = ids[:n]
-        logprobs[row, :n] = values[:n]
-    return TopKBatch(token_ids=token_ids, logprobs=logprobs)
+def _top_row(entries: dict[str, float], token: str, k: int) -> dict[str, float]:
+    """A drafted position's top-k, keyed as the answer keys them; vLLM adds the position's own
+    token as a (k+1)-th entry when it is not in the top k, and that entry is dropped so rows
+    match next_token_topk."""
+    if len(entries) > k:
+        return {key: v for key, v in entries.items() if key != token}
+    return entries

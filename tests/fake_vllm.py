@@ -2,15 +2,19 @@
 
 Unit tests run the real VLLMClient and coordinator against it over real loopback HTTP,
 with a tiny synthetic model whose exact next-token distribution is known, and with
-scripted failures (status codes, delays) to exercise retries and error isolation.
+scripted failures (status codes, delays) to exercise retries and error isolation, and
+rendezvous between two servers to prove that requests are in flight together.
 It is a test double for unit tests only; integration tests use real vLLM servers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 from aiohttp import web
@@ -20,6 +24,11 @@ ALPHABET = "abcdefghijklmno"  # ids 1..15; id 0 is <eos>
 VOCAB_SIZE = len(ALPHABET) + 1
 EOS_ID = 0
 EOS_TEXT = "<eos>"
+FAKE_WEIGHTS_FILE = "fake_weights.json"  # what /collective_rpc reload_weights reads in weights_path
+# How long a request held for a rendezvous waits for the other one: far beyond a step on
+# loopback, so only a client that never sends the other request (it waits for this answer
+# first) runs into it, and then gets a 500 instead of hanging the test.
+RENDEZVOUS_TIMEOUT_S = 10.0
 
 
 def tokenize(text: str) -> list[int]:
@@ -56,11 +65,41 @@ class FakeModel:
         return logits - np.logaddexp.reduce(logits)
 
 
+def write_fake_weights(directory: Path, seed: int) -> Path:
+    """A checkpoint directory the fake's reload_weights switches to: FakeModel(seed=seed)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / FAKE_WEIGHTS_FILE).write_text(json.dumps({"seed": seed}))
+    return directory
+
+
 @dataclass
 class Failure:
-    status: int = 500
+    status: int = 500  # 0 = no error answer: handle the request after the delay
     body: str = "injected failure"
     delay_s: float = 0.0
+    after_handling: bool = False  # handle the request first (the server acts), then delay and answer
+    arrived: asyncio.Event | None = None  # set when this request arrives (see rendezvous)
+    meet: asyncio.Event | None = None  # hold this request until it is set, before anything else
+
+    async def met(self) -> bool:
+        """Mark this request arrived, then wait for the one it meets -> False if it never came."""
+        if self.arrived is not None:
+            self.arrived.set()
+        if self.meet is None:
+            return True
+        try:
+            await asyncio.wait_for(self.meet.wait(), RENDEZVOUS_TIMEOUT_S)
+        except TimeoutError:
+            return False
+        return True
+
+
+def rendezvous(first: Failure, second: Failure) -> tuple[Failure, Failure]:
+    """`first` and `second` (for two servers), each held until the other's request has arrived:
+    both answer only if the two requests are in flight together."""
+    first_arrived, second_arrived = asyncio.Event(), asyncio.Event()
+    return (dataclasses.replace(first, arrived=first_arrived, meet=second_arrived),
+            dataclasses.replace(second, arrived=second_arrived, meet=first_arrived))
 
 
 @dataclass
@@ -72,6 +111,8 @@ class FakeVLLM:
     root: str | None = None  # the model directory /v1/models reports; None = a path that does not exist
     failures: dict[str, deque[Failure]] = field(default_factory=lambda: defaultdict(deque))
     calls: dict[str, list[dict]] = field(default_factory=lambda: defaultdict(list))
+    order: list[str] = field(default_factory=list)  # the path of every request, in arrival order
+    running: asyncio.Event = field(default_factory=asyncio.Event)  # cleared between /pause and /resume
     server: TestServer | None = None
 
     @property
@@ -90,6 +131,11 @@ class FakeVLLM:
         app.router.add_post("/detokenize", self._detokenize)
         app.router.add_get("/tokenizer_info", self._tokenizer_info)
         app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/collective_rpc", self._collective_rpc)
+        app.router.add_post("/pause", self._pause)
+        app.router.add_post("/resume", self._resume)
+        app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
+        self.running.set()
         self.server = TestServer(app, host="127.0.0.1")
         await self.server.start_server()
 
@@ -101,6 +147,9 @@ class FakeVLLM:
     async def _middleware(self, request: web.Request, handler):
         body = await request.json() if request.can_read_body else None
         self.calls[request.path].append(body)
+        self.order.append(request.path)
+        if request.path == "/v1/completions":
+            await self.running.wait()  # like vLLM, generation waits while paused
         if self.api_key and request.path.startswith("/v1") and \
                 request.headers.get("Authorization") != f"Bearer {self.api_key}":
             return web.Response(status=401, text="Unauthorized")
@@ -111,6 +160,13 @@ class FakeVLLM:
         queue = self.failures.get(request.path)
         if queue:
             failure = queue.popleft()
+            if not await failure.met():
+                return web.Response(status=500, text="rendezvous timed out: the other server never got its "
+                                                     "request (were the two calls sent one after the other?)")
+            if failure.after_handling:
+                response = await handler(request)
+                await asyncio.sleep(failure.delay_s)
+                return web.Response(status=failure.status, text=failure.body) if failure.status else response
             await asyncio.sleep(failure.delay_s)
             if failure.status:
                 return web.Response(status=failure.status, text=failure.body)
@@ -138,6 +194,29 @@ class FakeVLLM:
 
     async def _tokenizer_info(self, request: web.Request) -> web.Response:
         return web.json_response({"tokenizer_class": "Fake", "eos_token": "<eos>"})
+
+    async def _collective_rpc(self, request: web.Request) -> web.Response:
+        """reload_weights only: the model becomes the one write_fake_weights put in weights_path."""
+        body = await request.json()
+        if body.get("method") != "reload_weights":
+            return web.Response(status=400, text=f"the fake supports only reload_weights, not {body.get('method')!r}")
+        try:
+            weights = json.loads((Path(body["kwargs"]["weights_path"]) / FAKE_WEIGHTS_FILE).read_text())
+        except (KeyError, OSError) as err:
+            return web.Response(status=500, text=f"reload_weights failed: {err!r}")
+        self.model = dataclasses.replace(self.model, seed=weights["seed"])
+        return web.json_response({"results": [None]})
+
+    async def _pause(self, request: web.Request) -> web.Response:
+        self.running.clear()
+        return web.json_response({"status": "paused"})
+
+    async def _resume(self, request: web.Request) -> web.Response:
+        self.running.set()
+        return web.json_response({"status": "resumed"})
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        return web.json_response({"success": True})
 
     async def _completions(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -168,12 +247,7 @@ class FakeVLLM:
                 tokens.append(key(token))
                 tops.append(entries)
                 sequence.append(token)
-            choice = {"index": index, "text": "", "logprobs": {"tokens": tokens, "top_logprobs": tops}}
-            if body.get("prompt_logprobs"):
-                choice["prompt_logprobs"] = [None] + [
-                    self._prompt_entries(context[:j], context[j], body["prompt_logprobs"])
-                    for j in range(1, len(context))]
-            choices.append(choice)
+            choices.append({"index": index, "text": "", "logprobs": {"tokens": tokens, "top_logprobs": tops}})
         return web.json_response({"choices": choices})
 
     def _sample(self, logprobs: np.ndarray, body: dict, rng: np.random.Generator) -> int:
@@ -184,11 +258,3 @@ class FakeVLLM:
         allowed = np.argsort(-logprobs)[:body.get("top_k") or len(logprobs)]
         scaled = logprobs[allowed] / temperature
         return int(rng.choice(allowed, p=np.exp(scaled - np.logaddexp.reduce(scaled))))
-
-    def _prompt_entries(self, prefix: list[int], token: int, k: int) -> dict[str, dict]:
-        """vLLM's prompt_logprobs entry: the top-k before `token`, plus `token` itself."""
-        logprobs = self.model.logprobs(prefix)
-        ranked = [int(t) for t in np.argsort(-logprobs)]
-        chosen = dict.fromkeys([*ranked[:k], token])
-        return {str(t): {"logprob": float(logprobs[t]), "rank": ranked.index(t) + 1,
-                         "decoded_token": f"token_id:{t}"} for t in chosen}

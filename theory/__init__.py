@@ -14,12 +14,11 @@ from theory.mixture import (
     log_normalize,
     log_partition,
     mixture_logprobs,
-    sample,
     sample_indices,
 )
 
 __all__ = [
     "DIAGNOSTIC_KEYS", "FILL_RULES", "FillRule", "MergedTopK", "alpha_kls", "apply_temperature",
-    "greedy_indices", "log_normalize", "log_partition", "merge_topk", "mixture_logprobs", "sample",
+    "greedy_indices", "log_normalize", "log_partition", "merge_topk", "mixture_logprobs",
     "sample_indices", "solve_alpha", "summarize", "symmetry_gap", "token_diagnostics",
 ]

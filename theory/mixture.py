@@ -88,11 +88,6 @@ def sample_indices(logq: np.ndarray, mask: np.ndarray, uniforms: np.ndarray) -> 
     return np.sum(cdf <= threshold[:, None], axis=-1).astype(np.int64)
 
 
-def sample(logq: np.ndarray, mask: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """One candidate index per row drawn from q with a seeded generator -> int64 [B]."""
-    return sample_indices(logq, mask, rng.random(logq.shape[0]))
-
-
 def greedy_indices(logq: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """The most likely candidate per row (ties: the first) -> int64 [B]."""
     return np.argmax(masked(logq, mask, NEG_INF), axis=-1).astype(np.int64)

@@ -85,7 +85,6 @@ class RoundDecision:
 
     accepted: np.ndarray  # int64 [S], drafted tokens kept (a prefix of the draft)
     replacement: np.ndarray  # int64 [S], candidate index emitted at row offset+accepted; -1 if all kept
-    accept_probability: np.ndarray  # float64 [R], min(1, q/p) per row (1/0 on greedy rows)
 
 
 def decide_round(logq: np.ndarray, logp: np.ndarray, mask: np.ndarray, draft_index: np.ndarray,
@@ -113,4 +112,4 @@ def decide_round(logq: np.ndarray, logp: np.ndarray, mask: np.ndarray, draft_ind
     full = accepted == lengths
     at = offsets + np.minimum(accepted, lengths - 1)
     replacement = np.where(full, -1, resampled[at]).astype(np.int64)
-    return RoundDecision(accepted=accepted, replacement=replacement, accept_probability=probability)
+    return RoundDecision(accepted=accepted, replacement=replacement)

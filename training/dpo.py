@@ -10,15 +10,15 @@
 from __future__ import annotations
 
 import json
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from common.errors import NoTrainingSignalError
 from training.config import TrainConfig
 from training.rollouts import Groups, Task, sample_batch
 from training.serving import held_out_accuracy, serving
-from training.verifiers import exact_match
+from training.verifiers import exact_match, verifier_pool
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,7 @@ async def train_dpo(config: TrainConfig, *, show_progress: bool = True) -> DPORe
 
     out: Path = config.output_dir
     out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(config.model_dump_json(indent=2) + "\n")
     base_dir = config.base or str(tinymodels.BASE_DIR)
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
 
@@ -78,7 +79,7 @@ async def train_dpo(config: TrainConfig, *, show_progress: bool = True) -> DPORe
 
     chosen_problems = problems("train", n=config.steps * config.prompts_per_step, seed=config.seed)
     held_out = [task(p) for p in problems("test", n=config.eval_prompts, seed=config.seed)]
-    with ProcessPoolExecutor(max_workers=1) as pool:
+    with verifier_pool() as pool:
         async with serving(config, base_dir) as (coordinator, _):
             accuracy_before = await held_out_accuracy(coordinator, held_out, config.max_tokens, pool)
             groups = await sample_batch(
@@ -91,7 +92,10 @@ async def train_dpo(config: TrainConfig, *, show_progress: bool = True) -> DPORe
         pairs_path = out / "pairs.jsonl"
         write_pairs(pairs_path, pairs)
         if not pairs:
-            raise RuntimeError("no preference pairs: every prompt's rollouts were all right or all wrong")
+            raise NoTrainingSignalError(
+                f"no preference pairs in {len(groups)} prompts: every prompt's rollouts were all right or all "
+                "wrong. Sample more per prompt (--group-size), more prompts (--steps, --prompts-per-step), or "
+                "at a higher --temperature")
 
         torch.manual_seed(config.seed)
         model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)

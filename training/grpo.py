@@ -18,10 +18,9 @@ import json
 import logging
 import shutil
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -34,7 +33,7 @@ from training.checkpoint import RunState
 from training.config import TrainConfig
 from training.learner import Learner
 from training.rollouts import ScoredBatch, Task, produce, sample_batch
-from training.verifiers import exact_match
+from training.verifiers import exact_match, verifier_pool
 from training.serving import held_out_accuracy, serving
 from training.weight_sync import push_weights
 
@@ -87,63 +86,63 @@ async def train_grpo(config: TrainConfig, *, resume: bool = False, show_progress
     probes = [list(t.prompt_ids) for t in held_out[:PUSH_PROBES]]
     metrics_path = out / "metrics.jsonl"
 
-    async with serving(config, start_dir) as (coordinator, base_client), \
-            _process_pool() as pool:
-        async def sample(chosen: list[Task], seed: int):
-            return await sample_batch(coordinator, chosen, group_size=config.group_size, max_tokens=config.max_tokens,
-                                      temperature=config.temperature, fixed_alpha=config.fixed_alpha,
-                                      seed=config.seed * 1_000_003 + seed, verifier=exact_match, executor=pool)
+    with verifier_pool() as pool:
+        async with serving(config, start_dir) as (coordinator, base_client):
+            async def sample(chosen: list[Task], seed: int):
+                return await sample_batch(coordinator, chosen, group_size=config.group_size, max_tokens=config.max_tokens,
+                                          temperature=config.temperature, fixed_alpha=config.fixed_alpha,
+                                          seed=config.seed * 1_000_003 + seed, verifier=exact_match, executor=pool)
 
-        accuracy_before = await held_out_accuracy(coordinator, held_out, config.max_tokens, pool)
-        _log_metrics(metrics_path, {"step": state.step, "event": "eval", "held_out_accuracy": accuracy_before})
-        version = state.policy_version
-        queue: asyncio.Queue[ScoredBatch] = asyncio.Queue(maxsize=config.queue_size)
-        sampler = asyncio.create_task(produce(queue, sample, tasks, start=state.data_position,
-                                              prompts_per_step=config.prompts_per_step,
-                                              policy_version=lambda: version))
-        dropped = 0
-        step = state.step
-        try:
-            with tqdm(total=config.steps, initial=step, desc="grpo", unit="step", disable=not show_progress) as bar:
-                while step < config.steps:
-                    batch = await _next_batch(queue, sampler)
-                    staleness = version - batch.policy_version
-                    if staleness > config.max_staleness:
-                        dropped += 1
-                        continue
-                    started = time.perf_counter()
-                    metrics = await asyncio.to_thread(
-                        learner.train_step, batch, correction=config.correction,
-                        scale_advantages=config.scale_advantages, is_cap=config.is_cap, share_cap=config.share_cap,
-                        normalization=config.normalization, max_completion_length=config.max_tokens)
-                    step += 1
-                    if step % config.push_every == 0 or step == config.steps:
-                        push = await push_weights(base_client, learner.model, tokenizer,
-                                                  out / "pushed" / f"step-{step:06d}-{time.time_ns()}", probes)
-                        version += 1
-                        metrics["push_max_abs_diff"] = push.max_abs_diff
-                        _prune_pushed(out)
-                    state = RunState(step=step, data_position=batch.data_position, policy_version=version)
-                    await asyncio.to_thread(checkpoint.save, out, learner.model, tokenizer, learner.optimizer,
-                                            state, config.keep_checkpoints)
-                    alphas = [a for g in batch.groups for r in g for a in r.alphas]
-                    metrics.update(step=step, staleness=staleness, policy_version=version,
-                                   mean_alpha=sum(alphas) / max(len(alphas), 1),
-                                   sample_tokens_per_s=batch.tokens / max(batch.sample_seconds, 1e-9),
-                                   step_seconds=time.perf_counter() - started)
-                    if step % config.eval_every == 0 or step == config.steps:
-                        metrics["held_out_accuracy"] = await held_out_accuracy(
-                            coordinator, held_out, config.max_tokens, pool)
-                    _log_metrics(metrics_path, metrics)
-                    bar.update(1)
-                    bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}",
-                                    held_out=f"{metrics.get('held_out_accuracy', float('nan')):.2f}")
-        finally:
-            sampler.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sampler
-        accuracy_after = await held_out_accuracy(coordinator, held_out, config.max_tokens, pool)
-        _log_metrics(metrics_path, {"step": step, "event": "eval", "held_out_accuracy": accuracy_after})
+            accuracy_before = await held_out_accuracy(coordinator, held_out, config.max_tokens, pool)
+            _log_metrics(metrics_path, {"step": state.step, "event": "eval", "held_out_accuracy": accuracy_before})
+            version = state.policy_version
+            queue: asyncio.Queue[ScoredBatch] = asyncio.Queue(maxsize=config.queue_size)
+            sampler = asyncio.create_task(produce(queue, sample, tasks, start=state.data_position,
+                                                  prompts_per_step=config.prompts_per_step,
+                                                  policy_version=lambda: version))
+            dropped = 0
+            step = state.step
+            try:
+                with tqdm(total=config.steps, initial=step, desc="grpo", unit="step", disable=not show_progress) as bar:
+                    while step < config.steps:
+                        batch = await _next_batch(queue, sampler)
+                        staleness = version - batch.policy_version
+                        if staleness > config.max_staleness:
+                            dropped += 1
+                            continue
+                        started = time.perf_counter()
+                        metrics = await asyncio.to_thread(
+                            learner.train_step, batch, correction=config.correction,
+                            scale_advantages=config.scale_advantages, is_cap=config.is_cap, share_cap=config.share_cap,
+                            normalization=config.normalization, max_completion_length=config.max_tokens)
+                        step += 1
+                        if step % config.push_every == 0 or step == config.steps:
+                            push = await push_weights(base_client, learner.model, tokenizer,
+                                                      out / "pushed" / f"step-{step:06d}-{time.time_ns()}", probes)
+                            version += 1
+                            metrics["push_max_abs_diff"] = push.max_abs_diff
+                            _prune_pushed(out)
+                        state = RunState(step=step, data_position=batch.data_position, policy_version=version)
+                        await asyncio.to_thread(checkpoint.save, out, learner.model, tokenizer, learner.optimizer,
+                                                state, config.keep_checkpoints)
+                        alphas = [a for g in batch.groups for r in g for a in r.alphas]
+                        metrics.update(step=step, staleness=staleness, policy_version=version,
+                                       mean_alpha=sum(alphas) / max(len(alphas), 1),
+                                       sample_tokens_per_s=batch.tokens / max(batch.sample_seconds, 1e-9),
+                                       step_seconds=time.perf_counter() - started)
+                        if step % config.eval_every == 0 or step == config.steps:
+                            metrics["held_out_accuracy"] = await held_out_accuracy(
+                                coordinator, held_out, config.max_tokens, pool)
+                        _log_metrics(metrics_path, metrics)
+                        bar.update(1)
+                        bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}",
+                                        held_out=f"{metrics.get('held_out_accuracy', float('nan')):.2f}")
+            finally:
+                sampler.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sampler
+            accuracy_after = await held_out_accuracy(coordinator, held_out, config.max_tokens, pool)
+            _log_metrics(metrics_path, {"step": step, "event": "eval", "held_out_accuracy": accuracy_after})
     _prune_pushed(out)
     return TrainReport(steps_done=step, accuracy_before=accuracy_before, accuracy_after=accuracy_after,
                        dropped_stale_batches=dropped, metrics_path=metrics_path)
@@ -157,16 +156,7 @@ async def _next_batch(queue: asyncio.Queue[ScoredBatch], sampler: asyncio.Task[N
         return getter.result()
     getter.cancel()
     sampler.result()  # raises the sampler's error
-    raise RuntimeError("the sampler stopped without an error")
-
-
-@contextlib.asynccontextmanager
-async def _process_pool() -> AsyncIterator[ProcessPoolExecutor]:
-    pool = ProcessPoolExecutor(max_workers=1)
-    try:
-        yield pool
-    finally:
-        pool.shutdown(cancel_futures=True)
+    raise AssertionError("the sampler returned; it runs until cancelled")
 
 
 def _log_metrics(path: Path, record: dict[str, Any]) -> None:

@@ -19,7 +19,7 @@ Two corrections are offered (`Correction`):
   vLLM/trainer mismatch) on plain group advantages. Right for small mismatches; with q*
   it is biased: the group mean of q* rollouts overestimates E_pi[R], the base's own
   mistakes carry weights > 1 and the teacher-guided tokens < 1, so the update is mostly a
-  push-down (measured: it did not lift the bundled base, see the README).
+  push-down (measured: it did not lift the bundled base, see benchmarks/README.md).
 
 Advantages are group-relative (GRPO, Shao et al. 2024). Loss normalizations follow
 TRL's names:

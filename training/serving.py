@@ -30,12 +30,10 @@ async def held_out_accuracy(coordinator: DualVLLMCoordinator, tasks: list[Task],
 @contextlib.asynccontextmanager
 async def serving(config: TrainConfig, start_dir: str) -> AsyncIterator[tuple[DualVLLMCoordinator, VLLMClient]]:
     """The base server (dev mode, loopback, on `start_dir`) and the teacher, with a coordinator."""
-    teacher = config.teacher or str(tinymodels.TEACHER_DIR)
-    base_cfg, teacher_cfg = pair_configs(start_dir, teacher, max_logprobs=max(config.top_k, 20),
-                                         dtype=tinymodels.SERVER_DTYPE)
-    base_cfg = base_cfg.model_copy(update={"dev_mode": True, "log_path": config.output_dir / "theta.log"})
-    teacher_cfg = teacher_cfg.model_copy(update={"log_path": config.output_dir / "t.log"})
-    async with launch_pair(base_cfg, teacher_cfg) as (theta_server, t_server):
+    bundled = {"dtype": tinymodels.SERVER_DTYPE} if config.base is None else {}  # start_dir is a copy of it
+    servers = pair_configs(start_dir, config.teacher, log_dir=config.output_dir, dev_mode=True,
+                           max_logprobs=max(config.top_k, 20), **bundled)
+    async with launch_pair(*servers) as (theta_server, t_server):
         coordinator_config = CoordinatorConfig(theta_url=theta_server.url, t_url=t_server.url, top_k=config.top_k,
                                                max_batch_size=min(max(64, config.prompts_per_step * config.group_size),
                                                                   MAX_PROMPTS),

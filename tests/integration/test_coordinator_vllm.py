@@ -78,8 +78,11 @@ async def test_start_up_refuses_a_top_k_above_the_vocabulary_and_the_servers_kee
 
 
 async def test_a_server_that_cannot_start_reports_its_log(tmp_path):
-    server = VLLMServer(ServerConfig(model=str(tmp_path / "no-such-model"), startup_timeout_s=300,
-                                     log_path=tmp_path / "bad.log"), name="broken")
+    model = tmp_path / "no-such-model"  # a directory vLLM cannot load: an unknown architecture
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "no-such-model", "architectures": ["NoSuchModel"]}')
+    server = VLLMServer(ServerConfig(model=str(model), startup_timeout_s=300, log_path=tmp_path / "bad.log"),
+                        name="broken")
     with pytest.raises(ServerStartupError, match="broken vLLM server .* exited") as info:
         await server.start()
     assert "no-such-model" in str(info.value)  # the log tail says what vLLM complained about
@@ -142,11 +145,7 @@ async def test_servers_without_tokenizers_generate_what_servers_with_them_genera
     kw = dict(max_tokens=6, temperature=0, stop=["+"])
     async with DualVLLMCoordinator(config(vllm_pair, top_k=20)) as c:
         expected = await c.generate_batch(prompts, **kw)
-    base, teacher = pair_configs(str(tinymodels.BASE_DIR), str(tinymodels.TEACHER_DIR), max_logprobs=20,
-                                 dtype=tinymodels.SERVER_DTYPE, skip_tokenizer_init=True)
-    base = base.model_copy(update={"log_path": tmp_path / "theta.log"})
-    teacher = teacher.model_copy(update={"log_path": tmp_path / "t.log"})
-    async with launch_pair(base, teacher) as bare:
+    async with launch_pair(*pair_configs(log_dir=tmp_path, max_logprobs=20, skip_tokenizer_init=True)) as bare:
         async with VLLMClient(bare[0].url) as client:  # the flag took effect: no tokenizer on the server
             with pytest.raises(ServerStatusError):
                 await client.tokenize("12+34=")

@@ -8,12 +8,13 @@ import shutil
 import pytest
 
 import tinymodels
+from common.errors import WeightSyncError
 from engines.launcher import ServerConfig, VLLMServer
 from engines.vllm_client import VLLMClient
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-from training.weight_sync import WeightSyncError, push_weights, verify_server_matches  # noqa: E402
+from training.weight_sync import learner_logprobs, push_weights, verify_server_matches  # noqa: E402
 
 
 def tied_copy_of_base(out):
@@ -61,7 +62,8 @@ async def test_a_pushed_model_is_served_and_verified(dev_servers, tmp_path):
     async with VLLMClient(dev_servers[0].url, name="theta") as client:
         # Before the push the server still serves the base: verification must say so.
         with pytest.raises(WeightSyncError, match="does not serve the learner's weights"):
-            await verify_server_matches(client, learner, probes(tokenizer), top_k=20, tolerance=1e-3)
+            await verify_server_matches(client, probes(tokenizer), learner_logprobs(learner, probes(tokenizer)),
+                                        top_k=20, tolerance=1e-3)
         report = await push_weights(client, learner, tokenizer, tmp_path / "step-000001", probes(tokenizer))
         assert report.max_abs_diff < 1e-3
         # One more push, of changed weights, to another new directory.

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 
+import aiohttp
 import numpy as np
 import pytest
+from aiohttp import web
 
 from common.errors import (
     InvalidInputError,
     LifecycleError,
     MalformedResponseError,
+    ServerConnectError,
     ServerInternalError,
     ServerRejectedError,
     ServerTimeoutError,
@@ -18,6 +23,7 @@ from common.errors import (
     TopKUnsupportedError,
     UnknownModelError,
 )
+from engines.http import RetryPolicy, request_json
 from engines.vllm_client import VLLMClient
 from tests.fake_vllm import EOS_ID, Failure
 
@@ -113,13 +119,31 @@ async def test_choices_are_put_back_in_prompt_order(fake_theta):
     assert batch.logprobs.tolist() == [[-0.5, -np.inf, -np.inf], [-0.1, -2.5, -np.inf]]
 
 
-async def test_logprob_keys_without_token_ids_are_refused(fake_theta):
+@pytest.mark.parametrize("logprobs, call", [
+    ({"top_logprobs": [{"12345678901": -0.1}]}, lambda c: c.next_token_topk([[1]], k=2)),
+    ({"tokens": ["7"], "top_logprobs": [{"7": -0.1, "3": -2.5}]},
+     lambda c: c.draft([1], max_tokens=1, k=2, temperature=1.0, seed=0)),
+], ids=["next_token_topk", "draft"])
+async def test_logprob_keys_without_token_ids_are_refused(fake_theta, logprobs, call):
     # A server (or proxy) that ignored return_tokens_as_token_ids keys entries by text.
-    answer = {"choices": [{"index": 0, "logprobs": {"top_logprobs": [{"12345678901": -0.1}]}}]}
+    answer = {"choices": [{"index": 0, "logprobs": logprobs}]}
     fake_theta.fail_next("/v1/completions", Failure(200, json.dumps(answer)))
     async with client(fake_theta.url) as c:
         with pytest.raises(MalformedResponseError, match="return_tokens_as_token_ids"):
-            await c.next_token_topk([[1]], k=2)
+            await call(c)
+
+
+async def test_a_draft_row_drops_the_drafted_token_vllm_adds_beyond_the_top_k(fake_theta):
+    answer = {"choices": [{"index": 0, "logprobs": {"tokens": ["token_id:9", "token_id:2"], "top_logprobs": [
+        {"token_id:7": -0.1, "token_id:3": -2.5, "token_id:9": -4.0},  # 9 is not in the top 2
+        {"token_id:2": -0.5, "token_id:4": -1.0},
+    ]}}]}
+    fake_theta.fail_next("/v1/completions", Failure(200, json.dumps(answer)))
+    async with client(fake_theta.url) as c:
+        draft = await c.draft([1], max_tokens=2, k=2, temperature=1.0, seed=0)
+    assert draft.token_ids.tolist() == [9, 2]
+    assert draft.topk.token_ids.tolist() == [[7, 3, -1], [2, 4, -1]]
+    assert draft.topk.logprobs.tolist() == [[-0.1, -2.5, -np.inf], [-0.5, -1.0, -np.inf]]
 
 
 async def test_fewer_logprobs_than_asked_are_padded(fake_theta):
@@ -215,3 +239,107 @@ async def test_a_local_tokenizer_needs_the_model_directory_here(fake_theta):
         with pytest.raises(InvalidInputError, match="theta server's model directory /nonexistent/fake-base has no "
                                                     "tokenizer files readable here"):
             await client.tokenize("ab")
+
+
+# -- which calls are resent: engines.http's table, VLLMClient.IDEMPOTENT_POSTS --------
+
+ROUTES = [  # (method, path, payload, idempotent)
+    ("GET", "/health", None, True),
+    ("GET", "/v1/models", None, True),
+    ("POST", "/tokenize", {"model": "fake-base", "prompt": "ab"}, True),
+    ("POST", "/detokenize", {"model": "fake-base", "tokens": [1, 2]}, True),
+    ("POST", "/v1/completions", {"model": "fake-base", "prompt": [[1]], "max_tokens": 1, "logprobs": 2}, True),
+    ("POST", "/reset_prefix_cache", None, True),
+    ("POST", "/pause?mode=wait", None, True),
+    ("POST", "/resume", None, True),
+    ("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": "/nonexistent"}}, False),
+]
+STALL_S = 2.0  # a scripted stall, far beyond the 0.2 s request timeout of these tests
+
+
+@pytest.mark.parametrize("failure, error", [(Failure(503, "overloaded"), ServerInternalError),
+                                            (Failure(504, "stalled", delay_s=STALL_S), ServerTimeoutError)],
+                         ids=["5xx", "timeout"])
+@pytest.mark.parametrize("method, path, payload, idempotent", ROUTES, ids=[r[1] for r in ROUTES])
+async def test_a_call_that_changes_state_is_not_resent_after_it_may_have_acted(
+        fake_theta, failure, error, method, path, payload, idempotent):
+    route = path.partition("?")[0]
+    fake_theta.fail_next(route, failure)
+    async with client(fake_theta.url, request_timeout_s=0.2, max_retries=3) as c:
+        if idempotent:
+            await c.call(method, path, payload)
+            assert c.retries == 1 and len(fake_theta.calls[route]) == 2
+        else:
+            with pytest.raises(error):
+                await c.call(method, path, payload)
+            assert c.retries == 0 and len(fake_theta.calls[route]) == 1
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("method, path", [("GET", "/health"), ("POST", "/collective_rpc")])
+async def test_a_refused_connection_is_retried_for_every_call(method, path):
+    async with client(f"http://127.0.0.1:{_closed_port()}", max_retries=2) as c:
+        with pytest.raises(ServerConnectError, match="nothing was sent; is it running"):
+            await c.call(method, path, {"method": "reload_weights"} if method == "POST" else None)
+        assert c.retries == 2
+
+
+@pytest.mark.parametrize("idempotent", [True, False])
+async def test_a_refused_call_reaches_the_server_once_it_listens(idempotent):
+    received = []
+
+    async def reload(request: web.Request) -> web.Response:
+        received.append(await request.json())
+        return web.json_response({"results": [None]})
+
+    app = web.Application()
+    app.router.add_post("/collective_rpc", reload)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}/collective_rpc"
+    refused, serving = [], []
+
+    def come_up(err):
+        refused.append(err)
+        sock.listen()  # the retry's connection now waits in the backlog for the server below
+        serving.append(asyncio.ensure_future(web.SockSite(runner, sock).start()))
+
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            answer = await request_json(session, "POST", url, server="theta", payload={"method": "reload_weights"},
+                                        retry=RetryPolicy(max_retries=1, base_delay_s=0.0),
+                                        idempotent=idempotent, on_retry=come_up)
+    finally:
+        await runner.cleanup()
+        sock.close()
+    assert answer == {"results": [None]}
+    assert [type(e) for e in refused] == [ServerConnectError] and received == [{"method": "reload_weights"}]
+
+
+@pytest.mark.parametrize("idempotent", [True, False])
+async def test_a_connection_lost_after_sending_is_resent_only_if_idempotent(idempotent):
+    requests = []
+
+    async def read_then_hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        requests.append(await reader.readuntil(b"\r\n\r\n"))
+        writer.close()
+
+    server = await asyncio.start_server(read_then_hang_up, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/collective_rpc"
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            with pytest.raises(ServerUnavailableError, match="may have received the request") as info:
+                await request_json(session, "POST", url, server="theta", payload={"method": "reload_weights"},
+                                   retry=RetryPolicy(max_retries=2, base_delay_s=0.0), idempotent=idempotent)
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert not isinstance(info.value, ServerConnectError)
+    assert len(requests) == (3 if idempotent else 1)

@@ -31,8 +31,8 @@ def test_jobs_take_ids_prompts_pairs_and_carry_metadata(tmp_path):
     ("[1, 2]", "JSON object"),
     ('{"text": "hi"}', 'needs "prompt"'),
     ('{"theta_prompt": "x"}', 'needs "prompt"'),
-    ('{"prompt": ""}', "non-empty string"),
-    ('{"prompt": [1, -2]}', "non-empty string or list of token ids"),
+    ('{"prompt": ""}', "the prompt is empty"),
+    ('{"prompt": [1, -2]}', r"a non-empty list of token ids \(ints >= 0\).*got \[1, -2\]"),
     ('{"prompt": "x", "id": [1]}', '"id" must be'),
 ])
 def test_malformed_lines_are_named_by_number(tmp_path, line, problem):

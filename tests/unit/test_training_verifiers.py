@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 
+import psutil
 import pytest
 
 from training.sandbox import SandboxLimits, run_tests
-from training.verifiers import code_reward, exact_match, math_reward, score_in_pool
+from training.verifiers import code_reward, exact_match, math_reward, score_in_pool, verifier_pool
 
 pytest.importorskip("math_verify")
 
@@ -81,9 +85,36 @@ def test_network_is_unreachable_when_isolation_is_available():
 
 
 async def test_scoring_runs_in_a_process_pool():
-    with ProcessPoolExecutor(max_workers=2) as pool:
+    with verifier_pool(workers=2) as pool:
         rewards = await score_in_pool(exact_match, ["64", "46", "x"], ["64", "64", "x"], pool)
         assert rewards == [1.0, 0.0, 1.0]
         assert await score_in_pool(math_reward, ["#### 3"], ["#### 3"], pool) == [1.0]
         with pytest.raises(ValueError, match="2 completions for 1 references"):
             await score_in_pool(exact_match, ["a", "b"], ["a"], pool)
+
+
+# A parent that opens a verifier pool, starts its worker, prints the worker's pid and waits.
+POOL_PARENT = """
+import os, time
+from training.verifiers import exact_match, verifier_pool
+with verifier_pool() as pool:
+    assert pool.submit(exact_match, "1", "1").result() == 1.0
+    print(*[p.pid for p in pool._processes.values()], flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_killed_parent_leaves_no_verifier_worker_behind():
+    parent = subprocess.Popen([sys.executable, "-c", POOL_PARENT], stdout=subprocess.PIPE, text=True,
+                              cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    try:
+        (worker,) = (psutil.Process(int(pid)) for pid in parent.stdout.readline().split())
+        assert worker.is_running() and worker.ppid() == parent.pid
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        # SIGKILL on parent death: the worker ends at once instead of living on under init.
+        _, alive = psutil.wait_procs([worker], timeout=30)
+        assert not alive, f"worker {worker.pid} outlived its killed parent"
+    finally:
+        parent.kill()
+        parent.wait()
