@@ -1,12 +1,22 @@
-"""Same budget, different rollout sources: on-policy GRPO (alpha = 0), q*-GRPO, teacher-only (alpha = 1).
+"""Same budget, different rollout sources: GRPO arms compared on a bundled task, over seeds.
 
-    python benchmarks/train_compare.py --steps 150 --eval-every 50
+    python benchmarks/train_compare.py --steps 150 --eval-every 50                  # the arithmetic task
+    python benchmarks/train_compare.py --task hard --seeds 0 1 2 --steps 100 --eval-every 25
 
-Each arm is a full `dualvllm train` run (its own servers, same seed, same prompts per
-step, same group size and learning rate) in OUTPUT/<arm>/. q* rollouts are trained with
-both off-policy corrections (`--correction sequence`, the default, and `token`).
-Reports held-out greedy accuracy of the base against step for each arm: a table, JSON
-and a plot.
+Each arm is a full `dualvllm train` run (its own servers; same seed, prompts per step,
+group size, learning rate and held-out prompts) in OUTPUT/<task>/seed-<s>/<arm>/.
+
+- `--task arithmetic` (two-digit sums, which the bundled base gets ~27% right):
+  on-policy (alpha = 0), q* with each off-policy correction, teacher-only (alpha = 1).
+- `--task hard` (three-digit sums, tinymodels/data/hard_*.jsonl: the base never saw one,
+  the hard teacher was trained on them): on-policy; q* with the hard teacher; q* with a
+  privileged-information teacher (the base itself shown the answer: `--teacher self
+  --teacher-template "{answer} {prompt}"`, no teacher model).
+
+At each evaluation: held-out greedy accuracy and pass@8 of the base, and over the
+updates since the last evaluation the fraction of groups with zero advantage (all
+rollouts scored alike: no signal) and the ESS ratio of the sequence weights. Prints the
+mean ± spread (half the range) over seeds per arm and step, writes JSON and a plot.
 """
 
 from __future__ import annotations
@@ -16,71 +26,136 @@ import asyncio
 import json
 from pathlib import Path
 
+import numpy as np
+
+import tinymodels
 from training.config import TrainConfig
 from training.grpo import train_grpo
 
-# (name, output folder, fixed_alpha, correction)
-ARMS = (("on-policy (alpha=0)", "on-policy", 0.0, "sequence"),
-        ("q* (alpha*), sequence IS", "qstar-sequence", None, "sequence"),
-        ("q* (alpha*), token TIS", "qstar-token", None, "token"),
-        ("teacher-only (alpha=1)", "teacher-only", 1.0, "sequence"))
+# name -> (output folder, TrainConfig fields of the arm)
+ARMS = {
+    "arithmetic": {
+        "on-policy (alpha=0)": ("on-policy", {"fixed_alpha": 0.0}),
+        "q* (alpha*), sequence IS": ("qstar-sequence", {}),
+        "q* (alpha*), token TIS": ("qstar-token", {"correction": "token"}),
+        "teacher-only (alpha=1)": ("teacher-only", {"fixed_alpha": 1.0}),
+    },
+    "hard": {
+        "on-policy (alpha=0)": ("on-policy", {"fixed_alpha": 0.0}),
+        "q* (hard teacher)": ("qstar-teacher", {"teacher": str(tinymodels.TEACHER_HARD_DIR)}),
+        "q* (self + answer)": ("qstar-self", {"teacher": "self", "teacher_template": "{answer} {prompt}"}),
+    },
+}
+TASKS = {  # TrainConfig fields of each task
+    "arithmetic": {},
+    "hard": {"dataset": tinymodels.HARD_TRAIN, "eval_dataset": tinymodels.HARD_TEST, "max_tokens": 7},
+}
+CURVES = ("held_out_accuracy", "held_out_pass@8", "zero_advantage_groups", "ess_ratio")
 
 
-def accuracy_curve(metrics_path: Path) -> list[tuple[int, float]]:
-    curve = {}
-    for line in metrics_path.read_text().splitlines():
-        record = json.loads(line)
+def curves(metrics_path: Path) -> dict[str, list[tuple[int, float]]]:
+    """Per metric, (step, value): evaluations as they are; training metrics averaged since the last evaluation."""
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines()]
+    out: dict[str, dict[int, float]] = {name: {} for name in CURVES}
+    pending: dict[str, list[float]] = {"zero_advantage_groups": [], "ess_ratio": []}
+    for record in records:
+        for name in pending:
+            if name in record:
+                pending[name].append(record[name])
         if "held_out_accuracy" in record:
-            curve[record["step"]] = record["held_out_accuracy"]
-    return sorted(curve.items())
+            step = record["step"]
+            for name in ("held_out_accuracy", "held_out_pass@8"):
+                if name in record:
+                    out[name][step] = record[name]
+            for name, values in pending.items():
+                if values:
+                    out[name][step] = float(np.mean(values))
+                    values.clear()
+    return {name: sorted(points.items()) for name, points in out.items()}
+
+
+def run_arm(task: str, folder: str, fields: dict, args: argparse.Namespace, seed: int) -> dict:
+    arm_dir = args.output / task / f"seed-{seed}" / folder
+    if arm_dir.exists():
+        raise SystemExit(f"{arm_dir} exists; remove it or pass another --output")
+    config = TrainConfig(output_dir=arm_dir, steps=args.steps, eval_every=args.eval_every,
+                         learning_rate=args.learning_rate, seed=seed, eval_prompts=args.eval_prompts,
+                         eval_samples=8, pass_k=(1, 8), **TASKS[task], **fields)
+    report = asyncio.run(train_grpo(config, show_progress=True))
+    return {"fields": {k: str(v) for k, v in fields.items()}, "curves": curves(report.metrics_path),
+            "dropped_stale_batches": report.dropped_stale_batches}
+
+
+def summary(runs: dict[str, dict[int, dict]], metric: str) -> dict[str, dict[int, tuple[float, float]]]:
+    """arm -> step -> (mean, half the range) of `metric` over seeds."""
+    table: dict[str, dict[int, tuple[float, float]]] = {}
+    for arm, by_seed in runs.items():
+        steps: dict[int, list[float]] = {}
+        for run in by_seed.values():
+            for step, value in run["curves"][metric]:
+                steps.setdefault(step, []).append(value)
+        table[arm] = {s: (float(np.mean(v)), float(np.ptp(v) / 2)) for s, v in sorted(steps.items())}
+    return table
+
+
+def print_table(table: dict[str, dict[int, tuple[float, float]]], title: str) -> None:
+    print(f"\n{title} (mean ± half-range over seeds)")
+    steps = sorted({s for arm in table.values() for s in arm})
+    print(f"{'step':>6}" + "".join(f"{name:>28}" for name in table))
+    for step in steps:
+        cells = [table[arm].get(step) for arm in table]
+        print(f"{step:>6}" + "".join(f"{'-' if c is None else f'{c[0]:.3f} ± {c[1]:.3f}':>28}" for c in cells))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--task", choices=tuple(ARMS), default="arithmetic")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--eval-every", type=int, default=50)
-    parser.add_argument("--arms", nargs="+", default=[folder for _, folder, _, _ in ARMS],
-                        help="Which arms to run, by output folder name.")
+    parser.add_argument("--eval-prompts", type=int, default=200)
+    parser.add_argument("--arms", nargs="+", help="Which arms to run, by output folder name (default: all).")
     parser.add_argument("--learning-rate", type=float, default=TrainConfig.model_fields["learning_rate"].default)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/train_compare"))
     args = parser.parse_args()
 
-    results = {}
-    for name, folder, alpha, correction in ARMS:
-        if folder not in args.arms:
-            continue
-        arm_dir = args.output / folder
-        if arm_dir.exists():
-            raise SystemExit(f"{arm_dir} exists; remove it or pass another --output")
-        config = TrainConfig(output_dir=arm_dir, steps=args.steps, eval_every=args.eval_every,
-                             learning_rate=args.learning_rate, fixed_alpha=alpha, correction=correction,
-                             seed=args.seed)
-        report = asyncio.run(train_grpo(config, show_progress=True))
-        results[name] = {"fixed_alpha": alpha, "correction": correction, "curve": accuracy_curve(report.metrics_path),
-                         "dropped_stale_batches": report.dropped_stale_batches}
-    steps = sorted({s for r in results.values() for s, _ in r["curve"]})
-    print(f"\nheld-out greedy accuracy of the base (seed {args.seed}, lr {args.learning_rate:g})")
-    print(f"{'step':>6}" + "".join(f"{name:>26}" for name in results))
-    for step in steps:
-        row = [dict(r["curve"]).get(step) for r in results.values()]
-        print(f"{step:>6}" + "".join(f"{'-' if v is None else f'{v:.1%}':>26}" for v in row))
-    args.output.mkdir(parents=True, exist_ok=True)
-    (args.output / "train_compare.json").write_text(json.dumps({"args": vars(args) | {"output": str(args.output)},
-                                                                "arms": results}, indent=2) + "\n")
+    runs: dict[str, dict[int, dict]] = {}
+    for seed in args.seeds:
+        for name, (folder, fields) in ARMS[args.task].items():
+            if args.arms is None or folder in args.arms:
+                runs.setdefault(name, {})[seed] = run_arm(args.task, folder, fields, args, seed)
+    tables = {metric: summary(runs, metric) for metric in CURVES}
+    for metric, table in tables.items():
+        print_table(table, f"{metric}, task {args.task}, seeds {args.seeds}, lr {args.learning_rate:g}")
+    out = args.output / args.task
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train_compare.json").write_text(json.dumps(
+        {"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs,
+         "summary": {m: {a: {str(s): v for s, v in t.items()} for a, t in table.items()}
+                     for m, table in tables.items()}}, indent=2) + "\n")
+    plot(tables, out / "train_compare.png", args.task)
+
+
+def plot(tables: dict, path: Path, task: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, result in results.items():
-        ax.plot(*zip(*result["curve"]), marker="o", label=name)
-    ax.set(xlabel="learner step", ylabel="held-out greedy accuracy", title="GRPO with different rollout sources")
-    ax.legend()
+    fig, axes = plt.subplots(1, len(CURVES), figsize=(4.2 * len(CURVES), 3.8))
+    for ax, (metric, table) in zip(axes, tables.items()):
+        for arm, points in table.items():
+            if points:
+                steps = list(points)
+                mean = np.array([points[s][0] for s in steps])
+                spread = np.array([points[s][1] for s in steps])
+                ax.errorbar(steps, mean, yerr=spread, marker="o", capsize=3, label=arm)
+        ax.set(xlabel="learner step", title=metric)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"GRPO rollout sources, task {task}")
     fig.tight_layout()
-    fig.savefig(args.output / "train_compare.png", dpi=120)
-    print(f"wrote {args.output / 'train_compare.json'} and train_compare.png")
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path.with_name('train_compare.json')} and {path.name}")
 
 
 if __name__ == "__main__":

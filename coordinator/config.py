@@ -72,11 +72,8 @@ class CoordinatorConfig(RaisesInvalidInput, BaseSettings):
                     "servers and max_prompts_per_request with it.")
         return self
 
-    @model_validator(mode="after")
-    def _distinct_servers(self) -> CoordinatorConfig:
-        if self.theta_url == self.t_url:
-            raise ValueError(
-                f"theta_url and t_url are both {self.theta_url}: the base and the teacher must be "
-                "two servers (q* of a model with itself is the model)."
-            )
-        return self
+    @property
+    def self_teacher(self) -> bool:
+        """One server plays both roles: the teacher is the base model shown another prompt
+        (privileged information), so every call must give (theta_prompt, t_prompt) pairs that differ."""
+        return self.theta_url == self.t_url and self.theta_model == self.t_model

@@ -55,6 +55,8 @@ class DualVLLMCoordinator:
         self._seed_source = np.random.default_rng(self.config.seed)
         self._state = "new"
         self._eos_ids: frozenset[int] = frozenset()
+        given_one = theta_engine is not None and theta_engine is t_engine
+        self._self_teacher = given_one or (theta_engine is None and t_engine is None and self.config.self_teacher)
 
     async def __aenter__(self) -> DualVLLMCoordinator:
         if self._state != "new":
@@ -146,6 +148,13 @@ class DualVLLMCoordinator:
             return
         assert self._theta is not None and self._t is not None
         encoded = await encode_prompts(prompts, self._theta, self._t)
+        if self._self_teacher:
+            same = next((i for i, (ids_theta, ids_t) in enumerate(encoded) if ids_theta == ids_t), None)
+            if same is not None:
+                raise InvalidInputError(
+                    f"prompt {same}: the base and the teacher are one model (one server), and this prompt is the "
+                    "same for both, so q* would be the model itself. Give a (theta_prompt, t_prompt) pair whose "
+                    "teacher prompt adds information (e.g. the answer), or use a separate teacher server")
         if seeds is not None and len(seeds) != len(prompts):
             raise InvalidInputError(f"got {len(seeds)} seeds for {len(prompts)} prompts; give one per prompt")
         base_seed = int(self._seed_source.integers(2**63)) if seed is None else seed

@@ -1,4 +1,4 @@
-"""The `dualvllm` command: serve, generate, demo, train.
+"""The `dualvllm` command: serve, generate, demo, train, eval.
 
 Each subcommand parses its flags into the project's config objects and calls one
 function. Flags of coordinator, server and training options are generated from
@@ -76,8 +76,14 @@ async def _serve(args: argparse.Namespace) -> int:
 async def _generate(args: argparse.Namespace) -> int:
     from dualvllm.jsonl_job import check_output, read_jobs, run_jobs
 
-    read_jobs(args.input)
+    jobs = read_jobs(args.input)
     check_output(args.output, input_path=args.input)
+    if CoordinatorConfig(**_given(args, CoordinatorConfig, COORDINATOR_FLAGS)).self_teacher:
+        same = next((job for job in jobs if not isinstance(job.prompt, tuple) or job.prompt[0] == job.prompt[1]), None)
+        if same is not None:
+            raise InvalidInputError(
+                f"--theta-url and --t-url are one server, so the teacher is the base model shown another prompt: "
+                f"every line needs a theta_prompt and a t_prompt that differ (id {same.id} has one prompt for both)")
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, stop=args.stop or None,
                     fixed_alpha=args.fixed_alpha)
     sampling_params(**sampling)
@@ -129,6 +135,16 @@ async def _train(args: argparse.Namespace) -> int:
     print(f"{report.steps_done} steps; held-out greedy accuracy of the base {report.accuracy_before:.1%} -> "
           f"{report.accuracy_after:.1%}; {report.dropped_stale_batches} stale batches dropped; "
           f"metrics in {report.metrics_path}")
+    return 0
+
+
+async def _eval(args: argparse.Namespace) -> int:
+    from training.config import EvalConfig
+    from training.evaluation import run_eval
+
+    config = EvalConfig(**_given(args, EvalConfig, EvalConfig.model_fields))
+    report = await run_eval(config)
+    print(report)
     return 0
 
 
@@ -191,23 +207,27 @@ def _add_schema_flags(parser: argparse.ArgumentParser | Any, schema: type[BaseMo
         field = schema.model_fields[name]
         flag = "--" + name.replace("_", "-")
         text = field.description if field.is_required() else f"{field.description} (default: {field.default})"
-        kind = _flag_type(field.annotation)
+        kind, many = _flag_type(field.annotation)
+        extra: dict[str, Any] = {"nargs": "+"} if many else {}
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
         elif isinstance(kind, tuple):
-            parser.add_argument(flag, choices=kind, default=None, required=field.is_required(), help=text)
+            parser.add_argument(flag, choices=kind, default=None, required=field.is_required(), help=text, **extra)
         else:
-            parser.add_argument(flag, type=kind, default=None, required=field.is_required(), help=text)
+            parser.add_argument(flag, type=kind, default=None, required=field.is_required(), help=text, **extra)
 
 
-def _flag_type(annotation: Any) -> Any:
-    """The argparse type of a field: int, float, str, bool, Path, or a tuple of Literal choices."""
+def _flag_type(annotation: Any) -> tuple[Any, bool]:
+    """(argparse type, takes several values) of a field: int, float, str, bool, Path, or a
+    tuple of Literal choices; tuple[X, ...] fields take one or more X."""
     origin = typing.get_origin(annotation)
     if origin is typing.Literal:
-        return typing.get_args(annotation)
+        return typing.get_args(annotation), False
     if origin in (typing.Union, types.UnionType):
         return _flag_type(next(a for a in typing.get_args(annotation) if a is not type(None)))
-    return annotation if annotation in (int, float, str, bool, Path) else str
+    if origin is tuple:
+        return _flag_type(typing.get_args(annotation)[0])[0], True
+    return (annotation if annotation in (int, float, str, bool, Path) else str), False
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -244,6 +264,13 @@ def _parser() -> argparse.ArgumentParser:
 
     _add_schema_flags(train, TrainConfig, TrainConfig.model_fields)
     train.set_defaults(command=_train)
+
+    evaluate = commands.add_parser(
+        "eval", help="greedy accuracy and pass@k of the base alone, q* and the teacher alone on held-out prompts")
+    from training.config import EvalConfig
+
+    _add_schema_flags(evaluate, EvalConfig, EvalConfig.model_fields)
+    evaluate.set_defaults(command=_eval)
     return parser
 
 

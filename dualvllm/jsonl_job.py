@@ -21,6 +21,7 @@ from coordinator.core import DualVLLMCoordinator
 from coordinator.outputs import GenerationOutput, Prompt
 from coordinator.prompts import prompt_problem
 from common.errors import InputFormatError, InvalidInputError
+from common.jsonl import read_objects
 
 PROMPT_KEYS = ("prompt", "theta_prompt", "t_prompt")
 
@@ -44,40 +45,19 @@ def read_jobs(path: Path) -> list[Job]:
     """Parse and validate the whole input before any server time is spent."""
     jobs: list[Job] = []
     seen: dict[str, int] = {}
-    try:
-        with open(path, "rb") as lines:
-            for number, raw in enumerate(lines, start=1):
-                line = _decode(str(path), number, raw)
-                if not line.strip():
-                    continue
-                job = _parse_line(str(path), number, line)
-                if job.id in seen:
-                    raise InputFormatError(str(path), number,
-                                           f"id {job.id!r} already used on line {seen[job.id]}; ids must be unique")
-                seen[job.id] = number
-                jobs.append(job)
-    except OSError as exc:
-        raise InvalidInputError(f"cannot read the input {path}: {exc.strerror or exc}; give a JSONL file") from exc
+    for number, record in read_objects(path):
+        job = _parse_record(str(path), number, record)
+        if job.id in seen:
+            raise InputFormatError(str(path), number,
+                                   f"id {job.id!r} already used on line {seen[job.id]}; ids must be unique")
+        seen[job.id] = number
+        jobs.append(job)
     if not jobs:
         raise InvalidInputError(f"{path} has no prompts; expected JSON lines like {{\"prompt\": \"...\"}}")
     return jobs
 
 
-def _decode(path: str, number: int, raw: bytes) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InputFormatError(path, number, f"not UTF-8 text (byte {raw[exc.start]:#04x} at column "
-                                             f"{exc.start + 1}); JSONL files are UTF-8: re-encode it") from exc
-
-
-def _parse_line(path: str, number: int, line: str) -> Job:
-    try:
-        record = json.loads(line)
-    except ValueError as exc:
-        raise InputFormatError(path, number, f"not valid JSON ({exc})") from exc
-    if not isinstance(record, dict):
-        raise InputFormatError(path, number, "each line must be a JSON object")
+def _parse_record(path: str, number: int, record: dict[str, Any]) -> Job:
     if "prompt" in record:
         prompt: Any = record["prompt"]
     elif "theta_prompt" in record and "t_prompt" in record:

@@ -16,9 +16,10 @@ from theory.mixture import (
     mixture_logprobs,
     sample_indices,
 )
+from theory.passk import pass_at_k
 
 __all__ = [
     "DIAGNOSTIC_KEYS", "FILL_RULES", "FillRule", "MergedTopK", "alpha_kls", "apply_temperature",
     "greedy_indices", "log_normalize", "log_partition", "merge_topk", "mixture_logprobs",
-    "sample_indices", "solve_alpha", "summarize", "symmetry_gap", "token_diagnostics",
+    "pass_at_k", "sample_indices", "solve_alpha", "summarize", "symmetry_gap", "token_diagnostics",
 ]

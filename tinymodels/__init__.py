@@ -4,6 +4,8 @@
 architecture, character-level tokenizer) built by `python -m tinymodels.build`; the
 task (reversed-digit two-digit addition) is in `tinymodels.task`. The teacher solves
 the task; the base is deliberately weak, so sampling from q* has something to gain.
+`TEACHER_HARD_DIR` (`python -m tinymodels.build --hard-teacher`) also solves the hard
+task, the same with three-digit operands, which the base almost never solves.
 Importing this package does not import torch.
 """
 
@@ -12,9 +14,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 BASE_DIR = HERE / "base"
 TEACHER_DIR = HERE / "teacher"
+TEACHER_HARD_DIR = HERE / "teacher-hard"
 BUILD_REPORT = HERE / "build_report.json"
 # vLLM's --dtype auto serves float32 checkpoints in bfloat16, whose logprobs differ from
 # the models' own by ~0.01 nats here; the tiny models are served as they were trained.
 SERVER_DTYPE = "float32"
 
-__all__ = ["BASE_DIR", "BUILD_REPORT", "SERVER_DTYPE", "TEACHER_DIR"]
+__all__ = ["BASE_DIR", "BUILD_REPORT", "SERVER_DTYPE", "TEACHER_DIR", "TEACHER_HARD_DIR"]

@@ -6,19 +6,38 @@ Writing the sum least-significant digit first lets a tiny left-to-right model ca
 as it goes, so a model of a few hundred thousand parameters learns it in a minute on
 a CPU. The answer is checkable by exact match, which makes it a verifiable task for
 sampling and RL. Pure Python: importing it does not import torch.
+
+The splits are also committed as dataset files, one {"prompt", "answer"} row per problem
+(`DATA_DIR`/train.jsonl and test.jsonl), which training reads like any user dataset.
+`python -m tinymodels.task` rewrites them; a unit test keeps them equal to `problems`.
+
+The hard task is the same with three-digit operands ("123+456=" -> "975"). Its 810,000
+pairs are too many to enumerate, so `hard_problems` draws a seeded sample of a split and
+the dataset files (hard_train.jsonl, hard_test.jsonl) hold HARD_ROWS of each. The bundled
+base never sees it; the hard teacher (tinymodels/teacher-hard) learns it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 OPERANDS = range(10, 100)
 EOS_TEXT = "<eos>"
 SPLITS = ("train", "test")
 # One pair in TEST_BUCKETS lands in the test split (~506 of the 8,100 pairs).
 TEST_BUCKETS = 16
+DATA_DIR = Path(__file__).resolve().parent / "data"
+
+HARD_OPERANDS = range(100, 1000)
+HARD_ROWS = {"train": 20_000, "test": 500}
+HARD_TRAIN = DATA_DIR / "hard_train.jsonl"
+HARD_TEST = DATA_DIR / "hard_test.jsonl"
+# Rejection sampling needs distinct pairs to stay plentiful: half the ~50,600 hard test pairs.
+HARD_MAX_SAMPLE = 25_000
 
 
 @dataclass(frozen=True)
@@ -52,9 +71,47 @@ def problems(split: str, n: int | None = None, seed: int = 0) -> list[Problem]:
     return chosen if n is None else chosen[:n]
 
 
+def hard_problems(split: str, n: int, seed: int = 0) -> list[Problem]:
+    """The first `n` distinct three-digit problems of `split` drawn in an order seeded by `seed`.
+
+    A pair's split is `_split_of`'s hash, as for the two-digit task, so it never changes;
+    pairs are drawn uniformly and those of the other split or already drawn are skipped,
+    so a smaller `n` with the same seed gives a prefix of a larger one.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; use one of {SPLITS}")
+    if not 0 <= n <= HARD_MAX_SAMPLE:
+        raise ValueError(f"n must be in [0, {HARD_MAX_SAMPLE}] for a sample of the hard task, got {n}")
+    rng, chosen, seen = random.Random(seed), [], set()
+    while len(chosen) < n:
+        problem = Problem(rng.choice(HARD_OPERANDS), rng.choice(HARD_OPERANDS))
+        if problem not in seen and _split_of(problem) == split:
+            seen.add(problem)
+            chosen.append(problem)
+    return chosen
+
+
 def score(problem: Problem, completion: str) -> float:
     """1.0 if the completion is exactly the answer (before any newline or EOS text), else 0.0."""
     if not isinstance(completion, str):
         return 0.0
     text = completion.split("\n", 1)[0].split(EOS_TEXT, 1)[0].strip()
     return 1.0 if text == problem.answer else 0.0
+
+
+def write_dataset(split: str, path: Path, hard: bool = False) -> None:
+    """`split` as a JSONL dataset: one {"prompt", "answer"} row per problem, in `problems(split)` order.
+
+    With `hard`, the rows are `hard_problems(split, HARD_ROWS[split])`, in that order.
+    """
+    chosen = hard_problems(split, HARD_ROWS[split]) if hard else problems(split)
+    rows = (json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n" for p in chosen)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(rows), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    for name in SPLITS:
+        write_dataset(name, DATA_DIR / f"{name}.jsonl")
+    write_dataset("train", HARD_TRAIN, hard=True)
+    write_dataset("test", HARD_TEST, hard=True)

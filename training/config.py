@@ -1,4 +1,9 @@
-"""Every option of a training run, declared once (CLI flags are generated from it)."""
+"""Every option of a training or evaluation run, declared once (CLI flags are generated from it).
+
+    TaskConfig     what is sampled and how it is scored: models, data, prompts, rewards
+    ├── TrainConfig  + the update, weight pushes, checkpoints (`dualvllm train`)
+    └── EvalConfig   + arms, samples, pass@k (`dualvllm eval`)
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,10 @@ from common.validation import RaisesInvalidInput
 from training.losses import Correction, Normalization
 
 Method = Literal["grpo", "dpo"]
+Arm = Literal["base", "q*", "teacher"]
+# The teacher may be the base model itself, shown the teacher's prompt: "self" on the base
+# server (always the current weights), "self-frozen" on a second server with the starting weights.
+SELF_TEACHERS = ("self", "self-frozen")
 # Options only one method reads: setting one of them under the other method does nothing,
 # so it is refused rather than silently ignored.
 GRPO_ONLY = ("correction", "is_cap", "share_cap", "normalization", "scale_advantages", "kl_coef",
@@ -18,24 +27,109 @@ GRPO_ONLY = ("correction", "is_cap", "share_cap", "normalization", "scale_advant
 DPO_ONLY = ("dpo_beta", "dpo_epochs")
 
 
-class TrainConfig(RaisesInvalidInput, BaseModel):
-    """Training on q* rollouts (GRPO or DPO): sampling, the update, weight pushes, checkpoints."""
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+class TaskConfig(RaisesInvalidInput, BaseModel):
+    """What is sampled and how it is scored: the models, the data, the prompts and the rewards."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    base: str | None = Field(None, description="Base model directory (the one trained); None = the bundled tiny base.")
+    teacher: str | None = Field(
+        None, description="Teacher model directory, or 'self' (the base server shown the teacher's prompt, always "
+                          "the current weights) or 'self-frozen' (the starting base on a second server); None = the "
+                          "bundled tiny teacher.")
+    dataset: Path | None = Field(
+        None, description="Training prompts: JSONL, or a file/directory the datasets library loads (parquet, arrow, "
+                          "json, csv, save_to_disk); None = the bundled arithmetic task.")
+    eval_dataset: Path | None = Field(
+        None, description="Held-out prompts; None = the bundled test split without --dataset, else --eval-prompts "
+                          "rows held out of --dataset (chosen by --seed).")
+    prompt_template: str | None = Field(
+        None, description="The base prompt as a format string over each row's fields, e.g. '{question}'; None = the "
+                          "row's prompt, messages or theta_prompt.")
+    teacher_template: str | None = Field(
+        None, description="The teacher's prompt as a format string over the row's fields and {prompt} (the base "
+                          "prompt), e.g. '{prompt}{answer} ' for a teacher shown the answer; None = the row's "
+                          "t_prompt, else the base prompt.")
+    chat_template: str | None = Field(
+        None, description="'tokenizer': every prompt becomes one user message rendered with the base tokenizer's "
+                          "chat template; a path: that Jinja template instead (for tokenizers without one); None = "
+                          "prompts as they are (rows with messages use the tokenizer's template).")
+    reward: tuple[str, ...] = Field(
+        ("exact",), description="Rewards, summed: exact, math, gsm8k, code, length, format, or module:function "
+                                "(TRL's signature); see training/rewards.py.")
+    reward_weights: tuple[float, ...] | None = Field(None, description="One weight per --reward; None = all 1.")
+    length_budget: int | None = Field(None, ge=1, description="The length reward's budget in tokens.")
+    format_pattern: str | None = Field(None, description="The format reward's regular expression.")
+    reward_timeout: float = Field(60.0, gt=0, description="Seconds a reward may take for one batch before it scores None.")
+    max_tokens: int = Field(6, ge=1, description="Longest completion sampled.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the rollouts.")
+    top_k: int = Field(20, ge=1, description="Top-k the coordinator merges per token.")
+    eval_prompts: int = Field(200, ge=1, description="Held-out problems per evaluation.")
+    eval_samples: int = Field(
+        0, ge=0, description="Samples per held-out problem for pass@k at --temperature; 0 = greedy accuracy only.")
+    pass_k: tuple[int, ...] = Field((1, 4, 8), description="The k of pass@k (each at most --eval-samples).")
+    seed: int = Field(0, description="Seeds data order and the held-out choice, sampling and the learner.")
+
+    @field_validator("base")
+    @classmethod
+    def _base_directory(cls, model: str | None) -> str | None:
+        """The learner loads the base here, and this run serves it."""
+        return _model_directory(model)
+
+    @field_validator("teacher")
+    @classmethod
+    def _teacher_directory(cls, model: str | None) -> str | None:
+        return model if model in SELF_TEACHERS else _model_directory(model)
+
+    @model_validator(mode="after")
+    def _task_is_consistent(self) -> TaskConfig:
+        from training.rewards import reward_spec
+
+        reward_spec(self.reward, self.reward_weights, length_budget=self.length_budget,
+                    format_pattern=self.format_pattern)
+        given = self.model_fields_set
+        if "eval_dataset" in given and "dataset" not in given:
+            raise ValueError("--eval-dataset is held out of a --dataset; give --dataset too (without it the "
+                             "bundled task and its own test split are used)")
+        for name, reward in (("length_budget", "length"), ("format_pattern", "format")):
+            if name in given and reward not in self.reward:
+                raise ValueError(f"{flag(name)} applies to the {reward} reward, which --reward does not name; "
+                                 f"add {reward} to --reward or drop {flag(name)}")
+        if self.chat_template not in (None, "tokenizer") and not Path(self.chat_template).is_file():
+            raise ValueError(f"--chat-template {self.chat_template!r} is neither 'tokenizer' nor a template file")
+        if too_large := [k for k in self.pass_k if k > self.eval_samples]:
+            if "pass_k" in given:
+                raise ValueError(f"--pass-k {too_large} needs at least {max(too_large)} --eval-samples per problem")
+        return self
+
+    @property
+    def pass_ks(self) -> tuple[int, ...]:
+        """The k of pass@k this config can estimate (those within eval_samples)."""
+        return tuple(k for k in self.pass_k if k <= self.eval_samples)
+
+
+def _model_directory(model: str | None) -> str | None:
+    if model is not None and not (Path(model).expanduser() / "config.json").is_file():
+        raise ValueError(f"{model!r} is not a model directory (no config.json in it); give a Hugging Face "
+                         "checkpoint directory")
+    return model
+
+
+class TrainConfig(TaskConfig):
+    """Training on q* rollouts (GRPO or DPO): sampling, the update, weight pushes, checkpoints."""
 
     output_dir: Path = Field(description="Checkpoints, pushed weights, metrics.jsonl and the run's config go here.")
     method: Method = Field(
         "grpo", description="grpo: streaming GRPO with verified weight pushes; dpo: TRL DPO on pairs mined from q* rollouts.")
-    base: str | None = Field(None, description="Base model directory (trained); None = the bundled tiny base.")
-    teacher: str | None = Field(None, description="Teacher model directory; None = the bundled tiny teacher.")
     steps: int = Field(200, ge=1, description="Learner updates to run.")
     prompts_per_step: int = Field(8, ge=1, description="Prompts per update; each gets group_size rollouts.")
     group_size: int = Field(8, ge=2, description="Rollouts per prompt (G): advantages compare a prompt's rollouts.")
-    max_tokens: int = Field(6, ge=1, description="Longest completion sampled.")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the rollouts.")
     fixed_alpha: float | None = Field(
         None, ge=0, le=1, description="None = sample from q* (alpha* per token); 0 = on-policy (base only); 1 = teacher only.")
-    top_k: int = Field(20, ge=1, description="Top-k the coordinator merges per token.")
     learning_rate: float = Field(2e-4, gt=0, description="AdamW learning rate (1e-3 collapsed every arm on the bundled base).")
     correction: Correction = Field(
         "sequence", description="Off-policy correction for q* rollouts: sequence (self-normalized per group) or token "
@@ -52,26 +146,14 @@ class TrainConfig(RaisesInvalidInput, BaseModel):
     queue_size: int = Field(2, ge=1, description="Scored batches the sampler may run ahead of the learner.")
     push_every: int = Field(1, ge=1, description="Push weights to the base server every N updates.")
     keep_checkpoints: int = Field(3, ge=1, description="Checkpoints kept on disk (newest first); older ones are deleted.")
-    eval_every: int = Field(20, ge=1, description="Held-out greedy accuracy of the base every N updates (and at start and end).")
-    eval_prompts: int = Field(200, ge=1, description="Held-out problems per evaluation.")
+    eval_every: int = Field(20, ge=1, description="Evaluate the base on the held-out prompts every N updates (and at start and end).")
     dpo_beta: float = Field(0.1, gt=0, description="DPO: strength of the implicit KL to the starting model (TRL's beta).")
     dpo_epochs: int = Field(1, ge=1, description="DPO: passes over the mined preference pairs.")
-    seed: int = Field(0, description="Seeds data order, sampling and the learner.")
-
-    @field_validator("base", "teacher")
-    @classmethod
-    def _model_directory(cls, model: str | None) -> str | None:
-        """Both models are loaded here (the learner, and the servers this run starts)."""
-        if model is not None and not (Path(model).expanduser() / "config.json").is_file():
-            raise ValueError(f"{model!r} is not a model directory (no config.json in it); give a Hugging "
-                             "Face checkpoint directory")
-        return model
 
     @model_validator(mode="after")
     def _no_option_without_effect(self) -> TrainConfig:
         """Options set explicitly that the chosen method or mode never reads are refused with the fix."""
         given = self.model_fields_set
-        flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
         unused = {"grpo": DPO_ONLY, "dpo": GRPO_ONLY}[self.method]
         if wasted := [flag(n) for n in unused if n in given]:
             other = "dpo" if self.method == "grpo" else "grpo"
@@ -87,3 +169,12 @@ class TrainConfig(RaisesInvalidInput, BaseModel):
             raise ValueError(f"--eval-every {self.eval_every} is more than --steps {self.steps}: no evaluation "
                              "would run between the first and the last; lower it or drop it")
         return self
+
+
+class EvalConfig(TaskConfig):
+    """`dualvllm eval`: greedy accuracy and pass@k of the base alone, q* and the teacher alone."""
+
+    arms: tuple[Arm, ...] = Field(("base", "q*", "teacher"), description="What to evaluate: base (alpha = 0), q* "
+                                                                       "(alpha*), teacher (alpha = 1).")
+    eval_samples: int = Field(8, ge=0, description="Samples per problem for pass@k at --temperature; 0 = greedy only.")
+    output: Path | None = Field(None, description="Write the report here as JSON too.")

@@ -12,13 +12,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from common.errors import NoTrainingSignalError
 from training.config import TrainConfig
-from training.rollouts import Groups, Task, sample_batch
-from training.serving import held_out_accuracy, serving
-from training.verifiers import exact_match, verifier_pool
+from training.evaluation import evaluate
+from training.problems import Problems, load_problems
+from training.rollouts import Groups, sample_batch
+from training.serving import serving
+from training.verifiers import verifier_pool
 
 
 @dataclass(frozen=True)
@@ -29,17 +31,18 @@ class Pair:
 
 
 def mine_pairs(groups: Groups, prompts: Sequence[str]) -> list[Pair]:
-    """Every incorrect rollout of a prompt paired with one of its correct ones (round-robin).
+    """Every rollout of a prompt below the group's best reward, paired with one of the best
+    (round-robin): with a 0/1 reward, every wrong answer against a right one.
 
-    Groups with no correct or no incorrect rollout give no pair: there is nothing to prefer.
+    Groups whose rollouts all scored alike give no pair: there is nothing to prefer.
     """
     pairs = []
     for group, prompt in zip(groups, prompts):
-        correct = [r.text for r in group if r.reward >= 1.0]
-        wrong = [r.text for r in group if r.reward < 1.0]
-        for i, rejected in enumerate(wrong):
-            if correct:
-                pairs.append(Pair(prompt=prompt, chosen=correct[i % len(correct)], rejected=rejected))
+        best = max(r.reward for r in group)
+        chosen = [r.text for r in group if r.reward == best]
+        worse = [r.text for r in group if r.reward < best]
+        pairs.extend(Pair(prompt=prompt, chosen=chosen[i % len(chosen)], rejected=rejected)
+                     for i, rejected in enumerate(worse))
     return pairs
 
 
@@ -65,29 +68,26 @@ async def train_dpo(config: TrainConfig, *, show_progress: bool = True) -> DPORe
     from trl import DPOConfig, DPOTrainer
 
     import tinymodels
-    from tinymodels.task import problems
     from training import lora
 
     out: Path = config.output_dir
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(config.model_dump_json(indent=2) + "\n")
     base_dir = config.base or str(tinymodels.BASE_DIR)
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
-
-    def task(p) -> Task:
-        return Task(tuple(tokenizer(p.prompt, add_special_tokens=True)["input_ids"]), p.answer)
-
-    chosen_problems = problems("train", n=config.steps * config.prompts_per_step, seed=config.seed)
-    held_out = [task(p) for p in problems("test", n=config.eval_prompts, seed=config.seed)]
+    problems = load_problems(config, tokenizer)  # refuses bad data before any server starts
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(config.model_dump_json(indent=2) + "\n")
+    chosen = problems.train[:config.steps * config.prompts_per_step]
+    batch_size = len(chosen) * config.group_size
     with verifier_pool() as pool:
-        async with serving(config, base_dir) as (coordinator, _):
-            accuracy_before = await held_out_accuracy(coordinator, held_out, config.max_tokens, pool)
-            groups = await sample_batch(
-                coordinator, [task(p) for p in chosen_problems], group_size=config.group_size,
-                max_tokens=config.max_tokens, temperature=config.temperature, fixed_alpha=config.fixed_alpha,
-                seed=config.seed, verifier=exact_match, executor=pool)
+        async with serving(config, base_dir, log_dir=out, batch_size=batch_size) as (coordinator, _):
+            accuracy_before = await _held_out_accuracy(coordinator, config, problems, pool)
+            sampled = await sample_batch(
+                coordinator, chosen, group_size=config.group_size, max_tokens=config.max_tokens,
+                temperature=config.temperature, fixed_alpha=config.fixed_alpha, seed=config.seed,
+                spec=problems.spec, executor=pool, reward_timeout_s=config.reward_timeout)
         # sample_batch drops groups with fewer than 2 rollouts; match prompts by prompt ids.
-        prompt_of = {task(p).prompt_ids: p.prompt for p in chosen_problems}
+        prompt_of = {task.prompt_ids: task.prompt_text for task in chosen}
+        groups = sampled.groups
         pairs = mine_pairs(groups, [prompt_of[g[0].prompt_ids] for g in groups])
         pairs_path = out / "pairs.jsonl"
         write_pairs(pairs_path, pairs)
@@ -116,7 +116,14 @@ async def train_dpo(config: TrainConfig, *, show_progress: bool = True) -> DPORe
         final = out / "final"
         lora.save_full(trainer.model, final)  # merged weights when trained with LoRA
         tokenizer.save_pretrained(final)
-        async with serving(config, str(final)) as (coordinator, _):
-            accuracy_after = await held_out_accuracy(coordinator, held_out, config.max_tokens, pool)
+        async with serving(config, str(final), log_dir=out / "final-servers") as (coordinator, _):
+            accuracy_after = await _held_out_accuracy(coordinator, config, problems, pool)
     return DPOReport(pairs=len(pairs), accuracy_before=accuracy_before, accuracy_after=accuracy_after,
                      pairs_path=pairs_path, model_dir=final)
+
+
+async def _held_out_accuracy(coordinator: Any, config: TrainConfig, problems: Problems, pool: Any) -> float:
+    """Greedy accuracy of the base alone on the held-out tasks."""
+    [base] = await evaluate(coordinator, problems.held_out, problems.spec, pool, arms=("base",),
+                            max_tokens=config.max_tokens, seed=config.seed, reward_timeout_s=config.reward_timeout)
+    return base.greedy_accuracy

@@ -1,13 +1,14 @@
 """Streaming GRPO on q* rollouts, end to end: the recipe behind `dualvllm train`.
 
-    setup    servers (base in dev mode, on the newest checkpoint when resuming), learner,
+    setup    problems (dataset, templates, rewards: all checked before any server starts),
+             servers (base in dev mode, on the newest checkpoint when resuming), learner,
              coordinator, verifier pool, the sampler task
     train    take a scored batch from the queue, drop it if too stale, update, push the
              new weights into the base server (verified), checkpoint, log metrics
-    cleanup  stop the sampler, the pool and both servers
+    cleanup  stop the sampler, the pool and the servers
 
-The bundled arithmetic task is the dataset: the train split to learn from, the test
-split for held-out greedy accuracy of the base (alpha = 0) before, during and after.
+The held-out tasks are evaluated (training.evaluation: the base alone, greedy accuracy and
+pass@k) at the start, every `eval_every` updates and at the end.
 """
 
 from __future__ import annotations
@@ -27,14 +28,15 @@ from tqdm.auto import tqdm
 
 import tinymodels
 from common.errors import InvalidInputError
-from tinymodels.task import problems
 from training import checkpoint, lora
 from training.checkpoint import RunState
 from training.config import TrainConfig
+from training.evaluation import evaluate
 from training.learner import Learner
+from training.problems import Problems, load_problems
 from training.rollouts import ScoredBatch, Task, produce, sample_batch
-from training.verifiers import exact_match, verifier_pool
-from training.serving import held_out_accuracy, serving
+from training.serving import serving
+from training.verifiers import verifier_pool
 from training.weight_sync import push_weights
 
 log = logging.getLogger("dualvllm.training")
@@ -56,16 +58,17 @@ async def train_grpo(config: TrainConfig, *, resume: bool = False, show_progress
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = config.output_dir
-    out.mkdir(parents=True, exist_ok=True)
-    newest = checkpoint.latest(out) if resume else None
-    if not resume and checkpoint.latest(out) is not None:
+    newest = checkpoint.latest(out) if resume and out.is_dir() else None
+    if not resume and out.is_dir() and checkpoint.latest(out) is not None:
         raise InvalidInputError(f"{out} already holds checkpoints; pass --resume to continue that run "
                                 "or choose a new --output-dir")
-    (out / "config.json").write_text(config.model_dump_json(indent=2) + "\n")
     base_dir = config.base or str(tinymodels.BASE_DIR)
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    problems = load_problems(config, tokenizer)  # refuses bad data before any server starts
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(config.model_dump_json(indent=2) + "\n")
     start_dir = str(newest) if newest is not None else base_dir
     torch.manual_seed(config.seed)
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
     if config.lora_rank and newest is not None:
         model = lora.resume(base_dir, newest, torch.float32)
     else:
@@ -77,24 +80,24 @@ async def train_grpo(config: TrainConfig, *, resume: bool = False, show_progress
     state = checkpoint.load_state(newest, learner.optimizer) if newest is not None else RunState(0, 0, 0)
     if newest is not None:
         log.info("resuming from %s (step %d)", newest, state.step)
-
-    def encode(text: str) -> tuple[int, ...]:
-        return tuple(tokenizer(text, add_special_tokens=True)["input_ids"])
-
-    tasks = [Task(encode(p.prompt), p.answer) for p in problems("train", seed=config.seed)]
-    held_out = [Task(encode(p.prompt), p.answer) for p in problems("test", n=config.eval_prompts, seed=config.seed)]
+    tasks, held_out = problems.train, problems.held_out
     probes = [list(t.prompt_ids) for t in held_out[:PUSH_PROBES]]
     metrics_path = out / "metrics.jsonl"
 
     with verifier_pool() as pool:
-        async with serving(config, start_dir) as (coordinator, base_client):
+        async with serving(config, start_dir, log_dir=out, dev_mode=True,
+                           batch_size=config.prompts_per_step * config.group_size) as (coordinator, base_client):
             async def sample(chosen: list[Task], seed: int):
                 return await sample_batch(coordinator, chosen, group_size=config.group_size, max_tokens=config.max_tokens,
                                           temperature=config.temperature, fixed_alpha=config.fixed_alpha,
-                                          seed=config.seed * 1_000_003 + seed, verifier=exact_match, executor=pool)
+                                          seed=config.seed * 1_000_003 + seed, spec=problems.spec, executor=pool,
+                                          reward_timeout_s=config.reward_timeout)
 
-            accuracy_before = await held_out_accuracy(coordinator, held_out, config.max_tokens, pool)
-            _log_metrics(metrics_path, {"step": state.step, "event": "eval", "held_out_accuracy": accuracy_before})
+            async def held_out_metrics() -> dict[str, float]:
+                return await _evaluate_base(coordinator, config, problems, pool)
+
+            before = await held_out_metrics()
+            _log_metrics(metrics_path, {"step": state.step, "event": "eval", **before})
             version = state.policy_version
             queue: asyncio.Queue[ScoredBatch] = asyncio.Queue(maxsize=config.queue_size)
             sampler = asyncio.create_task(produce(queue, sample, tasks, start=state.data_position,
@@ -106,6 +109,9 @@ async def train_grpo(config: TrainConfig, *, resume: bool = False, show_progress
                 with tqdm(total=config.steps, initial=step, desc="grpo", unit="step", disable=not show_progress) as bar:
                     while step < config.steps:
                         batch = await _next_batch(queue, sampler)
+                        if not batch.groups:
+                            log.warning("a batch had no group of two or more scored rollouts; skipped")
+                            continue
                         staleness = version - batch.policy_version
                         if staleness > config.max_staleness:
                             dropped += 1
@@ -126,13 +132,13 @@ async def train_grpo(config: TrainConfig, *, resume: bool = False, show_progress
                         await asyncio.to_thread(checkpoint.save, out, learner.model, tokenizer, learner.optimizer,
                                                 state, config.keep_checkpoints)
                         alphas = [a for g in batch.groups for r in g for a in r.alphas]
-                        metrics.update(step=step, staleness=staleness, policy_version=version,
+                        metrics.update({f"reward/{name}": mean for name, mean in batch.reward_means.items()})
+                        metrics.update(step=step, staleness=staleness, policy_version=version, unscored=batch.unscored,
                                        mean_alpha=sum(alphas) / max(len(alphas), 1),
                                        sample_tokens_per_s=batch.tokens / max(batch.sample_seconds, 1e-9),
                                        step_seconds=time.perf_counter() - started)
                         if step % config.eval_every == 0 or step == config.steps:
-                            metrics["held_out_accuracy"] = await held_out_accuracy(
-                                coordinator, held_out, config.max_tokens, pool)
+                            metrics.update(await held_out_metrics())
                         _log_metrics(metrics_path, metrics)
                         bar.update(1)
                         bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}",
@@ -141,11 +147,20 @@ async def train_grpo(config: TrainConfig, *, resume: bool = False, show_progress
                 sampler.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await sampler
-            accuracy_after = await held_out_accuracy(coordinator, held_out, config.max_tokens, pool)
-            _log_metrics(metrics_path, {"step": step, "event": "eval", "held_out_accuracy": accuracy_after})
+            after = await held_out_metrics()
+            _log_metrics(metrics_path, {"step": step, "event": "eval", **after})
     _prune_pushed(out)
-    return TrainReport(steps_done=step, accuracy_before=accuracy_before, accuracy_after=accuracy_after,
+    return TrainReport(steps_done=step, accuracy_before=before["held_out_accuracy"],
+                       accuracy_after=after["held_out_accuracy"],
                        dropped_stale_batches=dropped, metrics_path=metrics_path)
+
+
+async def _evaluate_base(coordinator: Any, config: TrainConfig, problems: Problems, pool: Any) -> dict[str, float]:
+    """The base alone on the held-out tasks: held_out_accuracy (greedy) and held_out_pass@k."""
+    [base] = await evaluate(coordinator, problems.held_out, problems.spec, pool, arms=("base",),
+                            max_tokens=config.max_tokens, samples=config.eval_samples, ks=config.pass_ks,
+                            temperature=config.temperature, seed=config.seed, reward_timeout_s=config.reward_timeout)
+    return {"held_out_accuracy": base.greedy_accuracy, **{f"held_out_pass@{k}": v for k, v in base.pass_at.items()}}
 
 
 async def _next_batch(queue: asyncio.Queue[ScoredBatch], sampler: asyncio.Task[None]) -> ScoredBatch:

@@ -107,6 +107,8 @@ class Learner:
             "reward_mean": float(all_rewards.mean()),
             "reward_std": float(all_rewards.std()) if len(all_rewards) > 1 else 0.0,
             "accuracy": float((all_rewards >= 1.0).float().mean()),
+            # Groups whose rollouts all scored alike: no advantage, so no learning signal from them.
+            "zero_advantage_groups": sum(bool((r == r[0]).all()) for r in rewards) / len(rewards),
             "grad_norm": float(grad_norm),
             "neg_logp_per_token": float(entropy_proxy),
             "train_tokens_per_s": tokens / (time.perf_counter() - started),

@@ -11,22 +11,30 @@ import asyncio
 import logging
 import time
 from concurrent.futures import Executor
-from dataclasses import dataclass
-from typing import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from coordinator.core import DualVLLMCoordinator
 from coordinator.outputs import GenerationOutput
-from training.verifiers import Verifier, score_in_pool
+from training.rewards import RewardSpec, score_completions
 
 log = logging.getLogger("dualvllm.training")
 
 
 @dataclass(frozen=True)
 class Task:
-    """One training prompt: its token ids (shared by learner and servers) and its reference."""
+    """One training prompt, as token ids of the base tokenizer (the learner's and the servers')."""
 
-    prompt_ids: tuple[int, ...]
-    reference: str
+    prompt_ids: tuple[int, ...]  # what the base sees: the learner trains on it and the base server samples with it
+    t_prompt_ids: tuple[int, ...] | None  # what the teacher sees, when it differs (a privileged-information teacher)
+    prompt_text: str  # the base prompt as text, for reward functions
+    row: Mapping[str, Any] = field(hash=False, compare=False)  # the dataset row: references for rewards
+
+    @property
+    def prompt(self) -> list[int] | tuple[list[int], list[int]]:
+        """The prompt as the coordinator takes it."""
+        theta = list(self.prompt_ids)
+        return theta if self.t_prompt_ids is None else (theta, list(self.t_prompt_ids))
 
 
 @dataclass(frozen=True)
@@ -51,25 +59,58 @@ class ScoredBatch:
     data_position: int  # index of the next unused task after this batch
     sample_seconds: float
     tokens: int
+    reward_means: dict[str, float] = field(default_factory=dict)  # each named reward over the scored rollouts
+    unscored: int = 0  # rollouts a reward could not score (None): left out of the update
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """What `sample_batch` returns: the groups, and what the rewards said of every rollout."""
+
+    groups: Groups
+    reward_means: dict[str, float]
+    unscored: int
 
 
 async def sample_batch(coordinator: DualVLLMCoordinator, tasks: Sequence[Task], *, group_size: int,
                        max_tokens: int, temperature: float, fixed_alpha: float | None, seed: int,
-                       verifier: Verifier, executor: Executor) -> Groups:
-    """`group_size` rollouts per task from q*, scored off the event loop; failed rollouts are dropped."""
-    prompts = [list(task.prompt_ids) for task in tasks for _ in range(group_size)]
+                       spec: RewardSpec, executor: Executor, reward_timeout_s: float) -> Sampled:
+    """`group_size` rollouts per task from q*, scored off the event loop.
+
+    Failed rollouts and rollouts a reward scored None are dropped (logged), and so are
+    groups left with fewer than two rollouts: a lone rollout has no group to compare with.
+    """
+    prompts = [task.prompt for task in tasks for _ in range(group_size)]
     outputs = await coordinator.generate_batch(prompts, max_tokens=max_tokens, temperature=temperature,
                                                fixed_alpha=fixed_alpha, seed=seed)
     failed = [o for o in outputs if not o.ok]
     if failed:
         log.warning("%d of %d rollouts failed and are dropped (first: %s)", len(failed), len(outputs), failed[0].error)
-    references = [task.reference for task in tasks for _ in range(group_size)]
-    rewards = await score_in_pool(verifier, [o.generated_text for o in outputs], references, executor)
+    owners = [task for task in tasks for _ in range(group_size)]
+    scores = await score_completions(
+        spec, [task.prompt_text for task in owners], [o.generated_text for o in outputs],
+        [reward_fields(task.row, o) for task, o in zip(owners, outputs)], executor, timeout_s=reward_timeout_s)
+    unscored = sum(1 for o, r in zip(outputs, scores.total) if o.ok and r is None)
+    if unscored:
+        log.warning("%d of %d rollouts have no reward (a reward failed or gave None) and are left out", unscored,
+                    len(outputs))
     groups = []
     for i, task in enumerate(tasks):
         members = range(i * group_size, (i + 1) * group_size)
-        groups.append(tuple(_rollout(task, outputs[j], rewards[j]) for j in members if outputs[j].ok))
-    return tuple(g for g in groups if len(g) >= 2)  # a lone rollout has no group to compare with
+        groups.append(tuple(_rollout(task, outputs[j], scores.total[j]) for j in members
+                            if outputs[j].ok and scores.total[j] is not None))
+    means = {name: _mean([v for o, v in zip(outputs, values) if o.ok and v is not None])
+             for name, values in scores.by_name.items()}
+    return Sampled(groups=tuple(g for g in groups if len(g) >= 2), reward_means=means, unscored=unscored)
+
+
+def reward_fields(row: Mapping[str, Any], output: GenerationOutput) -> dict[str, Any]:
+    """A rollout's keywords for reward functions: its row's fields and its sampled token ids."""
+    return {**row, "completion_ids": list(output.generated_tokens)}
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
 
 
 def _rollout(task: Task, output: GenerationOutput, reward: float) -> Rollout:
@@ -78,7 +119,7 @@ def _rollout(task: Task, output: GenerationOutput, reward: float) -> Rollout:
                    text=output.generated_text, reward=reward)
 
 
-async def produce(queue: asyncio.Queue[ScoredBatch], sample: Callable[[Sequence[Task], int], Awaitable[Groups]],
+async def produce(queue: asyncio.Queue[ScoredBatch], sample: Callable[[Sequence[Task], int], Awaitable[Sampled]],
                   tasks: Sequence[Task], *, start: int, prompts_per_step: int,
                   policy_version: Callable[[], int]) -> None:
     """Fill `queue` with scored batches forever, cycling over `tasks` from `start`.
@@ -91,8 +132,9 @@ async def produce(queue: asyncio.Queue[ScoredBatch], sample: Callable[[Sequence[
         chosen = [tasks[(position + i) % len(tasks)] for i in range(prompts_per_step)]
         version = policy_version()
         started = time.perf_counter()
-        groups = await sample(chosen, position)
+        sampled = await sample(chosen, position)
         position += prompts_per_step
-        tokens = sum(len(r.completion_ids) for g in groups for r in g)
-        await queue.put(ScoredBatch(groups=groups, policy_version=version, data_position=position,
-                                    sample_seconds=time.perf_counter() - started, tokens=tokens))
+        tokens = sum(len(r.completion_ids) for g in sampled.groups for r in g)
+        await queue.put(ScoredBatch(groups=sampled.groups, policy_version=version, data_position=position,
+                                    sample_seconds=time.perf_counter() - started, tokens=tokens,
+                                    reward_means=sampled.reward_means, unscored=sampled.unscored))

@@ -1,43 +1,50 @@
-"""The servers a training run samples from, and the held-out evaluation both methods share."""
+"""The servers a training or evaluation run samples from, and the coordinator over them.
+
+Which weights each server holds, by `--teacher`:
+
+    a model directory   two servers: the base (start_dir; the weights pushed during training)
+                        and that teacher
+    self                one server: the base, sent the teacher's prompts too, so the teacher
+                        is always the current policy shown privileged information
+    self-frozen         two servers: the base, and the starting base weights as the teacher
+"""
 
 from __future__ import annotations
 
 import contextlib
-from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 from typing import AsyncIterator
 
 import tinymodels
 from coordinator import CoordinatorConfig, DualVLLMCoordinator
-from engines.launcher import launch_pair, pair_configs
+from engines.launcher import VLLMServer, launch_pair, pair_configs
 from engines.vllm_client import VLLMClient
-from training.config import TrainConfig
-from training.rollouts import Task
-from training.verifiers import exact_match, score_in_pool
+from training.config import TaskConfig
 
 # One per-token request carries every active sequence: no more than the servers accept.
 MAX_PROMPTS = CoordinatorConfig.model_fields["max_prompts_per_request"].default
 
 
-async def held_out_accuracy(coordinator: DualVLLMCoordinator, tasks: list[Task], max_tokens: int,
-                            pool: ProcessPoolExecutor) -> float:
-    """Greedy exact-match accuracy of the base model alone (alpha = 0) on `tasks`."""
-    outputs = await coordinator.generate_batch([list(t.prompt_ids) for t in tasks], max_tokens=max_tokens,
-                                               temperature=0.0, fixed_alpha=0.0)
-    rewards = await score_in_pool(exact_match, [o.generated_text for o in outputs], [t.reference for t in tasks], pool)
-    return sum(rewards) / len(rewards)
-
-
 @contextlib.asynccontextmanager
-async def serving(config: TrainConfig, start_dir: str) -> AsyncIterator[tuple[DualVLLMCoordinator, VLLMClient]]:
-    """The base server (dev mode, loopback, on `start_dir`) and the teacher, with a coordinator."""
+async def serving(config: TaskConfig, start_dir: str, *, log_dir: Path | None = None, dev_mode: bool = False,
+                  batch_size: int = 64) -> AsyncIterator[tuple[DualVLLMCoordinator, VLLMClient]]:
+    """(coordinator, a client of the base server) over the servers of `config`.
+
+    The base serves `start_dir` (the base, or a checkpoint when resuming), in dev mode for
+    weight pushes when asked (loopback only). `batch_size` is the coordinator's batch.
+    """
+    base_dir = config.base or str(tinymodels.BASE_DIR)
+    teacher = base_dir if config.teacher == "self-frozen" else config.teacher
     bundled = {"dtype": tinymodels.SERVER_DTYPE} if config.base is None else {}  # start_dir is a copy of it
-    servers = pair_configs(start_dir, config.teacher, log_dir=config.output_dir, dev_mode=True,
-                           max_logprobs=max(config.top_k, 20), **bundled)
-    async with launch_pair(*servers) as (theta_server, t_server):
+    base_config, teacher_config = pair_configs(start_dir, None if teacher == "self" else teacher, log_dir=log_dir,
+                                               dev_mode=dev_mode, max_logprobs=max(config.top_k, 20), **bundled)
+    async with contextlib.AsyncExitStack() as stack:
+        if teacher == "self":
+            theta_server = t_server = await stack.enter_async_context(VLLMServer(base_config, name="theta"))
+        else:
+            theta_server, t_server = await stack.enter_async_context(launch_pair(base_config, teacher_config))
         coordinator_config = CoordinatorConfig(theta_url=theta_server.url, t_url=t_server.url, top_k=config.top_k,
-                                               max_batch_size=min(max(64, config.prompts_per_step * config.group_size),
-                                                                  MAX_PROMPTS),
-                                               seed=config.seed)
-        async with DualVLLMCoordinator(coordinator_config) as coordinator, \
-                VLLMClient(theta_server.url, name="theta") as base_client:
-            yield coordinator, base_client
+                                               max_batch_size=min(max(64, batch_size), MAX_PROMPTS), seed=config.seed)
+        coordinator = await stack.enter_async_context(DualVLLMCoordinator(coordinator_config))
+        base_client = await stack.enter_async_context(VLLMClient(theta_server.url, name="theta"))
+        yield coordinator, base_client

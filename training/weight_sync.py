@@ -167,6 +167,11 @@ async def _fenced_reload(client: VLLMClient, weights_dir: Path) -> ServerError |
             await client.call("POST", "/collective_rpc",
                               {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}})
         except ServerError as err:
+            if isinstance(err, ServerRejectedError) and err.status == 404:
+                raise WeightSyncError(
+                    f"{client.name} server at {client.url} has no /collective_rpc: it was started without dev "
+                    "mode. Restart it with VLLM_SERVER_DEV_MODE=1 (ServerConfig(dev_mode=True), or `dualvllm "
+                    "serve --dev-mode`), on a loopback host only") from err
             if not err.retryable:  # a 4xx refusal (a resend is refused too) or a malformed 2xx
                 raise
             failure = err

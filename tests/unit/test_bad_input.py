@@ -51,7 +51,7 @@ GENERATE = [
     ("top-k-zero", None, "--top-k 0", r"invalid CoordinatorConfig: top_k=0: Input should be greater than or equal to 1"),
     ("url-not-http", None, "--theta-url ftp://host:1", r"theta_url='ftp://host:1': .* must start with http://"),
     ("urls-the-same", None, "--theta-url http://127.0.0.1:9 --t-url http://127.0.0.1:9",
-     r"the base and the teacher must be two servers"),
+     r"--theta-url and --t-url are one server, .* every line needs a theta_prompt and a t_prompt that differ"),
     ("max-batch-size-zero", None, "--max-batch-size 0", r"max_batch_size=0: Input should be greater than or equal"),
     ("base-not-a-directory", None, "--base {tmp}/no-such-model",
      r"model '.*no-such-model' is not a Hugging Face model directory"),

@@ -305,3 +305,20 @@ async def test_bad_calls_raise_clear_errors(fake_theta, fake_t):
     with pytest.raises(LifecycleError, match="entered once"):
         async with coordinator:
             pass
+
+
+async def test_one_server_as_its_own_teacher_needs_prompts_that_differ(fake_theta):
+    """Self-distillation with privileged information: the teacher is the base shown another prompt."""
+    pair = ("ab", "cdab")  # the teacher's prompt carries extra context
+    async with DualVLLMCoordinator(config(fake_theta, fake_theta)) as c:
+        [out] = await c.generate_batch([pair], max_tokens=4, seed=1, ignore_eos=True)
+        with pytest.raises(InvalidInputError, match="prompt 1: the base and the teacher are one model"):
+            await c.generate_batch([pair, "ab"], max_tokens=4)
+        with pytest.raises(InvalidInputError, match="prompt 0: .* one model"):
+            await c.generate_batch([("ab", "ab")], max_tokens=4)
+    assert out.ok and len(out.generated_tokens) == 4
+    # The 4 steps sent 8 requests, all to the one server; the first step's: the base's and the teacher's context.
+    prompts = [call["prompt"] for call in fake_theta.calls["/v1/completions"][-8:-6]]
+    assert sorted(map(len, prompts[0] + prompts[1])) == [2, 4]
+    # alpha* is strictly inside (0, 1): the two prompts give two distributions.
+    assert all(0 < a < 1 for a in out.alpha_history)

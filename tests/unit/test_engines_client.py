@@ -254,7 +254,10 @@ ROUTES = [  # (method, path, payload, idempotent)
     ("POST", "/resume", None, True),
     ("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": "/nonexistent"}}, False),
 ]
-STALL_S = 2.0  # a scripted stall, far beyond the 0.2 s request timeout of these tests
+# A scripted stall, far beyond the request timeout of these tests; the timeout itself leaves
+# a loaded machine room to answer the retry that follows.
+STALL_S = 5.0
+STALL_TEST_TIMEOUT_S = 1.0
 
 
 @pytest.mark.parametrize("failure, error", [(Failure(503, "overloaded"), ServerInternalError),
@@ -265,7 +268,7 @@ async def test_a_call_that_changes_state_is_not_resent_after_it_may_have_acted(
         fake_theta, failure, error, method, path, payload, idempotent):
     route = path.partition("?")[0]
     fake_theta.fail_next(route, failure)
-    async with client(fake_theta.url, request_timeout_s=0.2, max_retries=3) as c:
+    async with client(fake_theta.url, request_timeout_s=STALL_TEST_TIMEOUT_S, max_retries=3) as c:
         if idempotent:
             await c.call(method, path, payload)
             assert c.retries == 1 and len(fake_theta.calls[route]) == 2

@@ -96,9 +96,14 @@ async def test_a_reload_answered_with_other_weights_is_not_resent(fake_theta, tm
     assert len(reloads(fake_theta)) == 1 and fake_theta.running.is_set()
 
 
-async def test_a_refused_reload_is_raised_at_once_and_the_server_resumed(fake_theta, tmp_path):
-    fake_theta.fail_next("/collective_rpc", Failure(404, "Not Found"))
-    with pytest.raises(ServerRejectedError, match="404"):
+@pytest.mark.parametrize("failure, error, message", [
+    (Failure(404, "Not Found"), WeightSyncError, "started without dev mode. Restart it with VLLM_SERVER_DEV_MODE=1"),
+    (Failure(400, "bad weights_path"), ServerRejectedError, "HTTP 400: bad weights_path"),
+], ids=["no-dev-mode", "refused"])
+async def test_a_refused_reload_is_raised_at_once_and_the_server_resumed(fake_theta, tmp_path, failure, error,
+                                                                         message):
+    fake_theta.fail_next("/collective_rpc", failure)
+    with pytest.raises(error, match=message):
         await push(fake_theta, tmp_path)
     assert len(reloads(fake_theta)) == 1 and "/v1/completions" not in fake_theta.calls
     assert fake_theta.running.is_set()

@@ -1,0 +1,77 @@
+"""Dataset rows become token-id tasks: the bundled task, templates, chat, and the self-teacher checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+import tinymodels
+from common.errors import InvalidInputError
+from tinymodels.task import problems
+from training.config import TrainConfig
+from training.problems import load_problems
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(tinymodels.BASE_DIR)
+
+
+def config(tmp_path, **values) -> TrainConfig:
+    return TrainConfig(output_dir=tmp_path / "run", **values)
+
+
+def test_the_bundled_task_is_the_default_dataset(tmp_path, tokenizer):
+    loaded = load_problems(config(tmp_path, eval_prompts=50), tokenizer)
+    assert len(loaded.train) == len(problems("train")) and len(loaded.held_out) == 50
+    answers = {p.prompt: p.answer for p in problems("train") + problems("test")}
+    for task in loaded.train[:20] + loaded.held_out:
+        assert task.prompt_ids == tuple(tokenizer(task.prompt_text)["input_ids"])
+        assert task.row["answer"] == answers[task.prompt_text] and task.t_prompt_ids is None
+    assert {t.prompt_text for t in loaded.held_out} <= {p.prompt for p in problems("test")}
+    assert loaded.spec.names == ("exact",)
+    # The seed orders the data: another seed, another order of the same tasks.
+    other = load_problems(config(tmp_path, eval_prompts=50, seed=1), tokenizer)
+    assert [t.prompt_text for t in other.train] != [t.prompt_text for t in loaded.train]
+    assert sorted(t.prompt_text for t in other.train) == sorted(t.prompt_text for t in loaded.train)
+
+
+def gsm8k_file(tmp_path, n=12):
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_text("".join(json.dumps({"question": f"{i}+{i}=", "answer": f"so it is {2 * i}\n#### {2 * i}"}) + "\n"
+                            for i in range(10, 10 + n)))
+    return path
+
+
+def test_a_user_dataset_with_templates_and_a_held_out_split(tmp_path, tokenizer):
+    loaded = load_problems(config(tmp_path, dataset=gsm8k_file(tmp_path), prompt_template="Q {question}",
+                                  teacher_template="{prompt}#{answer}|", reward=("gsm8k",), eval_prompts=4),
+                           tokenizer)
+    assert len(loaded.train) == 8 and len(loaded.held_out) == 4
+    task = loaded.train[0]
+    teacher_text = tokenizer.decode(list(task.t_prompt_ids))
+    assert task.prompt_text.startswith("Q ") and teacher_text.startswith(task.prompt_text + "#so it is")
+    assert task.prompt == (list(task.prompt_ids), list(task.t_prompt_ids))
+
+
+def test_a_chat_template_file_renders_every_prompt_as_a_user_message(tmp_path, tokenizer):
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}<assistant>{% endif %}")
+    loaded = load_problems(config(tmp_path, dataset=gsm8k_file(tmp_path), prompt_template="{question}",
+                                  reward=("gsm8k",), chat_template=str(template), eval_prompts=2), tokenizer)
+    task = loaded.train[0]
+    assert task.prompt_text == f"<user>{task.row['question']}\n<assistant>"
+    assert task.prompt_ids == tuple(tokenizer(task.prompt_text, add_special_tokens=False)["input_ids"])
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"teacher": "self"}, r"--teacher self is the base model shown the teacher's prompt, .* Give --teacher-template"),
+    ({"chat_template": "tokenizer"}, r"the base tokenizer has no chat template"),
+    ({"reward": ("code",)}, r"train.jsonl:1: no 'tests' field, which the reward needs"),
+])
+def test_refusals_before_any_server(tmp_path, tokenizer, values, message):
+    with pytest.raises(InvalidInputError, match=message):
+        load_problems(config(tmp_path, **values), tokenizer)

@@ -1,0 +1,134 @@
+"""Held-out evaluation as RL papers report it: greedy accuracy and pass@k, per arm.
+
+An arm is a fixed way to sample: the base alone (alpha = 0), q* (alpha* per token) or
+the teacher alone (alpha = 1). For every held-out task an arm decodes greedily once and,
+with `samples` > 0, samples `samples` completions at the temperature; a completion is
+correct when its total reward reaches `success` (1.0: an exact answer, every test passed).
+pass@k is the unbiased estimator of theory.passk, averaged over tasks. `dualvllm eval`
+and the training runs' periodic evaluation both call `evaluate`.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import Executor
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from coordinator.core import DualVLLMCoordinator
+from theory.passk import pass_at_k
+from training.config import EvalConfig
+from training.rewards import RewardSpec, score_completions
+from training.rollouts import Task, reward_fields
+
+# fixed_alpha of each arm; None = alpha* per token.
+ARMS: dict[str, float | None] = {"base": 0.0, "q*": None, "teacher": 1.0}
+
+
+@dataclass(frozen=True)
+class ArmResult:
+    arm: str
+    greedy_accuracy: float  # share of tasks whose greedy completion is correct
+    pass_at: dict[int, float]  # k -> mean pass@k over tasks (empty without samples)
+    mean_reward: float  # of the sampled completions (greedy ones without samples); unscored left out
+    mean_alpha: float  # of the greedy completions' tokens
+    tasks: int
+    samples: int  # per task, for pass@k
+
+    def metrics(self, prefix: str = "") -> dict[str, float]:
+        """Flat metrics for metrics.jsonl: greedy_accuracy, pass@k, ... with `prefix`."""
+        flat: dict[str, Any] = {f"{prefix}greedy_accuracy": self.greedy_accuracy,
+                                f"{prefix}mean_reward": self.mean_reward}
+        flat.update({f"{prefix}pass@{k}": v for k, v in self.pass_at.items()})
+        return flat
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+async def evaluate(coordinator: DualVLLMCoordinator, tasks: Sequence[Task], spec: RewardSpec, executor: Executor, *,
+                   arms: Sequence[str], max_tokens: int, samples: int = 0, ks: Sequence[int] = (),
+                   temperature: float = 1.0, seed: int = 0, success: float = 1.0,
+                   reward_timeout_s: float = 60.0, show_progress: bool = False) -> list[ArmResult]:
+    """Greedy accuracy and pass@k of each arm on `tasks`, in the order of `arms`."""
+    if any(k > samples for k in ks):
+        raise ValueError(f"pass@{max(ks)} needs at least {max(ks)} samples per task, got {samples}")
+    results = []
+    for arm in arms:
+        alpha = ARMS[arm]
+        greedy = await coordinator.generate_batch([t.prompt for t in tasks], max_tokens=max_tokens, temperature=0.0,
+                                                  fixed_alpha=alpha, seed=seed, show_progress=show_progress)
+        greedy_rewards = await _rewards(spec, tasks, greedy, executor, reward_timeout_s)
+        correct = np.array([r is not None and r >= success for r in greedy_rewards])
+        rewards = greedy_rewards
+        pass_at: dict[int, float] = {}
+        if samples:
+            outputs = await coordinator.generate_batch(
+                [t.prompt for t in tasks for _ in range(samples)], max_tokens=max_tokens, temperature=temperature,
+                fixed_alpha=alpha, seed=seed, show_progress=show_progress)
+            rewards = await _rewards(spec, [t for t in tasks for _ in range(samples)], outputs, executor,
+                                     reward_timeout_s)
+            hits = np.array([r is not None and r >= success for r in rewards]).reshape(len(tasks), samples)
+            counts = hits.sum(axis=1)
+            pass_at = {k: float(pass_at_k(np.full(len(tasks), samples), counts, k).mean()) for k in ks}
+        scored = [r for r in rewards if r is not None]
+        alphas = [a for o in greedy for a in o.alpha_history]
+        results.append(ArmResult(
+            arm=arm, greedy_accuracy=float(correct.mean()), pass_at=pass_at,
+            mean_reward=float(np.mean(scored)) if scored else float("nan"),
+            mean_alpha=float(np.mean(alphas)) if alphas else float("nan"), tasks=len(tasks), samples=samples))
+    return results
+
+
+async def _rewards(spec: RewardSpec, tasks: Sequence[Task], outputs: Sequence[Any], executor: Executor,
+                   timeout_s: float) -> list[float | None]:
+    """Each output's total reward; a failed generation counts as unscored (None)."""
+    scores = await score_completions(
+        spec, [t.prompt_text for t in tasks], [o.generated_text for o in outputs],
+        [reward_fields(t.row, o) for t, o in zip(tasks, outputs)], executor,
+        timeout_s=timeout_s)
+    return [r if o.ok else None for r, o in zip(scores.total, outputs)]
+
+
+def render(results: Sequence[ArmResult]) -> str:
+    """A table: one row per arm."""
+    ks = sorted({k for r in results for k in r.pass_at})
+    head = f"{'arm':<10}{'greedy':>9}" + "".join(f"{f'pass@{k}':>9}" for k in ks) + f"{'reward':>9}{'alpha':>8}"
+    rows = [f"{r.arm:<10}{r.greedy_accuracy:>9.1%}" + "".join(f"{r.pass_at[k]:>9.1%}" for k in ks)
+            + f"{r.mean_reward:>9.3f}{r.mean_alpha:>8.3f}" for r in results]
+    return "\n".join([head, *rows])
+
+
+async def run_eval(config: EvalConfig, *, show_progress: bool = True) -> str:
+    """`dualvllm eval`: start the servers of `config`, evaluate every arm, return the report.
+
+    The problems are --eval-dataset, else all of --dataset (up to --eval-prompts), else the
+    bundled test split. With `config.output` the report is also written there as JSON.
+    """
+    from transformers import AutoTokenizer
+
+    import tinymodels
+    from training.problems import load_problems
+    from training.serving import serving
+    from training.verifiers import verifier_pool
+
+    if config.dataset is not None and config.eval_dataset is None:
+        config = config.model_copy(update={"eval_dataset": config.dataset})
+    base_dir = config.base or str(tinymodels.BASE_DIR)
+    problems = load_problems(config, AutoTokenizer.from_pretrained(base_dir))
+    tasks = problems.held_out
+    with verifier_pool() as pool:
+        async with serving(config, base_dir, batch_size=len(tasks) * max(config.eval_samples, 1)) as (coordinator, _):
+            results = await evaluate(coordinator, tasks, problems.spec, pool, arms=config.arms,
+                                     max_tokens=config.max_tokens, samples=config.eval_samples, ks=config.pass_ks,
+                                     temperature=config.temperature, seed=config.seed,
+                                     reward_timeout_s=config.reward_timeout, show_progress=show_progress)
+    text = (f"{len(tasks)} problems; greedy and {config.eval_samples} samples each at temperature "
+            f"{config.temperature:g}\n{render(results)}")
+    if config.output is not None:
+        config.output.parent.mkdir(parents=True, exist_ok=True)
+        config.output.write_text(json.dumps({"config": json.loads(config.model_dump_json()),
+                                             "arms": [r.to_dict() for r in results]}, indent=2) + "\n")
+    return text
