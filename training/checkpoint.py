@@ -30,6 +30,7 @@ class RunState:
     step: int  # updates done
     data_position: int  # index of the next unused training task
     policy_version: int  # weight pushes done
+    curriculum: dict | None = None  # Curriculum.state_dict() when the run uses one
 
 
 def checkpoint_dir(output_dir: Path, step: int) -> Path:

@@ -23,7 +23,7 @@ SELF_TEACHERS = ("self", "self-frozen")
 # Options only one method reads: setting one of them under the other method does nothing,
 # so it is refused rather than silently ignored.
 GRPO_ONLY = ("correction", "is_cap", "share_cap", "normalization", "scale_advantages", "kl_coef",
-             "max_staleness", "queue_size", "push_every", "keep_checkpoints", "eval_every")
+             "max_staleness", "queue_size", "push_every", "keep_checkpoints", "eval_every", "curriculum")
 DPO_ONLY = ("dpo_beta", "dpo_epochs")
 
 
@@ -147,6 +147,10 @@ class TrainConfig(TaskConfig):
     push_every: int = Field(1, ge=1, description="Push weights to the base server every N updates.")
     keep_checkpoints: int = Field(3, ge=1, description="Checkpoints kept on disk (newest first); older ones are deleted.")
     eval_every: int = Field(20, ge=1, description="Evaluate the base on the held-out prompts every N updates (and at start and end).")
+    curriculum: bool = Field(
+        False, description="Pick prompts by difficulty: per-prompt reward EMA, buckets at the valleys of a KDE over "
+                           "them, hard buckets drawn more, prompts whose group scored all alike skipped for a while "
+                           "(training/curriculum.py).")
     dpo_beta: float = Field(0.1, gt=0, description="DPO: strength of the implicit KL to the starting model (TRL's beta).")
     dpo_epochs: int = Field(1, ge=1, description="DPO: passes over the mined preference pairs.")
 

@@ -31,6 +31,7 @@ from common.errors import InvalidInputError
 from training import checkpoint, lora
 from training.checkpoint import RunState
 from training.config import TrainConfig
+from training.curriculum import Curriculum
 from training.evaluation import evaluate
 from training.learner import Learner
 from training.problems import Problems, load_problems
@@ -102,7 +103,8 @@ async def train_grpo(config: TrainConfig, *, resume: bool = False, show_progress
             queue: asyncio.Queue[ScoredBatch] = asyncio.Queue(maxsize=config.queue_size)
             sampler = asyncio.create_task(produce(queue, sample, tasks, start=state.data_position,
                                                   prompts_per_step=config.prompts_per_step,
-                                                  policy_version=lambda: version))
+                                                  policy_version=lambda: version,
+                                                  curriculum=_curriculum(config, state, len(tasks))))
             dropped = 0
             step = state.step
             try:
@@ -128,11 +130,13 @@ async def train_grpo(config: TrainConfig, *, resume: bool = False, show_progress
                             version += 1
                             metrics["push_max_abs_diff"] = push.max_abs_diff
                             _prune_pushed(out)
-                        state = RunState(step=step, data_position=batch.data_position, policy_version=version)
+                        state = RunState(step=step, data_position=batch.data_position, policy_version=version,
+                                         curriculum=batch.curriculum_state)
                         await asyncio.to_thread(checkpoint.save, out, learner.model, tokenizer, learner.optimizer,
                                                 state, config.keep_checkpoints)
                         alphas = [a for g in batch.groups for r in g for a in r.alphas]
                         metrics.update({f"reward/{name}": mean for name, mean in batch.reward_means.items()})
+                        metrics.update(batch.curriculum_stats)
                         metrics.update(step=step, staleness=staleness, policy_version=version, unscored=batch.unscored,
                                        mean_alpha=sum(alphas) / max(len(alphas), 1),
                                        sample_tokens_per_s=batch.tokens / max(batch.sample_seconds, 1e-9),
@@ -153,6 +157,19 @@ async def train_grpo(config: TrainConfig, *, resume: bool = False, show_progress
     return TrainReport(steps_done=step, accuracy_before=before["held_out_accuracy"],
                        accuracy_after=after["held_out_accuracy"],
                        dropped_stale_batches=dropped, metrics_path=metrics_path)
+
+
+def _curriculum(config: TrainConfig, state: RunState, n_tasks: int) -> Curriculum | None:
+    """The run's curriculum: resumed from the checkpoint's state, else new; None without --curriculum."""
+    if not config.curriculum:
+        return None
+    if state.curriculum is None:
+        return Curriculum(n_tasks=n_tasks, seed=config.seed)
+    resumed = Curriculum.from_state(state.curriculum)
+    if resumed.n_tasks != n_tasks:
+        raise InvalidInputError(f"the checkpoint's curriculum covers {resumed.n_tasks} prompts and the dataset has "
+                                f"{n_tasks}; resume with the dataset of the first run")
+    return resumed
 
 
 async def _evaluate_base(coordinator: Any, config: TrainConfig, problems: Problems, pool: Any) -> dict[str, float]:

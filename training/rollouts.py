@@ -16,6 +16,7 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from coordinator.core import DualVLLMCoordinator
 from coordinator.outputs import GenerationOutput
+from training.curriculum import Curriculum
 from training.rewards import RewardSpec, score_completions
 
 log = logging.getLogger("dualvllm.training")
@@ -61,6 +62,8 @@ class ScoredBatch:
     tokens: int
     reward_means: dict[str, float] = field(default_factory=dict)  # each named reward over the scored rollouts
     unscored: int = 0  # rollouts a reward could not score (None): left out of the update
+    curriculum_state: dict | None = None  # the curriculum as it was when this batch was queued (for checkpoints)
+    curriculum_stats: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,7 @@ class Sampled:
     groups: Groups
     reward_means: dict[str, float]
     unscored: int
+    group_tasks: tuple[int, ...]  # for each group, the index of its task in the tasks sampled
 
 
 async def sample_batch(coordinator: DualVLLMCoordinator, tasks: Sequence[Task], *, group_size: int,
@@ -101,7 +105,9 @@ async def sample_batch(coordinator: DualVLLMCoordinator, tasks: Sequence[Task], 
                             if outputs[j].ok and scores.total[j] is not None))
     means = {name: _mean([v for o, v in zip(outputs, values) if o.ok and v is not None])
              for name, values in scores.by_name.items()}
-    return Sampled(groups=tuple(g for g in groups if len(g) >= 2), reward_means=means, unscored=unscored)
+    kept = [i for i, g in enumerate(groups) if len(g) >= 2]
+    return Sampled(groups=tuple(groups[i] for i in kept), reward_means=means, unscored=unscored,
+                   group_tasks=tuple(kept))
 
 
 def reward_fields(row: Mapping[str, Any], output: GenerationOutput) -> dict[str, Any]:
@@ -121,20 +127,31 @@ def _rollout(task: Task, output: GenerationOutput, reward: float) -> Rollout:
 
 async def produce(queue: asyncio.Queue[ScoredBatch], sample: Callable[[Sequence[Task], int], Awaitable[Sampled]],
                   tasks: Sequence[Task], *, start: int, prompts_per_step: int,
-                  policy_version: Callable[[], int]) -> None:
+                  policy_version: Callable[[], int], curriculum: Curriculum | None = None) -> None:
     """Fill `queue` with scored batches forever, cycling over `tasks` from `start`.
 
     `sample(tasks, seed)` returns their scored groups; the data position doubles as the
-    seed, so a resumed run samples what an uninterrupted one would have.
+    seed, so a resumed run samples what an uninterrupted one would have. With a
+    `curriculum`, it picks each batch's tasks instead of the cycle and learns from the
+    groups' rewards; each batch carries its state for the checkpoint.
     """
     position = start
     while True:
-        chosen = [tasks[(position + i) % len(tasks)] for i in range(prompts_per_step)]
+        if curriculum is not None:
+            indices = curriculum.choose(prompts_per_step)
+        else:
+            indices = [(position + i) % len(tasks) for i in range(prompts_per_step)]
         version = policy_version()
         started = time.perf_counter()
-        sampled = await sample(chosen, position)
+        sampled = await sample([tasks[i] for i in indices], position)
         position += prompts_per_step
+        state, stats = None, {}
+        if curriculum is not None:
+            curriculum.update([indices[j] for j in sampled.group_tasks],
+                              [[r.reward for r in group] for group in sampled.groups])
+            state, stats = curriculum.state_dict(), curriculum.stats()
         tokens = sum(len(r.completion_ids) for g in sampled.groups for r in g)
         await queue.put(ScoredBatch(groups=sampled.groups, policy_version=version, data_position=position,
                                     sample_seconds=time.perf_counter() - started, tokens=tokens,
-                                    reward_means=sampled.reward_means, unscored=sampled.unscored))
+                                    reward_means=sampled.reward_means, unscored=sampled.unscored,
+                                    curriculum_state=state, curriculum_stats=stats))
