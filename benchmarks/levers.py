@@ -38,7 +38,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 
-from benchmarks import common  # noqa: E402
+from benchmarks import harness  # noqa: E402
 from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
 from engines.protocol import TopKBatch  # noqa: E402
 from engines.vllm_client import VLLMClient  # noqa: E402
@@ -84,17 +84,17 @@ async def run(args: argparse.Namespace) -> dict:
         if not (theta_url and t_url):
             for skip in (False, True):
                 urls["no server tokenizer" if skip else "batched"] = await stack.enter_async_context(
-                    common.servers(None, None, max_logprobs=max(args.top_k, 20),
+                    harness.servers(None, None, max_logprobs=max(args.top_k, 20),
                                    extra_args=tuple(args.server_args), skip_tokenizer_init=skip))
             theta_url, t_url = urls["batched"]
             variants.append("no server tokenizer")
         urls.update({v: (theta_url, t_url) for v in variants if v not in urls})
         session = await stack.enter_async_context(aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)))
-        cpus = {v: (common.ServerCPU(urls[v][0]), common.ServerCPU(urls[v][1])) for v in variants}
+        cpus = {v: (harness.ServerCPU(urls[v][0]), harness.ServerCPU(urls[v][1])) for v in variants}
         coordinators = {v: await stack.enter_async_context(coordinator_for(v, *urls[v], args)) for v in variants}
         rows = []
         for batch in args.batch_sizes:
-            prompts = common.prompts_for(batch, seed=0)
+            prompts = harness.prompts_for(batch, seed=0)
             active = [v for v in variants if v != "single requests" or batch <= args.single_max_batch]
             for variant in active:  # warm-up
                 await coordinators[variant].generate_batch(prompts, max_tokens=4, seed=0, ignore_eos=True)
@@ -133,21 +133,21 @@ async def run(args: argparse.Namespace) -> dict:
                 f"(x{row[v.replace(' ', '_') + '_over_baseline_ratio']:.2f}, servers "
                 f"{row[v.replace(' ', '_') + '_servers_cpu_s_per_1k_tokens']:.1f} CPU-s/1k tok, prefix hits "
                 f"{row[v.replace(' ', '_') + '_prefix_cache_hit_rate']:.0%})" for v in active), flush=True)
-    return {"machine": common.machine(), "command": " ".join(["python", *sys.argv]), "top_k": args.top_k,
+    return {"machine": harness.machine(), "command": " ".join(["python", *sys.argv]), "top_k": args.top_k,
             "repeats": args.repeats, "variants": variants, "rows": rows}
 
 
 def plot(report: dict, path: Path) -> None:
-    plt = common.pyplot()
+    plt = harness.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    common.plot_tokens_per_s(ax, report["rows"],
+    harness.plot_tokens_per_s(ax, report["rows"],
                              {v: f"{v.replace(' ', '_')}_tokens_per_s" for v in report["variants"]},
                              f"coordinator variants, top_k {report['top_k']}")
-    common.save_figure(fig, path)
+    harness.save_figure(fig, path)
 
 
 def main() -> None:
-    parser = common.argument_parser(__doc__, live_servers=True)
+    parser = harness.argument_parser(__doc__, live_servers=True)
     parser.add_argument("--server-args", nargs="*", default=[], help="extra vLLM arguments when starting servers")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 64, 256])
     parser.add_argument("--single-max-batch", type=int, default=64,
@@ -155,9 +155,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--top-k", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--output", type=Path, default=common.RESULTS_DIR / "levers.json")
+    parser.add_argument("--output", type=Path, default=harness.RESULTS_DIR / "levers.json")
     args = parser.parse_args()
-    common.finish(asyncio.run(run(args)), args.output, plot)
+    harness.finish(asyncio.run(run(args)), args.output, plot)
 
 
 if __name__ == "__main__":

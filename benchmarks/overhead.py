@@ -44,7 +44,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` and `tests` are not installed packages
 
-from benchmarks import common  # noqa: E402
+from benchmarks import harness  # noqa: E402
 from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
 from coordinator.step import mix_and_sample  # noqa: E402
 from engines.protocol import ModelInfo, TopKBatch  # noqa: E402
@@ -251,7 +251,7 @@ def memory(args: argparse.Namespace) -> dict[str, float]:
 
 
 def plot(report: dict, path: Path) -> None:
-    plt = common.pyplot()
+    plt = harness.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for k in sorted({r["top_k"] for r in report["cpu"]}):
         rows = [r for r in report["cpu"] if r["top_k"] == k]
@@ -262,11 +262,11 @@ def plot(report: dict, path: Path) -> None:
     ax.set(xscale="log", yscale="log", xlabel="batch size (sequences per step)",
            ylabel="thread CPU µs per sequence-token", title="coordinator CPU cost, no servers")
     ax.legend(fontsize=8)
-    common.save_figure(fig, path)
+    harness.save_figure(fig, path)
 
 
 def main() -> None:
-    parser = common.argument_parser(__doc__, live_servers=False)
+    parser = harness.argument_parser(__doc__, live_servers=False)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--ks", type=int, nargs="+", default=[20, 100])
     parser.add_argument("--overlap", type=float, default=0.5, help="share of ids both top-k lists hold")
@@ -275,11 +275,11 @@ def main() -> None:
     parser.add_argument("--memory-sequences", type=int, default=1000)
     parser.add_argument("--memory-tokens", type=int, default=128, help="tokens per streamed sequence")
     parser.add_argument("--memory-batch", type=int, default=64, help="max_batch_size while streaming")
-    parser.add_argument("--output", type=Path, default=common.RESULTS_DIR / "overhead.json")
+    parser.add_argument("--output", type=Path, default=harness.RESULTS_DIR / "overhead.json")
     args = parser.parse_args()
-    report = {"machine": common.machine(), "command": " ".join(["python", *sys.argv]),
+    report = {"machine": harness.machine(), "command": " ".join(["python", *sys.argv]),
               "cpu": cpu_table(args), "memory": memory(args)}
-    common.finish(report, args.output, plot)
+    harness.finish(report, args.output, plot)
 
 
 if __name__ == "__main__":

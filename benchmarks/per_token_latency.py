@@ -36,7 +36,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 
-from benchmarks import common  # noqa: E402
+from benchmarks import harness  # noqa: E402
 from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
 from coordinator.stats import StepTiming  # noqa: E402
 from engines.vllm_client import VLLMClient  # noqa: E402
@@ -47,7 +47,7 @@ ROUND_TRIPS = ("theta_alone", "t_alone", "both_concurrently")
 
 async def coordinator_run(coordinator: DualVLLMCoordinator, batch: int, tokens: int, seed: int) -> list[StepTiming]:
     """One run of `batch` sequences of exactly `tokens` tokens; its steps' timings."""
-    outputs = await coordinator.generate_batch(common.prompts_for(batch, seed), max_tokens=tokens, seed=seed,
+    outputs = await coordinator.generate_batch(harness.prompts_for(batch, seed), max_tokens=tokens, seed=seed,
                                                ignore_eos=True)
     failed = [o.error for o in outputs if not o.ok]
     if failed:
@@ -84,7 +84,7 @@ async def measure(theta_url: str, t_url: str, k: int, args: argparse.Namespace) 
     async with DualVLLMCoordinator(config) as coordinator, \
             VLLMClient(theta_url, name="theta", local_tokenizer=local) as theta, \
             VLLMClient(t_url, name="t", local_tokenizer=local) as t:
-        context = await theta.tokenize(common.prompts_for(1, seed=0)[0])
+        context = await theta.tokenize(harness.prompts_for(1, seed=0)[0])
         for batch in args.batch_sizes:
             await coordinator_run(coordinator, batch, min(args.tokens, 4), seed=0)  # warm-up
             await round_trips(theta, t, context, k, 3)
@@ -130,7 +130,7 @@ def print_row(row: dict) -> None:
 
 def plot(report: dict, path: Path) -> None:
     """Top: the step against the server calls and a single round trip; bottom: the coordinator's own phases."""
-    plt = common.pyplot()
+    plt = harness.pyplot()
     ks = sorted({r["top_k"] for r in report["rows"]})
     fig, axes = plt.subplots(2, len(ks), figsize=(6 * len(ks), 8), squeeze=False)
     for column, k in enumerate(ks):
@@ -150,18 +150,18 @@ def plot(report: dict, path: Path) -> None:
             stacked += values
         bottom_ax.set(xlabel="batch size", ylabel="median ms per step", title=f"coordinator's own phases, top_k {k}")
         bottom_ax.legend(fontsize=8)
-    common.save_figure(fig, path)
+    harness.save_figure(fig, path)
 
 
 async def run(args: argparse.Namespace) -> dict:
-    async with common.servers(args.theta_url, args.t_url, max_logprobs=max(max(args.ks), 20),
+    async with harness.servers(args.theta_url, args.t_url, max_logprobs=max(max(args.ks), 20),
                               skip_tokenizer_init=args.skip_tokenizer_init) as (theta_url, t_url):
         rows = [row for k in args.ks for row in await measure(theta_url, t_url, k, args)]
-    return {"machine": common.machine(), "command": " ".join(["python", *sys.argv]), "rows": rows}
+    return {"machine": harness.machine(), "command": " ".join(["python", *sys.argv]), "rows": rows}
 
 
 def main() -> None:
-    parser = common.argument_parser(__doc__, live_servers=True)
+    parser = harness.argument_parser(__doc__, live_servers=True)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--ks", type=int, nargs="+", default=[20, 96], help="top_k values (96: see above)")
     parser.add_argument("--tokens", type=int, default=32, help="tokens per sequence per run")
@@ -169,9 +169,9 @@ def main() -> None:
     parser.add_argument("--round-trips", type=int, default=20, help="single-prompt round trips of each kind per run")
     parser.add_argument("--skip-tokenizer-init", action="store_true",
                         help="servers without tokenizers (the coordinator tokenizes: local_tokenizers)")
-    parser.add_argument("--output", type=Path, default=common.RESULTS_DIR / "per_token_latency.json")
+    parser.add_argument("--output", type=Path, default=harness.RESULTS_DIR / "per_token_latency.json")
     args = parser.parse_args()
-    common.finish(asyncio.run(run(args)), args.output, plot)
+    harness.finish(asyncio.run(run(args)), args.output, plot)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 
-from benchmarks import common  # noqa: E402
+from benchmarks import harness  # noqa: E402
 from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
 from tinymodels.task import problems  # noqa: E402
 
@@ -76,7 +76,7 @@ async def run(args: argparse.Namespace) -> dict:
     results = []
     async with contextlib.AsyncExitStack() as stack:
         theta_url, t_url = await stack.enter_async_context(
-            common.servers(args.theta_url, args.t_url, max_logprobs=max(args.top_k, 20)))
+            harness.servers(args.theta_url, args.t_url, max_logprobs=max(args.top_k, 20)))
         for workload in args.workloads:
             for batch_size in args.batch_sizes:
                 prompts = [p.prompt for p in problems("test", n=min(batch_size, 400), seed=batch_size)]

@@ -38,7 +38,7 @@ from typing import Awaitable, Callable
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 
-from benchmarks import common  # noqa: E402
+from benchmarks import harness  # noqa: E402
 from benchmarks.reference_protocol import ReferenceProtocolClient  # noqa: E402
 from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
 from engines.vllm_client import VLLMClient  # noqa: E402
@@ -46,7 +46,7 @@ from engines.vllm_client import VLLMClient  # noqa: E402
 ARMS = ("coordinator", "coordinator_no_tokenizer", "reference", "native", "native_topk")
 
 
-async def timed(arm: Callable[[], Awaitable[int]], cpus: tuple[common.ServerCPU, common.ServerCPU]) -> dict[str, float]:
+async def timed(arm: Callable[[], Awaitable[int]], cpus: tuple[harness.ServerCPU, harness.ServerCPU]) -> dict[str, float]:
     """Run one arm; its tokens/s and the CPU seconds per 1,000 tokens each party used."""
     before = (time.process_time(), *(c.seconds() for c in cpus))
     started = time.perf_counter()
@@ -62,9 +62,9 @@ async def timed(arm: Callable[[], Awaitable[int]], cpus: tuple[common.ServerCPU,
 async def run(args: argparse.Namespace) -> dict:
     async with contextlib.AsyncExitStack() as stack:
         logprobs = max(args.top_k, 20)
-        theta_url, t_url = await stack.enter_async_context(common.servers(args.theta_url, args.t_url,
+        theta_url, t_url = await stack.enter_async_context(harness.servers(args.theta_url, args.t_url,
                                                                           max_logprobs=logprobs))
-        cpus = (common.ServerCPU(theta_url), common.ServerCPU(t_url))
+        cpus = (harness.ServerCPU(theta_url), harness.ServerCPU(t_url))
         config = CoordinatorConfig(theta_url=theta_url, t_url=t_url, top_k=args.top_k,
                                    max_batch_size=max(args.batch_sizes))
         coordinator = await stack.enter_async_context(DualVLLMCoordinator(config))
@@ -73,16 +73,16 @@ async def run(args: argparse.Namespace) -> dict:
         native = await stack.enter_async_context(VLLMClient(theta_url, name="theta", request_timeout_s=600))
         bare = bare_cpus = None
         if not (args.theta_url and args.t_url):
-            bare_urls = await stack.enter_async_context(common.servers(None, None, max_logprobs=logprobs,
+            bare_urls = await stack.enter_async_context(harness.servers(None, None, max_logprobs=logprobs,
                                                                        skip_tokenizer_init=True))
-            bare_cpus = (common.ServerCPU(bare_urls[0]), common.ServerCPU(bare_urls[1]))
+            bare_cpus = (harness.ServerCPU(bare_urls[0]), harness.ServerCPU(bare_urls[1]))
             bare = await stack.enter_async_context(DualVLLMCoordinator(config.model_copy(update={
                 "theta_url": bare_urls[0], "t_url": bare_urls[1], "local_tokenizers": True})))
         model = (await native.model_info()).name
         rows = []
         for tokens in args.tokens:
             for batch in args.batch_sizes:
-                prompts = common.prompts_for(batch, seed=0)
+                prompts = harness.prompts_for(batch, seed=0)
                 prompt_ids = [await native.tokenize(p) for p in prompts]
 
                 async def coordinator_arm(seed: int, on: DualVLLMCoordinator = coordinator) -> int:
@@ -118,7 +118,7 @@ async def run(args: argparse.Namespace) -> dict:
                         runs[name].append(await timed(lambda: arm(repeat + 1), meters))
                 rows.append(summarize(batch, tokens, runs))
                 print_row(rows[-1])
-    return {"machine": common.machine(), "command": " ".join(["python", *sys.argv]), "top_k": args.top_k,
+    return {"machine": harness.machine(), "command": " ".join(["python", *sys.argv]), "top_k": args.top_k,
             "repeats": args.repeats, "rows": rows}
 
 
@@ -167,18 +167,18 @@ def print_row(row: dict) -> None:
 
 
 def plot(report: dict, path: Path) -> None:
-    plt = common.pyplot()
+    plt = harness.pyplot()
     lengths = sorted({r["tokens_per_sequence"] for r in report["rows"]})
     fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4.2), squeeze=False)
     for ax, n in zip(axes[0], lengths):
         rows = [r for r in report["rows"] if r["tokens_per_sequence"] == n]
-        common.plot_tokens_per_s(ax, rows, {arm: f"{arm}_tokens_per_s" for arm in ARMS},
+        harness.plot_tokens_per_s(ax, rows, {arm: f"{arm}_tokens_per_s" for arm in ARMS},
                                  f"{n} tokens per sequence, top_k {report['top_k']}")
-    common.save_figure(fig, path)
+    harness.save_figure(fig, path)
 
 
 def main() -> None:
-    parser = common.argument_parser(__doc__, live_servers=True)
+    parser = harness.argument_parser(__doc__, live_servers=True)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 32, 56],
                         help="output lengths (the bundled models' context is 64 tokens)")
@@ -187,9 +187,9 @@ def main() -> None:
     parser.add_argument("--reference-max-batch", type=int, default=64,
                         help="skip the reference arm above this batch size (it is slow)")
     parser.add_argument("--pool-size", type=int, default=64, help="reference arm: connections per server")
-    parser.add_argument("--output", type=Path, default=common.RESULTS_DIR / "throughput.json")
+    parser.add_argument("--output", type=Path, default=harness.RESULTS_DIR / "throughput.json")
     args = parser.parse_args()
-    common.finish(asyncio.run(run(args)), args.output, plot)
+    harness.finish(asyncio.run(run(args)), args.output, plot)
 
 
 if __name__ == "__main__":

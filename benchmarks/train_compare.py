@@ -11,7 +11,7 @@ group size, learning rate and held-out prompts) in OUTPUT/<task>/seed-<s>/<arm>/
 - `--task hard` (three-digit sums, tinymodels/data/hard_*.jsonl: the base never saw one,
   the hard teacher was trained on them): on-policy; q* with the hard teacher; q* with a
   privileged-information teacher (the base itself shown the answer: `--teacher self
-  --teacher-template "{answer} {prompt}"`, no teacher model).
+  --teacher-template "{answer} {prompt}"`, no teacher model); on-policy with `--curriculum`.
 
 At each evaluation: held-out greedy accuracy and pass@8 of the base, and over the
 updates since the last evaluation the fraction of groups with zero advantage (all
@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 import tinymodels
+from tinymodels.task import HARD_TEST, HARD_TRAIN
 from training.config import TrainConfig
 from training.grpo import train_grpo
 
@@ -44,11 +45,12 @@ ARMS = {
         "on-policy (alpha=0)": ("on-policy", {"fixed_alpha": 0.0}),
         "q* (hard teacher)": ("qstar-teacher", {"teacher": str(tinymodels.TEACHER_HARD_DIR)}),
         "q* (self + answer)": ("qstar-self", {"teacher": "self", "teacher_template": "{answer} {prompt}"}),
+        "on-policy + curriculum": ("on-policy-curriculum", {"fixed_alpha": 0.0, "curriculum": True}),
     },
 }
 TASKS = {  # TrainConfig fields of each task
     "arithmetic": {},
-    "hard": {"dataset": tinymodels.HARD_TRAIN, "eval_dataset": tinymodels.HARD_TEST, "max_tokens": 7},
+    "hard": {"dataset": HARD_TRAIN, "eval_dataset": HARD_TEST, "max_tokens": 5},
 }
 CURVES = ("held_out_accuracy", "held_out_pass@8", "zero_advantage_groups", "ess_ratio")
 
