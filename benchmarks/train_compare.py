@@ -15,7 +15,8 @@ group size, learning rate and held-out prompts) in OUTPUT/<task>/seed-<s>/<arm>/
 
 At each evaluation: held-out greedy accuracy and pass@8 of the base, and over the
 updates since the last evaluation the fraction of groups with zero advantage (all
-rollouts scored alike: no signal) and the ESS ratio of the sequence weights. Prints the
+rollouts scored alike: no signal), the ESS ratio of the sequence weights and the mean
+reward of the rollouts (how often the sampler, q* or the base, was right). Prints the
 mean ± spread (half the range) over seeds per arm and step, writes JSON and a plot.
 """
 
@@ -44,6 +45,10 @@ ARMS = {
     "hard": {
         "on-policy (alpha=0)": ("on-policy", {"fixed_alpha": 0.0}),
         "q* (hard teacher)": ("qstar-teacher", {"teacher": str(tinymodels.TEACHER_HARD_DIR)}),
+        "q* (hard teacher), token TIS": ("qstar-teacher-token", {"teacher": str(tinymodels.TEACHER_HARD_DIR),
+                                                                  "correction": "token"}),
+        "q* (hard teacher), no correction": ("qstar-teacher-none", {"teacher": str(tinymodels.TEACHER_HARD_DIR),
+                                                                    "correction": "none"}),
         "q* (self + answer)": ("qstar-self", {"teacher": "self", "teacher_template": "{answer} {prompt}"}),
         "on-policy + curriculum": ("on-policy-curriculum", {"fixed_alpha": 0.0, "curriculum": True}),
     },
@@ -52,14 +57,15 @@ TASKS = {  # TrainConfig fields of each task
     "arithmetic": {},
     "hard": {"dataset": HARD_TRAIN, "eval_dataset": HARD_TEST, "max_tokens": 5},
 }
-CURVES = ("held_out_accuracy", "held_out_pass@8", "zero_advantage_groups", "ess_ratio")
+CURVES = ("held_out_accuracy", "held_out_pass@8", "zero_advantage_groups", "ess_ratio", "reward_mean")
+TRAINING_CURVES = ("zero_advantage_groups", "ess_ratio", "reward_mean")  # averaged over the updates between evals
 
 
 def curves(metrics_path: Path) -> dict[str, list[tuple[int, float]]]:
     """Per metric, (step, value): evaluations as they are; training metrics averaged since the last evaluation."""
     records = [json.loads(line) for line in metrics_path.read_text().splitlines()]
     out: dict[str, dict[int, float]] = {name: {} for name in CURVES}
-    pending: dict[str, list[float]] = {"zero_advantage_groups": [], "ess_ratio": []}
+    pending: dict[str, list[float]] = {name: [] for name in TRAINING_CURVES}
     for record in records:
         for name in pending:
             if name in record:
@@ -77,15 +83,34 @@ def curves(metrics_path: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def run_arm(task: str, folder: str, fields: dict, args: argparse.Namespace, seed: int) -> dict:
+    """One arm's curves: trained now, or read back from a finished run with the same settings."""
     arm_dir = args.output / task / f"seed-{seed}" / folder
-    if arm_dir.exists():
-        raise SystemExit(f"{arm_dir} exists; remove it or pass another --output")
     config = TrainConfig(output_dir=arm_dir, steps=args.steps, eval_every=args.eval_every,
                          learning_rate=args.learning_rate, seed=seed, eval_prompts=args.eval_prompts,
                          eval_samples=8, pass_k=(1, 8), **TASKS[task], **fields)
+    if arm_dir.exists():
+        # Runs take minutes each: seeds and arms added later reuse the finished ones.
+        if finished_with(arm_dir, config):
+            print(f"reusing {arm_dir} (finished, same settings)")
+            return {"fields": {k: str(v) for k, v in fields.items()}, "curves": curves(arm_dir / "metrics.jsonl"),
+                    "reused": True}
+        raise SystemExit(f"{arm_dir} exists but is unfinished or was run with other settings; "
+                         "remove it or pass another --output")
     report = asyncio.run(train_grpo(config, show_progress=True))
     return {"fields": {k: str(v) for k, v in fields.items()}, "curves": curves(report.metrics_path),
             "dropped_stale_batches": report.dropped_stale_batches}
+
+
+def finished_with(arm_dir: Path, config: TrainConfig) -> bool:
+    """Whether `arm_dir` holds a run of `config` that reached its last step's evaluation."""
+    try:
+        saved = json.loads((arm_dir / "config.json").read_text())
+        records = [json.loads(line) for line in (arm_dir / "metrics.jsonl").read_text().splitlines()]
+    except (OSError, ValueError):
+        return False
+    wanted = json.loads(config.model_dump_json())
+    same = all(saved.get(key) == value for key, value in wanted.items() if key != "output_dir")
+    return same and any(r.get("step") == config.steps and "held_out_accuracy" in r for r in records)
 
 
 def summary(runs: dict[str, dict[int, dict]], metric: str) -> dict[str, dict[int, tuple[float, float]]]:

@@ -132,8 +132,10 @@ class TrainConfig(TaskConfig):
         None, ge=0, le=1, description="None = sample from q* (alpha* per token); 0 = on-policy (base only); 1 = teacher only.")
     learning_rate: float = Field(2e-4, gt=0, description="AdamW learning rate (1e-3 collapsed every arm on the bundled base).")
     correction: Correction = Field(
-        "sequence", description="Off-policy correction for q* rollouts: sequence (self-normalized per group) or token "
-                                "(truncated per-token pi/q*; did not lift the bundled base, see benchmarks/README.md).")
+        "sequence", description="Off-policy correction for q* rollouts: sequence (self-normalized per group), token "
+                                "(truncated per-token pi/q*; did not lift the bundled base, see benchmarks/README.md) "
+                                "or none (biased toward q*: for tasks the base almost never solves, see "
+                                "benchmarks/README.md).")
     is_cap: float = Field(2.0, ge=1, description="correction=token: truncation of the per-token weight pi_theta / q*.")
     share_cap: float = Field(
         3.0, ge=1, description="correction=sequence: truncation of G·v, the group shares one rollout may count for.")

@@ -20,6 +20,13 @@ Two corrections are offered (`Correction`):
   it is biased: the group mean of q* rollouts overestimates E_pi[R], the base's own
   mistakes carry weights > 1 and the teacher-guided tokens < 1, so the update is mostly a
   push-down (measured: it did not lift the bundled base, see benchmarks/README.md).
+- "none": plain group advantages, every token weighs 1, as if q* were the base. Biased on
+  purpose. Both corrections above estimate the on-policy gradient of E_pi[R], and where
+  the base almost never succeeds that gradient is almost zero however well it is
+  estimated: q*'s right answers are exactly the rollouts the base finds unlikely, so
+  their weights vanish. Without a correction the update climbs E_q*[R] instead and
+  pulls the base toward what q* gets right, as off-policy guidance does (LUFFY, Yan et
+  al. 2025, who likewise drop the off-policy ratio's denominator).
 
 Advantages are group-relative (GRPO, Shao et al. 2024). Loss normalizations follow
 TRL's names:
@@ -38,7 +45,7 @@ from typing import Literal, Sequence
 import torch
 
 Normalization = Literal["grpo", "dr_grpo", "dapo"]
-Correction = Literal["sequence", "token"]
+Correction = Literal["sequence", "token", "none"]
 
 
 def group_advantages(rewards: torch.Tensor, *, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
@@ -123,18 +130,21 @@ def advantages(rewards: Sequence[torch.Tensor], log_ratios: Sequence[torch.Tenso
 
     `rewards[g]`, `log_ratios[g]`: [G_g] rewards and summed log pi_theta(y) - log q*(y) of
     group g's rollouts. "sequence" weights them (self-normalized, G v truncated at `share_cap`);
-    "token" ignores the ratios here (the loss weights each token instead).
-    Metrics: mean ESS ratio of the groups' weights, fraction of rollouts truncated.
+    "token" ignores the ratios here (the loss weights each token instead), and so does "none".
+    Metrics: mean ESS ratio of the groups' sequence weights (for every correction); under
+    "sequence", the fraction of rollouts truncated and the largest share.
     """
-    if correction == "token":
-        return torch.cat([group_advantages(r[None, :], scale=scale)[0] for r in rewards]), {}
-    if correction != "sequence":
-        raise ValueError(f"unknown correction {correction!r}; use sequence or token")
     weights = [sequence_weights(l) for l in log_ratios]  # [G_g] each
+    # How far off-policy the rollouts are, whatever the correction does about it.
+    ess = {"ess_ratio": float(torch.stack([effective_sample_size_ratio(v) for v in weights]).mean())}
+    if correction in ("token", "none"):
+        return torch.cat([group_advantages(r[None, :], scale=scale)[0] for r in rewards]), ess
+    if correction != "sequence":
+        raise ValueError(f"unknown correction {correction!r}; use sequence, token or none")
     out = torch.cat([weighted_group_advantages(r, v, scale=scale, cap=share_cap) for r, v in zip(rewards, weights)])
     shares = torch.cat([v * v.shape[-1] for v in weights])  # [B]
     return out, {
-        "ess_ratio": float(torch.stack([effective_sample_size_ratio(v) for v in weights]).mean()),
+        **ess,
         "clip_fraction": float((shares > share_cap).float().mean()) if share_cap is not None else 0.0,
         "sequence_weight_max": float(shares.max()),
     }
@@ -156,7 +166,7 @@ def policy_loss(
     """The importance-corrected policy-gradient loss and its metrics (ratio stats, KL).
 
     "sequence": the advantages already carry the correction, each token weighs 1;
-    "token": each token weighs min(pi/q*, is_cap).
+    "token": each token weighs min(pi/q*, is_cap); "none": each token weighs 1.
     """
     truncated, ratio = importance_weights(logp_policy, logp_behaviour, is_cap)  # [B, T]
     weights = truncated if correction == "token" else torch.ones_like(truncated)

@@ -42,7 +42,7 @@ def test_completion_logprobs_match_a_plain_forward_pass(tokenizer):
     assert got[1, 3:].abs().sum() == 0  # padding contributes nothing
 
 
-@pytest.mark.parametrize("correction", ["sequence", "token"])
+@pytest.mark.parametrize("correction", ["sequence", "token", "none"])
 def test_an_update_makes_the_rewarded_completion_more_likely(tokenizer, correction):
     model = transformers.AutoModelForCausalLM.from_pretrained(tinymodels.BASE_DIR)
     good, bad = rollout(tokenizer, "12+34=", "64", 1.0), rollout(tokenizer, "12+34=", "65", 0.0)

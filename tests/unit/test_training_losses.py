@@ -67,9 +67,12 @@ def test_advantages_over_ragged_groups():
     assert metrics["clip_fraction"] == pytest.approx(1 / 5) and metrics["sequence_weight_max"] == pytest.approx(1.5)
     assert metrics["ess_ratio"] == pytest.approx((1 / (3 * 0.375) + 1.0) / 2)
     token, token_metrics = advantages(rewards, ratios, correction="token", scale=False)
-    assert token.tolist() == pytest.approx([2 / 3, -1 / 3, -1 / 3, -0.5, 0.5]) and token_metrics == {}
+    assert token.tolist() == pytest.approx([2 / 3, -1 / 3, -1 / 3, -0.5, 0.5])
+    assert token_metrics == {"ess_ratio": metrics["ess_ratio"]}
+    none, _ = advantages(rewards, ratios, correction="none", scale=False)  # the ratios are ignored
+    assert none.tolist() == token.tolist()
     with pytest.raises(ValueError, match="unknown correction"):
-        advantages(rewards, ratios, correction="none")  # type: ignore[arg-type]
+        advantages(rewards, ratios, correction="importance")  # type: ignore[arg-type]
 
 
 def test_importance_weights_are_truncated_and_detached():
@@ -132,3 +135,13 @@ def test_sequence_correction_weighs_every_token_once():
     loss.backward()
     assert logp.grad.tolist()[0] == pytest.approx([-1.5 / 2, -1.5 / 2])
     assert metrics["ratio_max"] == pytest.approx(5.0) and "clip_fraction" not in metrics
+
+
+def test_no_correction_weighs_every_token_once_whatever_the_ratio():
+    # q*'s right answer is one the base finds unlikely (pi/q* = 0.01): "none" still pushes it up fully.
+    logp = torch.log(torch.tensor([[0.001, 0.002]])).requires_grad_()
+    behaviour = torch.log(torch.tensor([[0.1, 0.2]]))
+    loss, metrics = policy_loss(logp, behaviour, torch.tensor([1.5]), torch.ones(1, 2), correction="none")
+    loss.backward()
+    assert logp.grad.tolist()[0] == pytest.approx([-1.5 / 2, -1.5 / 2])
+    assert metrics["ratio_max"] == pytest.approx(0.01) and "clip_fraction" not in metrics
