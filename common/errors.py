@@ -6,6 +6,7 @@
     │   └── UnknownModelError                 a server does not serve the model name asked for
     ├── IncompatibleModelsError               the two servers' tokenizers disagree
     ├── TopKUnsupportedError                  a server refuses the requested top_k
+    ├── LockstepUnavailableError              lockstep mode asked for, and a server cannot do it
     ├── LifecycleError                        a client/coordinator used outside `async with`
     ├── ServerStartupError                    a launched vLLM server died or never got healthy
     ├── GenerationFailedError                 a caller needed every sequence, and some failed
@@ -60,6 +61,10 @@ class IncompatibleModelsError(DualVLLMError):
 
 class TopKUnsupportedError(DualVLLMError):
     """A server refuses to return as many logprobs as the configured top_k."""
+
+
+class LockstepUnavailableError(DualVLLMError):
+    """mode="lockstep", and a server lacks the dualvllm plugin or runs with chunked prefill."""
 
 
 class LifecycleError(DualVLLMError):

@@ -42,6 +42,12 @@ class CoordinatorConfig(RaisesInvalidInput, BaseSettings):
         False, description="Tokenize and detokenize in the coordinator with each model's own tokenizer (transformers, from the model directory the server reports, which must be readable here) instead of over HTTP; needed for servers started with --skip-tokenizer-init, which then skip detokenizing every top-k entry (faster per request).")
     max_prompts_per_request: int = Field(
         1024, ge=1, description="Most prompts one request to a server may carry (vLLM refuses more than its VLLM_MAX_COMPLETION_PROMPTS, 1024 by default): a per-token step sends one per sequence, speculative scoring one per drafted token, split into requests of at most this many.")
+    mode: Literal["auto", "lockstep", "per_token"] = Field(
+        "auto", description="How tokens reach the servers: lockstep = each server decodes every sequence in one long request while its dualvllm plugin asks the coordinator for each token (servers started with --lockstep; coordinator/lockstep.py); per_token = one batched request per server per token; auto = lockstep when both servers carry the plugin, else per-token.")
+    lockstep_host: str = Field(
+        "127.0.0.1", description="Interface the coordinator's lockstep socket binds, which the servers' plugins dial; another host than loopback must be listed in the servers' DUALVLLM_LOCKSTEP_ALLOWED_HOSTS.")
+    lockstep_stall_timeout: float = Field(
+        5.0, gt=0, description="Lockstep: seconds a server may wait on sequences the other server has not reached (its batch is busy) before they are ended and resubmitted.")
     speculative_gamma: int = Field(
         0, ge=0, le=64, description="Speculative q* sampling: tokens the drafter samples per round, kept up to the first one q*'s acceptance rule rejects (coordinator/speculative.py); 0 = per-token mode.")
     speculative_drafter: Literal["theta", "t"] = Field(
@@ -70,6 +76,13 @@ class CoordinatorConfig(RaisesInvalidInput, BaseSettings):
                     "one request carries that many prompts, and vLLM refuses more than its "
                     "VLLM_MAX_COMPLETION_PROMPTS (1024 by default). Lower it, or raise that variable on both "
                     "servers and max_prompts_per_request with it.")
+        return self
+
+    @model_validator(mode="after")
+    def _one_mode(self) -> CoordinatorConfig:
+        if self.mode == "lockstep" and self.speculative_gamma:
+            raise ValueError("speculative_gamma > 0 is a per-token mode; lockstep needs speculative_gamma=0 "
+                             "(it gains more: no request per token at all)")
         return self
 
     @property

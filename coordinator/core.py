@@ -21,13 +21,15 @@ from tqdm.auto import tqdm
 
 from coordinator.checks import check_health, check_tokenizers, check_top_k, resolve_eos
 from coordinator.config import CoordinatorConfig
+from coordinator.lockstep import LockstepScheduler, lockstep_unavailable
 from coordinator.outputs import GenerationOutput, Prompt
 from coordinator.prompts import encode_prompts
 from coordinator.scheduler import Scheduler
 from coordinator.sequence import SamplingParams, SequenceState
 from coordinator.speculative import SpeculativeScheduler, speculative_scheduler
 from coordinator.stats import Statistics, StepTiming
-from common.errors import InvalidInputError, LifecycleError
+from common.errors import InvalidInputError, LifecycleError, LockstepUnavailableError
+from engines.lockstep_channel import LockstepChannel
 from engines.protocol import Engine
 from engines.vllm_client import VLLMClient
 
@@ -50,7 +52,7 @@ class DualVLLMCoordinator:
         self._theta: Engine | None = None
         self._t: Engine | None = None
         self._stack = contextlib.AsyncExitStack()
-        self._scheduler: Scheduler | None = None
+        self._scheduler: Scheduler | LockstepScheduler | None = None
         self._stats = Statistics()
         self._seed_source = np.random.default_rng(self.config.seed)
         self._state = "new"
@@ -97,10 +99,47 @@ class DualVLLMCoordinator:
         log.info("coordinator ready: base %s, teacher %s, top_k=%d, eos=%s, max_model_len=%d",
                  infos[0].name, infos[1].name, cfg.top_k, sorted(eos_ids), max_len)
         self._theta, self._t = theta, t
-        scheduler = speculative_scheduler(theta, t) if cfg.speculative_gamma else Scheduler
-        self._scheduler = scheduler(theta, t, config=cfg, eos_ids=eos_ids, max_len=max_len,
-                                    stats=self._stats, vocab_size=min(vocab_sizes) if vocab_sizes else None)
+        vocab_size = min(vocab_sizes) if vocab_sizes else None
+        self._scheduler = await self._lockstep_scheduler(theta, t, eos_ids, max_len, vocab_size)
+        if self._scheduler is None:
+            scheduler = speculative_scheduler(theta, t) if cfg.speculative_gamma else Scheduler
+            self._scheduler = scheduler(theta, t, config=cfg, eos_ids=eos_ids, max_len=max_len,
+                                        stats=self._stats, vocab_size=vocab_size)
+        log.info("decoding mode: %s", self.mode)
         self._eos_ids = eos_ids
+
+    async def _lockstep_scheduler(self, theta: Engine, t: Engine, eos_ids: frozenset[int], max_len: int,
+                                  vocab_size: int | None) -> LockstepScheduler | None:
+        """A lockstep scheduler when the mode allows it and both servers carry the plugin; None
+        for per-token mode. mode="lockstep" without the plugin raises LockstepUnavailableError."""
+        cfg = self.config
+        if cfg.mode == "per_token" or cfg.speculative_gamma:
+            return None
+        if not (isinstance(theta, VLLMClient) and isinstance(t, VLLMClient)):
+            if cfg.mode == "lockstep":
+                raise LockstepUnavailableError("lockstep mode needs two vLLM servers (VLLMClient engines)")
+            return None
+        channel = LockstepChannel(cfg.lockstep_host)
+        stop_token = min(eos_ids)  # any id ends a request that lists it; an EOS reads best in logs
+        reason = await lockstep_unavailable(channel, [theta, t], await theta.tokenize("Hello"), stop_token,
+                                            cfg.request_timeout)
+        if reason is not None:
+            channel.close()
+            if cfg.mode == "lockstep":
+                raise LockstepUnavailableError(f"lockstep mode: {reason}")
+            log.info("per-token mode: %s", reason)
+            return None
+        return LockstepScheduler(theta, t, config=cfg, eos_ids=eos_ids, max_len=max_len, stats=self._stats,
+                                 channel=channel, stop_token=stop_token, vocab_size=vocab_size)
+
+    @property
+    def mode(self) -> str:
+        """How tokens reach the servers: "lockstep", "speculative" or "per_token" (known once entered)."""
+        if isinstance(self._scheduler, LockstepScheduler):
+            return "lockstep"
+        if isinstance(self._scheduler, SpeculativeScheduler):
+            return "speculative"
+        return "per_token"
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -214,7 +253,9 @@ class DualVLLMCoordinator:
 
     def get_statistics(self) -> dict[str, float]:
         """Tokens, requests, retries, failures, mean alpha, tokens/s, step latency p50/p95;
-        in speculative mode also the acceptance rate and tokens per sequence-round."""
+        in speculative mode also the acceptance rate and tokens per sequence-round; in
+        lockstep mode also parks, resubmissions, rows that arrived a step ahead, and how long
+        the servers waited on the coordinator (a "step" there is the time between decisions)."""
         engines = [e for e in (self._theta, self._t) if e is not None]
         summary = self._stats.summary(
             requests=sum(getattr(e, "requests", 0) for e in engines),
@@ -223,6 +264,8 @@ class DualVLLMCoordinator:
         )
         if isinstance(self._scheduler, SpeculativeScheduler):
             summary.update(self._scheduler.acceptance.summary())
+        if isinstance(self._scheduler, LockstepScheduler):
+            summary.update(self._scheduler.counters.summary(self._stats.tokens))
         return summary
 
     def recent_step_latencies_s(self) -> list[float]:
@@ -233,7 +276,7 @@ class DualVLLMCoordinator:
         """Where the most recent steps spent their time, phase by phase, oldest first."""
         return list(self._stats.step_timings)
 
-    def _require_open(self) -> Scheduler:
+    def _require_open(self) -> Scheduler | LockstepScheduler:
         if self._state != "open" or self._scheduler is None:
             raise LifecycleError(
                 "the coordinator is not open; use `async with DualVLLMCoordinator(config) as c:`")

@@ -17,6 +17,7 @@ from typing import Awaitable, TypeVar
 import numpy as np
 
 from coordinator.config import CoordinatorConfig
+from coordinator.delivery import Delivery
 from coordinator.sequence import SequenceState
 from coordinator.stats import Statistics, StepTiming
 from coordinator.step import StepResult, mix_and_sample
@@ -53,7 +54,7 @@ class Scheduler:
         self._active: list[SequenceState] = []
         self._work = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._finishing: set[asyncio.Task[None]] = set()
+        self._delivery = Delivery(theta, stats)
 
     @property
     def max_len(self) -> int:
@@ -76,11 +77,10 @@ class Scheduler:
             self._task = None
         for seq in [*self._active, *self._waiting]:
             seq.fail("the coordinator was closed before this sequence finished")
-            self._deliver(seq, text="")
+            self._delivery.deliver(seq, text="")
         self._active.clear()
         self._waiting.clear()
-        if self._finishing:
-            await asyncio.gather(*self._finishing, return_exceptions=True)
+        await self._delivery.aclose()
 
     async def _run(self) -> None:
         while True:
@@ -101,7 +101,7 @@ class Scheduler:
                 if seq.finish_reason is None:
                     still_active.append(seq)
                 else:
-                    self._retire(seq)
+                    self._delivery.retire(seq)
             self._active = still_active
 
     def _admit(self) -> None:
@@ -131,7 +131,7 @@ class Scheduler:
 
         step = self._sample(active, theta_result, t_result)
         self._record(active, step)
-        await self._check_stop_strings([s for s in active if s.params.stop and s.error is None])
+        await self._delivery.check_stop_strings([s for s in active if s.params.stop and s.error is None])
         finished = time.perf_counter()
         merge_s, alpha_s, sample_s = step.phase_s
         timing = StepTiming(
@@ -185,41 +185,6 @@ class Scheduler:
             seq.append(tokens[row], alphas[row], lq[row], lth[row], lt[row],
                        {key: values[row] for key, values in diagnostics.items()} if diagnostics else {},
                        self._eos_ids, self._max_len)
-
-    async def _check_stop_strings(self, sequences: list[SequenceState]) -> None:
-        texts = await asyncio.gather(*(self._text(s) for s in sequences), return_exceptions=True)
-        for seq, text in zip(sequences, texts):
-            if isinstance(text, BaseException):
-                raise text
-            if text is not None:
-                seq.check_stop_strings(text)
-
-    async def _text(self, seq: SequenceState) -> str | None:
-        """The text of `seq`'s generated tokens; None once `seq` failed because the server
-        could not detokenize them."""
-        try:
-            return await self._theta.detokenize(seq.tokens_for_text())
-        except DualVLLMError as err:
-            seq.fail(f"{self._theta.name} server, detokenize: {err}")
-            return None
-
-    def _retire(self, seq: SequenceState) -> None:
-        if seq.text is not None or seq.error is not None:
-            self._deliver(seq, text=seq.text or "")
-            return
-        task = asyncio.create_task(self._detokenize_and_deliver(seq))
-        self._finishing.add(task)
-        task.add_done_callback(self._finishing.discard)
-
-    async def _detokenize_and_deliver(self, seq: SequenceState) -> None:
-        self._deliver(seq, text=await self._text(seq) or "")
-
-    def _deliver(self, seq: SequenceState, *, text: str) -> None:
-        seq.text = text
-        self._stats.sequences_finished += 1
-        if seq.error is not None:
-            self._stats.sequences_failed += 1
-        seq.sink.put_nowait(seq.output())
 
 
 async def _timed(call: Awaitable[T]) -> tuple[T | BaseException, float]:

@@ -229,7 +229,7 @@ class SpeculativeScheduler(Scheduler):
             if seq.finish_reason is not None:
                 break
         if seq.params.stop and seq.error is None:
-            text = await self._text(seq)
+            text = await self._delivery.text(seq)
             if text is not None and any(stop in text for stop in seq.params.stop):
                 await self._replay_until_stop_string(seq, records, before)
             elif text is not None:
@@ -241,7 +241,7 @@ class SpeculativeScheduler(Scheduler):
         seq.truncate(before)
         for record in records:
             self._append(seq, record)
-            text = await self._text(seq)
+            text = await self._delivery.text(seq)
             if text is None:
                 return
             seq.check_stop_strings(text)

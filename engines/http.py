@@ -80,8 +80,9 @@ async def request_json(
     idempotent: bool,
     on_retry: Callable[[ServerError], None] | None = None,
     decode: Callable[[bytes], Any] = json.loads,
+    timeout: aiohttp.ClientTimeout | None = None,
 ) -> Any:
-    """Send one JSON request with the session's timeout, retrying what is worth retrying.
+    """Send one JSON request with the session's timeout (or `timeout`), retrying what is worth retrying.
 
     `idempotent`: sending the request twice has the effect of sending it once, so it may
     be resent after any retryable failure; if False it is resent only when nothing was
@@ -93,7 +94,8 @@ async def request_json(
     attempt = 0
     while True:
         try:
-            return await _request_once(session, method, url, server=server, data=data, decode=decode)
+            return await _request_once(session, method, url, server=server, data=data, decode=decode,
+                                       timeout=timeout)
         except ServerError as err:
             safe_to_resend = idempotent or not err.request_sent
             if not (err.retryable and safe_to_resend) or attempt >= retry.max_retries:
@@ -106,10 +108,11 @@ async def request_json(
 
 async def _request_once(
     session: aiohttp.ClientSession, method: str, url: str, *, server: str, data: bytes | None,
-    decode: Callable[[bytes], Any],
+    decode: Callable[[bytes], Any], timeout: aiohttp.ClientTimeout | None = None,
 ) -> Any:
     try:
-        async with session.request(method, url, data=data, headers=JSON_HEADERS if data else None) as response:
+        async with session.request(method, url, data=data, headers=JSON_HEADERS if data else None,
+                                   **({"timeout": timeout} if timeout is not None else {})) as response:
             raw = await response.read()
             status = response.status
     except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:

@@ -39,6 +39,7 @@ HEALTH_POLL_INTERVAL_S = 0.5
 # vLLM stops its engine core on SIGTERM within a few seconds; past this we SIGKILL.
 STOP_GRACE_S = 20.0
 LOG_TAIL_LINES = 40
+LOCKSTEP_PROCESSOR = "engines.vllm_plugin.processor:LockstepProcessor"
 
 
 class ServerConfig(RaisesInvalidInput, BaseModel):
@@ -68,6 +69,8 @@ class ServerConfig(RaisesInvalidInput, BaseModel):
     startup_timeout_s: float = Field(600.0, gt=0, description="How long to wait for /health before giving up.")
     skip_tokenizer_init: bool = Field(
         False, description="--skip-tokenizer-init: the server takes token ids only and detokenizes nothing (faster per request); clients must tokenize themselves (CoordinatorConfig.local_tokenizers).")
+    lockstep: bool = Field(
+        False, description="Load dualvllm's lockstep plugin (engines/vllm_plugin) and turn chunked prefill off, so a coordinator can pick every token of a long request (CoordinatorConfig.mode).")
     extra_args: tuple[str, ...] = Field((), description="More vLLM CLI arguments, passed verbatim.")
 
     @field_validator("model")
@@ -162,6 +165,9 @@ class VLLMServer:
             cmd += ["--served-model-name", c.served_model_name]
         if c.max_model_len:
             cmd += ["--max-model-len", str(c.max_model_len)]
+        if c.lockstep:
+            # Chunked prefill would show the plugin rows of half-computed prompts as steps.
+            cmd += ["--logits-processors", LOCKSTEP_PROCESSOR, "--no-enable-chunked-prefill"]
         if self._on_cpu():
             # CUDA-graph capture is what makes CPU start-up slow (~100 s vs ~35 s) and
             # buys nothing for per-token requests.
@@ -180,6 +186,10 @@ class VLLMServer:
             env["VLLM_API_KEY"] = c.api_key  # not --api-key: argv is visible to every user
         if c.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
+        if c.lockstep and not self._on_cpu():
+            # GPU builds default to Model Runner V2, whose logits processors have another
+            # interface; the plugin implements V1's (what the CPU build runs).
+            env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         # Models are local: never wait on a hub that cannot be reached.
         env.setdefault("HF_HUB_OFFLINE", "1")
         return env

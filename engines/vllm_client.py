@@ -162,17 +162,20 @@ class VLLMClient:
     })
 
     async def call(self, method: str, path: str, payload: Any = None,
-                   decode: Callable[[bytes], Any] = json.loads) -> Any:
+                   decode: Callable[[bytes], Any] = json.loads, *, idempotent: bool | None = None,
+                   timeout: aiohttp.ClientTimeout | None = None) -> Any:
         """One JSON request to `path`, with retries; the building block of every call.
 
-        Retried like a read if it is a GET or in IDEMPOTENT_POSTS, else only when it
-        never left (engines.http's table). `decode` parses a 2xx body (default: any JSON);
-        see engines.http.request_json.
+        Retried like a read if it is a GET or in IDEMPOTENT_POSTS (or `idempotent` says
+        so), else only when it never left (engines.http's table). `decode` parses a 2xx
+        body (default: any JSON); see engines.http.request_json. `timeout` replaces the
+        client's request timeout for this call.
         """
         if self._session is None:
             raise LifecycleError(f"{self.name} client for {self.url} is not open; "
                                  "use `async with VLLMClient(...) as client:`")
-        idempotent = method == "GET" or path.partition("?")[0] in self.IDEMPOTENT_POSTS
+        if idempotent is None:
+            idempotent = method == "GET" or path.partition("?")[0] in self.IDEMPOTENT_POSTS
         self.requests += 1
 
         def count_retry(_: ServerError) -> None:
@@ -183,7 +186,7 @@ class VLLMClient:
             return await request_json(
                 self._session, method, self.url + path, server=self.name,
                 payload=payload, retry=self._retry, idempotent=idempotent, on_retry=count_retry,
-                decode=decode,
+                decode=decode, timeout=timeout,
             )
         except ServerError:
             self.failures += 1
@@ -352,6 +355,28 @@ class VLLMClient:
             return np.fromiter(map(self._token_ids.__getitem__, keys), np.int64, count)
         except ValueError as err:
             raise MalformedResponseError(self.name, self.url, str(err)) from err
+
+    # -- lockstep (engines/vllm_plugin) ------------------------------------------------
+
+    async def forced_generation(self, prompt_ids: Sequence[int], *, max_tokens: int, stop_token: int,
+                                lockstep_args: dict[str, int | str]) -> str:
+        """One lockstep request: the server generates whatever its plugin is told, until the
+        coordinator ends it (`stop_token`) or `max_tokens`; returns the finish_reason.
+
+        Sent at most once (a resend would be a second request with the same lockstep id)
+        unless nothing left; no total timeout, because it lasts as long as its sequence: the
+        plugin's own timeout ends it if the coordinator goes silent.
+        """
+        info = await self.model_info()
+        payload = {
+            "model": info.name, "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stop_token_ids": [stop_token], "vllm_xargs": lockstep_args,
+        }
+        body = await self.call("POST", "/v1/completions", payload, idempotent=False,
+                               timeout=aiohttp.ClientTimeout(total=None, connect=self._timeout.connect))
+        choices = body.get("choices") if isinstance(body, dict) else None
+        expect(isinstance(choices, list) and len(choices) == 1, self.name, self.url, "expected one choice")
+        return str(choices[0].get("finish_reason"))
 
     # -- speculative rounds (engines.protocol.SpeculativeEngine) ------------------------
 

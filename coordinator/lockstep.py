@@ -1,0 +1,514 @@
+"""Lockstep mode: both servers decode natively, the coordinator picks every token.
+
+Each sequence is one long completion request per server (a *stream*), tagged with this
+coordinator's address, so the server's plugin (engines/vllm_plugin) asks here for the
+token of every position. No request per token: vLLM's per-request work (front end,
+scheduling set-up, logprob serialization) is paid once per sequence.
+
+The state machine, per plugin report (one per server decode step):
+- each row is (stream, position). A row at the sequence's next position waits until the
+  other role's row for the same position has arrived; then the pair is decided with the
+  per-token step's math (coordinator/step.py: merge, alpha*, sample) and both rows get
+  the token, or END when that token finishes the sequence (EOS, stop token or string,
+  max_tokens, context limit). Rows of finished, failed or unknown streams get END; a row
+  at a position already decided (a preempted request come back) gets the same token.
+- a report is answered when all of its rows are decided: the server waits for all of
+  them anyway, so one server may run a step ahead of the other on some sequences.
+- deadlock: every server with streams is waiting, and no report can be completed (server
+  A waits on a sequence B has not admitted, while B waits on one A has not). It is exact:
+  nothing else will arrive. The report with the fewest undecidable rows has those rows
+  *parked*: answered END, which ends those requests, and resubmitted from their agreed
+  tokens with the position offset. The prefix cache makes the resubmission cheap. A
+  report left waiting longer than `lockstep_stall_timeout` on a server that is not waiting
+  (its batch is full of other work) is parked the same way.
+- a stream that the server ended on its own while its sequence goes on (its stop token
+  sampled as an ordinary token, the server's max_tokens) is resubmitted the same way; a
+  stream whose request failed fails its sequence only.
+
+Positions are counted by the plugin from the offset of each request and checked here
+against the sequence's agreed tokens; a mismatch fails that sequence, never silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import logging
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from common.errors import LifecycleError
+from coordinator.config import CoordinatorConfig
+from coordinator.delivery import Delivery
+from coordinator.sequence import SequenceState
+from coordinator.stats import Statistics, StepTiming
+from coordinator.step import mix_and_sample
+from engines.lockstep_channel import LockstepChannel
+from engines.protocol import TopKBatch
+from engines.vllm_client import VLLMClient
+from engines.vllm_plugin import wire
+
+log = logging.getLogger("dualvllm.coordinator")
+
+UNSET = -2  # a report row not decided yet
+THETA, T = 0, 1
+# A sequence whose requests the servers keep ending on their own this often has
+# something wrong with it (a server restarting in a loop); it fails instead.
+MAX_RESUBMISSIONS = 64
+# After close, reports are answered END for this long, so that no server waits out its
+# plugin timeout on a coordinator that has gone.
+DRAIN_S = 5.0
+
+
+@dataclass(eq=False)
+class _Blocked:
+    """A server's report, waiting for its reply."""
+
+    identity: bytes
+    report: wire.Report
+    answers: np.ndarray  # int64 [n], UNSET until decided
+    arrived: float
+    server: str | None  # the engine the rows belong to (None: no known rows)
+
+
+@dataclass(eq=False)
+class _Live:
+    """A sequence being generated in lockstep: its two streams and their waiting rows."""
+
+    seq: SequenceState
+    streams: list["_Stream | None"] = field(default_factory=lambda: [None, None])
+    rows: list[tuple[_Blocked, int] | None] = field(default_factory=lambda: [None, None])
+    resubmissions: int = 0
+    done: bool = False  # finished, failed or cancelled, and handed to delivery
+
+
+@dataclass(eq=False)
+class _Stream:
+    """One lockstep request on one server."""
+
+    id: int
+    live: _Live
+    role: int
+    engine: VLLMClient
+    offset: int
+    retired: bool = False  # parked, ended or replaced: its rows get END, its end is expected
+
+
+@dataclass
+class LockstepCounters:
+    reports: int = 0
+    parks: int = 0  # rows parked to break a deadlock or a stall
+    resubmissions: int = 0  # requests resent from their agreed tokens (parks, early ends)
+    ahead_rows: int = 0  # rows that arrived before the other server's row of the same position
+    wait_s: float = 0.0  # summed time reports waited here for their reply
+    replies: int = 0
+
+    def summary(self, tokens: int) -> dict[str, float]:
+        per_1k = 1000.0 / tokens if tokens else float("nan")
+        return {
+            "lockstep_reports": self.reports,
+            "lockstep_parks": self.parks,
+            "lockstep_resubmissions_per_1k_tokens": self.resubmissions * per_1k,
+            "lockstep_ahead_rows_per_1k_tokens": self.ahead_rows * per_1k,
+            "lockstep_server_wait_ms_mean": 1e3 * self.wait_s / self.replies if self.replies else float("nan"),
+        }
+
+
+class LockstepScheduler:
+    def __init__(self, theta: VLLMClient, t: VLLMClient, *, config: CoordinatorConfig, eos_ids: frozenset[int],
+                 max_len: int, stats: Statistics, channel: LockstepChannel, stop_token: int,
+                 vocab_size: int | None = None) -> None:
+        """`stop_token`: the token a stream's plugin forces to end it (an EOS id of both models)."""
+        self._engines = (theta, t)
+        self._config = config
+        self._eos_ids = eos_ids
+        self._max_len = max_len
+        self._stats = stats
+        self._channel = channel
+        self._stop_token = stop_token
+        self._vocab_size = vocab_size
+        self._delivery = Delivery(theta, stats)
+        self.counters = LockstepCounters()
+        self._waiting: deque[SequenceState] = deque()
+        self._live: list[_Live] = []
+        self._streams: dict[int, _Stream] = {}
+        self._requests: set[asyncio.Task[str]] = set()
+        self._blocked: dict[bytes, _Blocked] = {}
+        # Ids start at a random point: a plugin that still counts positions for a previous
+        # coordinator on the same port must never mistake these streams for its old ones.
+        self._ids = itertools.count(secrets.randbits(40) << 20)
+        self._loop_task: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self._closing = False
+        self._last_decision: float | None = None
+        # Every change of state (reports, stalls, ended requests) runs under this lock: a
+        # decision awaits detokenization for stop strings, and nothing may move under it.
+        self._lock = asyncio.Lock()
+        self._background: set[asyncio.Task[None]] = set()
+
+    @property
+    def max_len(self) -> int:
+        return self._max_len
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def submit(self, sequences: list[SequenceState]) -> None:
+        if self._closing:
+            raise LifecycleError("the coordinator is closing")
+        self._waiting.extend(sequences)
+        if self._loop_task is None:
+            self._loop_task = asyncio.create_task(self._receive_loop(), name="dualvllm-lockstep")
+            self._watchdog = asyncio.create_task(self._watch_stalls(), name="dualvllm-lockstep-watchdog")
+        self._admit()
+
+    async def close(self) -> None:
+        """Fail what is unfinished, end every server request, then stop listening."""
+        async with self._lock:
+            self._closing = True
+            for live in list(self._live):
+                if not live.done:
+                    live.seq.fail("the coordinator was closed before this sequence finished")
+                    self._finish(live)
+            for seq in self._waiting:
+                seq.fail("the coordinator was closed before this sequence finished")
+                self._delivery.deliver(seq, text="")
+            self._waiting.clear()
+            await self._send_ready()
+        # The servers end their requests at their next report, answered END here.
+        if self._requests:
+            await asyncio.wait(list(self._requests), timeout=DRAIN_S)
+        tasks = [t for t in (self._watchdog, self._loop_task, *self._requests, *self._background) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._channel.close()
+        await self._delivery.aclose()
+
+    # -- admission and streams ---------------------------------------------------------
+
+    def _admit(self) -> None:
+        """Start the waiting sequences there is room for, both streams of each at once, so
+        both servers usually admit a sequence in the same step."""
+        self._live = [live for live in self._live if not live.done]
+        while self._waiting and len(self._live) < self._config.max_batch_size:
+            seq = self._waiting.popleft()
+            if seq.cancelled:
+                continue
+            live = _Live(seq)
+            self._live.append(live)
+            for role in (THETA, T):
+                self._start_stream(live, role)
+
+    def _start_stream(self, live: _Live, role: int) -> None:
+        """Send `live`'s request to the role's server, continuing from its agreed tokens."""
+        seq = live.seq
+        prompt = (seq.theta_prompt_ids if role == THETA else seq.t_prompt_ids) + seq.tokens
+        agreed = len(seq.tokens)
+        stream = _Stream(id=next(self._ids), live=live, role=role, engine=self._engines[role], offset=agreed)
+        live.streams[role] = stream
+        self._streams[stream.id] = stream
+        # One more than needed: the coordinator ends the request (END) before the server would.
+        max_tokens = max(1, min(seq.params.max_tokens - agreed + 1, self._max_len - len(prompt)))
+        args = {wire.ARG_ADDRESS: self._channel.address, wire.ARG_ID: stream.id, wire.ARG_OFFSET: agreed,
+                wire.ARG_TOP_K: self._config.top_k, wire.ARG_STOP: self._stop_token}
+        task = asyncio.create_task(stream.engine.forced_generation(
+            prompt, max_tokens=max_tokens, stop_token=self._stop_token, lockstep_args=args))
+        self._requests.add(task)
+        task.add_done_callback(functools.partial(self._stream_ended, stream))
+
+    def _stream_ended(self, stream: _Stream, task: asyncio.Task[str]) -> None:
+        self._requests.discard(task)
+        if task.cancelled():
+            self._streams.pop(stream.id, None)
+            return
+        handler = asyncio.create_task(self._on_stream_end(stream, task))
+        self._background.add(handler)
+        handler.add_done_callback(self._background.discard)
+
+    async def _on_stream_end(self, stream: _Stream, task: asyncio.Task[str]) -> None:
+        """A server request finished: expected (retired), or the sequence must go on."""
+        async with self._lock:
+            self._streams.pop(stream.id, None)
+            if stream.retired or self._closing:
+                return
+            self._continue_after(stream, task)
+            self._admit()
+            if self._live_servers_all_blocked():
+                self._break_deadlock()
+            await self._send_ready()
+
+    def _continue_after(self, stream: _Stream, task: asyncio.Task[str]) -> None:
+        stream.retired = True
+        live = stream.live
+        live.streams[stream.role] = None
+        if live.done:
+            return
+        error = task.exception()
+        seq = live.seq
+        if error is not None:
+            log.warning("%s lockstep request of a sequence failed: %s", stream.engine.name, error)
+            seq.fail(f"{stream.engine.name} server: {error}")
+            self._finish(live)
+        elif live.resubmissions >= MAX_RESUBMISSIONS:
+            seq.fail(f"{stream.engine.name} server ended this sequence's request {live.resubmissions} times "
+                     f"before the coordinator did (last finish_reason {task.result()!r})")
+            self._finish(live)
+        else:
+            # The server ended it (its stop token sampled as an ordinary token, its own
+            # max_tokens): continue from the agreed tokens.
+            self._resubmit(live, stream.role)
+
+    def _resubmit(self, live: _Live, role: int) -> None:
+        live.resubmissions += 1
+        self.counters.resubmissions += 1
+        self._start_stream(live, role)
+
+    # -- reports -----------------------------------------------------------------------
+
+    async def _receive_loop(self) -> None:
+        while True:
+            try:
+                identity, report = await self._channel.receive()
+            except wire.WireError as err:
+                log.error("dropping a malformed lockstep report: %s", err)
+                continue
+            async with self._lock:
+                try:
+                    await self._on_report(identity, report)
+                except Exception as exc:  # a bug must not hang the servers or the callers
+                    log.exception("lockstep step failed")
+                    for live in list(self._live):
+                        if not live.done:
+                            live.seq.fail(f"internal error in the lockstep coordinator: {exc!r}")
+                            self._finish(live)
+                    for blocked in self._blocked.values():
+                        blocked.answers[blocked.answers == UNSET] = wire.END
+                    await self._send_ready()
+
+    async def _on_report(self, identity: bytes, report: wire.Report) -> None:
+        arrived = time.perf_counter()
+        self.counters.reports += 1
+        n = len(report.ids)
+        blocked = _Blocked(identity, report, np.full(n, UNSET, dtype=np.int64), arrived, server=None)
+        stale = self._blocked.pop(identity, None)
+        if stale is not None:  # the plugin gave up on it (timeout): its rows were ended there
+            self._forget(stale)
+        self._blocked[identity] = blocked
+        ready: list[_Live] = []
+        answers = blocked.answers
+        for i, (stream_id, position) in enumerate(zip(report.ids.tolist(), report.positions.tolist())):
+            stream = self._streams.get(stream_id)
+            if stream is None or stream.retired or stream.live.done or self._closing:
+                answers[i] = wire.END
+                continue
+            live, seq = stream.live, stream.live.seq
+            blocked.server = stream.engine.url
+            agreed = len(seq.tokens)
+            if seq.cancelled:
+                seq.fail("cancelled by the caller")
+                self._finish(live)
+                answers[i] = wire.END
+            elif position < agreed:  # a preempted request come back: decided already
+                answers[i] = seq.tokens[position]
+            elif position > agreed or live.rows[stream.role] is not None:
+                seq.fail(f"{stream.engine.name} server reported position {position} of a sequence agreed up to "
+                         f"{agreed} tokens: the two servers diverged")
+                self._finish(live)
+                answers[i] = wire.END
+            else:
+                live.rows[stream.role] = (blocked, i)
+                if live.rows[1 - stream.role] is not None:
+                    ready.append(live)
+                else:
+                    self.counters.ahead_rows += 1
+        if ready:
+            await self._decide(ready)
+        if self._live_servers_all_blocked():
+            self._break_deadlock()
+        await self._send_ready()
+        self._admit()
+
+    def _forget(self, blocked: _Blocked) -> None:
+        for live in self._live:
+            for role in (THETA, T):
+                row = live.rows[role]
+                if row is not None and row[0] is blocked:
+                    live.rows[role] = None
+
+    async def _decide(self, ready: list[_Live]) -> None:
+        """Sample the next token of every sequence whose two rows are in, and answer both rows."""
+        started = time.perf_counter()
+        theta = self._topk([live.rows[THETA] for live in ready])  # type: ignore[misc]
+        t = self._topk([live.rows[T] for live in ready])  # type: ignore[misc]
+        params = [live.seq.params for live in ready]
+        step = mix_and_sample(
+            theta, t,
+            temperature=np.fromiter((p.temperature for p in params), np.float64, len(ready)),
+            fixed_alpha=np.array([np.nan if p.fixed_alpha is None else p.fixed_alpha for p in params]),
+            uniforms=np.fromiter((live.seq.rng.random() for live in ready), np.float64, len(ready)),
+            fill=self._config.fill_rule, vocab_size=self._vocab_size,
+            alpha_tol=self._config.alpha_tol, alpha_max_iter=self._config.alpha_max_iter,
+            with_diagnostics=any(p.return_diagnostics for p in params),
+        )
+        tokens, alphas = step.token_ids.tolist(), step.alpha.tolist()
+        lq, lth, lt = step.logprob_q.tolist(), step.logprob_theta.tolist(), step.logprob_t.tolist()
+        diagnostics = {key: values.tolist() for key, values in (step.diagnostics or {}).items()}
+        for row, live in enumerate(ready):
+            live.seq.append(tokens[row], alphas[row], lq[row], lth[row], lt[row],
+                            {key: values[row] for key, values in diagnostics.items()} if diagnostics else {},
+                            self._eos_ids, self._max_len)
+        await self._delivery.check_stop_strings([live.seq for live in ready
+                                                 if live.seq.params.stop and live.seq.error is None])
+        for row, live in enumerate(ready):
+            answer = tokens[row] if live.seq.finish_reason is None else wire.END
+            for role in (THETA, T):
+                blocked, i = live.rows[role]  # type: ignore[misc]
+                blocked.answers[i] = answer
+            live.rows = [None, None]
+            if live.seq.finish_reason is not None:
+                self._finish(live)
+        now = time.perf_counter()
+        merge_s, alpha_s, sample_s = step.phase_s
+        # A "step" here is the time between two decisions: about one server decode step.
+        interval = now - self._last_decision if self._last_decision is not None else now - started
+        self._last_decision = now
+        timing = StepTiming(batch=len(ready), theta_s=0.0, t_s=0.0, servers_s=max(interval - (now - started), 0.0),
+                            merge_s=merge_s, alpha_s=alpha_s, sample_s=sample_s,
+                            bookkeeping_s=(now - started) - (merge_s + alpha_s + sample_s), total_s=interval)
+        self._stats.record_step(len(ready), float(step.alpha.sum()), interval, float(step.coverage_theta.sum()),
+                                float(step.coverage_t.sum()), timing)
+
+    @staticmethod
+    def _topk(rows: list[tuple[_Blocked, int]]) -> TopKBatch:
+        ids = np.stack([blocked.report.token_ids[i] for blocked, i in rows]).astype(np.int64)
+        logprobs = np.stack([blocked.report.logprobs[i] for blocked, i in rows]).astype(np.float64)
+        return TopKBatch(token_ids=ids, logprobs=logprobs)
+
+    def _finish(self, live: _Live) -> None:
+        """`live`'s sequence is over: END its waiting rows (its streams get END when they
+        report next) and hand it to its caller."""
+        if live.done:
+            return
+        live.done = True
+        for role in (THETA, T):
+            row = live.rows[role]
+            if row is not None:
+                row[0].answers[row[1]] = wire.END
+        live.rows = [None, None]
+        for stream in live.streams:
+            if stream is not None:
+                stream.retired = True
+        if live.seq.finish_reason is None:
+            live.seq.fail("the sequence ended without a finish reason")  # never expected
+        self._delivery.retire(live.seq)
+
+    async def _send_ready(self) -> None:
+        """Reply to every report whose rows are all decided."""
+        now = time.perf_counter()
+        for identity, blocked in list(self._blocked.items()):
+            if (blocked.answers == UNSET).any():
+                continue
+            del self._blocked[identity]
+            self.counters.replies += 1
+            self.counters.wait_s += now - blocked.arrived
+            await self._channel.reply(identity, blocked.report.step, blocked.answers)
+
+    # -- deadlocks and stalls ----------------------------------------------------------
+
+    def _live_servers_all_blocked(self) -> bool:
+        """Every server that holds a stream is waiting here with undecidable rows."""
+        waiting = {b.server for b in self._blocked.values() if (b.answers == UNSET).any()}
+        holding = {s.engine.url for s in self._streams.values() if not s.retired}
+        return bool(waiting) and holding <= waiting
+
+    def _break_deadlock(self) -> None:
+        undecided = {identity: int((b.answers == UNSET).sum()) for identity, b in self._blocked.items()}
+        identity = min((i for i in undecided if undecided[i]), key=undecided.__getitem__)
+        self._park(self._blocked[identity])
+
+    def _park(self, blocked: _Blocked) -> None:
+        """END the undecided rows of `blocked` and resend their sequences from the agreed tokens."""
+        for i in np.flatnonzero(blocked.answers == UNSET).tolist():
+            blocked.answers[i] = wire.END
+            stream = self._streams.get(int(blocked.report.ids[i]))
+            if stream is None:
+                continue
+            stream.retired = True
+            live = stream.live
+            live.rows[stream.role] = None
+            self.counters.parks += 1
+            if not live.done:
+                self._resubmit(live, stream.role)
+
+    async def _watch_stalls(self) -> None:
+        """Park reports that wait too long on a server that is busy with other work."""
+        limit = self._config.lockstep_stall_timeout
+        while True:
+            await asyncio.sleep(limit / 4)
+            async with self._lock:
+                now = time.perf_counter()
+                stalled = [b for b in self._blocked.values()
+                           if now - b.arrived > limit and (b.answers == UNSET).any()]
+                for blocked in stalled:
+                    log.info("a lockstep report waited %.2f s on rows the other server has not reached; "
+                             "parking them", now - blocked.arrived)
+                    self._park(blocked)
+                if stalled:
+                    await self._send_ready()
+
+
+async def lockstep_unavailable(channel: LockstepChannel, engines: list[VLLMClient], probe_ids: list[int],
+                               stop_token: int, timeout_s: float) -> str | None:
+    """None when every server's plugin answers a probe request here; else why lockstep cannot run.
+
+    The probe is a real lockstep request of two tokens: a server with the plugin reports
+    its first step here (and is told END); one without it generates both tokens itself.
+    """
+    seen: set[str] = set()
+    for engine in engines:
+        if engine.url in seen:  # one server in both roles (self-teacher)
+            continue
+        seen.add(engine.url)
+        try:
+            reason = await asyncio.wait_for(_probe(channel, engine, probe_ids, stop_token), timeout_s)
+        except asyncio.TimeoutError:
+            reason = f"its probe request got no answer within {timeout_s:g} s"
+        if reason is not None:
+            return f"{engine.name} server at {engine.url}: {reason}"
+    return None
+
+
+async def _probe(channel: LockstepChannel, engine: VLLMClient, probe_ids: list[int], stop_token: int) -> str | None:
+    args = {wire.ARG_ADDRESS: channel.address, wire.ARG_ID: secrets.randbits(62), wire.ARG_OFFSET: 0,
+            wire.ARG_TOP_K: 1, wire.ARG_STOP: stop_token}
+    request = asyncio.create_task(engine.forced_generation(probe_ids, max_tokens=2, stop_token=stop_token,
+                                                           lockstep_args=args))
+    flags: int | None = None
+    try:
+        while True:
+            receive = asyncio.create_task(channel.receive())
+            done, _ = await asyncio.wait({request, receive}, return_when=asyncio.FIRST_COMPLETED)
+            if receive in done:
+                identity, report = receive.result()
+                flags = report.flags
+                await channel.reply(identity, report.step, np.full(len(report.ids), wire.END, dtype=np.int64))
+                continue
+            receive.cancel()
+            break
+        request.result()
+    except Exception as err:  # a refusal by the plugin (HTTP 400) says why
+        return f"a lockstep probe request failed: {err}"
+    finally:
+        request.cancel()
+    if flags is None:
+        return ("it has no dualvllm lockstep plugin (start it with `dualvllm serve --lockstep`, or add "
+                "--logits-processors engines.vllm_plugin.processor:LockstepProcessor --no-enable-chunked-prefill)")
+    if flags & wire.FLAG_CHUNKED_PREFILL:
+        return ("it runs with chunked prefill, which splits prompts over steps the plugin would count as "
+                "tokens; restart it with --no-enable-chunked-prefill (`dualvllm serve --lockstep` does)")
+    return None

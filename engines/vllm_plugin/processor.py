@@ -1,0 +1,287 @@
+"""LockstepProcessor: a vLLM v1 logits processor that lets a coordinator pick every token.
+
+Loaded by the server (`--logits-processors engines.vllm_plugin.processor:LockstepProcessor`);
+imports only vllm, torch, numpy and zmq. A request is a lockstep request when its
+`vllm_xargs` carry `wire.ARGS`; every other request is untouched, and a step without
+lockstep rows costs one dict check.
+
+At each decode step, for the lockstep rows of each coordinator:
+1. log-softmax of the raw logits and their top-k (what per-token mode's top_logprobs
+   hold, computed from the same float32 logits);
+2. one report to the coordinator (wire.Report), then a wait for its reply;
+3. every logit of the row set to -inf except the chosen token's (0), so the sampler emits
+   exactly that token whatever the request's temperature. END emits the request's stop
+   token instead, which ends the request.
+
+Liveness: the wait is bounded by DUALVLLM_LOCKSTEP_TIMEOUT_S (default 60 s, well below
+vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS of 300 s, past which the engine dies). When it
+fires, that coordinator's rows are ended and the server goes on serving everyone else;
+raising here would kill the engine, and falling back to the model's own sampling would
+let the two servers' sequences diverge silently.
+
+Positions are counted here, per request, from the offset the coordinator gave: never
+read from vLLM's output lists, which hold placeholders under async scheduling. A
+preempted request keeps its count when it comes back. Rows of a partially prefilled
+prompt would be counted as steps, so chunked prefill must be off (the launcher turns it
+off); a server with it on says so in every report and the coordinator refuses it.
+
+Security: the processor connects only to the address in the request, and only to a
+loopback host or ipc:// path unless DUALVLLM_LOCKSTEP_ALLOWED_HOSTS lists the host:
+otherwise any client of the server could make it connect anywhere.
+
+Tensor parallelism (untested here, no GPUs): every rank runs its own processor; rank 0
+talks to the coordinators and broadcasts the chosen tokens to the others, so every rank
+applies the same tokens. Model Runner V2 (the GPU default in vLLM 0.32) has another
+processor interface; the launcher sets VLLM_USE_V2_MODEL_RUNNER=0 for lockstep servers.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import time
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import numpy as np
+import torch
+import zmq
+from vllm import SamplingParams
+from vllm.logger import init_logger
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+
+from engines.vllm_plugin import wire
+
+log = init_logger("dualvllm.lockstep")
+
+TIMEOUT_ENV = "DUALVLLM_LOCKSTEP_TIMEOUT_S"
+ALLOWED_HOSTS_ENV = "DUALVLLM_LOCKSTEP_ALLOWED_HOSTS"
+DEFAULT_TIMEOUT_S = 60.0
+# Positions of requests that were removed without being ended (aborted by their client)
+# stay counted; past this many the ones no longer in the batch are forgotten.
+MAX_REMEMBERED_POSITIONS = 100_000
+
+
+@dataclass(frozen=True)
+class Tagged:
+    """What a lockstep request's vllm_xargs say."""
+
+    address: str
+    id: int
+    offset: int
+    top_k: int
+    stop: int
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.address, self.id
+
+
+def tagged(params: SamplingParams | None) -> Tagged | None:
+    """The request's lockstep arguments, or None for an ordinary request; ValueError if malformed."""
+    args = (params.extra_args if params is not None else None) or {}
+    present = [key for key in wire.ARGS if key in args]
+    if not present:
+        return None
+    missing = [key for key in wire.ARGS if key not in args]
+    if missing:
+        raise ValueError(f"lockstep request without {missing} in vllm_xargs (it has {present})")
+    numbers = {key: args[key] for key in wire.ARGS[1:]}
+    if any(not isinstance(v, int) or isinstance(v, bool) for v in numbers.values()):
+        raise ValueError(f"lockstep vllm_xargs {sorted(numbers)} must be integers, got {numbers}")
+    if numbers[wire.ARG_OFFSET] < 0 or numbers[wire.ARG_TOP_K] < 1 or numbers[wire.ARG_STOP] < 0:
+        raise ValueError(f"lockstep vllm_xargs out of range: {numbers}")
+    address = args[wire.ARG_ADDRESS]
+    check_address(address)
+    return Tagged(address=address, id=numbers[wire.ARG_ID], offset=numbers[wire.ARG_OFFSET],
+                  top_k=numbers[wire.ARG_TOP_K], stop=numbers[wire.ARG_STOP])
+
+
+def check_address(address: object) -> None:
+    """Refuse a coordinator address this server may not connect to (ValueError)."""
+    if not isinstance(address, str):
+        raise ValueError(f"{wire.ARG_ADDRESS} must be a string, got {address!r}")
+    if address.startswith("ipc://"):
+        return
+    parts = urlsplit(address)
+    if parts.scheme != "tcp" or not parts.hostname or parts.port is None:
+        raise ValueError(f"{wire.ARG_ADDRESS}={address!r} must be tcp://HOST:PORT or ipc://PATH")
+    allowed = {h.strip() for h in os.environ.get(ALLOWED_HOSTS_ENV, "").split(",") if h.strip()}
+    if not _is_loopback(parts.hostname) and parts.hostname not in allowed:
+        raise ValueError(
+            f"lockstep coordinator {address!r} is not on a loopback address; this server connects "
+            f"elsewhere only to hosts listed in {ALLOWED_HOSTS_ENV} when it starts")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _Channel:
+    """One DEALER socket to one coordinator, with the step counter of its reports."""
+
+    def __init__(self, context: zmq.Context, address: str) -> None:
+        self.address = address
+        self.step = 0
+        self._context = context
+        self._socket: zmq.Socket | None = None
+
+    def send(self, frames: list) -> None:
+        if self._socket is None:
+            self._socket = self._context.socket(zmq.DEALER)
+            self._socket.setsockopt(zmq.LINGER, 0)
+            self._socket.connect(self.address)
+        self._socket.send_multipart(frames, copy=False)
+
+    def receive(self, deadline: float) -> np.ndarray | None:
+        """The reply to the last report, or None once `deadline` (time.monotonic) passed."""
+        assert self._socket is not None
+        while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
+            if not self._socket.poll(left_ms):
+                break
+            try:
+                step, tokens = wire.decode_reply(self._socket.recv_multipart())
+            except wire.WireError as err:
+                log.error("dropping a malformed lockstep reply from %s: %s", self.address, err)
+                continue
+            if step == self.step:
+                return tokens
+            # A late reply to a report this side gave up on: not for this step.
+        # Drop the socket: queued reports and late replies must not reach the next step.
+        self._socket.close(linger=0)
+        self._socket = None
+        return None
+
+
+class LockstepProcessor(LogitsProcessor):
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        """Refuse malformed lockstep arguments at admission (HTTP 400), not in the engine loop."""
+        request = tagged(sampling_params)
+        if request is not None and request.stop not in (sampling_params.stop_token_ids or ()):
+            raise ValueError(f"lockstep request: its stop token {request.stop} ({wire.ARG_STOP}) must be in "
+                             "stop_token_ids, or END would not end it")
+
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
+        self._rows: dict[int, Tagged] = {}  # batch row -> lockstep request
+        self._next_position: dict[tuple[str, int], int] = {}  # (address, id) -> its next position
+        self._channels: dict[str, _Channel] = {}
+        self._context: zmq.Context | None = None
+        self._timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+        scheduler = vllm_config.scheduler_config
+        self._flags = wire.FLAG_CHUNKED_PREFILL if getattr(scheduler, "enable_chunked_prefill", False) else 0
+        parallel = vllm_config.parallel_config
+        self._tp_size = parallel.tensor_parallel_size
+        self._rank = 0
+        if self._tp_size > 1:
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            self._rank = get_tensor_model_parallel_rank()
+
+    def is_argmax_invariant(self) -> bool:
+        return False  # it decides the argmax
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        if batch_update is None:
+            return
+        for index in batch_update.removed:
+            self._rows.pop(index, None)
+        for index, params, _prompt, _output in batch_update.added:
+            try:
+                request = tagged(params)
+            except ValueError:  # validate_params refused it at admission; never expected here
+                request = None
+            if request is None:
+                self._rows.pop(index, None)
+                continue
+            self._rows[index] = request
+            self._next_position.setdefault(request.key, request.offset)
+        for a, b, direction in batch_update.moved:
+            row_a, row_b = self._rows.pop(a, None), self._rows.pop(b, None)
+            if row_a is not None:
+                self._rows[b] = row_a
+            if row_b is not None and direction == MoveDirectionality.SWAP:
+                self._rows[a] = row_b
+        if len(self._next_position) > MAX_REMEMBERED_POSITIONS:
+            live = {request.key for request in self._rows.values()}
+            self._next_position = {k: v for k, v in self._next_position.items() if k in live}
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self._rows:
+            return logits
+        rows = sorted(self._rows)
+        requests = [self._rows[r] for r in rows]
+        if self._rank == 0:
+            tokens = self._ask_coordinators(logits, rows, requests)
+        else:
+            tokens = None
+        if self._tp_size > 1:
+            from vllm.distributed import get_tp_group
+
+            tokens = get_tp_group().broadcast_object(tokens, src=0)
+        self._force(logits, rows, requests, tokens)
+        return logits
+
+    def _ask_coordinators(self, logits: torch.Tensor, rows: list[int], requests: list[Tagged]) -> list[int]:
+        """The token (or wire.END) of every row, in `rows` order, from the rows' coordinators."""
+        by_address: dict[str, list[int]] = {}
+        for i, request in enumerate(requests):
+            by_address.setdefault(request.address, []).append(i)
+        vocab = logits.shape[-1]
+        asked: list[tuple[_Channel, list[int]]] = []
+        for address, members in by_address.items():
+            k = min(max(requests[i].top_k for i in members), vocab)
+            index = torch.tensor([rows[i] for i in members], device=logits.device)
+            values, ids = torch.topk(torch.log_softmax(logits.index_select(0, index), dim=-1), k, dim=-1)
+            channel = self._channel(address)
+            channel.step += 1
+            channel.send(wire.encode_report(
+                channel.step, self._flags,
+                np.fromiter((requests[i].id for i in members), np.int64, len(members)),
+                np.fromiter((self._position(requests[i]) for i in members), np.int64, len(members)),
+                ids.to(torch.int32).cpu().numpy(), values.cpu().numpy()))
+            asked.append((channel, members))
+        tokens = [wire.END] * len(requests)
+        deadline = time.monotonic() + self._timeout_s
+        for channel, members in asked:
+            answer = channel.receive(deadline)
+            if answer is None or len(answer) != len(members):
+                log.warning("lockstep coordinator %s %s; ending its %d sequences here (their tokens so far "
+                            "stand), the server goes on", channel.address,
+                            f"did not answer within {self._timeout_s:g} s ({TIMEOUT_ENV})" if answer is None
+                            else f"answered {len(answer)} rows for {len(members)}", len(members))
+                continue
+            for i, token in zip(members, answer.tolist()):
+                tokens[i] = token if 0 <= token < vocab else wire.END
+        return tokens
+
+    def _force(self, logits: torch.Tensor, rows: list[int], requests: list[Tagged], tokens: list[int]) -> None:
+        """Mask each row to its token (END -> the request's stop token); advance positions."""
+        forced = []
+        for request, token in zip(requests, tokens):
+            if token == wire.END:
+                forced.append(request.stop)
+                self._next_position.pop(request.key, None)
+            else:
+                forced.append(token)
+                self._next_position[request.key] = self._position(request) + 1
+        index = torch.tensor(rows, device=logits.device)
+        chosen = torch.tensor(forced, device=logits.device)
+        logits.index_fill_(0, index, float("-inf"))
+        logits[index, chosen] = 0.0
+
+    def _position(self, request: Tagged) -> int:
+        return self._next_position.setdefault(request.key, request.offset)
+
+    def _channel(self, address: str) -> _Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            if self._context is None:
+                self._context = zmq.Context()
+            channel = self._channels[address] = _Channel(self._context, address)
+        return channel
