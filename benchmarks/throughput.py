@@ -5,8 +5,12 @@
 
 Arms run back to back on the same two servers in every repeat, so their ratios come
 from one run of this noisy shared machine:
-- `coordinator`: DualVLLMCoordinator.generate_batch (one batched request per server per
-  step, both servers at once), temperature 1, ignore_eos;
+- `coordinator`: DualVLLMCoordinator.generate_batch in per-token mode (one batched
+  request per server per step, both servers at once), temperature 1, ignore_eos;
+- `lockstep`: the same call in lockstep mode (coordinator/lockstep.py: one long request
+  per sequence per server, the servers' plugin asks the coordinator for every token);
+  when this script starts the servers it starts them with the plugin, and per-token
+  requests to them pay nothing for it;
 - `coordinator_no_tokenizer`: the same on a second pair started with --skip-tokenizer-init
   (the servers detokenize nothing; the coordinator tokenizes with `local_tokenizers`),
   idle while the other arms run; only when this script starts the servers. The reference
@@ -43,7 +47,7 @@ from benchmarks.reference_protocol import ReferenceProtocolClient  # noqa: E402
 from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
 from engines.vllm_client import VLLMClient  # noqa: E402
 
-ARMS = ("coordinator", "coordinator_no_tokenizer", "reference", "native", "native_topk")
+ARMS = ("coordinator", "lockstep", "coordinator_no_tokenizer", "reference", "native", "native_topk")
 
 
 async def timed(arm: Callable[[], Awaitable[int]], cpus: tuple[harness.ServerCPU, harness.ServerCPU]) -> dict[str, float]:
@@ -63,16 +67,20 @@ async def run(args: argparse.Namespace) -> dict:
     async with contextlib.AsyncExitStack() as stack:
         logprobs = max(args.top_k, 20)
         theta_url, t_url = await stack.enter_async_context(harness.servers(args.theta_url, args.t_url,
-                                                                          max_logprobs=logprobs))
+                                                                          max_logprobs=logprobs, lockstep=True))
         cpus = (harness.ServerCPU(theta_url), harness.ServerCPU(t_url))
         config = CoordinatorConfig(theta_url=theta_url, t_url=t_url, top_k=args.top_k,
-                                   max_batch_size=max(args.batch_sizes))
+                                   max_batch_size=max(args.batch_sizes), mode="per_token")
         coordinator = await stack.enter_async_context(DualVLLMCoordinator(config))
+        lockstep = None
+        if not args.no_lockstep:
+            lockstep = await stack.enter_async_context(DualVLLMCoordinator(config.model_copy(update={
+                "mode": "lockstep"})))
         reference = await stack.enter_async_context(
             ReferenceProtocolClient(theta_url, t_url, top_k=args.top_k, pool_size=args.pool_size))
         native = await stack.enter_async_context(VLLMClient(theta_url, name="theta", request_timeout_s=600))
         bare = bare_cpus = None
-        if not (args.theta_url and args.t_url):
+        if not (args.theta_url and args.t_url) and not args.no_tokenizer_arm:
             bare_urls = await stack.enter_async_context(harness.servers(None, None, max_logprobs=logprobs,
                                                                        skip_tokenizer_init=True))
             bare_cpus = (harness.ServerCPU(bare_urls[0]), harness.ServerCPU(bare_urls[1]))
@@ -105,6 +113,8 @@ async def run(args: argparse.Namespace) -> dict:
 
                 arms = {"coordinator": coordinator_arm, "native": lambda s: native_arm(s, None),
                         "native_topk": lambda s: native_arm(s, args.top_k)}
+                if lockstep is not None:
+                    arms["lockstep"] = lambda s: coordinator_arm(s, lockstep)
                 if bare is not None:
                     arms["coordinator_no_tokenizer"] = lambda s: coordinator_arm(s, bare)
                 if batch <= args.reference_max_batch:
@@ -132,6 +142,11 @@ def summarize(batch: int, tokens: int, runs: dict[str, list[dict[str, float]]]) 
         c / n["tokens_per_s"] for c, n in zip(coord, runs["native"]))
     row["coordinator_over_native_topk_ratio"] = statistics.median(
         c / n["tokens_per_s"] for c, n in zip(coord, runs["native_topk"]))
+    if "lockstep" in runs:
+        lock = [m["tokens_per_s"] for m in runs["lockstep"]]
+        row["lockstep_over_native_ratio"] = statistics.median(
+            x / n["tokens_per_s"] for x, n in zip(lock, runs["native"]))
+        row["lockstep_over_coordinator_ratio"] = statistics.median(x / c for x, c in zip(lock, coord))
     if "reference" in runs:
         row["coordinator_over_reference_ratio"] = statistics.median(
             c / r["tokens_per_s"] for c, r in zip(coord, runs["reference"]))
@@ -157,6 +172,12 @@ def print_row(row: dict) -> None:
           f"{row['coordinator_theta_server_cpu_s_per_1k_tokens']:.2f} "
           f"{row['coordinator_t_server_cpu_s_per_1k_tokens']:.2f}; native theta "
           f"{row['native_theta_server_cpu_s_per_1k_tokens']:.2f}", flush=True)
+    if "lockstep_tokens_per_s" in row:
+        print(f"    lockstep: {row['lockstep_tokens_per_s']:7.1f} tokens/s, /native "
+              f"{row['lockstep_over_native_ratio']:.2f}, /per-token {row['lockstep_over_coordinator_ratio']:.2f}; "
+              f"CPU s per 1k tokens (coordinator, theta, t): {row['lockstep_coordinator_cpu_s_per_1k_tokens']:.3f} "
+              f"{row['lockstep_theta_server_cpu_s_per_1k_tokens']:.2f} "
+              f"{row['lockstep_t_server_cpu_s_per_1k_tokens']:.2f}", flush=True)
     if "coordinator_no_tokenizer_tokens_per_s" in row:
         print(f"    servers without tokenizers: coordinator {row['coordinator_no_tokenizer_tokens_per_s']:7.1f} "
               f"tokens/s, x{row['coordinator_no_tokenizer_over_coordinator_ratio']:.2f} of the default, "
@@ -187,6 +208,10 @@ def main() -> None:
     parser.add_argument("--reference-max-batch", type=int, default=64,
                         help="skip the reference arm above this batch size (it is slow)")
     parser.add_argument("--pool-size", type=int, default=64, help="reference arm: connections per server")
+    parser.add_argument("--no-lockstep", action="store_true",
+                        help="skip the lockstep arm (for given servers without the plugin)")
+    parser.add_argument("--no-tokenizer-arm", action="store_true",
+                        help="skip the second pair of servers (without tokenizers) and its arm")
     parser.add_argument("--output", type=Path, default=harness.RESULTS_DIR / "throughput.json")
     args = parser.parse_args()
     harness.finish(asyncio.run(run(args)), args.output, plot)

@@ -101,6 +101,26 @@ def run_arm(task: str, folder: str, fields: dict, args: argparse.Namespace, seed
             "dropped_stale_batches": report.dropped_stale_batches}
 
 
+def answer_logprob(arm_dir: Path, steps: int) -> float:
+    """Mean log p(right answer + EOS | prompt) of the run's last checkpoint on the 500 hard test
+    problems, in nats: moves long before greedy accuracy does (the bundled base: -26.8)."""
+    import torch
+    from transformers import Qwen2ForCausalLM, Qwen2Tokenizer
+
+    from tinymodels.build import HARD_MAX_LEN, answer_logprob as mean_answer_logprob
+    from tinymodels.task import HARD_ROWS, hard_problems
+
+    checkpoint = arm_dir / "checkpoints" / f"step-{steps:06d}"
+    model = Qwen2ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    tokenizer = Qwen2Tokenizer.from_pretrained(checkpoint)
+    return mean_answer_logprob(model, tokenizer, hard_problems("test", HARD_ROWS["test"]), HARD_MAX_LEN)
+
+
+def wanted_default(key: str) -> object:
+    """A TrainConfig field's default as config.json stores it."""
+    return json.loads(json.dumps(TrainConfig.model_fields[key].default, default=str))
+
+
 def finished_with(arm_dir: Path, config: TrainConfig) -> bool:
     """Whether `arm_dir` holds a run of `config` that reached its last step's evaluation."""
     try:
@@ -109,7 +129,8 @@ def finished_with(arm_dir: Path, config: TrainConfig) -> bool:
     except (OSError, ValueError):
         return False
     wanted = json.loads(config.model_dump_json())
-    same = all(saved.get(key) == value for key, value in wanted.items() if key != "output_dir")
+    # A field added since the run was made holds its default there.
+    same = all(saved.get(key, wanted_default(key)) == value for key, value in wanted.items() if key != "output_dir")
     return same and any(r.get("step") == config.steps and "held_out_accuracy" in r for r in records)
 
 
@@ -128,10 +149,11 @@ def summary(runs: dict[str, dict[int, dict]], metric: str) -> dict[str, dict[int
 def print_table(table: dict[str, dict[int, tuple[float, float]]], title: str) -> None:
     print(f"\n{title} (mean ± half-range over seeds)")
     steps = sorted({s for arm in table.values() for s in arm})
-    print(f"{'step':>6}" + "".join(f"{name:>28}" for name in table))
+    width = max(28, *(len(name) + 2 for name in table))
+    print(f"{'step':>6}" + "".join(f"{name:>{width}}" for name in table))
     for step in steps:
         cells = [table[arm].get(step) for arm in table]
-        print(f"{step:>6}" + "".join(f"{'-' if c is None else f'{c[0]:.3f} ± {c[1]:.3f}':>28}" for c in cells))
+        print(f"{step:>6}" + "".join(f"{'-' if c is None else f'{c[0]:.3f} ± {c[1]:.3f}':>{width}}" for c in cells))
 
 
 def main() -> None:
@@ -150,10 +172,18 @@ def main() -> None:
     for seed in args.seeds:
         for name, (folder, fields) in ARMS[args.task].items():
             if args.arms is None or folder in args.arms:
-                runs.setdefault(name, {})[seed] = run_arm(args.task, folder, fields, args, seed)
+                run = runs.setdefault(name, {})[seed] = run_arm(args.task, folder, fields, args, seed)
+                if args.task == "hard":
+                    run["answer_logprob_nats"] = answer_logprob(args.output / args.task / f"seed-{seed}" / folder,
+                                                                args.steps)
     tables = {metric: summary(runs, metric) for metric in CURVES}
     for metric, table in tables.items():
         print_table(table, f"{metric}, task {args.task}, seeds {args.seeds}, lr {args.learning_rate:g}")
+    if args.task == "hard":
+        print(f"\nlog p(right answer) of the base at step {args.steps}, nats (bundled base: -26.8)")
+        for arm, by_seed in runs.items():
+            values = [run["answer_logprob_nats"] for run in by_seed.values()]
+            print(f"{arm:>36}: " + ", ".join(f"{v:.2f}" for v in values))
     out = args.output / args.task
     out.mkdir(parents=True, exist_ok=True)
     (out / "train_compare.json").write_text(json.dumps(

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from coordinator.checks import check_health, check_tokenizers, check_top_k, resolve_eos
 from coordinator.config import CoordinatorConfig
-from coordinator.lockstep import LockstepScheduler, lockstep_unavailable
+from coordinator.lockstep import LockstepScheduler, probe_servers
 from coordinator.outputs import GenerationOutput, Prompt
 from coordinator.prompts import encode_prompts
 from coordinator.scheduler import Scheduler
@@ -121,16 +121,20 @@ class DualVLLMCoordinator:
             return None
         channel = LockstepChannel(cfg.lockstep_host)
         stop_token = min(eos_ids)  # any id ends a request that lists it; an EOS reads best in logs
-        reason = await lockstep_unavailable(channel, [theta, t], await theta.tokenize("Hello"), stop_token,
-                                            cfg.request_timeout)
-        if reason is not None:
+        probe = await probe_servers(channel, [theta, t], await theta.tokenize("Hello"), stop_token,
+                                    cfg.request_timeout)
+        if probe.unavailable is not None:
             channel.close()
             if cfg.mode == "lockstep":
-                raise LockstepUnavailableError(f"lockstep mode: {reason}")
-            log.info("per-token mode: %s", reason)
+                raise LockstepUnavailableError(f"lockstep mode: {probe.unavailable}")
+            log.info("per-token mode: %s", probe.unavailable)
             return None
+        if probe.capacity < cfg.max_batch_size:
+            log.info("lockstep: at most %d sequences at once (the servers' max_num_seqs), not max_batch_size=%d",
+                     probe.capacity, cfg.max_batch_size)
         return LockstepScheduler(theta, t, config=cfg, eos_ids=eos_ids, max_len=max_len, stats=self._stats,
-                                 channel=channel, stop_token=stop_token, vocab_size=vocab_size)
+                                 channel=channel, stop_token=stop_token, capacity=probe.capacity,
+                                 vocab_size=vocab_size)
 
     @property
     def mode(self) -> str:
@@ -148,9 +152,14 @@ class DualVLLMCoordinator:
 
     def _client(self, url: str, name: str, model: str | None, api_key: str | None) -> VLLMClient:
         cfg = self.config
+        pool = cfg.connection_pool_size
+        if cfg.mode != "per_token":
+            # Lockstep holds one request open per sequence and role (both roles on one server
+            # for a self-teacher); waiting for a connection would start the roles apart.
+            pool = max(pool, 2 * cfg.max_batch_size + 8)
         return VLLMClient(
             url, name=name, model=model, api_key=api_key, request_timeout_s=cfg.request_timeout,
-            connect_timeout_s=cfg.connect_timeout, connection_pool_size=cfg.connection_pool_size,
+            connect_timeout_s=cfg.connect_timeout, connection_pool_size=pool,
             max_retries=cfg.max_retries, retry_delay_s=cfg.retry_delay, local_tokenizer=cfg.local_tokenizers,
         )
 

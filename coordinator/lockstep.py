@@ -83,7 +83,7 @@ class _Live:
     seq: SequenceState
     streams: list["_Stream | None"] = field(default_factory=lambda: [None, None])
     rows: list[tuple[_Blocked, int] | None] = field(default_factory=lambda: [None, None])
-    resubmissions: int = 0
+    resubmissions: int = 0  # requests the servers ended on their own (parks are not counted)
     done: bool = False  # finished, failed or cancelled, and handed to delivery
 
 
@@ -122,8 +122,9 @@ class LockstepCounters:
 class LockstepScheduler:
     def __init__(self, theta: VLLMClient, t: VLLMClient, *, config: CoordinatorConfig, eos_ids: frozenset[int],
                  max_len: int, stats: Statistics, channel: LockstepChannel, stop_token: int,
-                 vocab_size: int | None = None) -> None:
-        """`stop_token`: the token a stream's plugin forces to end it (an EOS id of both models)."""
+                 capacity: int | None = None, vocab_size: int | None = None) -> None:
+        """`stop_token`: the token a stream's plugin forces to end it (an EOS id of both models);
+        `capacity`: the most sequences the servers run at once (None: no limit but max_batch_size)."""
         self._engines = (theta, t)
         self._config = config
         self._eos_ids = eos_ids
@@ -132,6 +133,9 @@ class LockstepScheduler:
         self._channel = channel
         self._stop_token = stop_token
         self._vocab_size = vocab_size
+        # More sequences than a server runs at once would wait in its queue while the other
+        # server runs them: a park at every step.
+        self._max_live = min(config.max_batch_size, capacity or config.max_batch_size)
         self._delivery = Delivery(theta, stats)
         self.counters = LockstepCounters()
         self._waiting: deque[SequenceState] = deque()
@@ -195,7 +199,7 @@ class LockstepScheduler:
         """Start the waiting sequences there is room for, both streams of each at once, so
         both servers usually admit a sequence in the same step."""
         self._live = [live for live in self._live if not live.done]
-        while self._waiting and len(self._live) < self._config.max_batch_size:
+        while self._waiting and len(self._live) < self._max_live:
             seq = self._waiting.popleft()
             if seq.cancelled:
                 continue
@@ -248,6 +252,14 @@ class LockstepScheduler:
         live.streams[stream.role] = None
         if live.done:
             return
+        row = live.rows[stream.role]
+        if row is not None:
+            # A row of this stream still waits here although its request ended: the plugin
+            # gave up waiting (its timeout ended the row there, and its next report comes
+            # from a new socket, so _forget never sees it). Drop the row, or the
+            # resubmitted stream's first report would be taken for a divergence.
+            row[0].answers[row[1]] = wire.END
+            live.rows[stream.role] = None
         error = task.exception()
         seq = live.seq
         if error is not None:
@@ -261,10 +273,10 @@ class LockstepScheduler:
         else:
             # The server ended it (its stop token sampled as an ordinary token, its own
             # max_tokens): continue from the agreed tokens.
+            live.resubmissions += 1
             self._resubmit(live, stream.role)
 
     def _resubmit(self, live: _Live, role: int) -> None:
-        live.resubmissions += 1
         self.counters.resubmissions += 1
         self._start_stream(live, role)
 
@@ -462,53 +474,67 @@ class LockstepScheduler:
                     await self._send_ready()
 
 
-async def lockstep_unavailable(channel: LockstepChannel, engines: list[VLLMClient], probe_ids: list[int],
-                               stop_token: int, timeout_s: float) -> str | None:
-    """None when every server's plugin answers a probe request here; else why lockstep cannot run.
+@dataclass(frozen=True)
+class Probe:
+    """What the probe requests found: why lockstep cannot run (None: it can), and how many
+    sequences the servers can run at once (the smaller max_num_seqs, per request a sequence
+    needs there)."""
 
-    The probe is a real lockstep request of two tokens: a server with the plugin reports
-    its first step here (and is told END); one without it generates both tokens itself.
-    """
-    seen: set[str] = set()
+    unavailable: str | None
+    capacity: int
+
+
+async def probe_servers(channel: LockstepChannel, engines: list[VLLMClient], probe_ids: list[int],
+                        stop_token: int, timeout_s: float) -> Probe:
+    """Send each server a real lockstep request of two tokens: one with the plugin reports its
+    first step here (and is told END); one without it generates both tokens itself."""
+    capacity = 2**31
+    per_server = {}
+    for engine in engines:  # one server in both roles (a self-teacher) holds two requests per sequence
+        per_server[engine.url] = per_server.get(engine.url, 0) + 1
+    probed: set[str] = set()
     for engine in engines:
-        if engine.url in seen:  # one server in both roles (self-teacher)
+        if engine.url in probed:
             continue
-        seen.add(engine.url)
+        probed.add(engine.url)
         try:
-            reason = await asyncio.wait_for(_probe(channel, engine, probe_ids, stop_token), timeout_s)
+            reason, server_capacity = await asyncio.wait_for(_probe(channel, engine, probe_ids, stop_token),
+                                                             timeout_s)
         except asyncio.TimeoutError:
-            reason = f"its probe request got no answer within {timeout_s:g} s"
+            reason, server_capacity = f"its probe request got no answer within {timeout_s:g} s", 0
         if reason is not None:
-            return f"{engine.name} server at {engine.url}: {reason}"
-    return None
+            return Probe(f"{engine.name} server at {engine.url}: {reason}", 0)
+        capacity = min(capacity, server_capacity // per_server[engine.url])
+    return Probe(None, capacity)
 
 
-async def _probe(channel: LockstepChannel, engine: VLLMClient, probe_ids: list[int], stop_token: int) -> str | None:
+async def _probe(channel: LockstepChannel, engine: VLLMClient, probe_ids: list[int],
+                 stop_token: int) -> tuple[str | None, int]:
     args = {wire.ARG_ADDRESS: channel.address, wire.ARG_ID: secrets.randbits(62), wire.ARG_OFFSET: 0,
             wire.ARG_TOP_K: 1, wire.ARG_STOP: stop_token}
     request = asyncio.create_task(engine.forced_generation(probe_ids, max_tokens=2, stop_token=stop_token,
                                                            lockstep_args=args))
-    flags: int | None = None
+    report: wire.Report | None = None
     try:
         while True:
             receive = asyncio.create_task(channel.receive())
             done, _ = await asyncio.wait({request, receive}, return_when=asyncio.FIRST_COMPLETED)
             if receive in done:
                 identity, report = receive.result()
-                flags = report.flags
                 await channel.reply(identity, report.step, np.full(len(report.ids), wire.END, dtype=np.int64))
                 continue
             receive.cancel()
             break
         request.result()
     except Exception as err:  # a refusal by the plugin (HTTP 400) says why
-        return f"a lockstep probe request failed: {err}"
+        return f"a lockstep probe request failed: {err}", 0
     finally:
         request.cancel()
-    if flags is None:
+    if report is None:
         return ("it has no dualvllm lockstep plugin (start it with `dualvllm serve --lockstep`, or add "
-                "--logits-processors engines.vllm_plugin.processor:LockstepProcessor --no-enable-chunked-prefill)")
-    if flags & wire.FLAG_CHUNKED_PREFILL:
+                "--logits-processors engines.vllm_plugin.processor:LockstepProcessor "
+                "--no-enable-chunked-prefill)"), 0
+    if report.flags & wire.FLAG_CHUNKED_PREFILL:
         return ("it runs with chunked prefill, which splits prompts over steps the plugin would count as "
-                "tokens; restart it with --no-enable-chunked-prefill (`dualvllm serve --lockstep` does)")
-    return None
+                "tokens; restart it with --no-enable-chunked-prefill (`dualvllm serve --lockstep` does)"), 0
+    return None, report.capacity

@@ -31,10 +31,10 @@ from engines.launcher import ServerConfig, launch_pair, pair_configs
 # Coordinator fields exposed as flags (the rest are for the Python API / environment).
 COORDINATOR_FLAGS = ("theta_url", "t_url", "top_k", "fill_rule", "max_batch_size", "max_retries",
                      "request_timeout", "seed", "speculative_gamma", "speculative_drafter", "speculative_proposal",
-                     "local_tokenizers")
+                     "local_tokenizers", "mode")
 # Server fields exposed as flags; the model directories are --base/--teacher.
 SERVER_FLAGS = ("host", "max_logprobs", "max_model_len", "dtype", "kv_cache_space_gib", "gpu_memory_utilization",
-                "skip_tokenizer_init", "dev_mode")
+                "skip_tokenizer_init", "dev_mode", "lockstep", "lockstep_timeout_s")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

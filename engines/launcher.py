@@ -71,6 +71,8 @@ class ServerConfig(RaisesInvalidInput, BaseModel):
         False, description="--skip-tokenizer-init: the server takes token ids only and detokenizes nothing (faster per request); clients must tokenize themselves (CoordinatorConfig.local_tokenizers).")
     lockstep: bool = Field(
         False, description="Load dualvllm's lockstep plugin (engines/vllm_plugin) and turn chunked prefill off, so a coordinator can pick every token of a long request (CoordinatorConfig.mode).")
+    lockstep_timeout_s: float = Field(
+        60.0, gt=0, lt=300, description="With lockstep: seconds the plugin waits for a silent coordinator before it ends that coordinator's sequences and serves on (below vLLM's 300 s step timeout, past which the engine dies).")
     extra_args: tuple[str, ...] = Field((), description="More vLLM CLI arguments, passed verbatim.")
 
     @field_validator("model")
@@ -186,6 +188,8 @@ class VLLMServer:
             env["VLLM_API_KEY"] = c.api_key  # not --api-key: argv is visible to every user
         if c.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
+        if c.lockstep:
+            env["DUALVLLM_LOCKSTEP_TIMEOUT_S"] = f"{c.lockstep_timeout_s:g}"
         if c.lockstep and not self._on_cpu():
             # GPU builds default to Model Runner V2, whose logits processors have another
             # interface; the plugin implements V1's (what the CPU build runs).

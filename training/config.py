@@ -68,6 +68,9 @@ class TaskConfig(RaisesInvalidInput, BaseModel):
     max_tokens: int = Field(6, ge=1, description="Longest completion sampled.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of the rollouts.")
     top_k: int = Field(20, ge=1, description="Top-k the coordinator merges per token.")
+    lockstep: bool = Field(
+        False, description="Start the servers with the lockstep plugin, so rollouts are decoded natively in lockstep "
+                           "(coordinator/lockstep.py); weight pushes then wait for the base's in-flight sequences.")
     eval_prompts: int = Field(200, ge=1, description="Held-out problems per evaluation.")
     eval_samples: int = Field(
         0, ge=0, description="Samples per held-out problem for pass@k at --temperature; 0 = greedy accuracy only.")

@@ -37,7 +37,8 @@ async def serving(config: TaskConfig, start_dir: str, *, log_dir: Path | None = 
     teacher = base_dir if config.teacher == "self-frozen" else config.teacher
     bundled = {"dtype": tinymodels.SERVER_DTYPE} if config.base is None else {}  # start_dir is a copy of it
     base_config, teacher_config = pair_configs(start_dir, None if teacher == "self" else teacher, log_dir=log_dir,
-                                               dev_mode=dev_mode, max_logprobs=max(config.top_k, 20), **bundled)
+                                               dev_mode=dev_mode, max_logprobs=max(config.top_k, 20), lockstep=config.lockstep,
+                                               **bundled)
     async with contextlib.AsyncExitStack() as stack:
         if teacher == "self":
             theta_server = t_server = await stack.enter_async_context(VLLMServer(base_config, name="theta"))

@@ -175,6 +175,7 @@ class LockstepProcessor(LogitsProcessor):
         self._timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
         scheduler = vllm_config.scheduler_config
         self._flags = wire.FLAG_CHUNKED_PREFILL if getattr(scheduler, "enable_chunked_prefill", False) else 0
+        self._capacity = int(scheduler.max_num_seqs)
         parallel = vllm_config.parallel_config
         self._tp_size = parallel.tensor_parallel_size
         self._rank = 0
@@ -241,7 +242,7 @@ class LockstepProcessor(LogitsProcessor):
             channel = self._channel(address)
             channel.step += 1
             channel.send(wire.encode_report(
-                channel.step, self._flags,
+                channel.step, self._flags, self._capacity,
                 np.fromiter((requests[i].id for i in members), np.int64, len(members)),
                 np.fromiter((self._position(requests[i]) for i in members), np.int64, len(members)),
                 ids.to(torch.int32).cpu().numpy(), values.cpu().numpy()))

