@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import importlib.metadata
-import ipaddress
 import os
 import shutil
 import signal
@@ -34,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from common.errors import LifecycleError, ServerStartupError
 from common.process import die_with_parent
 from common.validation import RaisesInvalidInput
+from engines.vllm_plugin.net import is_loopback
 
 HEALTH_POLL_INTERVAL_S = 0.5
 # vLLM stops its engine core on SIGTERM within a few seconds; past this we SIGKILL.
@@ -89,22 +89,13 @@ class ServerConfig(RaisesInvalidInput, BaseModel):
 
     @model_validator(mode="after")
     def _dev_mode_only_on_loopback(self) -> ServerConfig:
-        if self.dev_mode and not _is_loopback(self.host):
+        if self.dev_mode and not is_loopback(self.host):
             raise ValueError(
                 f"dev_mode exposes /collective_rpc (arbitrary worker calls, not guarded by "
                 f"--api-key) and host={self.host!r} is not loopback. Bind to 127.0.0.1 and "
                 "reach it through an SSH tunnel, or turn dev_mode off."
             )
         return self
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def is_cpu_build() -> bool:

@@ -220,7 +220,7 @@ class FakeVLLM:
 
     async def _completions(self, request: web.Request) -> web.Response:
         body = await request.json()
-        k = body["logprobs"]
+        k = body.get("logprobs") or 0  # like vLLM: no logprobs asked, none returned
         if k > self.max_logprobs:
             return web.Response(status=400, text=f"Requested sample logprobs of {k}, which is "
                                                  f"greater than max allowed: {self.max_logprobs}")
@@ -247,7 +247,8 @@ class FakeVLLM:
                 tokens.append(key(token))
                 tops.append(entries)
                 sequence.append(token)
-            choices.append({"index": index, "text": "", "logprobs": {"tokens": tokens, "top_logprobs": tops}})
+            choices.append({"index": index, "text": "", "finish_reason": "length",
+                            "logprobs": {"tokens": tokens, "top_logprobs": tops} if k else None})
         return web.json_response({"choices": choices})
 
     def _sample(self, logprobs: np.ndarray, body: dict, rng: np.random.Generator) -> int:

@@ -37,7 +37,6 @@ processor interface; the launcher sets VLLM_USE_V2_MODEL_RUNNER=0 for lockstep s
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import time
 from dataclasses import dataclass
@@ -51,6 +50,7 @@ from vllm.logger import init_logger
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from engines.vllm_plugin import wire
+from engines.vllm_plugin.net import is_loopback
 
 log = init_logger("dualvllm.lockstep")
 
@@ -107,19 +107,10 @@ def check_address(address: object) -> None:
     if parts.scheme != "tcp" or not parts.hostname or parts.port is None:
         raise ValueError(f"{wire.ARG_ADDRESS}={address!r} must be tcp://HOST:PORT or ipc://PATH")
     allowed = {h.strip() for h in os.environ.get(ALLOWED_HOSTS_ENV, "").split(",") if h.strip()}
-    if not _is_loopback(parts.hostname) and parts.hostname not in allowed:
+    if not is_loopback(parts.hostname) and parts.hostname not in allowed:
         raise ValueError(
             f"lockstep coordinator {address!r} is not on a loopback address; this server connects "
             f"elsewhere only to hosts listed in {ALLOWED_HOSTS_ENV} when it starts")
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class _Channel:

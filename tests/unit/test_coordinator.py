@@ -10,6 +10,7 @@ from common.errors import (
     IncompatibleModelsError,
     InvalidInputError,
     LifecycleError,
+    LockstepUnavailableError,
     TopKUnsupportedError,
     UnknownModelError,
 )
@@ -22,6 +23,9 @@ from theory.mixture import mixture_logprobs
 def config(theta, t, **kw) -> CoordinatorConfig:
     kw.setdefault("retry_delay", 0.0)
     kw.setdefault("top_k", 8)
+    # The fake servers have no lockstep plugin; per-token mode also skips auto mode's probe
+    # request, which would count among the requests some tests count.
+    kw.setdefault("mode", "per_token")
     return CoordinatorConfig(theta_url=theta.url, t_url=t.url, **kw)
 
 
@@ -322,3 +326,13 @@ async def test_one_server_as_its_own_teacher_needs_prompts_that_differ(fake_thet
     assert sorted(map(len, prompts[0] + prompts[1])) == [2, 4]
     # alpha* is strictly inside (0, 1): the two prompts give two distributions.
     assert all(0 < a < 1 for a in out.alpha_history)
+
+
+async def test_auto_mode_falls_back_to_per_token_on_servers_without_the_plugin(fake_theta, fake_t):
+    async with DualVLLMCoordinator(config(fake_theta, fake_t, mode="auto")) as c:
+        assert c.mode == "per_token"
+        [out] = await c.generate_batch(["12+34="], max_tokens=3, seed=0)
+    assert out.ok, out.error
+    with pytest.raises(LockstepUnavailableError, match="no dualvllm lockstep plugin"):
+        async with DualVLLMCoordinator(config(fake_theta, fake_t, mode="lockstep")):
+            pass

@@ -116,4 +116,8 @@ async def test_start_up_timeout_reports_the_log_and_cleans_up(tmp_path):
     server, pid_file = fake_server(tmp_path, delay_s=60.0, startup_timeout_s=1.5)
     with pytest.raises(ServerStartupError, match="not healthy after 2 s"):
         await server.start()
-    assert not server.running and gone_soon(int(pid_file.read_text()))
+    assert not server.running
+    # On a loaded machine the timeout can fire before the child wrote its pid: then it was
+    # stopped before it started anything, and there is no grandchild to look for.
+    if pid_file.exists():
+        assert gone_soon(int(pid_file.read_text()))

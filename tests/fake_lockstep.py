@@ -1,0 +1,313 @@
+"""An in-process fake of a vLLM server that runs the dualvllm lockstep plugin.
+
+It stands in for a VLLMClient in LockstepScheduler unit tests: the scheduler calls
+`forced_generation` (one long request per sequence and server) and `detokenize`, and the
+fake talks back over a real zmq DEALER socket to the scheduler's LockstepChannel with
+the real wire format (engines/vllm_plugin/wire.py), as engines/vllm_plugin/processor.py
+does inside vLLM.
+
+What it simulates of a vLLM engine, one decode step at a time:
+- admission: requests wait in a queue until an admission policy (`admit`) moves them
+  into the running batch; the default admits everything at once, tests pass policies
+  that admit some requests late (a busy server, a limited batch);
+- a step: for every running lockstep request, one row of ONE report per coordinator
+  address: the request's lockstep id, its position (offset + tokens generated so far,
+  counted here as the plugin counts them) and a deterministic synthetic top-k
+  (FakeModel: it depends only on the model's seed and the request's full context, so a
+  request resubmitted with its agreed tokens appended sees the same distributions);
+- the wait for the reply (bounded by `reply_timeout_s`, a number or a function of the
+  server, as the plugin's
+  DUALVLLM_LOCKSTEP_TIMEOUT_S: on timeout the rows are ended and the socket is dropped
+  and reopened, exactly as the plugin does);
+- the forced tokens: a token is appended; END appends the request's stop token and ends
+  it ("stop"); the stop token chosen as an ordinary token also ends it ("stop", vLLM's
+  stop_token_ids); reaching max_tokens ends it ("length").
+Scripted misbehaviour, each a hook on the request: `end_when` (the server ends a request
+on its own, "length"), `fail_when` (the request fails with a ServerUnavailableError),
+`position_skew` (a wrong position in a report). `plugin=False` is a server without the
+plugin (it generates on its own and never reports); `flags` and `capacity` (the server's
+max_num_seqs) are put in every report. The admission policy is separate from `capacity`,
+so a test can also simulate a server whose batch is full of other clients' work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from common.errors import ServerUnavailableError
+from engines.vllm_plugin import wire
+
+VOCAB_SIZE = 32
+EOS_ID = 0  # also the stop token the scheduler forces to end a request
+
+
+@dataclass(frozen=True)
+class FakeModel:
+    """A synthetic next-token distribution over VOCAB_SIZE ids, a function of (seed, context).
+
+    EOS never appears in the top-k (its logit is -inf), except after a context for which
+    `eos_when(context)` holds: there EOS dominates (probability ~1 - 1e-8).
+    """
+
+    seed: int
+    eos_when: Callable[[tuple[int, ...]], bool] | None = None
+
+    def topk(self, context: Sequence[int], k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids int32 [k], raw logprobs float32 [k]), best first."""
+        context = tuple(int(c) for c in context)
+        rng = np.random.default_rng([self.seed, len(context), *context])
+        logits = rng.normal(scale=2.0, size=VOCAB_SIZE)
+        if self.eos_when is not None and self.eos_when(context):
+            logits[EOS_ID] = logits.max() + 20.0
+        else:
+            logits[EOS_ID] = -np.inf
+        logprobs = logits - np.logaddexp.reduce(logits)
+        order = np.argsort(-logprobs, kind="stable")[:k]
+        return order.astype(np.int32), logprobs[order].astype(np.float32)
+
+
+@dataclass(eq=False)
+class FakeRequest:
+    """One lockstep completion request as the fake server holds it."""
+
+    prompt: list[int]
+    max_tokens: int
+    stop_token: int
+    args: dict[str, int | str]
+    generated: list[int] = field(default_factory=list)
+    answers: list[tuple[int, int]] = field(default_factory=list)  # (position reported, token or END replied)
+    finish: str | None = None  # "stop", "length", "error"; "cancelled" if the client gave up on it
+    future: asyncio.Future | None = None
+
+    @property
+    def address(self) -> str:
+        return str(self.args[wire.ARG_ADDRESS])
+
+    @property
+    def id(self) -> int:
+        return int(self.args[wire.ARG_ID])
+
+    @property
+    def offset(self) -> int:
+        return int(self.args[wire.ARG_OFFSET])
+
+    @property
+    def top_k(self) -> int:
+        return int(self.args[wire.ARG_TOP_K])
+
+    @property
+    def key(self) -> int:
+        """Which test sequence this is: tests give each sequence a distinct first prompt token,
+        which every resubmission (prompt + agreed tokens) keeps."""
+        return self.prompt[0]
+
+
+def admit_all(server: "FakeLockstepServer", queued: list[FakeRequest]) -> list[FakeRequest]:
+    return queued
+
+
+class _Dealer:
+    """The plugin's socket to one coordinator, with its step counter."""
+
+    def __init__(self, context: zmq.asyncio.Context, address: str) -> None:
+        self.address = address
+        self.step = 0
+        self._context = context
+        self._socket: zmq.asyncio.Socket | None = None
+
+    async def send(self, frames: list) -> None:
+        if self._socket is None:
+            self._socket = self._context.socket(zmq.DEALER)
+            self._socket.setsockopt(zmq.LINGER, 0)
+            self._socket.connect(self.address)
+        await self._socket.send_multipart(frames, copy=False)
+
+    async def receive(self, timeout_s: float) -> np.ndarray | None:
+        """The reply to this step's report, or None after `timeout_s` (then the socket is dropped)."""
+        assert self._socket is not None
+        deadline = time.monotonic() + timeout_s
+        while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
+            if not await self._socket.poll(left_ms):
+                break
+            step, tokens = wire.decode_reply(await self._socket.recv_multipart())
+            if step == self.step:
+                return tokens
+        self.close()
+        return None
+
+    def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
+
+
+class FakeLockstepServer:
+    """A fake vLLM server with the lockstep plugin (see the module docstring)."""
+
+    def __init__(self, name: str, model: FakeModel, *,
+                 admit: Callable[["FakeLockstepServer", list[FakeRequest]], list[FakeRequest]] = admit_all,
+                 plugin: bool = True, flags: int = 0, capacity: int = 256,
+                 reply_timeout_s: float | Callable[["FakeLockstepServer"], float] = 20.0,
+                 end_when: Callable[[FakeRequest], bool] | None = None,
+                 fail_when: Callable[[FakeRequest], bool] | None = None,
+                 position_skew: Callable[[FakeRequest], int] | None = None) -> None:
+        self.name = name
+        self.url = f"http://fake-{name}.invalid:8000"
+        self.model = model
+        self.admit = admit
+        self.plugin = plugin
+        self.flags = flags
+        self.capacity = capacity
+        self.reply_timeout_s = reply_timeout_s
+        self.end_when = end_when
+        self.fail_when = fail_when
+        self.position_skew = position_skew
+        self.requests: list[FakeRequest] = []  # every request received, in order
+        self.queue: list[FakeRequest] = []  # received, not admitted yet
+        self.running: list[FakeRequest] = []  # the batch, in row order
+        self.steps = 0  # decode steps run (each sends one report per coordinator)
+        self.timeouts = 0  # reports whose reply did not come within reply_timeout_s
+        self._zmq = zmq.asyncio.Context()
+        self._dealers: dict[str, _Dealer] = {}
+        self._wake = asyncio.Event()
+        self._loop: asyncio.Task[None] | None = None
+
+    # -- what LockstepScheduler calls --------------------------------------------------
+
+    async def forced_generation(self, prompt_ids: Sequence[int], *, max_tokens: int, stop_token: int,
+                                lockstep_args: dict[str, int | str]) -> str:
+        request = FakeRequest(list(prompt_ids), max_tokens, stop_token, dict(lockstep_args))
+        self.requests.append(request)
+        if self.fail_when is not None and self.fail_when(request):
+            request.finish = "error"
+            raise ServerUnavailableError(self.name, self.url, "connection reset (simulated)")
+        if not self.plugin:  # vLLM without the processor: it samples max_tokens tokens itself
+            request.generated = [1] * max_tokens
+            request.finish = "length"
+            return "length"
+        request.future = asyncio.get_running_loop().create_future()
+        self.queue.append(request)
+        self._wake.set()
+        if self._loop is None:
+            self._loop = asyncio.create_task(self._run(), name=f"fake-{self.name}-engine")
+        try:
+            return await request.future
+        except asyncio.CancelledError:  # the client gave up: vLLM aborts the request
+            request.finish = request.finish or "cancelled"
+            if request in self.queue:
+                self.queue.remove(request)
+            if request in self.running:
+                self.running.remove(request)
+            raise
+
+    async def detokenize(self, ids: Sequence[int]) -> str:
+        return " ".join(str(i) for i in ids)
+
+    # -- the engine loop ---------------------------------------------------------------
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                if not self.queue and not self.running:
+                    self._wake.clear()
+                    await self._wake.wait()
+                await asyncio.sleep(0)  # requests sent together arrive before the step starts
+                for request in list(self.admit(self, list(self.queue))):
+                    self.queue.remove(request)
+                    self.running.append(request)
+                if not self.running:  # the policy held everything back: an idle engine tick
+                    await asyncio.sleep(0.002)
+                    continue
+                await self._step()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # a bug in the fake: fail its requests loudly
+            for request in self.queue + self.running:
+                if request.future is not None and not request.future.done():
+                    request.future.set_exception(exc)
+            raise
+
+    async def _step(self) -> None:
+        self.steps += 1
+        by_address: dict[str, list[FakeRequest]] = {}
+        for request in self.running:
+            by_address.setdefault(request.address, []).append(request)
+        asked = []
+        for address, members in by_address.items():
+            k = min(max(r.top_k for r in members), VOCAB_SIZE)
+            positions = [r.offset + len(r.generated) + (self.position_skew(r) if self.position_skew else 0)
+                         for r in members]
+            tops = [self.model.topk(r.prompt + r.generated, k) for r in members]
+            dealer = self._dealers.get(address) or self._dealers.setdefault(address, _Dealer(self._zmq, address))
+            dealer.step += 1
+            await dealer.send(wire.encode_report(
+                dealer.step, self.flags, self.capacity, np.array([r.id for r in members], dtype=np.int64),
+                np.array(positions, dtype=np.int64), np.stack([ids for ids, _ in tops]),
+                np.stack([logprobs for _, logprobs in tops])))
+            asked.append((dealer, members, positions))
+        for dealer, members, positions in asked:
+            timeout_s = self.reply_timeout_s(self) if callable(self.reply_timeout_s) else self.reply_timeout_s
+            tokens = await dealer.receive(timeout_s)
+            if tokens is None or len(tokens) != len(members):
+                self.timeouts += 1
+                tokens = np.full(len(members), wire.END, dtype=np.int64)
+            for request, position, token in zip(members, positions, tokens.tolist()):
+                self._apply(request, position, token)
+
+    def _apply(self, request: FakeRequest, position: int, token: int) -> None:
+        if request.finish == "cancelled":  # aborted by its client while the step ran
+            return
+        request.answers.append((position, token))
+        if token == wire.END or not 0 <= token < VOCAB_SIZE:
+            request.generated.append(request.stop_token)
+            self._end(request, "stop")
+            return
+        request.generated.append(token)
+        if token == request.stop_token:
+            self._end(request, "stop")
+        elif len(request.generated) >= request.max_tokens:
+            self._end(request, "length")
+        elif self.end_when is not None and self.end_when(request):
+            self._end(request, "length")
+        elif self.fail_when is not None and self.fail_when(request):
+            self._end(request, "error")
+
+    def _end(self, request: FakeRequest, finish: str) -> None:
+        request.finish = finish
+        if request in self.running:
+            self.running.remove(request)
+        assert request.future is not None
+        if request.future.done():
+            return
+        if finish == "error":
+            request.future.set_exception(ServerUnavailableError(self.name, self.url, "connection reset (simulated)"))
+        else:
+            request.future.set_result(finish)
+
+    # -- test helpers ------------------------------------------------------------------
+
+    @property
+    def idle(self) -> bool:
+        """No request queued or running, and every request received has ended."""
+        return not self.queue and not self.running and all(r.finish is not None for r in self.requests)
+
+    def requests_of(self, key: int) -> list[FakeRequest]:
+        return [r for r in self.requests if r.key == key]
+
+    async def close(self) -> None:
+        if self._loop is not None:
+            self._loop.cancel()
+            try:
+                await self._loop
+            except asyncio.CancelledError:
+                pass
+        for dealer in self._dealers.values():
+            dealer.close()
+        self._zmq.term()

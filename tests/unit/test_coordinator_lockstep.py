@@ -1,0 +1,609 @@
+"""The lockstep state machine (coordinator/lockstep.py) against fake lockstep servers.
+
+Each test drives a real LockstepScheduler and its real zmq LockstepChannel with two
+FakeLockstepServer (tests/fake_lockstep.py): in-process fakes of vLLM servers running the
+dualvllm plugin, with scripted admission and misbehaviour. The expected tokens come from
+replaying coordinator.step.mix_and_sample token by token over the fakes' synthetic top-k
+with each sequence's own sampler: lockstep must give exactly the per-token step's tokens
+whatever the servers' admission order, parks and resubmissions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import numpy as np
+import pytest
+import pytest_asyncio
+
+from common.errors import LifecycleError
+from coordinator.config import CoordinatorConfig
+from coordinator.core import sampling_params
+import coordinator.lockstep
+from coordinator.lockstep import LockstepScheduler, probe_servers
+from coordinator.outputs import GenerationOutput
+from coordinator.sequence import SamplingParams, SequenceState
+from coordinator.stats import Statistics
+from coordinator.step import mix_and_sample
+from engines.lockstep_channel import LockstepChannel
+from engines.protocol import TopKBatch
+from engines.vllm_plugin import wire
+from tests.fake_lockstep import EOS_ID, VOCAB_SIZE, FakeLockstepServer, FakeModel, FakeRequest
+
+# A hang is a failure, not a 900 s wait.
+pytestmark = pytest.mark.timeout(60)
+
+TOP_K = 8
+MAX_LEN = 4096
+SEED = 7
+OUTPUT_TIMEOUT_S = 20.0  # only a hung scheduler gets near it
+
+
+def theta_prompt(i: int) -> list[int]:
+    return [key(i), 3, 5]
+
+
+def t_prompt(i: int) -> list[int]:
+    return [key(i), 4, 4, 6]  # each server gets its own prompt; the continuation is shared
+
+
+def key(i: int) -> int:
+    """The first prompt token of sequence i, which tells the fakes whose request it is."""
+    return 10 + i
+
+
+def config(**kw) -> CoordinatorConfig:
+    kw.setdefault("top_k", TOP_K)
+    # Only the stall tests want the watchdog; elsewhere it must never park anything.
+    kw.setdefault("lockstep_stall_timeout", 60.0)
+    return CoordinatorConfig(**kw)
+
+
+def make_sequences(n: int, max_tokens: int, **params) -> list[SequenceState]:
+    sink: asyncio.Queue[GenerationOutput] = asyncio.Queue()
+    p = sampling_params(max_tokens, **params)
+    return [SequenceState(index=i, prompt=f"prompt {i}", theta_prompt_ids=theta_prompt(i), t_prompt_ids=t_prompt(i),
+                          params=p, rng=np.random.default_rng([SEED, i]), sink=sink) for i in range(n)]
+
+
+def replay(theta: FakeModel, t: FakeModel, i: int, params: SamplingParams,
+           cfg: CoordinatorConfig) -> tuple[list[int], list[float]]:
+    """(tokens, log q* of each) of sequence i by the per-token step, one token at a time."""
+    rng = np.random.default_rng([SEED, i])
+    tokens: list[int] = []
+    logprobs_q: list[float] = []
+    while True:
+        batches = []
+        for model, prompt in ((theta, theta_prompt(i)), (t, t_prompt(i))):
+            ids, logprobs = model.topk(prompt + tokens, cfg.top_k)
+            batches.append(TopKBatch(token_ids=ids[None].astype(np.int64), logprobs=logprobs[None].astype(np.float64)))
+        step = mix_and_sample(
+            *batches, temperature=np.array([params.temperature]),
+            fixed_alpha=np.array([np.nan if params.fixed_alpha is None else params.fixed_alpha]),
+            uniforms=np.array([rng.random()]), fill=cfg.fill_rule, vocab_size=VOCAB_SIZE,
+            alpha_tol=cfg.alpha_tol, alpha_max_iter=cfg.alpha_max_iter)
+        tokens.append(int(step.token_ids[0]))
+        logprobs_q.append(float(step.logprob_q[0]))
+        if (tokens[-1] == EOS_ID and not params.ignore_eos) or len(tokens) >= params.max_tokens:
+            return tokens, logprobs_q
+
+
+def assert_per_token_tokens(out: GenerationOutput, theta: FakeModel, t: FakeModel, params: SamplingParams,
+                            cfg: CoordinatorConfig) -> None:
+    tokens, logprobs_q = replay(theta, t, out.index, params, cfg)
+    assert out.generated_tokens == tokens, f"sequence {out.index}"
+    np.testing.assert_allclose(out.logprobs_q, logprobs_q, rtol=1e-9, atol=1e-12)
+
+
+def assert_servers_followed(fake: FakeLockstepServer, outputs: list[GenerationOutput], prompt) -> None:
+    """Every request was sent from the agreed tokens (prompt + the output's first `offset`
+    tokens), every token a server was told is the agreed token at that position, and every
+    request has ended (none left running or waiting on the coordinator)."""
+    for out in outputs:
+        for request in fake.requests_of(key(out.index)):
+            assert request.prompt == prompt(out.index) + out.generated_tokens[:request.offset]
+            for position, token in request.answers:
+                if token != wire.END:
+                    assert token == out.generated_tokens[position], (fake.name, out.index, position)
+    assert fake.idle, f"{fake.name}: requests left: {[(r.key, r.finish) for r in fake.requests if r.finish is None]}"
+
+
+class Rig:
+    """Fakes and schedulers of one test, closed at its end whatever happened."""
+
+    def __init__(self) -> None:
+        self.fakes: list[FakeLockstepServer] = []
+        self.schedulers: list[LockstepScheduler] = []
+
+    def servers(self, theta_model: FakeModel | None = None, t_model: FakeModel | None = None, *,
+                theta: dict | None = None, t: dict | None = None) -> tuple[FakeLockstepServer, FakeLockstepServer]:
+        fakes = (FakeLockstepServer("theta", theta_model or FakeModel(1), **(theta or {})),
+                 FakeLockstepServer("t", t_model or FakeModel(2), **(t or {})))
+        self.fakes.extend(fakes)
+        return fakes
+
+    def scheduler(self, theta: FakeLockstepServer, t: FakeLockstepServer, cfg: CoordinatorConfig,
+                  capacity: int | None = None) -> LockstepScheduler:
+        scheduler = LockstepScheduler(theta, t, config=cfg, eos_ids=frozenset({EOS_ID}), max_len=MAX_LEN,  # type: ignore[arg-type]
+                                      stats=Statistics(), channel=LockstepChannel(), stop_token=EOS_ID,
+                                      capacity=capacity, vocab_size=VOCAB_SIZE)
+        self.schedulers.append(scheduler)
+        return scheduler
+
+    async def aclose(self) -> None:
+        for scheduler in self.schedulers:
+            if not scheduler._closing:
+                await scheduler.close()
+        for fake in self.fakes:
+            await fake.close()
+
+
+@pytest_asyncio.fixture
+async def rig():
+    r = Rig()
+    yield r
+    await r.aclose()
+
+
+async def collect(sequences: list[SequenceState]) -> list[GenerationOutput]:
+    """Every sequence's output, exactly once, in index order."""
+    got: dict[int, GenerationOutput] = {}
+    for _ in sequences:
+        out = await asyncio.wait_for(sequences[0].sink.get(), OUTPUT_TIMEOUT_S)
+        assert out.index not in got, f"sequence {out.index} delivered twice"
+        got[out.index] = out
+    return [got[i] for i in range(len(sequences))]
+
+
+async def generate(scheduler: LockstepScheduler, sequences: list[SequenceState]) -> list[GenerationOutput]:
+    scheduler.submit(sequences)
+    try:
+        return await collect(sequences)
+    finally:
+        await asyncio.wait_for(scheduler.close(), OUTPUT_TIMEOUT_S)
+
+
+async def eventually(condition, what: str) -> None:
+    for _ in range(int(OUTPUT_TIMEOUT_S / 0.005)):
+        if condition():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"never happened: {what}")
+
+
+def admit_first_step_only(k: int):
+    """An admission policy: the first step admits only sequence k's request, later steps all."""
+    def admit(server: FakeLockstepServer, queued: list[FakeRequest]) -> list[FakeRequest]:
+        return [r for r in queued if r.key == key(k)] if server.steps == 0 else queued
+    return admit
+
+
+# -- the state machine ------------------------------------------------------------------
+
+
+async def test_aligned_admission_gives_the_per_token_steps_tokens(rig):
+    theta, t = rig.servers()
+    cfg = config()
+    scheduler = rig.scheduler(theta, t, cfg)
+    sequences = make_sequences(4, max_tokens=6)
+    outputs = await generate(scheduler, sequences)
+
+    for out in outputs:
+        assert out.ok and out.finish_reason == "max_tokens" and len(out.generated_tokens) == 6
+        assert_per_token_tokens(out, theta.model, t.model, sequences[0].params, cfg)
+    assert scheduler.counters.parks == 0 and scheduler.counters.resubmissions == 0
+    for fake, prompt in ((theta, theta_prompt), (t, t_prompt)):
+        assert_servers_followed(fake, outputs, prompt)
+        # One request per sequence, told every token of positions 0..4 and END at the last one.
+        assert len(fake.requests) == 4
+        for request in fake.requests:
+            assert request.finish == "stop" and request.offset == 0
+            assert [position for position, _ in request.answers] == list(range(6))
+            assert request.answers[-1][1] == wire.END
+        # Both servers admitted everything at once: one report per step, one step per position.
+        assert fake.steps == 6
+
+
+async def test_an_admission_deadlock_is_parked_and_resubmitted_without_losing_a_token(rig):
+    # The base runs sequence 0 alone in its first step, the teacher sequence 1 alone: each
+    # waits on a row the other server has not admitted, and neither can step again.
+    theta, t = rig.servers(theta={"admit": admit_first_step_only(0)}, t={"admit": admit_first_step_only(1)})
+    cfg = config()
+    scheduler = rig.scheduler(theta, t, cfg)
+    sequences = make_sequences(3, max_tokens=5)
+    outputs = await generate(scheduler, sequences)
+
+    assert scheduler.counters.parks > 0 and scheduler.counters.resubmissions > 0
+    for out in outputs:
+        assert out.ok and out.finish_reason == "max_tokens"
+        assert_per_token_tokens(out, theta.model, t.model, sequences[0].params, cfg)
+    assert_servers_followed(theta, outputs, theta_prompt)
+    assert_servers_followed(t, outputs, t_prompt)
+    # The parked request was told END at position 0 and resent from offset 0.
+    assert len(theta.requests) + len(t.requests) == 6 + scheduler.counters.resubmissions
+
+
+async def test_servers_admitting_at_different_rates_still_give_the_per_token_tokens(rig):
+    def one_new_request_per_step(server, queued):
+        return queued[:1]
+
+    theta, t = rig.servers(theta={"admit": one_new_request_per_step})
+    cfg = config()
+    scheduler = rig.scheduler(theta, t, cfg)
+    sequences = make_sequences(4, max_tokens=5)
+    outputs = await generate(scheduler, sequences)
+
+    assert scheduler.counters.ahead_rows > 0  # the teacher's rows waited for the base's
+    for out in outputs:
+        assert out.ok and out.finish_reason == "max_tokens"
+        assert_per_token_tokens(out, theta.model, t.model, sequences[0].params, cfg)
+    assert_servers_followed(theta, outputs, theta_prompt)
+    assert_servers_followed(t, outputs, t_prompt)
+
+
+async def test_a_request_the_server_ends_early_is_resubmitted_from_its_agreed_tokens(rig):
+    ended: list[FakeRequest] = []
+
+    def end_once_after_two_tokens(request: FakeRequest) -> bool:
+        if request.key == key(1) and len(request.generated) == 2 and not ended:
+            ended.append(request)
+            return True
+        return False
+
+    theta, t = rig.servers(theta={"end_when": end_once_after_two_tokens})
+    cfg = config()
+    scheduler = rig.scheduler(theta, t, cfg)
+    sequences = make_sequences(3, max_tokens=6)
+    outputs = await generate(scheduler, sequences)
+
+    for out in outputs:
+        assert out.ok and out.finish_reason == "max_tokens"
+        assert_per_token_tokens(out, theta.model, t.model, sequences[0].params, cfg)
+    assert scheduler.counters.resubmissions >= 1
+    first, second = theta.requests_of(key(1))[:2]
+    assert first is ended[0] and first.finish == "length"
+    assert second.offset == 2 and second.prompt == theta_prompt(1) + outputs[1].generated_tokens[:2]
+    assert_servers_followed(theta, outputs, theta_prompt)
+    assert_servers_followed(t, outputs, t_prompt)
+
+
+@pytest.mark.parametrize("after_tokens", [0, 2], ids=["at-submission", "mid-stream"])
+async def test_a_failed_request_fails_only_its_sequence(rig, after_tokens):
+    theta, t = rig.servers(theta={"fail_when": lambda r: r.key == key(1) and len(r.generated) == after_tokens})
+    cfg = config()
+    scheduler = rig.scheduler(theta, t, cfg)
+    sequences = make_sequences(3, max_tokens=6)
+    outputs = await generate(scheduler, sequences)
+
+    failed = outputs[1]
+    assert failed.finish_reason == "error"
+    assert "theta server" in failed.error and "connection reset (simulated)" in failed.error
+    expected, _ = replay(theta.model, t.model, 1, sequences[1].params, cfg)
+    assert failed.generated_tokens == expected[:after_tokens]
+    for out in (outputs[0], outputs[2]):
+        assert out.ok and out.finish_reason == "max_tokens"
+        assert_per_token_tokens(out, theta.model, t.model, sequences[0].params, cfg)
+    # The failed request was not resent, and the teacher's request of that sequence was
+    # ended (END), not left running.
+    assert len(theta.requests_of(key(1))) == 1
+    teacher_request = t.requests_of(key(1))[-1]
+    assert teacher_request.finish == "stop" and teacher_request.answers[-1][1] == wire.END
+    assert_servers_followed(t, outputs, t_prompt)
+    assert_servers_followed(theta, outputs, theta_prompt)
+
+
+async def test_a_server_reporting_a_wrong_position_fails_that_sequence_only(rig):
+    theta, t = rig.servers(theta={"position_skew": lambda r: 1 if r.key == key(1) and len(r.generated) == 2 else 0})
+    cfg = config()
+    scheduler = rig.scheduler(theta, t, cfg)
+    sequences = make_sequences(3, max_tokens=6)
+    outputs = await generate(scheduler, sequences)
+
+    failed = outputs[1]
+    assert failed.finish_reason == "error" and "diverged" in failed.error
+    assert "theta server reported position 3" in failed.error
+    expected, _ = replay(theta.model, t.model, 1, sequences[1].params, cfg)
+    assert failed.generated_tokens == expected[:2]
+    for out in (outputs[0], outputs[2]):
+        assert out.ok and out.finish_reason == "max_tokens"
+        assert_per_token_tokens(out, theta.model, t.model, sequences[0].params, cfg)
+    for fake in (theta, t):
+        (request,) = fake.requests_of(key(1))
+        assert request.finish == "stop" and request.answers[-1][1] == wire.END
+    # The teacher's row of the failed sequence was answered END at once, not parked later.
+    assert scheduler.counters.parks == 0 and scheduler.counters.resubmissions == 0
+    assert_servers_followed(t, outputs, t_prompt)
+    assert_servers_followed(theta, outputs, theta_prompt)
+
+
+def eos_after(n: int, i: int, prompt_len: int):
+    """EOS dominates sequence i's distribution after n generated tokens."""
+    return lambda context: context[0] == key(i) and len(context) == prompt_len + n
+
+
+async def test_eos_ends_the_sequence_and_both_servers_requests_at_that_position(rig):
+    theta_model = FakeModel(1, eos_when=eos_after(3, 1, len(theta_prompt(1))))
+    t_model = FakeModel(2, eos_when=eos_after(3, 1, len(t_prompt(1))))
+    theta, t = rig.servers(theta_model, t_model)
+    cfg = config()
+    scheduler = rig.scheduler(theta, t, cfg)
+    sequences = make_sequences(3, max_tokens=8)
+    outputs = await generate(scheduler, sequences)
+
+    stopped = outputs[1]
+    assert stopped.ok and stopped.finish_reason == "eos"
+    assert len(stopped.generated_tokens) == 4 and stopped.generated_tokens[-1] == EOS_ID
+    assert_per_token_tokens(stopped, theta_model, t_model, sequences[1].params, cfg)
+    for out in (outputs[0], outputs[2]):
+        assert out.ok and out.finish_reason == "max_tokens" and len(out.generated_tokens) == 8
+        assert_per_token_tokens(out, theta_model, t_model, sequences[0].params, cfg)
+    for fake, prompt in ((theta, theta_prompt), (t, t_prompt)):
+        assert_servers_followed(fake, outputs, prompt)
+        for out in outputs:
+            (request,) = fake.requests_of(key(out.index))
+            last = len(out.generated_tokens) - 1
+            # Told END at the deciding position, so the server emitted its stop token there.
+            assert request.answers[-1] == (last, wire.END) and request.finish == "stop"
+            assert len(request.answers) == last + 1
+
+
+async def test_the_stop_token_sampled_with_ignore_eos_ends_both_requests_and_the_sequence_goes_on(rig):
+    theta_model = FakeModel(1, eos_when=eos_after(2, 0, len(theta_prompt(0))))
+    t_model = FakeModel(2, eos_when=eos_after(2, 0, len(t_prompt(0))))
+    theta, t = rig.servers(theta_model, t_model)
+    cfg = config()
+    scheduler = rig.scheduler(theta, t, cfg)
+    sequences = make_sequences(2, max_tokens=6, ignore_eos=True)
+    outputs = await generate(scheduler, sequences)
+
+    for out in outputs:
+        assert out.ok and out.finish_reason == "max_tokens"
+        assert_per_token_tokens(out, theta_model, t_model, sequences[0].params, cfg)
+    assert outputs[0].generated_tokens[2] == EOS_ID  # the premise: EOS at position 2
+    for fake, prompt in ((theta, theta_prompt), (t, t_prompt)):
+        assert_servers_followed(fake, outputs, prompt)
+        first, second = fake.requests_of(key(0))[:2]
+        # The server ended its request at the stop token; it was resent after it.
+        assert first.finish == "stop" and first.answers[-1] == (2, EOS_ID)
+        assert second.offset == 3 and second.finish == "stop"
+    assert scheduler.counters.resubmissions >= 2
+
+
+async def test_close_fails_sequences_in_flight_and_ends_every_server_request(rig):
+    theta, t = rig.servers()
+    scheduler = rig.scheduler(theta, t, config())
+    sequences = make_sequences(3, max_tokens=1000)
+    scheduler.submit(sequences)
+    await eventually(lambda: theta.steps >= 3 and t.steps >= 3, "three decode steps on each server")
+    await asyncio.wait_for(scheduler.close(), OUTPUT_TIMEOUT_S)
+
+    outputs = await collect(sequences)
+    for out in outputs:
+        assert out.finish_reason == "error" and "closed" in out.error
+        assert 0 < len(out.generated_tokens) < 1000
+    for fake, prompt in ((theta, theta_prompt), (t, t_prompt)):
+        assert_servers_followed(fake, outputs, prompt)
+        # Every request was ended by an END answer (none cancelled after the drain timeout,
+        # none left waiting for a reply).
+        assert [r.finish for r in fake.requests] == ["stop"] * 3
+        assert all(r.answers[-1][1] == wire.END for r in fake.requests)
+    with pytest.raises(LifecycleError):
+        scheduler.submit(make_sequences(1, max_tokens=2))
+
+
+async def test_close_delivers_sequences_still_waiting_for_a_batch_slot(rig):
+    theta, t = rig.servers()
+    scheduler = rig.scheduler(theta, t, config(max_batch_size=1))
+    sequences = make_sequences(3, max_tokens=1000)
+    scheduler.submit(sequences)
+    await eventually(lambda: theta.steps >= 2 and t.steps >= 2, "two decode steps on each server")
+    await asyncio.wait_for(scheduler.close(), OUTPUT_TIMEOUT_S)
+
+    outputs = await collect(sequences)
+    assert all(out.finish_reason == "error" and "closed" in out.error for out in outputs)
+    assert [len(out.generated_tokens) > 0 for out in outputs] == [True, False, False]
+    assert theta.idle and t.idle and len(theta.requests) == len(t.requests) == 1
+
+
+async def test_a_stalled_report_is_parked_by_the_watchdog(rig):
+    # The teacher holds the sequence back until the base's row of it was parked. The
+    # teacher is not waiting on anything, so this is no deadlock: only the stall watchdog
+    # can end the base's wait (a server busy with other work looks like this).
+    def hold_back_until_parked(server, queued):
+        parked = any(r.answers == [(0, wire.END)] and r.finish == "stop" for r in theta.requests)
+        return queued if parked else []
+
+    theta, t = rig.servers(t={"admit": hold_back_until_parked})
+    cfg = config(lockstep_stall_timeout=0.2)
+    scheduler = rig.scheduler(theta, t, cfg)
+    sequences = make_sequences(1, max_tokens=4)
+    outputs = await generate(scheduler, sequences)
+
+    assert scheduler.counters.parks >= 1 and scheduler.counters.resubmissions >= 1
+    (out,) = outputs
+    assert out.ok and out.finish_reason == "max_tokens"
+    assert_per_token_tokens(out, theta.model, t.model, sequences[0].params, cfg)
+    assert_servers_followed(theta, outputs, theta_prompt)
+    assert_servers_followed(t, outputs, t_prompt)
+    # The base's first request was told END at position 0, and the sequence resent from offset 0.
+    assert theta.requests[0].answers == [(0, wire.END)] and theta.requests[1].offset == 0
+
+
+async def test_parks_do_not_count_as_requests_the_server_ended(rig, monkeypatch):
+    """A base with room for one running request (its batch busy with other clients' work,
+    so the coordinator's capacity does not say so) keeps the teacher's rows of sequence 1
+    waiting: they are parked at every step for as long as sequence 0 runs, a legitimate
+    park per step, more than MAX_RESUBMISSIONS in all. A single early end by the server
+    afterwards must be resubmitted, not taken for a server that keeps ending requests."""
+    limit = 4  # MAX_RESUBMISSIONS, lowered so that the test needs a dozen steps, not 70
+    monkeypatch.setattr(coordinator.lockstep, "MAX_RESUBMISSIONS", limit)
+
+    def one_running(server, queued):
+        return queued[:1] if not server.running else []
+
+    ended: list[FakeRequest] = []
+
+    def end_once(request: FakeRequest) -> bool:
+        if request.key == key(1) and len(request.generated) == 2 and not ended:
+            ended.append(request)
+            return True
+        return False
+
+    theta, t = rig.servers(theta={"admit": one_running, "end_when": end_once})
+    cfg = config()
+    scheduler = rig.scheduler(theta, t, cfg)
+    long, short = make_sequences(2, max_tokens=limit + 8)
+    short.params = sampling_params(5)
+    outputs = await generate(scheduler, [long, short])
+
+    assert scheduler.counters.parks >= limit  # the premise
+    assert ended, "the base never ended sequence 1's request on its own"
+    assert outputs[1].error is None, outputs[1].error
+    for out, seq in zip(outputs, (long, short)):
+        assert out.ok and out.finish_reason == "max_tokens"
+        assert_per_token_tokens(out, theta.model, t.model, seq.params, cfg)
+    assert_servers_followed(theta, outputs, theta_prompt)
+    assert_servers_followed(t, outputs, t_prompt)
+
+
+async def test_a_known_capacity_keeps_sequences_out_of_a_full_server_queue(rig):
+    """The base runs one request at once and says so (capacity 1): the scheduler starts one
+    sequence at a time, so no row waits on a request queued behind a full batch."""
+    def one_running(server, queued):
+        return queued[:1] if not server.running else []
+
+    theta, t = rig.servers(theta={"admit": one_running, "capacity": 1})
+    cfg = config()
+    scheduler = rig.scheduler(theta, t, cfg, capacity=1)
+    sequences = make_sequences(3, max_tokens=4)
+    outputs = await generate(scheduler, sequences)
+
+    assert scheduler.counters.parks == 0 and scheduler.counters.resubmissions == 0
+    for out in outputs:
+        assert out.ok and out.finish_reason == "max_tokens"
+        assert_per_token_tokens(out, theta.model, t.model, sequences[0].params, cfg)
+    assert max(len(r.answers) for r in t.requests) == 4 and len(t.requests) == 3
+    assert_servers_followed(theta, outputs, theta_prompt)
+    assert_servers_followed(t, outputs, t_prompt)
+
+
+async def test_a_plugin_that_gave_up_waiting_is_resubmitted_not_taken_for_divergence(rig):
+    """The plugin's reply timeout (DUALVLLM_LOCKSTEP_TIMEOUT_S) ends its rows and drops its
+    socket, so its next report comes from a new zmq identity; the rows it gave up on are
+    still registered here. The ended requests must be resubmitted and finish normally."""
+    def admit_after_theta_resubmitted(server, queued):
+        return queued if theta.steps >= 2 else []
+
+    # The base's first report gives up after 0.3 s (it can never be answered: the teacher
+    # holds everything back, and this is no deadlock); later ones wait as long as needed.
+    def timeout_first_report_only(server):
+        return 0.3 if server.timeouts == 0 else 20.0
+
+    theta, t = rig.servers(theta={"reply_timeout_s": timeout_first_report_only},
+                           t={"admit": admit_after_theta_resubmitted})
+    cfg = config()
+    scheduler = rig.scheduler(theta, t, cfg)
+    sequences = make_sequences(2, max_tokens=4)
+    outputs = await generate(scheduler, sequences)
+
+    assert theta.timeouts == 1  # the premise
+    for out in outputs:
+        assert out.error is None, out.error
+        assert out.finish_reason == "max_tokens"
+        assert_per_token_tokens(out, theta.model, t.model, sequences[0].params, cfg)
+    assert_servers_followed(theta, outputs, theta_prompt)
+    assert_servers_followed(t, outputs, t_prompt)
+
+
+# -- the plugin probe -------------------------------------------------------------------
+
+
+async def test_the_probe_tells_servers_with_and_without_the_plugin_and_their_capacity(rig):
+    with_plugin = FakeLockstepServer("theta", FakeModel(1), capacity=48)
+    smaller = FakeLockstepServer("t", FakeModel(2), capacity=20)
+    without = FakeLockstepServer("t", FakeModel(2), plugin=False)
+    chunked = FakeLockstepServer("t", FakeModel(2), flags=wire.FLAG_CHUNKED_PREFILL)
+    rig.fakes.extend([with_plugin, smaller, without, chunked])
+    channel = LockstepChannel()
+    try:
+        probe = await probe_servers(channel, [with_plugin, smaller], [1, 2, 3], EOS_ID, 10.0)
+        assert probe.unavailable is None and probe.capacity == 20  # the smaller server's
+        (request,) = with_plugin.requests
+        assert request.answers == [(0, wire.END)] and request.finish == "stop" and request.max_tokens == 2
+        # One server in both roles (a self-teacher) is probed once and holds two requests per sequence.
+        probe = await probe_servers(channel, [with_plugin, with_plugin], [1, 2, 3], EOS_ID, 10.0)
+        assert probe.unavailable is None and probe.capacity == 24 and len(with_plugin.requests) == 2
+
+        probe = await probe_servers(channel, [with_plugin, without], [1, 2, 3], EOS_ID, 10.0)
+        assert probe.unavailable is not None and "no dualvllm lockstep plugin" in probe.unavailable
+        assert probe.unavailable.startswith(f"t server at {without.url}")
+
+        probe = await probe_servers(channel, [chunked], [1, 2, 3], EOS_ID, 10.0)
+        assert probe.unavailable is not None and "chunked prefill" in probe.unavailable
+        assert chunked.idle and with_plugin.idle
+    finally:
+        channel.close()
+
+
+async def test_the_probe_reports_a_refused_request(rig):
+    refusing = FakeLockstepServer("theta", FakeModel(1), fail_when=lambda r: True)
+    rig.fakes.append(refusing)
+    channel = LockstepChannel()
+    try:
+        probe = await probe_servers(channel, [refusing], [1, 2, 3], EOS_ID, 10.0)
+    finally:
+        channel.close()
+    assert probe.unavailable is not None
+    assert "probe request failed" in probe.unavailable and "connection reset" in probe.unavailable
+
+
+# -- the wire format --------------------------------------------------------------------
+
+
+def test_report_and_reply_round_trip():
+    ids = np.array([5, 2**50 + 3], dtype=np.int64)
+    positions = np.array([0, 17], dtype=np.int64)
+    token_ids = np.array([[3, 1, 4], [1, 5, 9]], dtype=np.int32)
+    logprobs = np.array([[-0.1, -2.5, -3.0], [-0.5, -1.0, -7.25]], dtype=np.float32)
+    frames = [bytes(f) for f in wire.encode_report(9, wire.FLAG_CHUNKED_PREFILL, 512, ids, positions, token_ids,
+                                                   logprobs)]
+    report = wire.decode_report(frames)
+    assert report.step == 9 and report.flags == wire.FLAG_CHUNKED_PREFILL and report.capacity == 512
+    np.testing.assert_array_equal(report.ids, ids)
+    np.testing.assert_array_equal(report.positions, positions)
+    np.testing.assert_array_equal(report.token_ids, token_ids)
+    np.testing.assert_array_equal(report.logprobs, logprobs)
+
+    step, tokens = wire.decode_reply([bytes(f) for f in wire.encode_reply(9, np.array([7, wire.END, 0]))])
+    assert step == 9 and tokens.tolist() == [7, wire.END, 0]
+    step, tokens = wire.decode_reply([bytes(f) for f in wire.encode_reply(1, np.array([], dtype=np.int64))])
+    assert step == 1 and tokens.tolist() == []
+
+
+def other_version(header: bytes) -> bytes:
+    """The same header with the next version number (its first little-endian uint32)."""
+    return struct.pack("<I", wire.VERSION + 1) + header[4:]
+
+
+def test_malformed_messages_raise_wire_errors():
+    report = [bytes(f) for f in wire.encode_report(1, 0, 8, np.array([1, 2]), np.array([0, 0]),
+                                                   np.zeros((2, 3), np.int32), np.zeros((2, 3), np.float32))]
+    reply = [bytes(f) for f in wire.encode_reply(1, np.array([4, 5]))]
+    assert struct.unpack_from("<I", report[0])[0] == struct.unpack_from("<I", reply[0])[0] == wire.VERSION
+    with pytest.raises(wire.WireError, match="version"):
+        wire.decode_report([other_version(report[0]), *report[1:]])
+    with pytest.raises(wire.WireError, match="version"):
+        wire.decode_reply([other_version(reply[0]), reply[1]])
+    with pytest.raises(wire.WireError):
+        wire.decode_report(report[:4])  # a frame missing
+    with pytest.raises(wire.WireError):
+        wire.decode_report([report[0][:-1], *report[1:]])  # a short header
+    with pytest.raises(wire.WireError):
+        wire.decode_report([*report[:4], report[4][:-4]])  # a truncated logprobs frame
+    with pytest.raises(wire.WireError):
+        wire.decode_reply(reply[:1])
+    with pytest.raises(wire.WireError):
+        wire.decode_reply([reply[0], reply[1][:-8]])  # one row short
+    with pytest.raises(wire.WireError):
+        wire.decode_reply([*reply, b""])
