@@ -240,11 +240,17 @@ class LockstepScheduler:
             self._streams.pop(stream.id, None)
             if stream.retired or self._closing:
                 return
-            self._continue_after(stream, task)
-            self._admit()
-            if self._live_servers_all_blocked():
-                self._break_deadlock()
-            await self._send_ready()
+            try:
+                self._continue_after(stream, task)
+                self._admit()
+                if self._live_servers_all_blocked():
+                    self._break_deadlock()
+                await self._send_ready()
+            except Exception as exc:  # a bug must not strand the sequence: fail it, loudly
+                log.exception("lockstep: handling the end of a request failed")
+                if not stream.live.done:
+                    stream.live.seq.fail(f"internal error in the lockstep coordinator: {exc!r}")
+                    self._finish(stream.live)
 
     def _continue_after(self, stream: _Stream, task: asyncio.Task[str]) -> None:
         stream.retired = True
@@ -286,7 +292,7 @@ class LockstepScheduler:
         while True:
             try:
                 identity, report = await self._channel.receive()
-            except wire.WireError as err:
+            except (wire.WireError, ValueError) as err:
                 log.error("dropping a malformed lockstep report: %s", err)
                 continue
             async with self._lock:

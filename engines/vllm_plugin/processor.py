@@ -52,7 +52,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDi
 from engines.vllm_plugin import wire
 from engines.vllm_plugin.net import is_loopback
 
-log = init_logger("dualvllm.lockstep")
+log = init_logger("vllm.dualvllm_lockstep")  # under "vllm": the server's own log format and level
 
 TIMEOUT_ENV = "DUALVLLM_LOCKSTEP_TIMEOUT_S"
 ALLOWED_HOSTS_ENV = "DUALVLLM_LOCKSTEP_ALLOWED_HOSTS"

@@ -1,0 +1,143 @@
+"""The lockstep plugin (engines/vllm_plugin/processor.py) driven directly, without a server:
+its argument checks, and apply() against a real zmq socket playing the coordinator."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import zmq
+
+pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+
+from vllm import SamplingParams  # noqa: E402
+from vllm.v1.sample.logits_processor import BatchUpdate  # noqa: E402
+
+from engines.vllm_plugin import processor, wire  # noqa: E402
+
+STOP = 1
+
+
+def lockstep_params(address: str, stream_id: int, *, offset: int = 0, top_k: int = 3, **changes) -> SamplingParams:
+    args = {wire.ARG_ADDRESS: address, wire.ARG_ID: stream_id, wire.ARG_OFFSET: offset, wire.ARG_TOP_K: top_k,
+            wire.ARG_STOP: STOP, **changes}
+    return SamplingParams(temperature=0.0, stop_token_ids=[STOP], extra_args=args)
+
+
+def plugin(monkeypatch, timeout_s: float = 5.0, max_num_seqs: int = 7) -> processor.LockstepProcessor:
+    monkeypatch.setenv(processor.TIMEOUT_ENV, str(timeout_s))
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(enable_chunked_prefill=False, max_num_seqs=max_num_seqs),
+                             parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    return processor.LockstepProcessor(config, torch.device("cpu"), False)
+
+
+def add(proc: processor.LockstepProcessor, *rows: tuple[int, SamplingParams | None]) -> None:
+    proc.update_state(BatchUpdate(batch_size=len(rows), removed=[],
+                                  added=[(i, p or SamplingParams(), [5, 6], []) for i, p in rows], moved=[]))
+
+
+class Coordinator:
+    """A ROUTER socket answering each report with tokens chosen by `choose(report)` (None: no answer)."""
+
+    def __init__(self, choose) -> None:
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.address = f"tcp://127.0.0.1:{self.socket.bind_to_random_port('tcp://127.0.0.1')}"
+        self.reports: list[wire.Report] = []
+        self.choose = choose
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        """The socket lives and dies in this thread: zmq sockets are not thread-safe."""
+        while not self.stopped.is_set():
+            if not self.socket.poll(50):
+                continue
+            identity, *frames = self.socket.recv_multipart()
+            report = wire.decode_report(frames)
+            self.reports.append(report)
+            tokens = self.choose(report)
+            if tokens is not None:
+                self.socket.send_multipart([identity, *wire.encode_reply(report.step, np.asarray(tokens))])
+        self.socket.close(linger=0)
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.thread.join()
+        self.context.term()
+
+
+@pytest.fixture
+def coordinator():
+    made = []
+
+    def make(choose):
+        made.append(Coordinator(choose))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def test_ordinary_requests_are_left_alone(monkeypatch):
+    proc = plugin(monkeypatch)
+    add(proc, (0, None), (1, SamplingParams(extra_args={"other": 1})))
+    logits = torch.randn(2, 10)
+    assert torch.equal(proc.apply(logits.clone()), logits)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({wire.ARG_ADDRESS: "tcp://10.1.2.3:5555"}, "not on a loopback address"),
+    ({wire.ARG_ADDRESS: "http://127.0.0.1:5555"}, "must be tcp://HOST:PORT or ipc://PATH"),
+    ({wire.ARG_ID: "7"}, "must be integers"),
+    ({wire.ARG_TOP_K: 0}, "out of range"),
+])
+def test_malformed_or_remote_coordinators_are_refused(changes, message):
+    with pytest.raises(ValueError, match=message):
+        processor.LockstepProcessor.validate_params(lockstep_params("tcp://127.0.0.1:5555", 1, **changes))
+
+
+def test_an_allow_listed_host_is_accepted_and_stop_must_be_a_stop_token(monkeypatch):
+    monkeypatch.setenv(processor.ALLOWED_HOSTS_ENV, "10.1.2.3, 10.9.9.9")
+    processor.LockstepProcessor.validate_params(lockstep_params("tcp://10.1.2.3:5555", 1))
+    processor.LockstepProcessor.validate_params(lockstep_params("ipc:///tmp/coordinator", 1))
+    params = SamplingParams(extra_args={wire.ARG_ADDRESS: "ipc:///tmp/c", wire.ARG_ID: 1, wire.ARG_OFFSET: 0,
+                                        wire.ARG_TOP_K: 3, wire.ARG_STOP: STOP})
+    with pytest.raises(ValueError, match="must be in stop_token_ids"):
+        processor.LockstepProcessor.validate_params(params)
+    with pytest.raises(ValueError, match="without"):
+        processor.LockstepProcessor.validate_params(SamplingParams(extra_args={wire.ARG_ID: 1}))
+
+
+def test_rows_report_their_top_k_and_emit_exactly_the_chosen_token(monkeypatch, coordinator):
+    proc = plugin(monkeypatch)
+    c = coordinator(lambda report: [4 + int(i) for i in report.ids])  # row with id i must emit 4 + i
+    add(proc, (0, lockstep_params(c.address, 1, offset=3)), (1, None), (2, lockstep_params(c.address, 2)))
+    logits = torch.randn(3, 10)
+    out = proc.apply(logits.clone())
+    [report] = c.reports
+    assert report.ids.tolist() == [1, 2] and report.positions.tolist() == [3, 0] and report.capacity == 7
+    expected = torch.topk(torch.log_softmax(logits[[0, 2]], dim=-1), 3)
+    assert report.token_ids.tolist() == expected.indices.tolist()
+    np.testing.assert_allclose(report.logprobs, expected.values.numpy(), rtol=1e-6)
+    assert out[0].argmax().item() == 5 and torch.isinf(out[0]).sum().item() == 9
+    assert out[2].argmax().item() == 6 and torch.isinf(out[2]).sum().item() == 9
+    assert torch.equal(out[1], logits[1])  # the ordinary row is untouched
+    proc.apply(torch.randn(3, 10))
+    assert c.reports[1].positions.tolist() == [4, 1]  # positions advance per forced token
+
+
+def test_end_forces_the_stop_token_and_a_silent_coordinator_ends_its_rows(monkeypatch, coordinator):
+    proc = plugin(monkeypatch, timeout_s=0.3)
+    ends = coordinator(lambda report: [wire.END] * len(report.ids))
+    silent = coordinator(lambda report: None)
+    add(proc, (0, lockstep_params(ends.address, 1)), (1, lockstep_params(silent.address, 2)))
+    out = proc.apply(torch.randn(2, 10))
+    assert out[0].argmax().item() == STOP and out[1].argmax().item() == STOP
+    assert len(ends.reports) == 1 and len(silent.reports) == 1
