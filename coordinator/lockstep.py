@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from common.errors import LifecycleError
+from common.errors import LifecycleError, ServerError
 from coordinator.config import CoordinatorConfig
 from coordinator.delivery import Delivery
 from coordinator.sequence import SequenceState
@@ -60,6 +60,10 @@ THETA, T = 0, 1
 # A sequence whose requests the servers keep ending on their own this often has
 # something wrong with it (a server restarting in a loop); it fails instead.
 MAX_RESUBMISSIONS = 64
+# A sequence's requests may break this often (each already retried per engines.http's
+# rules) before it fails: a connection closing under a reused request is worth a resend,
+# a server that stays down is not.
+MAX_REQUEST_FAILURES = 3
 # After close, reports are answered END for this long, so that no server waits out its
 # plugin timeout on a coordinator that has gone.
 DRAIN_S = 5.0
@@ -84,6 +88,7 @@ class _Live:
     streams: list["_Stream | None"] = field(default_factory=lambda: [None, None])
     rows: list[tuple[_Blocked, int] | None] = field(default_factory=lambda: [None, None])
     resubmissions: int = 0  # requests the servers ended on their own (parks are not counted)
+    request_failures: int = 0  # requests that broke and were resent
     done: bool = False  # finished, failed or cancelled, and handed to delivery
 
 
@@ -268,7 +273,15 @@ class LockstepScheduler:
             live.rows[stream.role] = None
         error = task.exception()
         seq = live.seq
-        if error is not None:
+        if isinstance(error, ServerError) and error.retryable and live.request_failures < MAX_REQUEST_FAILURES:
+            # The request broke (a connection the server was closing, a restart): send it
+            # again under a new stream id, so that if the broken one did reach the server,
+            # its rows are unknown here and answered END.
+            live.request_failures += 1
+            log.info("%s lockstep request failed (%s); resending it from the agreed tokens", stream.engine.name,
+                     error)
+            self._resubmit(live, stream.role)
+        elif error is not None:
             log.warning("%s lockstep request of a sequence failed: %s", stream.engine.name, error)
             seq.fail(f"{stream.engine.name} server: {error}")
             self._finish(live)

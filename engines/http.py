@@ -57,6 +57,10 @@ CONNECTION_POOL_SIZE = 32
 MAX_RETRIES = 3
 # First backoff; with doubling and jitter, three retries wait at most 0.2 + 0.4 + 0.8 s.
 RETRY_DELAY_S = 0.2
+# vLLM's server closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s); a client
+# that keeps it longer (aiohttp: 15 s) may send a request into a socket the server is
+# closing ("Can not write request body"). Let go of idle connections first.
+KEEPALIVE_TIMEOUT_S = 4.0
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from common.errors import (
 from engines.http import (
     CONNECT_TIMEOUT_S,
     CONNECTION_POOL_SIZE,
+    KEEPALIVE_TIMEOUT_S,
     MAX_RETRIES,
     REQUEST_TIMEOUT_S,
     RETRY_DELAY_S,
@@ -133,7 +134,7 @@ class VLLMClient:
                                  "create a new VLLMClient for each `async with`")
         headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=self._pool_size),
+            connector=aiohttp.TCPConnector(limit=self._pool_size, keepalive_timeout=KEEPALIVE_TIMEOUT_S),
             timeout=self._timeout,
             headers=headers,
         )
