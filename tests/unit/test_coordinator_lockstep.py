@@ -242,58 +242,53 @@ async def test_servers_admitting_at_different_rates_still_give_the_per_token_tok
     assert_servers_followed(t, outputs, t_prompt)
 
 
-async def test_a_request_the_server_ends_early_is_resubmitted_from_its_agreed_tokens(rig):
-    ended: list[FakeRequest] = []
+def once(hits: list[FakeRequest], *, after_tokens: int):
+    """A fake-server hook that fires once: for sequence 1's request after `after_tokens` tokens."""
 
-    def end_once_after_two_tokens(request: FakeRequest) -> bool:
-        if request.key == key(1) and len(request.generated) == 2 and not ended:
-            ended.append(request)
+    def hook(request: FakeRequest) -> bool:
+        if request.key == key(1) and len(request.generated) == after_tokens and not hits:
+            hits.append(request)
             return True
         return False
 
-    theta, t = rig.servers(theta={"end_when": end_once_after_two_tokens})
+    return hook
+
+
+async def run_lossless(rig, theta_options: dict):
+    """Three sequences of 6 tokens with a base server set up by `theta_options`; asserts that
+    they come out exactly as per-token mode gives them and that both servers followed."""
+    theta, t = rig.servers(theta=theta_options)
     cfg = config()
     scheduler = rig.scheduler(theta, t, cfg)
     sequences = make_sequences(3, max_tokens=6)
     outputs = await generate(scheduler, sequences)
-
     for out in outputs:
         assert out.ok and out.finish_reason == "max_tokens"
         assert_per_token_tokens(out, theta.model, t.model, sequences[0].params, cfg)
+    assert_servers_followed(theta, outputs, theta_prompt)
+    assert_servers_followed(t, outputs, t_prompt)
+    return theta, t, outputs, scheduler
+
+
+async def test_a_request_the_server_ends_early_is_resubmitted_from_its_agreed_tokens(rig):
+    ended: list[FakeRequest] = []
+
+    theta, t, outputs, scheduler = await run_lossless(rig, {"end_when": once(ended, after_tokens=2)})
     assert scheduler.counters.resubmissions >= 1
     first, second = theta.requests_of(key(1))[:2]
     assert first is ended[0] and first.finish == "length"
     assert second.offset == 2 and second.prompt == theta_prompt(1) + outputs[1].generated_tokens[:2]
-    assert_servers_followed(theta, outputs, theta_prompt)
-    assert_servers_followed(t, outputs, t_prompt)
 
 
 @pytest.mark.parametrize("after_tokens", [0, 2], ids=["at-submission", "mid-stream"])
 async def test_a_request_that_breaks_once_is_resent_from_the_agreed_tokens(rig, after_tokens):
     """A connection the server closes under a request (ServerUnavailableError) costs a resend
     under a new stream id, not the sequence: same tokens as per-token mode, none twice."""
-    broken: list = []
-
-    def break_once(request) -> bool:
-        if request.key == key(1) and len(request.generated) == after_tokens and not broken:
-            broken.append(request)
-            return True
-        return False
-
-    theta, t = rig.servers(theta={"fail_when": break_once})
-    cfg = config()
-    scheduler = rig.scheduler(theta, t, cfg)
-    sequences = make_sequences(3, max_tokens=6)
-    outputs = await generate(scheduler, sequences)
-
-    for out in outputs:
-        assert out.ok and out.finish_reason == "max_tokens"
-        assert_per_token_tokens(out, theta.model, t.model, sequences[0].params, cfg)
+    broken: list[FakeRequest] = []
+    theta, _, _, _ = await run_lossless(rig, {"fail_when": once(broken, after_tokens=after_tokens)})
     first, second = theta.requests_of(key(1))
     assert first is broken[0] and second.offset == after_tokens
     assert second.args[wire.ARG_ID] != first.args[wire.ARG_ID]  # a late first request would get END
-    assert_servers_followed(theta, outputs, theta_prompt)
-    assert_servers_followed(t, outputs, t_prompt)
 
 
 async def test_a_request_that_keeps_failing_fails_only_its_sequence(rig):
