@@ -173,6 +173,7 @@ def test_train_pushes_verified_weights_and_resumes_after_a_kill(tmp_path, lora_r
     stdout, stderr = second.communicate(timeout=900)
     assert second.returncode == 0, stderr[-3000:]
     assert "4 steps" in stdout
+    assert f"decoding mode: {'lockstep' if mode == '--lockstep' else 'per_token'}" in stderr
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in records if "event" not in r]
     assert steps == sorted(set(steps)) and steps[-1] == 4, steps  # resumed, nothing trained twice
