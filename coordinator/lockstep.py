@@ -45,9 +45,9 @@ import numpy as np
 from common.errors import LifecycleError, ServerError
 from coordinator.config import CoordinatorConfig
 from coordinator.delivery import Delivery
+from coordinator.scheduler import record_rows, sample_rows
 from coordinator.sequence import SequenceState
 from coordinator.stats import Statistics, StepTiming
-from coordinator.step import mix_and_sample
 from engines.lockstep_channel import LockstepChannel
 from engines.protocol import TopKBatch
 from engines.vllm_client import VLLMClient
@@ -216,7 +216,7 @@ class LockstepScheduler:
     def _start_stream(self, live: _Live, role: int) -> None:
         """Send `live`'s request to the role's server, continuing from its agreed tokens."""
         seq = live.seq
-        prompt = (seq.theta_prompt_ids if role == THETA else seq.t_prompt_ids) + seq.tokens
+        prompt = seq.theta_context() if role == THETA else seq.t_context()
         agreed = len(seq.tokens)
         stream = _Stream(id=next(self._ids), live=live, role=role, engine=self._engines[role], offset=agreed)
         live.streams[role] = stream
@@ -376,25 +376,11 @@ class LockstepScheduler:
         started = time.perf_counter()
         theta = self._topk([live.rows[THETA] for live in ready])  # type: ignore[misc]
         t = self._topk([live.rows[T] for live in ready])  # type: ignore[misc]
-        params = [live.seq.params for live in ready]
-        step = mix_and_sample(
-            theta, t,
-            temperature=np.fromiter((p.temperature for p in params), np.float64, len(ready)),
-            fixed_alpha=np.array([np.nan if p.fixed_alpha is None else p.fixed_alpha for p in params]),
-            uniforms=np.fromiter((live.seq.rng.random() for live in ready), np.float64, len(ready)),
-            fill=self._config.fill_rule, vocab_size=self._vocab_size,
-            alpha_tol=self._config.alpha_tol, alpha_max_iter=self._config.alpha_max_iter,
-            with_diagnostics=any(p.return_diagnostics for p in params),
-        )
-        tokens, alphas = step.token_ids.tolist(), step.alpha.tolist()
-        lq, lth, lt = step.logprob_q.tolist(), step.logprob_theta.tolist(), step.logprob_t.tolist()
-        diagnostics = {key: values.tolist() for key, values in (step.diagnostics or {}).items()}
-        for row, live in enumerate(ready):
-            live.seq.append(tokens[row], alphas[row], lq[row], lth[row], lt[row],
-                            {key: values[row] for key, values in diagnostics.items()} if diagnostics else {},
-                            self._eos_ids, self._max_len)
-        await self._delivery.check_stop_strings([live.seq for live in ready
-                                                 if live.seq.params.stop and live.seq.error is None])
+        sequences = [live.seq for live in ready]
+        step = sample_rows(sequences, theta, t, self._config, self._vocab_size)
+        record_rows(sequences, step, self._eos_ids, self._max_len)
+        tokens = step.token_ids.tolist()
+        await self._delivery.check_stop_strings([seq for seq in sequences if seq.params.stop and seq.error is None])
         for row, live in enumerate(ready):
             answer = tokens[row] if live.seq.finish_reason is None else wire.END
             for role in (THETA, T):

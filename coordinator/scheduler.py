@@ -129,8 +129,8 @@ class Scheduler:
                 raise result
         assert isinstance(theta_result, TopKBatch) and isinstance(t_result, TopKBatch)
 
-        step = self._sample(active, theta_result, t_result)
-        self._record(active, step)
+        step = sample_rows(active, theta_result, t_result, self._config, self._vocab_size)
+        record_rows(active, step, self._eos_ids, self._max_len)
         await self._delivery.check_stop_strings([s for s in active if s.params.stop and s.error is None])
         finished = time.perf_counter()
         merge_s, alpha_s, sample_s = step.phase_s
@@ -160,31 +160,36 @@ class Scheduler:
                         "servers' --max-logprobs); see theory/THEORY.md for the measured error.",
                         self._config.top_k, stats.tokens, described, threshold)
 
-    def _sample(self, active: list[SequenceState], theta: TopKBatch, t: TopKBatch) -> StepResult:
-        params = [s.params for s in active]
-        fixed = [p.fixed_alpha for p in params]
-        return mix_and_sample(
-            theta, t,
-            temperature=np.fromiter((p.temperature for p in params), np.float64, len(active)),
-            fixed_alpha=np.array([np.nan if a is None else a for a in fixed], dtype=np.float64),
-            uniforms=np.fromiter((s.rng.random() for s in active), np.float64, len(active)),
-            fill=self._config.fill_rule,
-            vocab_size=self._vocab_size,
-            alpha_tol=self._config.alpha_tol,
-            alpha_max_iter=self._config.alpha_max_iter,
-            with_diagnostics=any(p.return_diagnostics for p in params),
-        )
+def sample_rows(sequences: list[SequenceState], theta: TopKBatch, t: TopKBatch, config: CoordinatorConfig,
+                vocab_size: int | None) -> StepResult:
+    """One token for each sequence from both servers' top-k rows (in sequence order), each
+    drawn with the sequence's own sampler and settings: the step of every per-token mode."""
+    params = [s.params for s in sequences]
+    return mix_and_sample(
+        theta, t,
+        temperature=np.fromiter((p.temperature for p in params), np.float64, len(sequences)),
+        fixed_alpha=np.array([np.nan if p.fixed_alpha is None else p.fixed_alpha for p in params],
+                             dtype=np.float64),
+        uniforms=np.fromiter((s.rng.random() for s in sequences), np.float64, len(sequences)),
+        fill=config.fill_rule,
+        vocab_size=vocab_size,
+        alpha_tol=config.alpha_tol,
+        alpha_max_iter=config.alpha_max_iter,
+        with_diagnostics=any(p.return_diagnostics for p in params),
+    )
 
-    def _record(self, active: list[SequenceState], step: StepResult) -> None:
-        # Python lists: indexing them per row is far cheaper than indexing numpy arrays.
-        tokens = step.token_ids.tolist()
-        alphas, lq = step.alpha.tolist(), step.logprob_q.tolist()
-        lth, lt = step.logprob_theta.tolist(), step.logprob_t.tolist()
-        diagnostics = {key: values.tolist() for key, values in (step.diagnostics or {}).items()}
-        for row, seq in enumerate(active):
-            seq.append(tokens[row], alphas[row], lq[row], lth[row], lt[row],
-                       {key: values[row] for key, values in diagnostics.items()} if diagnostics else {},
-                       self._eos_ids, self._max_len)
+
+def record_rows(sequences: list[SequenceState], step: StepResult, eos_ids: frozenset[int], max_len: int) -> None:
+    """Append each sequence's sampled token and its per-token values (and apply the stop rules)."""
+    # Python lists: indexing them per row is far cheaper than indexing numpy arrays.
+    tokens = step.token_ids.tolist()
+    alphas, lq = step.alpha.tolist(), step.logprob_q.tolist()
+    lth, lt = step.logprob_theta.tolist(), step.logprob_t.tolist()
+    diagnostics = {key: values.tolist() for key, values in (step.diagnostics or {}).items()}
+    for row, seq in enumerate(sequences):
+        seq.append(tokens[row], alphas[row], lq[row], lth[row], lt[row],
+                   {key: values[row] for key, values in diagnostics.items()} if diagnostics else {},
+                   eos_ids, max_len)
 
 
 async def _timed(call: Awaitable[T]) -> tuple[T | BaseException, float]:
