@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from coordinator.checks import check_health, check_tokenizers, check_top_k, resolve_eos
 from coordinator.config import CoordinatorConfig
-from coordinator.lockstep import LockstepScheduler, probe_servers
+from coordinator.lockstep import LockstepScheduler, lockstep_stop_token, probe_servers
 from coordinator.outputs import GenerationOutput, Prompt
 from coordinator.prompts import encode_prompts
 from coordinator.scheduler import Scheduler
@@ -100,7 +100,8 @@ class DualVLLMCoordinator:
                  infos[0].name, infos[1].name, cfg.top_k, sorted(eos_ids), max_len)
         self._theta, self._t = theta, t
         vocab_size = min(vocab_sizes) if vocab_sizes else None
-        self._scheduler = await self._lockstep_scheduler(theta, t, eos_ids, max_len, vocab_size)
+        self._scheduler = await self._lockstep_scheduler(theta, t, eos_ids, max_len, vocab_size,
+                                                         stop_token=lockstep_stop_token(infos, eos_ids))
         if self._scheduler is None:
             scheduler = speculative_scheduler(theta, t) if cfg.speculative_gamma else Scheduler
             self._scheduler = scheduler(theta, t, config=cfg, eos_ids=eos_ids, max_len=max_len,
@@ -109,7 +110,7 @@ class DualVLLMCoordinator:
         self._eos_ids = eos_ids
 
     async def _lockstep_scheduler(self, theta: Engine, t: Engine, eos_ids: frozenset[int], max_len: int,
-                                  vocab_size: int | None) -> LockstepScheduler | None:
+                                  vocab_size: int | None, stop_token: int) -> LockstepScheduler | None:
         """A lockstep scheduler when the mode allows it and both servers carry the plugin; None
         for per-token mode. mode="lockstep" without the plugin raises LockstepUnavailableError."""
         cfg = self.config
@@ -120,7 +121,6 @@ class DualVLLMCoordinator:
                 raise LockstepUnavailableError("lockstep mode needs two vLLM servers (VLLMClient engines)")
             return None
         channel = LockstepChannel(cfg.lockstep_host)
-        stop_token = min(eos_ids)  # any id ends a request that lists it; an EOS reads best in logs
         probe = await probe_servers(channel, [theta, t], await theta.tokenize("Hello"), stop_token,
                                     cfg.request_timeout)
         if probe.unavailable is not None:
@@ -263,8 +263,9 @@ class DualVLLMCoordinator:
     def get_statistics(self) -> dict[str, float]:
         """Tokens, requests, retries, failures, mean alpha, tokens/s, step latency p50/p95;
         in speculative mode also the acceptance rate and tokens per sequence-round; in
-        lockstep mode also parks, resubmissions, rows that arrived a step ahead, and how long
-        the servers waited on the coordinator (a "step" there is the time between decisions)."""
+        lockstep mode also parks, resubmissions, the share of server steps that ran ahead of the
+        other server's, and how long the servers waited on the coordinator (a "step" there is
+        the time between decisions)."""
         engines = [e for e in (self._theta, self._t) if e is not None]
         summary = self._stats.summary(
             requests=sum(getattr(e, "requests", 0) for e in engines),

@@ -49,7 +49,7 @@ from coordinator.scheduler import record_rows, sample_rows
 from coordinator.sequence import SequenceState
 from coordinator.stats import Statistics, StepTiming
 from engines.lockstep_channel import LockstepChannel
-from engines.protocol import TopKBatch
+from engines.protocol import ModelInfo, TopKBatch
 from engines.vllm_client import VLLMClient
 from engines.vllm_plugin import wire
 
@@ -78,6 +78,9 @@ class _Blocked:
     answers: np.ndarray  # int64 [n], UNSET until decided
     arrived: float
     server: str | None  # the engine the rows belong to (None: no known rows)
+    # The other server's reports whose rows were paired with these: more than one means that
+    # server reported these sequences over several of its steps (one server ran ahead).
+    partners: set["_Blocked"] = field(default_factory=set)
 
 
 @dataclass(eq=False)
@@ -109,7 +112,7 @@ class LockstepCounters:
     reports: int = 0
     parks: int = 0  # rows parked to break a deadlock or a stall
     resubmissions: int = 0  # requests resent from their agreed tokens (parks, early ends)
-    ahead_rows: int = 0  # rows that arrived before the other server's row of the same position
+    split_reports: int = 0  # replied reports whose rows the other server sent over 2+ of its steps
     wait_s: float = 0.0  # summed time reports waited here for their reply
     replies: int = 0
 
@@ -119,7 +122,7 @@ class LockstepCounters:
             "lockstep_reports": self.reports,
             "lockstep_parks": self.parks,
             "lockstep_resubmissions_per_1k_tokens": self.resubmissions * per_1k,
-            "lockstep_ahead_rows_per_1k_tokens": self.ahead_rows * per_1k,
+            "lockstep_split_report_share": self.split_reports / self.replies if self.replies else float("nan"),
             "lockstep_server_wait_ms_mean": 1e3 * self.wait_s / self.replies if self.replies else float("nan"),
         }
 
@@ -355,8 +358,6 @@ class LockstepScheduler:
                 live.rows[stream.role] = (blocked, i)
                 if live.rows[1 - stream.role] is not None:
                     ready.append(live)
-                else:
-                    self.counters.ahead_rows += 1
         if ready:
             await self._decide(ready)
         if self._live_servers_all_blocked():
@@ -383,6 +384,8 @@ class LockstepScheduler:
         await self._delivery.check_stop_strings([seq for seq in sequences if seq.params.stop and seq.error is None])
         for row, live in enumerate(ready):
             answer = tokens[row] if live.seq.finish_reason is None else wire.END
+            live.rows[THETA][0].partners.add(live.rows[T][0])  # type: ignore[index]
+            live.rows[T][0].partners.add(live.rows[THETA][0])  # type: ignore[index]
             for role in (THETA, T):
                 blocked, i = live.rows[role]  # type: ignore[misc]
                 blocked.answers[i] = answer
@@ -432,6 +435,7 @@ class LockstepScheduler:
                 continue
             del self._blocked[identity]
             self.counters.replies += 1
+            self.counters.split_reports += len(blocked.partners) > 1
             self.counters.wait_s += now - blocked.arrived
             await self._channel.reply(identity, blocked.report.step, blocked.answers)
 
@@ -477,6 +481,21 @@ class LockstepScheduler:
                     self._park(blocked)
                 if stalled:
                     await self._send_ready()
+
+
+def lockstep_stop_token(infos: tuple[ModelInfo, ModelInfo], eos_ids: frozenset[int]) -> int:
+    """The token a stream's plugin forces to end its request (any id ends a request that lists it).
+
+    A stream also ends when the coordinator samples this token as an ordinary one, and is then
+    resent from its agreed tokens: a request more, and a sequence out of step with the other
+    server's. With EOS that happens at every EOS sampled under ignore_eos: the batch-64
+    benchmark ran at 190 tokens/s with EOS and at about 900 with the padding token
+    (benchmarks/README.md, "Lockstep mode"). A model is never trained to emit its padding
+    token, so the models' shared one is preferred.
+    """
+    pads = {info.pad_token_id for info in infos}
+    (pad,) = pads if len(pads) == 1 else (None,)
+    return pad if pad is not None and pad not in eos_ids else min(eos_ids)
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,7 @@ class ModelInfo:
     root: str  # where the weights came from (a local path or a hub id)
     max_model_len: int  # prompt + generated tokens the engine accepts
     vocab_size: int | None = None  # output vocabulary, when the engine can tell
+    pad_token_id: int | None = None  # the padding token, when the engine can tell
 
 
 @runtime_checkable

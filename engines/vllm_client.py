@@ -222,7 +222,8 @@ class VLLMClient:
                 name=card["id"],
                 root=root,
                 max_model_len=int(card.get("max_model_len") or 0),
-                vocab_size=_vocab_size_from_model_dir(Path(root)),
+                vocab_size=_config_int(Path(root), "vocab_size"),
+                pad_token_id=_config_int(Path(root), "pad_token_id", minimum=0),
             )
         return self._model_info
 
@@ -451,14 +452,16 @@ class VLLMClient:
         return frozenset(ids) if len(ids) == 1 else frozenset()
 
 
-def _vocab_size_from_model_dir(root: Path) -> int | None:
-    """config.json's vocab_size (or its text_config's), if the server's model dir is readable here."""
+def _config_int(root: Path, key: str, *, minimum: int = 1) -> int | None:
+    """config.json's `key` (or its text_config's), if the server's model dir is readable here."""
     try:
         config = json.loads((root / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    value = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
-    return value if isinstance(value, int) and value > 0 else None
+    value = config.get(key)
+    if value is None:
+        value = (config.get("text_config") or {}).get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= minimum else None
 
 
 def _eos_ids_from_model_dir(root: Path) -> frozenset[int]:

@@ -21,13 +21,13 @@ from common.errors import LifecycleError
 from coordinator.config import CoordinatorConfig
 from coordinator.core import sampling_params
 import coordinator.lockstep
-from coordinator.lockstep import MAX_REQUEST_FAILURES, LockstepScheduler, probe_servers
+from coordinator.lockstep import MAX_REQUEST_FAILURES, LockstepScheduler, lockstep_stop_token, probe_servers
 from coordinator.outputs import GenerationOutput
 from coordinator.sequence import SamplingParams, SequenceState
 from coordinator.stats import Statistics
 from coordinator.step import mix_and_sample
 from engines.lockstep_channel import LockstepChannel
-from engines.protocol import TopKBatch
+from engines.protocol import ModelInfo, TopKBatch
 from engines.vllm_plugin import wire
 from tests.fake_lockstep import EOS_ID, VOCAB_SIZE, FakeLockstepServer, FakeModel, FakeRequest
 
@@ -193,6 +193,7 @@ async def test_aligned_admission_gives_the_per_token_steps_tokens(rig):
         assert out.ok and out.finish_reason == "max_tokens" and len(out.generated_tokens) == 6
         assert_per_token_tokens(out, theta.model, t.model, sequences[0].params, cfg)
     assert scheduler.counters.parks == 0 and scheduler.counters.resubmissions == 0
+    assert scheduler.counters.split_reports == 0  # neither server ran ahead
     for fake, prompt in ((theta, theta_prompt), (t, t_prompt)):
         assert_servers_followed(fake, outputs, prompt)
         # One request per sequence, told every token of positions 0..4 and END at the last one.
@@ -234,7 +235,9 @@ async def test_servers_admitting_at_different_rates_still_give_the_per_token_tok
     sequences = make_sequences(4, max_tokens=5)
     outputs = await generate(scheduler, sequences)
 
-    assert scheduler.counters.ahead_rows > 0  # the teacher's rows waited for the base's
+    # The teacher admitted them all at once, the base one per step: the teacher's first
+    # report was completed over several of the base's steps.
+    assert scheduler.counters.split_reports > 0
     for out in outputs:
         assert out.ok and out.finish_reason == "max_tokens"
         assert_per_token_tokens(out, theta.model, t.model, sequences[0].params, cfg)
@@ -578,6 +581,17 @@ async def test_the_probe_reports_a_refused_request(rig):
 
 
 # -- the wire format --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("pads", "eos", "expected"), [
+    ((0, 0), {1}, 0),  # the shared padding token: never sampled, so no stream ends early
+    ((0, 5), {1}, 1),  # the models disagree on padding: an EOS
+    ((None, None), {3, 2}, 2),  # unknown padding: the smallest EOS
+    ((2, 2), {2, 3}, 2),  # padding that is an EOS: that EOS
+])
+def test_the_lockstep_stop_token_is_the_shared_padding_token_else_an_eos(pads, eos, expected):
+    infos = tuple(ModelInfo(name="m", root="/m", max_model_len=64, pad_token_id=pad) for pad in pads)
+    assert lockstep_stop_token(infos, frozenset(eos)) == expected
 
 
 def test_report_and_reply_round_trip():

@@ -211,14 +211,17 @@ async def test_client_lifecycle_is_enforced(fake_theta):
             pass
 
 
-def test_vocab_size_comes_from_a_readable_model_dir(tmp_path):
-    from engines.vllm_client import _vocab_size_from_model_dir
+def test_vocab_size_and_pad_token_come_from_a_readable_model_dir(tmp_path):
+    from engines.vllm_client import _config_int
 
-    assert _vocab_size_from_model_dir(tmp_path) is None  # nothing to read: unknown
+    assert _config_int(tmp_path, "vocab_size") is None  # nothing to read: unknown
     (tmp_path / "config.json").write_text('{"text_config": {"vocab_size": 151936}}')
-    assert _vocab_size_from_model_dir(tmp_path) == 151936
-    (tmp_path / "config.json").write_text('{"vocab_size": 98}')
-    assert _vocab_size_from_model_dir(tmp_path) == 98
+    assert _config_int(tmp_path, "vocab_size") == 151936
+    (tmp_path / "config.json").write_text('{"vocab_size": 98, "pad_token_id": 0}')
+    assert _config_int(tmp_path, "vocab_size") == 98
+    assert _config_int(tmp_path, "pad_token_id", minimum=0) == 0
+    (tmp_path / "config.json").write_text('{"vocab_size": 98, "pad_token_id": null}')
+    assert _config_int(tmp_path, "pad_token_id", minimum=0) is None
 
 
 async def test_a_local_tokenizer_is_the_models_own_and_sends_no_tokenize_requests(fake_theta):
