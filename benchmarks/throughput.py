@@ -72,10 +72,6 @@ async def run(args: argparse.Namespace) -> dict:
         config = CoordinatorConfig(theta_url=theta_url, t_url=t_url, top_k=args.top_k,
                                    max_batch_size=max(args.batch_sizes), mode="per_token")
         coordinator = await stack.enter_async_context(DualVLLMCoordinator(config))
-        lockstep = None
-        if not args.no_lockstep:
-            lockstep = await stack.enter_async_context(DualVLLMCoordinator(config.model_copy(update={
-                "mode": "lockstep"})))
         reference = await stack.enter_async_context(
             ReferenceProtocolClient(theta_url, t_url, top_k=args.top_k, pool_size=args.pool_size))
         native = await stack.enter_async_context(VLLMClient(theta_url, name="theta", request_timeout_s=600))
@@ -91,6 +87,10 @@ async def run(args: argparse.Namespace) -> dict:
         for tokens in args.tokens:
             for batch in args.batch_sizes:
                 prompts = harness.prompts_for(batch, seed=0)
+                lockstep = None
+                if not args.no_lockstep:  # one per row: its counters (parks, waits) are the row's
+                    lockstep = await stack.enter_async_context(DualVLLMCoordinator(config.model_copy(update={
+                        "mode": "lockstep"})))
                 prompt_ids = [await native.tokenize(p) for p in prompts]
 
                 async def coordinator_arm(seed: int, on: DualVLLMCoordinator = coordinator) -> int:
@@ -127,6 +127,9 @@ async def run(args: argparse.Namespace) -> dict:
                         meters = bare_cpus if name == "coordinator_no_tokenizer" else cpus
                         runs[name].append(await timed(lambda: arm(repeat + 1), meters))
                 rows.append(summarize(batch, tokens, runs))
+                if lockstep is not None:  # over the warm-up and the repeats
+                    rows[-1] |= {key: value for key, value in lockstep.get_statistics().items()
+                                 if key.startswith("lockstep_")}
                 print_row(rows[-1])
     return {"machine": harness.machine(), "command": " ".join(["python", *sys.argv]), "top_k": args.top_k,
             "repeats": args.repeats, "rows": rows}
@@ -177,7 +180,9 @@ def print_row(row: dict) -> None:
               f"{row['lockstep_over_native_ratio']:.2f}, /per-token {row['lockstep_over_coordinator_ratio']:.2f}; "
               f"CPU s per 1k tokens (coordinator, theta, t): {row['lockstep_coordinator_cpu_s_per_1k_tokens']:.3f} "
               f"{row['lockstep_theta_server_cpu_s_per_1k_tokens']:.2f} "
-              f"{row['lockstep_t_server_cpu_s_per_1k_tokens']:.2f}", flush=True)
+              f"{row['lockstep_t_server_cpu_s_per_1k_tokens']:.2f}; servers waited {row['lockstep_server_wait_ms_mean']:.1f} "
+              f"ms per step, {row['lockstep_resubmissions_per_1k_tokens']:.1f} resubmissions per 1k tokens, "
+              f"{100 * row['lockstep_split_report_share']:.0f}% of steps ran ahead", flush=True)
     if "coordinator_no_tokenizer_tokens_per_s" in row:
         print(f"    servers without tokenizers: coordinator {row['coordinator_no_tokenizer_tokens_per_s']:7.1f} "
               f"tokens/s, x{row['coordinator_no_tokenizer_over_coordinator_ratio']:.2f} of the default, "
