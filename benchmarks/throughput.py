@@ -182,7 +182,9 @@ def print_row(row: dict) -> None:
               f"{row['lockstep_theta_server_cpu_s_per_1k_tokens']:.2f} "
               f"{row['lockstep_t_server_cpu_s_per_1k_tokens']:.2f}; servers waited {row['lockstep_server_wait_ms_mean']:.1f} "
               f"ms per step, {row['lockstep_resubmissions_per_1k_tokens']:.1f} resubmissions per 1k tokens, "
-              f"{100 * row['lockstep_split_report_share']:.0f}% of steps ran ahead", flush=True)
+              f"{100 * row['lockstep_split_report_share']:.0f}% of steps ran ahead, "
+              f"{100 * row['lockstep_admission_miss_share']:.0f}% of admissions out of step "
+              f"({row['lockstep_admission_rounds']} rounds, {row['lockstep_admission_forced']} forced)", flush=True)
     if "coordinator_no_tokenizer_tokens_per_s" in row:
         print(f"    servers without tokenizers: coordinator {row['coordinator_no_tokenizer_tokens_per_s']:7.1f} "
               f"tokens/s, x{row['coordinator_no_tokenizer_over_coordinator_ratio']:.2f} of the default, "

@@ -48,6 +48,8 @@ class CoordinatorConfig(RaisesInvalidInput, BaseSettings):
         "127.0.0.1", description="Interface the coordinator's lockstep socket binds, which the servers' plugins dial; another host than loopback must be listed in the servers' DUALVLLM_LOCKSTEP_ALLOWED_HOSTS.")
     lockstep_stall_timeout: float = Field(
         5.0, gt=0, description="Lockstep: seconds a server may wait on sequences the other server has not reached (its batch is busy) before they are ended and resubmitted.")
+    lockstep_restart_timeout: float = Field(
+        300.0, ge=0, description="Lockstep: seconds the sequences of a server whose requests broke wait for it to answer /health again (a restart, a network blip) before they fail; they then resume from their agreed tokens.")
     speculative_gamma: int = Field(
         0, ge=0, le=64, description="Speculative q* sampling: tokens the drafter samples per round, kept up to the first one q*'s acceptance rule rejects (coordinator/speculative.py); 0 = per-token mode.")
     speculative_drafter: Literal["theta", "t"] = Field(

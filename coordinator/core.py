@@ -21,7 +21,8 @@ from tqdm.auto import tqdm
 
 from coordinator.checks import check_health, check_tokenizers, check_top_k, resolve_eos
 from coordinator.config import CoordinatorConfig
-from coordinator.lockstep import LockstepScheduler, lockstep_stop_token, probe_servers
+from coordinator.lockstep import LockstepScheduler
+from coordinator.lockstep_setup import lockstep_stop_token, probe_servers
 from coordinator.outputs import GenerationOutput, Prompt
 from coordinator.prompts import encode_prompts
 from coordinator.scheduler import Scheduler
@@ -260,12 +261,32 @@ class DualVLLMCoordinator:
         assert all(o is not None for o in outputs)
         return outputs  # type: ignore[return-value]
 
+    @contextlib.asynccontextmanager
+    async def paused(self) -> AsyncIterator[None]:
+        """Hold generation while the caller changes a server, e.g. a weight push:
+
+            async with coordinator.paused():
+                await push_weights(base_client, model, tokenizer, out_dir, probes)
+
+        In lockstep mode every sequence in flight is taken off both servers at its agreed
+        tokens (their server requests end) and starts again from there after the block: the
+        push's /pause?mode=wait then waits for no sequence, and the tokens after it come from
+        the new weights, as in per-token mode. Other modes send a request per step, which the
+        server's /pause already fences: nothing to hold here. Streams stay open throughout.
+        """
+        scheduler = self._require_open()
+        if isinstance(scheduler, LockstepScheduler):
+            async with scheduler.paused():
+                yield
+        else:
+            yield
+
     def get_statistics(self) -> dict[str, float]:
         """Tokens, requests, retries, failures, mean alpha, tokens/s, step latency p50/p95;
         in speculative mode also the acceptance rate and tokens per sequence-round; in
         lockstep mode also parks, resubmissions, the share of server steps that ran ahead of the
-        other server's, and how long the servers waited on the coordinator (a "step" there is
-        the time between decisions)."""
+        other server's, how long the servers waited on the coordinator (a "step" there is
+        the time between decisions), and how often new sequences were admitted out of step."""
         engines = [e for e in (self._theta, self._t) if e is not None]
         summary = self._stats.summary(
             requests=sum(getattr(e, "requests", 0) for e in engines),
@@ -276,6 +297,7 @@ class DualVLLMCoordinator:
             summary.update(self._scheduler.acceptance.summary())
         if isinstance(self._scheduler, LockstepScheduler):
             summary.update(self._scheduler.counters.summary(self._stats.tokens))
+            summary.update(self._scheduler.gate.counters.summary())
         return summary
 
     def recent_step_latencies_s(self) -> list[float]:

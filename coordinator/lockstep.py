@@ -22,8 +22,15 @@ The state machine, per plugin report (one per server decode step):
   report left waiting longer than `lockstep_stall_timeout` on a server that is not waiting
   (its batch is full of other work) is parked the same way.
 - a stream that the server ended on its own while its sequence goes on (its stop token
-  sampled as an ordinary token, the server's max_tokens) is resubmitted the same way; a
-  stream whose request failed fails its sequence only.
+  sampled as an ordinary token, the server's max_tokens) is resubmitted the same way.
+- a stream whose request broke (a connection reset, a server killed or restarting) takes
+  its sequence off both servers until that server answers /health again; the sequence
+  then starts again from its agreed tokens, like a new one. A server that does not come
+  back within `lockstep_restart_timeout` fails the sequences; any other request failure
+  fails its sequence only.
+- admission: new sequences start while both servers are blocked here, and the reports are
+  answered a moment later, so that both servers admit them in the same step
+  (coordinator/admission.py).
 
 Positions are counted by the plugin from the offset of each request and checked here
 against the sequence's agreed tokens; a mismatch fails that sequence, never silently.
@@ -32,6 +39,7 @@ against the sequence's agreed tokens; a mismatch fails that sequence, never sile
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import logging
@@ -39,17 +47,19 @@ import secrets
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import AsyncIterator
 
 import numpy as np
 
 from common.errors import LifecycleError, ServerError
+from coordinator.admission import MAX_HOLD_S, AdmissionGate
 from coordinator.config import CoordinatorConfig
 from coordinator.delivery import Delivery
 from coordinator.scheduler import record_rows, sample_rows
 from coordinator.sequence import SequenceState
 from coordinator.stats import Statistics, StepTiming
 from engines.lockstep_channel import LockstepChannel
-from engines.protocol import ModelInfo, TopKBatch
+from engines.protocol import TopKBatch
 from engines.vllm_client import VLLMClient
 from engines.vllm_plugin import wire
 
@@ -113,6 +123,7 @@ class LockstepCounters:
     parks: int = 0  # rows parked to break a deadlock or a stall
     resubmissions: int = 0  # requests resent from their agreed tokens (parks, early ends)
     split_reports: int = 0  # replied reports whose rows the other server sent over 2+ of its steps
+    suspensions: int = 0  # sequences taken off both servers (a broken request, a pause) and restarted
     wait_s: float = 0.0  # summed time reports waited here for their reply
     replies: int = 0
 
@@ -121,6 +132,7 @@ class LockstepCounters:
         return {
             "lockstep_reports": self.reports,
             "lockstep_parks": self.parks,
+            "lockstep_suspensions": self.suspensions,
             "lockstep_resubmissions_per_1k_tokens": self.resubmissions * per_1k,
             "lockstep_split_report_share": self.split_reports / self.replies if self.replies else float("nan"),
             "lockstep_server_wait_ms_mean": 1e3 * self.wait_s / self.replies if self.replies else float("nan"),
@@ -147,6 +159,10 @@ class LockstepScheduler:
         self._delivery = Delivery(theta, stats)
         self.counters = LockstepCounters()
         self._waiting: deque[SequenceState] = deque()
+        self._suspended: deque[_Live] = deque()  # taken off a server that broke; first to start again
+        self._recovering: set[str] = set()  # servers whose requests broke, until /health answers
+        self._dead: dict[str, str] = {}  # servers that did not come back: why
+        self._pauses = 0  # callers inside paused()
         self._live: list[_Live] = []
         self._streams: dict[int, _Stream] = {}
         self._requests: set[asyncio.Task[str]] = set()
@@ -162,6 +178,7 @@ class LockstepScheduler:
         # decision awaits detokenization for stop strings, and nothing may move under it.
         self._lock = asyncio.Lock()
         self._background: set[asyncio.Task[None]] = set()
+        self.gate = AdmissionGate()
 
     @property
     def max_len(self) -> int:
@@ -186,10 +203,11 @@ class LockstepScheduler:
                 if not live.done:
                     live.seq.fail("the coordinator was closed before this sequence finished")
                     self._finish(live)
-            for seq in self._waiting:
+            for seq in [*self._waiting, *(live.seq for live in self._suspended)]:
                 seq.fail("the coordinator was closed before this sequence finished")
                 self._delivery.deliver(seq, text="")
             self._waiting.clear()
+            self._suspended.clear()
             await self._send_ready()
         # The servers end their requests at their next report, answered END here.
         if self._requests:
@@ -204,17 +222,83 @@ class LockstepScheduler:
     # -- admission and streams ---------------------------------------------------------
 
     def _admit(self) -> None:
-        """Start the waiting sequences there is room for, both streams of each at once, so
-        both servers usually admit a sequence in the same step."""
+        """Start waiting sequences when there is room, so that both servers admit each in
+        the same step (coordinator/admission.py): through the gate while the servers run,
+        the first one alone (a pilot) on a server that is idle. Nothing starts while a
+        server is coming back from a failure."""
         self._live = [live for live in self._live if not live.done]
-        while self._waiting and len(self._live) < self._max_live:
-            seq = self._waiting.popleft()
-            if seq.cancelled:
-                continue
-            live = _Live(seq)
-            self._live.append(live)
-            for role in (THETA, T):
-                self._start_stream(live, role)
+        if self._dead:
+            self._fail_waiting(next(iter(self._dead.values())))
+        if self._closing or self._holding or not self._room():
+            return
+        targets = {engine.url for engine in self._engines}
+        if not targets <= self._blocked_servers() | self._busy_servers():  # a server would never block here
+            self._start(self._next_waiting())
+        if self._room() and not self.gate.armed:
+            self.gate.arm()
+            self._spawn(self._open_gate_after(MAX_HOLD_S, self.gate.armed_at))
+
+    def _room(self) -> bool:
+        while self._waiting and self._waiting[0].cancelled:
+            self._waiting.popleft()
+        while self._suspended and self._suspended[0].seq.cancelled:
+            self._suspended.popleft().done = True
+        return bool(self._waiting or self._suspended) and len(self._live) < self._max_live
+
+    def _next_waiting(self) -> _Live:
+        """A suspended sequence first (it has waited longest), else a new one."""
+        return self._suspended.popleft() if self._suspended else _Live(self._waiting.popleft())
+
+    def _start(self, live: _Live) -> _Live:
+        self._live.append(live)
+        for role in (THETA, T):
+            self._start_stream(live, role)
+        return live
+
+    def _fail_waiting(self, reason: str) -> None:
+        for seq in [*self._waiting, *(live.seq for live in self._suspended)]:
+            if not seq.cancelled:
+                seq.fail(reason)
+                self._delivery.deliver(seq, text="")
+        self._waiting.clear()
+        self._suspended.clear()
+
+    async def _open_gate(self, *, force: bool = False) -> None:
+        """Start the waiting sequences if both servers are blocked here (or `force`), then hold
+        the servers long enough for the requests to reach their engines."""
+        targets = {engine.url for engine in self._engines}
+        if not self.gate.armed or not (force or targets <= self._blocked_servers()):
+            return
+        pairs = []
+        while self._room() and not self._holding:
+            live = self._start(self._next_waiting())
+            pairs.append(tuple((stream.engine.url, stream.id) for stream in live.streams if stream is not None))
+        hold_s = self.gate.opened(pairs)  # type: ignore[arg-type]
+        if hold_s:
+            await asyncio.sleep(hold_s)
+
+    async def _open_gate_after(self, delay_s: float, armed_at: float | None) -> None:
+        """A server that does not block here within `delay_s` (its batch busy with other work)
+        must not hold the other one longer: start the waiting sequences unaligned."""
+        await asyncio.sleep(delay_s)
+        async with self._lock:
+            if self.gate.armed_at == armed_at and not self._closing:
+                log.info("lockstep: a server did not reach a step boundary within %.2f s; admitting unaligned",
+                         delay_s)
+                self.gate.counters.forced += 1
+                await self._open_gate(force=True)
+                await self._send_ready()
+
+    def _busy_servers(self) -> set[str]:
+        return {stream.engine.url for stream in self._streams.values() if not stream.retired}
+
+    def _blocked_servers(self) -> set[str]:
+        return {blocked.server for blocked in self._blocked.values() if blocked.server is not None}
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _start_stream(self, live: _Live, role: int) -> None:
         """Send `live`'s request to the role's server, continuing from its agreed tokens."""
@@ -238,9 +322,7 @@ class LockstepScheduler:
         if task.cancelled():
             self._streams.pop(stream.id, None)
             return
-        handler = asyncio.create_task(self._on_stream_end(stream, task))
-        self._background.add(handler)
-        handler.add_done_callback(self._background.discard)
+        self._spawn(self._on_stream_end(stream, task))
 
     async def _on_stream_end(self, stream: _Stream, task: asyncio.Task[str]) -> None:
         """A server request finished: expected (retired), or the sequence must go on."""
@@ -249,11 +331,9 @@ class LockstepScheduler:
             if stream.retired or self._closing:
                 return
             try:
+                self.gate.forget((stream.engine.url, stream.id))
                 self._continue_after(stream, task)
-                self._admit()
-                if self._live_servers_all_blocked():
-                    self._break_deadlock()
-                await self._send_ready()
+                await self._settle()
             except Exception as exc:  # a bug must not strand the sequence: fail it, loudly
                 log.exception("lockstep: handling the end of a request failed")
                 if not stream.live.done:
@@ -277,13 +357,12 @@ class LockstepScheduler:
         error = task.exception()
         seq = live.seq
         if isinstance(error, ServerError) and error.retryable and live.request_failures < MAX_REQUEST_FAILURES:
-            # The request broke (a connection the server was closing, a restart): send it
-            # again under a new stream id, so that if the broken one did reach the server,
-            # its rows are unknown here and answered END.
+            # The request broke (a connection the server was closing, a restart): the
+            # sequence waits until the server answers /health, then starts again from its
+            # agreed tokens on both servers, under new stream ids (if the broken request did
+            # reach the server, its rows are unknown here and answered END).
             live.request_failures += 1
-            log.info("%s lockstep request failed (%s); resending it from the agreed tokens", stream.engine.name,
-                     error)
-            self._resubmit(live, stream.role)
+            self._suspend(live, stream.engine, error)
         elif error is not None:
             log.warning("%s lockstep request of a sequence failed: %s", stream.engine.name, error)
             seq.fail(f"{stream.engine.name} server: {error}")
@@ -297,6 +376,85 @@ class LockstepScheduler:
             # max_tokens): continue from the agreed tokens.
             live.resubmissions += 1
             self._resubmit(live, stream.role)
+
+    def _suspend(self, live: _Live, engine: VLLMClient, error: ServerError) -> None:
+        """Take `live` off both servers until `engine` is back."""
+        self._take_off(live)
+        if engine.url in self._dead:
+            self._fail_waiting(self._dead[engine.url])
+        elif engine.url not in self._recovering:
+            log.warning("lockstep: a request to the %s server at %s broke (%s); its sequences resume from their "
+                        "agreed tokens once it answers /health (waiting up to %g s)", engine.name, engine.url, error,
+                        self._config.lockstep_restart_timeout)
+            self._recovering.add(engine.url)
+            self._spawn(self._recover(engine))
+
+    def _take_off(self, live: _Live) -> None:
+        """End `live`'s streams (each at its next report) and queue it to start again, first,
+        like a new sequence from its agreed tokens."""
+        for role in (THETA, T):
+            row, stream = live.rows[role], live.streams[role]
+            if row is not None:
+                row[0].answers[row[1]] = wire.END
+            if stream is not None:
+                stream.retired = True
+                self.gate.forget((stream.engine.url, stream.id))
+        live.rows, live.streams = [None, None], [None, None]
+        self._live.remove(live)
+        self._suspended.append(live)
+        self.counters.suspensions += 1
+        self.gate.disarm()  # nothing starts before the hold ends; no server may be held meanwhile
+
+    @contextlib.asynccontextmanager
+    async def paused(self) -> AsyncIterator[None]:
+        """Hold generation while the caller changes a server (a weight push): every sequence
+        is taken off both servers at its agreed tokens and their requests end; after the
+        block they start again from there, on whatever the servers then serve, as per-token
+        mode's next step would."""
+        async with self._lock:
+            self._pauses += 1
+            for live in list(self._live):
+                if not live.done:
+                    self._take_off(live)
+            await self._send_ready()
+        try:
+            if self._requests:  # each ends at its server's next step: END is the answer now
+                await asyncio.wait(list(self._requests), timeout=DRAIN_S)
+            yield
+        finally:
+            async with self._lock:
+                self._pauses -= 1
+                await self._settle()
+
+    @property
+    def _holding(self) -> bool:
+        """Nothing may start: a server is coming back, or a caller paused generation."""
+        return bool(self._recovering) or self._pauses > 0
+
+    async def _recover(self, engine: VLLMClient) -> None:
+        """Wait for a server whose request broke to answer /health, then let its sequences resume."""
+        timeout_s = self._config.lockstep_restart_timeout
+        try:
+            await engine.wait_healthy(timeout_s)
+        except ServerError as err:
+            reason = (f"{engine.name} server at {engine.url} broke a lockstep request and did not answer /health "
+                      f"within lockstep_restart_timeout={timeout_s:g} s ({err})")
+            log.error("lockstep: %s; failing its sequences", reason)
+            async with self._lock:
+                self._recovering.discard(engine.url)
+                self._dead[engine.url] = reason
+                self._fail_waiting(reason)
+                for live in list(self._live):
+                    if not live.done:
+                        live.seq.fail(reason)
+                        self._finish(live)
+                await self._send_ready()
+            return
+        async with self._lock:
+            self._recovering.discard(engine.url)
+            log.info("lockstep: %s server at %s answers again; resuming %d sequences", engine.name, engine.url,
+                     len(self._suspended))
+            await self._settle()
 
     def _resubmit(self, live: _Live, role: int) -> None:
         self.counters.resubmissions += 1
@@ -322,6 +480,7 @@ class LockstepScheduler:
                             self._finish(live)
                     for blocked in self._blocked.values():
                         blocked.answers[blocked.answers == UNSET] = wire.END
+                    self.gate.disarm()
                     await self._send_ready()
 
     async def _on_report(self, identity: bytes, report: wire.Report) -> None:
@@ -358,12 +517,18 @@ class LockstepScheduler:
                 live.rows[stream.role] = (blocked, i)
                 if live.rows[1 - stream.role] is not None:
                     ready.append(live)
+        self.gate.observe(blocked.server, set(report.ids.tolist()))
         if ready:
             await self._decide(ready)
+        await self._settle()
+
+    async def _settle(self) -> None:
+        """After any change: break a deadlock, start what can start, answer what is decided."""
         if self._live_servers_all_blocked():
             self._break_deadlock()
-        await self._send_ready()
         self._admit()
+        await self._open_gate()
+        await self._send_ready()
 
     def _forget(self, blocked: _Blocked) -> None:
         for live in self._live:
@@ -428,7 +593,9 @@ class LockstepScheduler:
         self._delivery.retire(live.seq)
 
     async def _send_ready(self) -> None:
-        """Reply to every report whose rows are all decided."""
+        """Reply to every report whose rows are all decided, unless the admission gate holds them."""
+        if self.gate.armed and not self._closing:
+            return
         now = time.perf_counter()
         for identity, blocked in list(self._blocked.items()):
             if (blocked.answers == UNSET).any():
@@ -481,84 +648,3 @@ class LockstepScheduler:
                     self._park(blocked)
                 if stalled:
                     await self._send_ready()
-
-
-def lockstep_stop_token(infos: tuple[ModelInfo, ModelInfo], eos_ids: frozenset[int]) -> int:
-    """The token a stream's plugin forces to end its request (any id ends a request that lists it).
-
-    A stream also ends when the coordinator samples this token as an ordinary one, and is then
-    resent from its agreed tokens: a request more, and a sequence out of step with the other
-    server's. With EOS that happens at every EOS sampled under ignore_eos: the batch-64
-    benchmark ran at 190 tokens/s with EOS and at about 900 with the padding token
-    (benchmarks/README.md, "Lockstep mode"). A model is never trained to emit its padding
-    token, so the models' shared one is preferred.
-    """
-    pads = {info.pad_token_id for info in infos}
-    (pad,) = pads if len(pads) == 1 else (None,)
-    return pad if pad is not None and pad not in eos_ids else min(eos_ids)
-
-
-@dataclass(frozen=True)
-class Probe:
-    """What the probe requests found: why lockstep cannot run (None: it can), and how many
-    sequences the servers can run at once (the smaller max_num_seqs, per request a sequence
-    needs there)."""
-
-    unavailable: str | None
-    capacity: int
-
-
-async def probe_servers(channel: LockstepChannel, engines: list[VLLMClient], probe_ids: list[int],
-                        stop_token: int, timeout_s: float) -> Probe:
-    """Send each server a real lockstep request of two tokens: one with the plugin reports its
-    first step here (and is told END); one without it generates both tokens itself."""
-    capacity = 2**31
-    per_server = {}
-    for engine in engines:  # one server in both roles (a self-teacher) holds two requests per sequence
-        per_server[engine.url] = per_server.get(engine.url, 0) + 1
-    probed: set[str] = set()
-    for engine in engines:
-        if engine.url in probed:
-            continue
-        probed.add(engine.url)
-        try:
-            reason, server_capacity = await asyncio.wait_for(_probe(channel, engine, probe_ids, stop_token),
-                                                             timeout_s)
-        except asyncio.TimeoutError:
-            reason, server_capacity = f"its probe request got no answer within {timeout_s:g} s", 0
-        if reason is not None:
-            return Probe(f"{engine.name} server at {engine.url}: {reason}", 0)
-        capacity = min(capacity, server_capacity // per_server[engine.url])
-    return Probe(None, capacity)
-
-
-async def _probe(channel: LockstepChannel, engine: VLLMClient, probe_ids: list[int],
-                 stop_token: int) -> tuple[str | None, int]:
-    args = {wire.ARG_ADDRESS: channel.address, wire.ARG_ID: secrets.randbits(62), wire.ARG_OFFSET: 0,
-            wire.ARG_TOP_K: 1, wire.ARG_STOP: stop_token}
-    request = asyncio.create_task(engine.forced_generation(probe_ids, max_tokens=2, stop_token=stop_token,
-                                                           lockstep_args=args))
-    report: wire.Report | None = None
-    try:
-        while True:
-            receive = asyncio.create_task(channel.receive())
-            done, _ = await asyncio.wait({request, receive}, return_when=asyncio.FIRST_COMPLETED)
-            if receive in done:
-                identity, report = receive.result()
-                await channel.reply(identity, report.step, np.full(len(report.ids), wire.END, dtype=np.int64))
-                continue
-            receive.cancel()
-            break
-        request.result()
-    except Exception as err:  # a refusal by the plugin (HTTP 400) says why
-        return f"a lockstep probe request failed: {err}", 0
-    finally:
-        request.cancel()
-    if report is None:
-        return ("it has no dualvllm lockstep plugin (start it with `dualvllm serve --lockstep`, or add "
-                "--logits-processors engines.vllm_plugin.processor:LockstepProcessor "
-                "--no-enable-chunked-prefill)"), 0
-    if report.flags & wire.FLAG_CHUNKED_PREFILL:
-        return ("it runs with chunked prefill, which splits prompts over steps the plugin would count as "
-                "tokens; restart it with --no-enable-chunked-prefill (`dualvllm serve --lockstep` does)"), 0
-    return None, report.capacity

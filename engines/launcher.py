@@ -269,6 +269,11 @@ class VLLMServer:
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
+    @property
+    def pid(self) -> int | None:
+        """The server's process id, also its process group's (None when not running)."""
+        return self._process.pid if self._process is not None else None
+
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     try:

@@ -7,9 +7,10 @@ the real wire format (engines/vllm_plugin/wire.py), as engines/vllm_plugin/proce
 does inside vLLM.
 
 What it simulates of a vLLM engine, one decode step at a time:
-- admission: requests wait in a queue until an admission policy (`admit`) moves them
-  into the running batch; the default admits everything at once, tests pass policies
-  that admit some requests late (a busy server, a limited batch);
+- admission: a request reaches the engine `arrival_delay_s` after it is sent (vLLM's HTTP
+  front end), then waits in a queue until an admission policy (`admit`) moves it into the
+  running batch at the start of a step; the default admits everything at once, tests pass
+  policies that admit some requests late (a busy server, a limited batch);
 - a step: for every running lockstep request, one row of ONE report per coordinator
   address: the request's lockstep id, its position (offset + tokens generated so far,
   counted here as the plugin counts them) and a deterministic synthetic top-k
@@ -22,7 +23,8 @@ What it simulates of a vLLM engine, one decode step at a time:
 - the forced tokens: a token is appended; END appends the request's stop token and ends
   it ("stop"); the stop token chosen as an ordinary token also ends it ("stop", vLLM's
   stop_token_ids); reaching max_tokens ends it ("length").
-Scripted misbehaviour, each a hook on the request: `end_when` (the server ends a request
+Scripted misbehaviour: `crash()` (every request breaks, then connections and /health are
+refused until `down` is cleared), and hooks on the request: `end_when` (the server ends a request
 on its own, "length"), `fail_when` (the request fails with a ServerUnavailableError),
 `position_skew` (a wrong position in a report). `plugin=False` is a server without the
 plugin (it generates on its own and never reports); `flags` and `capacity` (the server's
@@ -41,7 +43,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from common.errors import ServerUnavailableError
+from common.errors import ServerConnectError, ServerUnavailableError
 from engines.vllm_plugin import wire
 
 VOCAB_SIZE = 32
@@ -155,6 +157,7 @@ class FakeLockstepServer:
                  admit: Callable[["FakeLockstepServer", list[FakeRequest]], list[FakeRequest]] = admit_all,
                  plugin: bool = True, flags: int = 0, capacity: int = 256,
                  reply_timeout_s: float | Callable[["FakeLockstepServer"], float] = 20.0,
+                 arrival_delay_s: float = 0.0,
                  end_when: Callable[[FakeRequest], bool] | None = None,
                  fail_when: Callable[[FakeRequest], bool] | None = None,
                  position_skew: Callable[[FakeRequest], int] | None = None) -> None:
@@ -166,6 +169,7 @@ class FakeLockstepServer:
         self.flags = flags
         self.capacity = capacity
         self.reply_timeout_s = reply_timeout_s
+        self.arrival_delay_s = arrival_delay_s
         self.end_when = end_when
         self.fail_when = fail_when
         self.position_skew = position_skew
@@ -174,6 +178,8 @@ class FakeLockstepServer:
         self.running: list[FakeRequest] = []  # the batch, in row order
         self.steps = 0  # decode steps run (each sends one report per coordinator)
         self.timeouts = 0  # reports whose reply did not come within reply_timeout_s
+        self.down = False  # /health fails while set (a server restarting)
+        self.health_checks = 0
         self._zmq = zmq.asyncio.Context()
         self._dealers: dict[str, _Dealer] = {}
         self._wake = asyncio.Event()
@@ -183,6 +189,8 @@ class FakeLockstepServer:
 
     async def forced_generation(self, prompt_ids: Sequence[int], *, max_tokens: int, stop_token: int,
                                 lockstep_args: dict[str, int | str]) -> str:
+        if self.down:
+            raise ServerConnectError(self.name, self.url, "connection refused (simulated restart)")
         request = FakeRequest(list(prompt_ids), max_tokens, stop_token, dict(lockstep_args))
         self.requests.append(request)
         if self.fail_when is not None and self.fail_when(request):
@@ -193,11 +201,13 @@ class FakeLockstepServer:
             request.finish = "length"
             return "length"
         request.future = asyncio.get_running_loop().create_future()
-        self.queue.append(request)
-        self._wake.set()
-        if self._loop is None:
-            self._loop = asyncio.create_task(self._run(), name=f"fake-{self.name}-engine")
         try:
+            if self.arrival_delay_s:
+                await asyncio.sleep(self.arrival_delay_s)
+            self.queue.append(request)
+            self._wake.set()
+            if self._loop is None:
+                self._loop = asyncio.create_task(self._run(), name=f"fake-{self.name}-engine")
             return await request.future
         except asyncio.CancelledError:  # the client gave up: vLLM aborts the request
             request.finish = request.finish or "cancelled"
@@ -206,6 +216,15 @@ class FakeLockstepServer:
             if request in self.running:
                 self.running.remove(request)
             raise
+
+    async def wait_healthy(self, timeout_s: float, poll_s: float = 0.01) -> None:
+        """As VLLMClient.wait_healthy: returns once `down` is cleared, raises after `timeout_s`."""
+        self.health_checks += 1
+        deadline = time.monotonic() + timeout_s
+        while self.down:
+            if time.monotonic() >= deadline:
+                raise ServerUnavailableError(self.name, self.url, "GET /health: connection refused (simulated)")
+            await asyncio.sleep(poll_s)
 
     async def detokenize(self, ids: Sequence[int]) -> str:
         return " ".join(str(i) for i in ids)
@@ -292,6 +311,21 @@ class FakeLockstepServer:
             request.future.set_result(finish)
 
     # -- test helpers ------------------------------------------------------------------
+
+    async def crash(self) -> None:
+        """The server dies: every request it holds breaks, and it refuses connections and
+        fails /health until `down` is cleared (restarted: empty, as a new process is)."""
+        self.down = True
+        if self._loop is not None:
+            self._loop.cancel()
+            await asyncio.gather(self._loop, return_exceptions=True)
+            self._loop = None
+        for request in self.queue + self.running:
+            self._end(request, "error")
+        self.queue.clear()
+        for dealer in self._dealers.values():
+            dealer.close()
+        self._dealers = {}
 
     @property
     def idle(self) -> bool:

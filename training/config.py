@@ -70,7 +70,8 @@ class TaskConfig(RaisesInvalidInput, BaseModel):
     top_k: int = Field(20, ge=1, description="Top-k the coordinator merges per token.")
     lockstep: bool = Field(
         False, description="Start the servers with the lockstep plugin, so rollouts are decoded natively in lockstep "
-                           "(coordinator/lockstep.py); weight pushes then wait for the base's in-flight sequences.")
+                           "(coordinator/lockstep.py); a weight push takes the sequences in flight off the servers and "
+                           "resumes them after it, on the new weights.")
     eval_prompts: int = Field(200, ge=1, description="Held-out problems per evaluation.")
     eval_samples: int = Field(
         0, ge=0, description="Samples per held-out problem for pass@k at --temperature; 0 = greedy accuracy only.")

@@ -125,8 +125,9 @@ async def train_grpo(config: TrainConfig, *, resume: bool = False, show_progress
                             normalization=config.normalization, max_completion_length=config.max_tokens)
                         step += 1
                         if step % config.push_every == 0 or step == config.steps:
-                            push = await push_weights(base_client, learner.model, tokenizer,
-                                                      out / "pushed" / f"step-{step:06d}-{time.time_ns()}", probes)
+                            async with coordinator.paused():  # lockstep sequences resume on the new weights
+                                push = await push_weights(base_client, learner.model, tokenizer,
+                                                          out / "pushed" / f"step-{step:06d}-{time.time_ns()}", probes)
                             version += 1
                             metrics["push_max_abs_diff"] = push.max_abs_diff
                             _prune_pushed(out)

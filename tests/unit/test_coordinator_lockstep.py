@@ -20,8 +20,11 @@ import pytest_asyncio
 from common.errors import LifecycleError
 from coordinator.config import CoordinatorConfig
 from coordinator.core import sampling_params
+import coordinator.admission
 import coordinator.lockstep
-from coordinator.lockstep import MAX_REQUEST_FAILURES, LockstepScheduler, lockstep_stop_token, probe_servers
+from coordinator.admission import AdmissionGate
+from coordinator.lockstep import MAX_REQUEST_FAILURES, LockstepScheduler
+from coordinator.lockstep_setup import lockstep_stop_token, probe_servers
 from coordinator.outputs import GenerationOutput
 from coordinator.sequence import SamplingParams, SequenceState
 from coordinator.stats import Statistics
@@ -67,15 +70,17 @@ def make_sequences(n: int, max_tokens: int, **params) -> list[SequenceState]:
                           params=p, rng=np.random.default_rng([SEED, i]), sink=sink) for i in range(n)]
 
 
-def replay(theta: FakeModel, t: FakeModel, i: int, params: SamplingParams,
-           cfg: CoordinatorConfig) -> tuple[list[int], list[float]]:
-    """(tokens, log q* of each) of sequence i by the per-token step, one token at a time."""
+def replay(theta: FakeModel, t: FakeModel, i: int, params: SamplingParams, cfg: CoordinatorConfig,
+           theta_from: tuple[int, FakeModel] | None = None) -> tuple[list[int], list[float]]:
+    """(tokens, log q* of each) of sequence i by the per-token step, one token at a time;
+    `theta_from` = (position, model): the base serves that model from that position on."""
     rng = np.random.default_rng([SEED, i])
     tokens: list[int] = []
     logprobs_q: list[float] = []
     while True:
         batches = []
-        for model, prompt in ((theta, theta_prompt(i)), (t, t_prompt(i))):
+        base = theta_from[1] if theta_from is not None and len(tokens) >= theta_from[0] else theta
+        for model, prompt in ((base, theta_prompt(i)), (t, t_prompt(i))):
             ids, logprobs = model.topk(prompt + tokens, cfg.top_k)
             batches.append(TopKBatch(token_ids=ids[None].astype(np.int64), logprobs=logprobs[None].astype(np.float64)))
         step = mix_and_sample(
@@ -172,10 +177,11 @@ async def eventually(condition, what: str) -> None:
     raise AssertionError(f"never happened: {what}")
 
 
-def admit_first_step_only(k: int):
-    """An admission policy: the first step admits only sequence k's request, later steps all."""
+def admit_second_step_only(k: int):
+    """An admission policy: the second step (the first after the pilot's) admits only sequence
+    k's request, other steps all."""
     def admit(server: FakeLockstepServer, queued: list[FakeRequest]) -> list[FakeRequest]:
-        return [r for r in queued if r.key == key(k)] if server.steps == 0 else queued
+        return [r for r in queued if r.key == key(k)] if server.steps == 1 else queued
     return admit
 
 
@@ -202,20 +208,24 @@ async def test_aligned_admission_gives_the_per_token_steps_tokens(rig):
             assert request.finish == "stop" and request.offset == 0
             assert [position for position, _ in request.answers] == list(range(6))
             assert request.answers[-1][1] == wire.END
-        # Both servers admitted everything at once: one report per step, one step per position.
-        assert fake.steps == 6
+        # The first sequence ran one step alone (the pilot that makes both idle servers block),
+        # then both servers admitted the other three in the same step: 6 steps + 1.
+        assert fake.steps == 7
+    gate = scheduler.gate.counters
+    assert gate.rounds == 1 and gate.admitted == 3 and gate.misses == 0 and gate.forced == 0
 
 
 async def test_an_admission_deadlock_is_parked_and_resubmitted_without_losing_a_token(rig):
-    # The base runs sequence 0 alone in its first step, the teacher sequence 1 alone: each
-    # waits on a row the other server has not admitted, and neither can step again.
-    theta, t = rig.servers(theta={"admit": admit_first_step_only(0)}, t={"admit": admit_first_step_only(1)})
+    # After the pilot (sequence 0), the base admits sequence 1 alone, the teacher sequence 2
+    # alone: each waits on a row the other server has not admitted, and neither can step again.
+    theta, t = rig.servers(theta={"admit": admit_second_step_only(1)}, t={"admit": admit_second_step_only(2)})
     cfg = config()
     scheduler = rig.scheduler(theta, t, cfg)
     sequences = make_sequences(3, max_tokens=5)
     outputs = await generate(scheduler, sequences)
 
     assert scheduler.counters.parks > 0 and scheduler.counters.resubmissions > 0
+    assert scheduler.gate.counters.forced == 0  # the gate opened on both servers' steps
     for out in outputs:
         assert out.ok and out.finish_reason == "max_tokens"
         assert_per_token_tokens(out, theta.model, t.model, sequences[0].params, cfg)
@@ -243,6 +253,86 @@ async def test_servers_admitting_at_different_rates_still_give_the_per_token_tok
         assert_per_token_tokens(out, theta.model, t.model, sequences[0].params, cfg)
     assert_servers_followed(theta, outputs, theta_prompt)
     assert_servers_followed(t, outputs, t_prompt)
+
+
+def staggered_sequences(n: int) -> list[SequenceState]:
+    """Sequences of 3..7 tokens: they end at different steps, so with a small batch each
+    finished one lets the next start while the others run (an admission round per end)."""
+    sink: asyncio.Queue[GenerationOutput] = asyncio.Queue()
+    return [SequenceState(index=i, prompt=f"prompt {i}", theta_prompt_ids=theta_prompt(i), t_prompt_ids=t_prompt(i),
+                          params=sampling_params(3 + i % 5), rng=np.random.default_rng([SEED, i]), sink=sink)
+            for i in range(n)]
+
+
+async def test_sequences_started_while_both_servers_run_are_admitted_in_the_same_step(rig):
+    # The teacher's front end hands requests to its engine 1 ms after they are sent, the
+    # base's at once: without the gate's hold, the base would admit every new sequence a
+    # step before the teacher.
+    theta, t = rig.servers(t={"arrival_delay_s": 0.001})
+    cfg = config(max_batch_size=3)
+    scheduler = rig.scheduler(theta, t, cfg)
+    sequences = staggered_sequences(9)
+    outputs = await generate(scheduler, sequences)
+
+    for out, seq in zip(outputs, sequences):
+        assert out.ok and len(out.generated_tokens) == seq.params.max_tokens
+        assert_per_token_tokens(out, theta.model, t.model, seq.params, cfg)
+    gate = scheduler.gate.counters
+    assert gate.rounds >= 3 and gate.admitted == 8  # all but the pilot came through the gate
+    assert gate.misses == 0 and gate.forced == 0
+    assert scheduler.counters.split_reports == 0 and scheduler.counters.parks == 0
+
+
+async def test_the_gate_holds_longer_after_a_front_end_slower_than_its_wait(rig):
+    slow_s = 3 * coordinator.admission.INITIAL_DELAY_S
+    theta, t = rig.servers(t={"arrival_delay_s": slow_s})
+    cfg = config(max_batch_size=2)
+    scheduler = rig.scheduler(theta, t, cfg)
+    sequences = staggered_sequences(12)
+    outputs = await generate(scheduler, sequences)
+
+    for out, seq in zip(outputs, sequences):  # misaligned admissions cost time, never tokens
+        assert out.ok and len(out.generated_tokens) == seq.params.max_tokens
+        assert_per_token_tokens(out, theta.model, t.model, seq.params, cfg)
+    gate = scheduler.gate.counters
+    # The first rounds missed, the wait grew, and the rounds after it aligned.
+    assert gate.misses > 0 and scheduler.gate.delay_s > coordinator.admission.INITIAL_DELAY_S
+    assert gate.misses < gate.admitted / 2
+
+
+def test_the_gate_compares_the_servers_admission_steps_not_the_next_report():
+    gate = AdmissionGate()
+    pairs = [(("A", 1), ("B", 2)), (("A", 3), ("B", 4))]
+    # A server that plans a step ahead (async scheduling) admits in its second report, on both
+    # servers alike: aligned, and the wait shrinks.
+    gate.arm()
+    assert gate.opened(pairs) == coordinator.admission.INITIAL_DELAY_S
+    for server in ("A", "B"):
+        gate.observe(server, set())
+    gate.observe("A", {1, 3})
+    gate.observe("B", {2, 4})
+    assert (gate.counters.admitted, gate.counters.misses) == (2, 0)
+    assert gate.delay_s == pytest.approx(coordinator.admission.SHRINK * coordinator.admission.INITIAL_DELAY_S)
+    # B admits sequence (3, 4) a step after A: a miss, and the wait doubles.
+    before = gate.delay_s
+    gate.arm()
+    gate.opened(pairs)
+    gate.observe("A", {1, 3})
+    gate.observe("B", {2})
+    gate.observe("B", {2, 4})
+    assert (gate.counters.admitted, gate.counters.misses) == (4, 1)
+    assert gate.delay_s == pytest.approx(2 * before)
+    # A request that ends before it is seen settles nothing; one never seen on a server is
+    # a miss after LOOK_AHEAD_REPORTS of its reports. The wait never passes MAX_DELAY_S.
+    for _ in range(10):
+        gate.arm()
+        gate.opened(pairs)
+        gate.forget(("B", 4))
+        gate.observe("A", {1, 3})
+        for _ in range(coordinator.admission.LOOK_AHEAD_REPORTS):
+            gate.observe("B", set())
+    assert gate.delay_s == coordinator.admission.MAX_DELAY_S
+    assert gate.counters.admitted == 4 + 10 and gate.counters.misses == 1 + 10
 
 
 def once(hits: list[FakeRequest], *, after_tokens: int):
@@ -292,6 +382,81 @@ async def test_a_request_that_breaks_once_is_resent_from_the_agreed_tokens(rig, 
     first, second = theta.requests_of(key(1))
     assert first is broken[0] and second.offset == after_tokens
     assert second.args[wire.ARG_ID] != first.args[wire.ARG_ID]  # a late first request would get END
+
+
+async def crash_during(server: FakeLockstepServer, *, after_steps: int, down_s: float | None) -> None:
+    """Crash `server` once it has run `after_steps` steps; restart it `down_s` later (None: never)."""
+    await eventually(lambda: server.steps >= after_steps, f"{server.name} ran {after_steps} steps")
+    await server.crash()
+    if down_s is not None:
+        await asyncio.sleep(down_s)
+        server.down = False
+
+
+async def test_sequences_of_a_server_that_restarts_resume_from_their_agreed_tokens(rig):
+    theta, t = rig.servers()
+    cfg = config()
+    scheduler = rig.scheduler(theta, t, cfg)
+    sequences = make_sequences(4, max_tokens=8)
+    crash = asyncio.create_task(crash_during(t, after_steps=4, down_s=0.3))
+    outputs = await generate(scheduler, sequences)
+    await crash
+
+    assert t.health_checks >= 1
+    for out in outputs:  # nothing lost, nothing twice, the per-token tokens
+        assert out.ok and out.finish_reason == "max_tokens" and len(out.generated_tokens) == 8
+        assert_per_token_tokens(out, theta.model, t.model, sequences[0].params, cfg)
+        # Both servers took it up again from the tokens agreed before the crash.
+        for fake in (theta, t):
+            resumed = fake.requests_of(key(out.index))[-1]
+            assert 0 < resumed.offset < 8 and resumed.finish == "stop"
+    assert_servers_followed(theta, outputs, theta_prompt)
+    assert_servers_followed(t, outputs, t_prompt)
+
+
+async def test_sequences_fail_with_the_reason_when_a_server_does_not_come_back(rig):
+    theta, t = rig.servers()
+    cfg = config(lockstep_restart_timeout=0.3)
+    scheduler = rig.scheduler(theta, t, cfg)
+    sequences = make_sequences(4, max_tokens=8)
+    crash = asyncio.create_task(crash_during(t, after_steps=3, down_s=None))
+    outputs = await generate(scheduler, sequences)
+    await crash
+
+    for out in outputs:
+        assert out.finish_reason == "error"
+        assert "t server" in out.error and "lockstep_restart_timeout=0.3" in out.error
+    assert theta.idle  # the base's requests were all ended, none left waiting on the coordinator
+
+
+async def test_a_pause_takes_every_sequence_off_the_servers_and_resumes_it_on_the_new_weights(rig):
+    theta, t = rig.servers()
+    cfg = config()
+    scheduler = rig.scheduler(theta, t, cfg)
+    sequences = make_sequences(4, max_tokens=10)
+    scheduler.submit(sequences)
+    pushed = FakeModel(99)
+    await eventually(lambda: theta.steps >= 4, "four base steps")
+    async with scheduler.paused():
+        assert theta.idle and t.idle  # every request ended: a /pause?mode=wait would not wait
+        steps = (theta.steps, t.steps)
+        theta.model = pushed  # a weight push
+        await asyncio.sleep(0.05)
+        assert (theta.steps, t.steps) == steps  # nothing started while paused
+    outputs = await collect(sequences)
+    await scheduler.close()
+
+    assert scheduler.counters.suspensions == 4
+    for out in outputs:
+        resumed = theta.requests_of(key(out.index))[-1]
+        assert out.ok and len(out.generated_tokens) == 10 and 0 < resumed.offset < 10
+        # Tokens before the pause from the old base, after it from the pushed one.
+        tokens, logprobs_q = replay(FakeModel(1), t.model, out.index, sequences[0].params, cfg,
+                                    theta_from=(resumed.offset, pushed))
+        assert out.generated_tokens == tokens
+        np.testing.assert_allclose(out.logprobs_q, logprobs_q, rtol=1e-9, atol=1e-12)
+    assert_servers_followed(theta, outputs, theta_prompt)
+    assert_servers_followed(t, outputs, t_prompt)
 
 
 async def test_a_request_that_keeps_failing_fails_only_its_sequence(rig):
