@@ -8,18 +8,19 @@ steps at batch 8 and 64, benchmarks/README.md "Lockstep mode").
 
 vLLM admits a request at the first scheduling pass after the request reaches its engine
 core, and a server blocked in the plugin's wait cannot schedule. So new sequences are
-sent while both servers are blocked here, and the blocked reports are answered only
-after the requests have had time to cross each server's HTTP front end into its engine
-core. Both servers then admit them in their next step.
+sent while both servers are blocked here, and the blocked reports are answered only once
+both servers have taken every new request in (their streamed answers have started: vLLM
+starts one just before it hands the request to its engine) and a moment more for the
+hand-over. Both servers then admit them in their next step.
 
-How long that crossing takes is not observable from outside vLLM (a completion request
-is acknowledged only when it ends), so the wait adapts. After a gate opens, the reports
-show in which of its steps each server admitted each new sequence; a sequence the two
-servers admitted in different steps is a *miss*. A round with a miss doubles the wait (up
-to MAX_DELAY_S); a round without shrinks it (down to MIN_DELAY_S). Steps are counted from
-the gate on each server, so a scheduler that plans a step ahead (vLLM's async scheduling
-on GPUs) delays both servers alike and is no miss. A miss costs speed only: misaligned
-sequences are still decided correctly (coordinator/lockstep.py).
+The hand-over is not observable from outside vLLM, so that last moment adapts. After a
+gate opens, the reports show in which of its steps each server admitted each new
+sequence; a sequence the two servers admitted in different steps is a *miss*. A round
+with a miss doubles the wait (up to MAX_DELAY_S); a round without shrinks it (down to
+MIN_DELAY_S). Steps are counted from the gate on each server, so a scheduler that plans
+a step ahead (vLLM's async scheduling on GPUs) delays both servers alike and is no miss.
+A miss costs speed only: misaligned sequences are still decided correctly
+(coordinator/lockstep.py).
 
 Idle servers have no blocked step to hold, so the first sequence starts alone (a *pilot*)
 and the gate opens once both servers have reported it.
@@ -33,10 +34,11 @@ from dataclasses import dataclass, field
 # The wait after sending: at least a front end's quickest hand-over, at most a bound that
 # keeps a slow front end from stalling both servers for long.
 MIN_DELAY_S = 0.001
-INITIAL_DELAY_S = 0.004
+INITIAL_DELAY_S = 0.002
 MAX_DELAY_S = 0.05
-# A server busy with other clients' work may not reach a step boundary for long; the other
-# server is held at most this long before the waiting sequences start unaligned.
+# A server busy with other clients' work may not reach a step boundary for long, and a
+# loaded front end may take long to take requests in; the other server is held at most
+# this long for either before the waiting sequences start unaligned.
 MAX_HOLD_S = 1.0
 # Per round without a miss: slowly (14 rounds undo a doubling), as a misaligned sequence
 # costs far more than a few held milliseconds.
@@ -52,6 +54,7 @@ class AdmissionCounters:
     misses: int = 0  # of those, sequences the two servers admitted in different steps
     forced: int = 0  # gates opened after MAX_HOLD_S without both servers blocked
     held_s: float = 0.0  # time from arming a gate to opening it, summed
+    accept_s: float = 0.0  # time from sending a round's requests until the servers took all in, summed
 
     def summary(self) -> dict[str, float]:
         return {
@@ -59,6 +62,7 @@ class AdmissionCounters:
             "lockstep_admission_miss_share": self.misses / self.admitted if self.admitted else float("nan"),
             "lockstep_admission_hold_ms_mean": 1e3 * self.held_s / self.rounds if self.rounds else float("nan"),
             "lockstep_admission_forced": self.forced,
+            "lockstep_admission_accept_ms_mean": 1e3 * self.accept_s / self.rounds if self.rounds else float("nan"),
         }
 
 

@@ -115,6 +115,12 @@ class _Stream:
     engine: VLLMClient
     offset: int
     retired: bool = False  # parked, ended or replaced: its rows get END, its end is expected
+    # Done when the server has taken the request in (its answer started) or the request ended.
+    accepted: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    def accept(self) -> None:
+        if not self.accepted.done():
+            self.accepted.set_result(None)
 
 
 @dataclass
@@ -265,16 +271,21 @@ class LockstepScheduler:
 
     async def _open_gate(self, *, force: bool = False) -> None:
         """Start the waiting sequences if both servers are blocked here (or `force`), then hold
-        the servers long enough for the requests to reach their engines."""
+        the servers until both have taken every new request in, and a moment more for the
+        requests to reach their engines."""
         targets = {engine.url for engine in self._engines}
         if not self.gate.armed or not (force or targets <= self._blocked_servers()):
             return
-        pairs = []
+        started = []
         while self._room() and not self._holding:
-            live = self._start(self._next_waiting())
-            pairs.append(tuple((stream.engine.url, stream.id) for stream in live.streams if stream is not None))
-        hold_s = self.gate.opened(pairs)  # type: ignore[arg-type]
-        if hold_s:
+            started.append(self._start(self._next_waiting()))
+        streams = [stream for live in started for stream in live.streams if stream is not None]
+        hold_s = self.gate.opened([tuple((s.engine.url, s.id) for s in live.streams if s is not None)
+                                   for live in started])  # type: ignore[misc]
+        if streams:
+            sent = time.perf_counter()
+            await asyncio.wait([stream.accepted for stream in streams], timeout=MAX_HOLD_S)
+            self.gate.counters.accept_s += time.perf_counter() - sent
             await asyncio.sleep(hold_s)
 
     async def _open_gate_after(self, delay_s: float, armed_at: float | None) -> None:
@@ -313,12 +324,14 @@ class LockstepScheduler:
         args = {wire.ARG_ADDRESS: self._channel.address, wire.ARG_ID: stream.id, wire.ARG_OFFSET: agreed,
                 wire.ARG_TOP_K: self._config.top_k, wire.ARG_STOP: self._stop_token}
         task = asyncio.create_task(stream.engine.forced_generation(
-            prompt, max_tokens=max_tokens, stop_token=self._stop_token, lockstep_args=args))
+            prompt, max_tokens=max_tokens, stop_token=self._stop_token, lockstep_args=args,
+            on_accepted=stream.accept))
         self._requests.add(task)
         task.add_done_callback(functools.partial(self._stream_ended, stream))
 
     def _stream_ended(self, stream: _Stream, task: asyncio.Task[str]) -> None:
         self._requests.discard(task)
+        stream.accept()
         if task.cancelled():
             self._streams.pop(stream.id, None)
             return

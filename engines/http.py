@@ -85,6 +85,7 @@ async def request_json(
     on_retry: Callable[[ServerError], None] | None = None,
     decode: Callable[[bytes], Any] = json.loads,
     timeout: aiohttp.ClientTimeout | None = None,
+    on_headers: Callable[[], None] | None = None,
 ) -> Any:
     """Send one JSON request with the session's timeout (or `timeout`), retrying what is worth retrying.
 
@@ -92,14 +93,16 @@ async def request_json(
     be resent after any retryable failure; if False it is resent only when nothing was
     sent (see the table in the module docstring). `decode` turns a 2xx body into the
     return value (a typed decoder for hot paths); a ValueError from it (msgspec's
-    DecodeError is one) means a malformed answer.
+    DecodeError is one) means a malformed answer. `on_headers` is called when a 2xx answer's
+    headers arrive, before its body: for a streamed answer, the moment the server took the
+    request in.
     """
     data = None if payload is None else msgspec.json.encode(payload)
     attempt = 0
     while True:
         try:
             return await _request_once(session, method, url, server=server, data=data, decode=decode,
-                                       timeout=timeout)
+                                       timeout=timeout, on_headers=on_headers)
         except ServerError as err:
             safe_to_resend = idempotent or not err.request_sent
             if not (err.retryable and safe_to_resend) or attempt >= retry.max_retries:
@@ -113,12 +116,15 @@ async def request_json(
 async def _request_once(
     session: aiohttp.ClientSession, method: str, url: str, *, server: str, data: bytes | None,
     decode: Callable[[bytes], Any], timeout: aiohttp.ClientTimeout | None = None,
+    on_headers: Callable[[], None] | None = None,
 ) -> Any:
     try:
         async with session.request(method, url, data=data, headers=JSON_HEADERS if data else None,
                                    **({"timeout": timeout} if timeout is not None else {})) as response:
-            raw = await response.read()
             status = response.status
+            if on_headers is not None and status < 400:
+                on_headers()
+            raw = await response.read()
     except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
         # aiohttp raises these before writing a byte of the request.
         raise ServerConnectError(

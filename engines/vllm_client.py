@@ -164,13 +164,14 @@ class VLLMClient:
 
     async def call(self, method: str, path: str, payload: Any = None,
                    decode: Callable[[bytes], Any] = json.loads, *, idempotent: bool | None = None,
-                   timeout: aiohttp.ClientTimeout | None = None) -> Any:
+                   timeout: aiohttp.ClientTimeout | None = None,
+                   on_headers: Callable[[], None] | None = None) -> Any:
         """One JSON request to `path`, with retries; the building block of every call.
 
         Retried like a read if it is a GET or in IDEMPOTENT_POSTS (or `idempotent` says
         so), else only when it never left (engines.http's table). `decode` parses a 2xx
         body (default: any JSON); see engines.http.request_json. `timeout` replaces the
-        client's request timeout for this call.
+        client's request timeout for this call; `on_headers` is called when a 2xx answer starts.
         """
         if self._session is None:
             raise LifecycleError(f"{self.name} client for {self.url} is not open; "
@@ -187,7 +188,7 @@ class VLLMClient:
             return await request_json(
                 self._session, method, self.url + path, server=self.name,
                 payload=payload, retry=self._retry, idempotent=idempotent, on_retry=count_retry,
-                decode=decode, timeout=timeout,
+                decode=decode, timeout=timeout, on_headers=on_headers,
             )
         except ServerError:
             self.failures += 1
@@ -361,24 +362,29 @@ class VLLMClient:
     # -- lockstep (engines/vllm_plugin) ------------------------------------------------
 
     async def forced_generation(self, prompt_ids: Sequence[int], *, max_tokens: int, stop_token: int,
-                                lockstep_args: dict[str, int | str]) -> str:
+                                lockstep_args: dict[str, int | str],
+                                on_accepted: Callable[[], None] | None = None) -> str:
         """One lockstep request: the server generates whatever its plugin is told, until the
         coordinator ends it (`stop_token`) or `max_tokens`; returns the finish_reason.
 
         Sent at most once (a resend would be a second request with the same lockstep id)
         unless nothing left; no total timeout, because it lasts as long as its sequence: the
         plugin's own timeout ends it if the coordinator goes silent.
+
+        The answer is streamed, only so that `on_accepted` can be called when the server
+        has taken the request in: vLLM starts a streamed answer just before it hands the
+        request to its engine, and a plain answer only at the end. `stream_interval` above
+        `max_tokens` keeps the stream to its first and last token.
         """
         info = await self.model_info()
         payload = {
             "model": info.name, "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stop_token_ids": [stop_token], "vllm_xargs": lockstep_args,
+            "stream": True, "stream_interval": max_tokens + 1,
         }
-        body = await self.call("POST", "/v1/completions", payload, idempotent=False,
+        return await self.call("POST", "/v1/completions", payload, decode=_streamed_finish_reason,
+                               idempotent=False, on_headers=on_accepted,
                                timeout=aiohttp.ClientTimeout(total=None, connect=self._timeout.connect))
-        choices = body.get("choices") if isinstance(body, dict) else None
-        expect(isinstance(choices, list) and len(choices) == 1, self.name, self.url, "expected one choice")
-        return str(choices[0].get("finish_reason"))
 
     # -- speculative rounds (engines.protocol.SpeculativeEngine) ------------------------
 
@@ -500,3 +506,19 @@ def _top_row(entries: dict[str, float], token: str, k: int) -> dict[str, float]:
     if len(entries) > k:
         return {key: v for key, v in entries.items() if key != token}
     return entries
+
+
+def _streamed_finish_reason(raw: bytes) -> str:
+    """The finish_reason of a streamed one-choice completion (server-sent events)."""
+    finish = None
+    for line in raw.splitlines():
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        chunk = json.loads(line[len(b"data: "):])
+        if "error" in chunk:
+            raise ValueError(f"the server reported an error in the stream: {chunk['error']}")
+        choices = chunk.get("choices") or [{}]
+        finish = choices[0].get("finish_reason") or finish
+    if finish is None:
+        raise ValueError("the stream ended without a finish_reason")
+    return str(finish)

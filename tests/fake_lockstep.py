@@ -7,9 +7,10 @@ the real wire format (engines/vllm_plugin/wire.py), as engines/vllm_plugin/proce
 does inside vLLM.
 
 What it simulates of a vLLM engine, one decode step at a time:
-- admission: a request reaches the engine `arrival_delay_s` after it is sent (vLLM's HTTP
-  front end), then waits in a queue until an admission policy (`admit`) moves it into the
-  running batch at the start of a step; the default admits everything at once, tests pass
+- admission: the front end takes a request in `accept_delay_s` after it is sent (then its
+  `on_accepted` is called, as VLLMClient calls it when vLLM's streamed answer starts), it
+  reaches the engine `arrival_delay_s` later, then waits in a queue until an admission
+  policy (`admit`) moves it into the running batch at the start of a step; the default admits everything at once, tests pass
   policies that admit some requests late (a busy server, a limited batch);
 - a step: for every running lockstep request, one row of ONE report per coordinator
   address: the request's lockstep id, its position (offset + tokens generated so far,
@@ -157,6 +158,7 @@ class FakeLockstepServer:
                  admit: Callable[["FakeLockstepServer", list[FakeRequest]], list[FakeRequest]] = admit_all,
                  plugin: bool = True, flags: int = 0, capacity: int = 256,
                  reply_timeout_s: float | Callable[["FakeLockstepServer"], float] = 20.0,
+                 accept_delay_s: float = 0.0,
                  arrival_delay_s: float = 0.0,
                  end_when: Callable[[FakeRequest], bool] | None = None,
                  fail_when: Callable[[FakeRequest], bool] | None = None,
@@ -169,6 +171,7 @@ class FakeLockstepServer:
         self.flags = flags
         self.capacity = capacity
         self.reply_timeout_s = reply_timeout_s
+        self.accept_delay_s = accept_delay_s
         self.arrival_delay_s = arrival_delay_s
         self.end_when = end_when
         self.fail_when = fail_when
@@ -188,7 +191,8 @@ class FakeLockstepServer:
     # -- what LockstepScheduler calls --------------------------------------------------
 
     async def forced_generation(self, prompt_ids: Sequence[int], *, max_tokens: int, stop_token: int,
-                                lockstep_args: dict[str, int | str]) -> str:
+                                lockstep_args: dict[str, int | str],
+                                on_accepted: Callable[[], None] | None = None) -> str:
         if self.down:
             raise ServerConnectError(self.name, self.url, "connection refused (simulated restart)")
         request = FakeRequest(list(prompt_ids), max_tokens, stop_token, dict(lockstep_args))
@@ -202,6 +206,10 @@ class FakeLockstepServer:
             return "length"
         request.future = asyncio.get_running_loop().create_future()
         try:
+            if self.accept_delay_s:
+                await asyncio.sleep(self.accept_delay_s)
+            if on_accepted is not None:
+                on_accepted()
             if self.arrival_delay_s:
                 await asyncio.sleep(self.arrival_delay_s)
             self.queue.append(request)

@@ -265,10 +265,10 @@ def staggered_sequences(n: int) -> list[SequenceState]:
 
 
 async def test_sequences_started_while_both_servers_run_are_admitted_in_the_same_step(rig):
-    # The teacher's front end hands requests to its engine 1 ms after they are sent, the
-    # base's at once: without the gate's hold, the base would admit every new sequence a
-    # step before the teacher.
-    theta, t = rig.servers(t={"arrival_delay_s": 0.001})
+    # The teacher's front end takes requests in 30 ms after they are sent and hands them to
+    # its engine 1 ms later, the base's at once: without the gate's hold, the base would
+    # admit every new sequence steps before the teacher.
+    theta, t = rig.servers(t={"accept_delay_s": 0.03, "arrival_delay_s": 0.001})
     cfg = config(max_batch_size=3)
     scheduler = rig.scheduler(theta, t, cfg)
     sequences = staggered_sequences(9)
@@ -283,8 +283,8 @@ async def test_sequences_started_while_both_servers_run_are_admitted_in_the_same
     assert scheduler.counters.split_reports == 0 and scheduler.counters.parks == 0
 
 
-async def test_the_gate_holds_longer_after_a_front_end_slower_than_its_wait(rig):
-    slow_s = 3 * coordinator.admission.INITIAL_DELAY_S
+async def test_the_gate_holds_longer_after_a_hand_over_slower_than_its_wait(rig):
+    slow_s = 3 * coordinator.admission.INITIAL_DELAY_S  # from taking a request in to the engine
     theta, t = rig.servers(t={"arrival_delay_s": slow_s})
     cfg = config(max_batch_size=2)
     scheduler = rig.scheduler(theta, t, cfg)
