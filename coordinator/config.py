@@ -48,6 +48,8 @@ class CoordinatorConfig(RaisesInvalidInput, BaseSettings):
         "127.0.0.1", description="Interface the coordinator's lockstep socket binds, which the servers' plugins dial; another host than loopback must be listed in the servers' DUALVLLM_LOCKSTEP_ALLOWED_HOSTS.")
     lockstep_stall_timeout: float = Field(
         5.0, gt=0, description="Lockstep: seconds a server may wait on sequences the other server has not reached (its batch is busy) before they are ended and resubmitted.")
+    lockstep_aligned_admission: bool = Field(
+        True, description="Lockstep: start new sequences while both servers are blocked on the coordinator and hold them until both took the requests in, so both admit each sequence in the same step (coordinator/admission.py); False = send them as soon as there is room.")
     lockstep_restart_timeout: float = Field(
         300.0, ge=0, description="Lockstep: seconds the sequences of a server whose requests broke wait for it to answer /health again (a restart, a network blip) before they fail; they then resume from their agreed tokens.")
     speculative_gamma: int = Field(

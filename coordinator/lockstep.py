@@ -237,6 +237,10 @@ class LockstepScheduler:
             self._fail_waiting(next(iter(self._dead.values())))
         if self._closing or self._holding or not self._room():
             return
+        if not self._config.lockstep_aligned_admission:
+            while self._room():
+                self._start(self._next_waiting())
+            return
         targets = {engine.url for engine in self._engines}
         if not targets <= self._blocked_servers() | self._busy_servers():  # a server would never block here
             self._start(self._next_waiting())

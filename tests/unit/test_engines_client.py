@@ -349,3 +349,73 @@ async def test_a_connection_lost_after_sending_is_resent_only_if_idempotent(idem
         await server.wait_closed()
     assert not isinstance(info.value, ServerConnectError)
     assert len(requests) == (3 if idempotent else 1)
+
+
+async def _streaming_completions(release: asyncio.Event, chunks: list[bytes],
+                                 seen: list[dict] | None = None) -> tuple[web.AppRunner, str]:
+    """A /v1/completions that starts a streamed answer at once and sends `chunks` on `release`;
+    the request bodies go to `seen`."""
+    seen = [] if seen is None else seen
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        seen.append(await request.json())
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)  # the headers go out now, as vLLM's do
+        await release.wait()
+        for chunk in chunks:
+            await response.write(chunk)
+        await response.write_eof()
+        return response
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m", "root": "m", "max_model_len": 64}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def test_a_lockstep_request_is_accepted_when_its_stream_starts_and_ends_with_its_finish_reason():
+    release = asyncio.Event()
+    seen: list[dict] = []
+    runner, url = await _streaming_completions(release, [
+        b'data: {"choices": [{"text": "a", "finish_reason": null}]}\n\n',
+        b'data: {"choices": [{"text": "bc", "finish_reason": "stop"}]}\n\n',
+        b"data: [DONE]\n\n"], seen)
+    accepted = asyncio.Event()
+    try:
+        async with client(url) as c:
+            request = asyncio.create_task(c.forced_generation([1, 2], max_tokens=9, stop_token=0,
+                                                              lockstep_args={"dualvllm_id": 5},
+                                                              on_accepted=accepted.set))
+            await asyncio.wait_for(accepted.wait(), 10)  # before any token: the body is held back
+            assert not request.done()
+            release.set()
+            assert await request == "stop"
+    finally:
+        await runner.cleanup()
+    (sent,) = seen
+    assert sent["stream"] is True and sent["stream_interval"] == 10  # first and last token only
+    assert sent["vllm_xargs"] == {"dualvllm_id": 5}
+
+
+@pytest.mark.parametrize("chunks, message", [
+    ([b'data: {"error": {"message": "engine dead"}}\n\n'], "error in the stream"),
+    ([b'data: {"choices": [{"text": "a", "finish_reason": null}]}\n\n', b"data: [DONE]\n\n"], "without a finish_reason"),
+], ids=["error-chunk", "no-finish"])
+async def test_a_lockstep_stream_that_reports_an_error_or_no_end_is_a_malformed_answer(chunks, message):
+    release = asyncio.Event()
+    release.set()
+    runner, url = await _streaming_completions(release, chunks)
+    try:
+        async with client(url) as c:
+            with pytest.raises(MalformedResponseError, match=message):
+                await c.forced_generation([1], max_tokens=2, stop_token=0, lockstep_args={})
+    finally:
+        await runner.cleanup()
