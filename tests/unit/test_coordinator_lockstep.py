@@ -283,6 +283,20 @@ async def test_sequences_started_while_both_servers_run_are_admitted_in_the_same
     assert scheduler.counters.split_reports == 0 and scheduler.counters.parks == 0
 
 
+async def test_without_aligned_admission_sequences_start_as_soon_as_there_is_room(rig):
+    theta, t = rig.servers(t={"accept_delay_s": 0.03})
+    cfg = config(max_batch_size=3, lockstep_aligned_admission=False)
+    scheduler = rig.scheduler(theta, t, cfg)
+    sequences = staggered_sequences(9)
+    outputs = await generate(scheduler, sequences)
+
+    for out, seq in zip(outputs, sequences):  # out of step costs time, never tokens
+        assert out.ok and len(out.generated_tokens) == seq.params.max_tokens
+        assert_per_token_tokens(out, theta.model, t.model, seq.params, cfg)
+    assert scheduler.gate.counters.rounds == 0  # no pilot, no gate
+    assert scheduler.counters.split_reports > 0  # the teacher's slow front end put it out of step
+
+
 async def test_the_gate_holds_longer_after_a_hand_over_slower_than_its_wait(rig):
     slow_s = 3 * coordinator.admission.INITIAL_DELAY_S  # from taking a request in to the engine
     theta, t = rig.servers(t={"arrival_delay_s": slow_s})
