@@ -218,7 +218,7 @@ class FakeVLLM:
     async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
         return web.json_response({"success": True})
 
-    async def _completions(self, request: web.Request) -> web.Response:
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         k = body.get("logprobs") or 0  # like vLLM: no logprobs asked, none returned
         if k > self.max_logprobs:
@@ -249,6 +249,14 @@ class FakeVLLM:
                 sequence.append(token)
             choices.append({"index": index, "text": "", "finish_reason": "length",
                             "logprobs": {"tokens": tokens, "top_logprobs": tops} if k else None})
+        if body.get("stream"):  # like vLLM: server-sent events, one chunk per choice here, then [DONE]
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            for choice in choices:
+                await response.write(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n")
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
         return web.json_response({"choices": choices})
 
     def _sample(self, logprobs: np.ndarray, body: dict, rng: np.random.Generator) -> int:
