@@ -12,6 +12,7 @@
     ├── GenerationFailedError                 a caller needed every sequence, and some failed
     ├── WeightSyncError                       a weight push did not take: the server serves other weights
     ├── NoTrainingSignalError                 sampled data holds nothing to learn from (e.g. no DPO pair)
+    ├── ServiceBusyError                      the q* service's queue is full (HTTP 429, Retry-After)
     └── ServerError                           a request to a running server failed
         ├── ServerUnavailableError            connection reset / closed after sending (retried if idempotent)
         │   └── ServerConnectError            no connection opened: refused, DNS, connect timeout (retried)
@@ -87,6 +88,14 @@ class WeightSyncError(DualVLLMError):
 class NoTrainingSignalError(DualVLLMError):
     """A training run sampled data that holds nothing to learn from, such as no preference
     pair because every prompt's rollouts were all right or all wrong."""
+
+
+class ServiceBusyError(DualVLLMError):
+    """The q* HTTP service holds as many sequences as it may queue; retry after `retry_after_s`."""
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        self.retry_after_s = retry_after_s
+        super().__init__(message)
 
 
 class ServerError(DualVLLMError):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Mapping, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -26,15 +26,17 @@ from coordinator.lockstep_setup import lockstep_stop_token, probe_servers
 from coordinator.outputs import GenerationOutput, Prompt
 from coordinator.prompts import encode_prompts
 from coordinator.scheduler import Scheduler
-from coordinator.sequence import SamplingParams, SequenceState
+from coordinator.sequence import SamplingParams, SequenceState, TokenListener
 from coordinator.speculative import SpeculativeScheduler, speculative_scheduler
 from coordinator.stats import Statistics, StepTiming
-from common.errors import InvalidInputError, LifecycleError, LockstepUnavailableError
+from common.errors import InvalidInputError, LifecycleError, LockstepUnavailableError, TopKUnsupportedError
 from engines.lockstep_channel import LockstepChannel
-from engines.protocol import Engine
-from engines.vllm_client import VLLMClient
+from engines.protocol import Engine, ModelInfo
+from engines.vllm_client import CallObserver, VLLMClient
 
 log = logging.getLogger("dualvllm.coordinator")
+# OpenAI allows up to 20 alternatives per token; q* has at most 2 x top_k candidates anyway.
+MAX_TOP_LOGPROBS = 20
 
 
 class DualVLLMCoordinator:
@@ -58,6 +60,7 @@ class DualVLLMCoordinator:
         self._seed_source = np.random.default_rng(self.config.seed)
         self._state = "new"
         self._eos_ids: frozenset[int] = frozenset()
+        self._infos: tuple[ModelInfo, ModelInfo] | None = None
         given_one = theta_engine is not None and theta_engine is t_engine
         self._self_teacher = given_one or (theta_engine is None and t_engine is None and self.config.self_teacher)
 
@@ -100,6 +103,7 @@ class DualVLLMCoordinator:
         log.info("coordinator ready: base %s, teacher %s, top_k=%d, eos=%s, max_model_len=%d",
                  infos[0].name, infos[1].name, cfg.top_k, sorted(eos_ids), max_len)
         self._theta, self._t = theta, t
+        self._infos = infos
         vocab_size = min(vocab_sizes) if vocab_sizes else None
         self._scheduler = await self._lockstep_scheduler(theta, t, eos_ids, max_len, vocab_size,
                                                          stop_token=lockstep_stop_token(infos, eos_ids))
@@ -179,6 +183,9 @@ class DualVLLMCoordinator:
         fixed_alpha: float | None = None,
         seeds: Sequence[int] | None = None,
         ignore_eos: bool = False,
+        top_k: int | None = None,
+        top_logprobs: int = 0,
+        on_tokens: TokenListener | None = None,
     ) -> AsyncIterator[GenerationOutput]:
         """Yield each prompt's output as soon as it finishes (any order; see `.index`).
 
@@ -187,12 +194,18 @@ class DualVLLMCoordinator:
         on what else is in the batch); `seeds` gives one seed per prompt instead, so a
         resumed job samples each prompt as the first run would have. `fixed_alpha`
         replaces alpha* (0 = base only, 1 = teacher only) for ablations. `ignore_eos`
-        generates past EOS (fixed-length runs for benchmarks).
+        generates past EOS (fixed-length runs for benchmarks). `top_k` mixes only each
+        model's top_k most likely tokens (at most the coordinator's top_k, which is what the
+        servers are asked for); `top_logprobs` records q*'s that many most likely candidates
+        per token (`GenerationOutput.top_logprobs`). `on_tokens(index, token_ids)` is called
+        from the coordinator's loop with each sequence's tokens as they are decided (keep it
+        cheap: hand them to a queue).
         """
         scheduler = self._require_open()
         params = sampling_params(max_tokens, temperature=temperature, stop=stop, stop_token_ids=stop_token_ids,
                                  fixed_alpha=fixed_alpha, return_diagnostics=return_diagnostics,
-                                 ignore_eos=ignore_eos)
+                                 ignore_eos=ignore_eos, top_k=top_k, top_logprobs=top_logprobs)
+        self._check_supported(params)
         if not prompts:
             return
         assert self._theta is not None and self._t is not None
@@ -211,7 +224,7 @@ class DualVLLMCoordinator:
         sink: "asyncio.Queue[GenerationOutput]" = asyncio.Queue()
         sequences = [
             SequenceState(index=i, prompt=prompt, theta_prompt_ids=ids_theta, t_prompt_ids=ids_t,
-                          params=params, rng=np.random.default_rng(rng_keys[i]), sink=sink)
+                          params=params, rng=np.random.default_rng(rng_keys[i]), sink=sink, listener=on_tokens)
             for i, (prompt, (ids_theta, ids_t)) in enumerate(zip(prompts, encoded))
         ]
         runnable = []
@@ -249,17 +262,77 @@ class DualVLLMCoordinator:
         fixed_alpha: float | None = None,
         seeds: Sequence[int] | None = None,
         ignore_eos: bool = False,
+        top_k: int | None = None,
+        top_logprobs: int = 0,
     ) -> list[GenerationOutput]:
         """Generate for every prompt; outputs in input order. Arguments as in `stream`."""
         outputs: list[GenerationOutput | None] = [None] * len(prompts)
         async for output in self.stream(
             prompts, max_tokens, temperature=temperature, stop=stop, stop_token_ids=stop_token_ids,
             seed=seed, return_diagnostics=return_diagnostics, show_progress=show_progress,
-            fixed_alpha=fixed_alpha, seeds=seeds, ignore_eos=ignore_eos,
+            fixed_alpha=fixed_alpha, seeds=seeds, ignore_eos=ignore_eos, top_k=top_k, top_logprobs=top_logprobs,
         ):
             outputs[output.index] = output
         assert all(o is not None for o in outputs)
         return outputs  # type: ignore[return-value]
+
+    def _check_supported(self, params: SamplingParams) -> None:
+        if params.top_k is not None and params.top_k > self.config.top_k:
+            raise TopKUnsupportedError(
+                f"top_k={params.top_k} is above the coordinator's top_k={self.config.top_k}, the candidates it asks "
+                "the servers for (checked against their --max-logprobs at start-up); ask for at most "
+                f"{self.config.top_k}, or restart the coordinator with a larger top_k")
+        if self.mode == "speculative" and (params.top_k is not None or params.top_logprobs):
+            raise InvalidInputError("a per-call top_k and top_logprobs are not available in speculative mode; "
+                                    "use per-token or lockstep mode (speculative_gamma=0)")
+
+    async def encode(self, prompts: Sequence[Prompt]) -> list[tuple[list[int], list[int]]]:
+        """(base ids, teacher ids) of each prompt, tokenized as `stream` would: text by each
+        model's tokenizer; a (theta_prompt, t_prompt) pair part by part."""
+        self._require_open()
+        assert self._theta is not None and self._t is not None
+        return await encode_prompts(prompts, self._theta, self._t)
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of `token_ids`, by the base model's tokenizer (as outputs' texts are)."""
+        self._require_open()
+        assert self._theta is not None
+        return await self._theta.detokenize(token_ids)
+
+    async def render_chat(self, messages: Sequence[Mapping[str, Any]], role: str = "theta") -> list[int]:
+        """Token ids of a chat, rendered with the chat template of the base (role "theta") or
+        the teacher ("t"), ending with the prompt for the assistant's turn."""
+        self._require_open()
+        engine = self._theta if role == "theta" else self._t
+        assert engine is not None
+        return await engine.tokenize_chat(messages)
+
+    @property
+    def max_model_len(self) -> int:
+        """Prompt + generated tokens both servers accept (known once entered)."""
+        return self._require_open().max_len
+
+    @property
+    def model_names(self) -> tuple[str, str]:
+        """The served names of the base and the teacher model (known once entered)."""
+        self._require_open()
+        assert self._infos is not None
+        return self._infos[0].name, self._infos[1].name
+
+    @property
+    def capacity(self) -> int:
+        """Sequences generated at once; more wait in the coordinator's queue."""
+        scheduler = self._require_open()
+        return scheduler.capacity if isinstance(scheduler, LockstepScheduler) else self.config.max_batch_size
+
+    def observe_server_calls(self, observer: CallObserver) -> None:
+        """Call `observer(server, path, seconds, ok)` after every request to either server
+        (metrics); the coordinator's own engines only (not engines given to the constructor
+        that are not VLLMClients)."""
+        self._require_open()
+        for engine in (self._theta, self._t):
+            if isinstance(engine, VLLMClient):
+                engine.observers.append(observer)
 
     @contextlib.asynccontextmanager
     async def paused(self) -> AsyncIterator[None]:
@@ -324,6 +397,8 @@ def sampling_params(
     fixed_alpha: float | None = None,
     return_diagnostics: bool = False,
     ignore_eos: bool = False,
+    top_k: int | None = None,
+    top_logprobs: int = 0,
 ) -> SamplingParams:
     """The per-call settings of `stream`, validated: raises InvalidInputError on a bad value.
 
@@ -339,8 +414,13 @@ def sampling_params(
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if any(not isinstance(s, str) or not s for s in stops):
         raise InvalidInputError(f"stop strings must be non-empty strings, got {stops!r}")
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+        raise InvalidInputError(f"top_k must be a positive integer or None (all fetched candidates), got {top_k!r}")
+    if not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool) or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidInputError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs!r}")
     return SamplingParams(
         max_tokens=max_tokens, temperature=float(temperature), stop=stops,
         stop_token_ids=frozenset(int(i) for i in stop_token_ids or ()),
         fixed_alpha=fixed_alpha, return_diagnostics=return_diagnostics, ignore_eos=ignore_eos,
+        top_k=top_k, top_logprobs=top_logprobs,
     )

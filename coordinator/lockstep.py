@@ -190,6 +190,11 @@ class LockstepScheduler:
     def max_len(self) -> int:
         return self._max_len
 
+    @property
+    def capacity(self) -> int:
+        """Sequences in flight at once: max_batch_size, or fewer if the servers run fewer."""
+        return self._max_live
+
     # -- lifecycle ---------------------------------------------------------------------
 
     def submit(self, sequences: list[SequenceState]) -> None:

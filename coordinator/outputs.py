@@ -42,6 +42,9 @@ class GenerationOutput:
     finish_reason: FinishReason
     diagnostics: dict[str, dict[str, float]] | None = None  # key -> {mean, std, min, max}
     error: str | None = None  # which server failed and how, when finish_reason == "error"
+    # Per token, q*'s most likely candidates {token id: log q*} (at the call's temperature),
+    # when the call asked for top_logprobs.
+    top_logprobs: list[dict[int, float]] | None = None
 
     @property
     def ok(self) -> bool:

@@ -20,7 +20,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.delivery import Delivery
 from coordinator.sequence import SequenceState
 from coordinator.stats import Statistics, StepTiming
-from coordinator.step import StepResult, mix_and_sample
+from coordinator.step import StepResult, keep_top, mix_and_sample, top_candidates
 from common.errors import DualVLLMError
 from engines.protocol import Engine, TopKBatch
 
@@ -165,6 +165,9 @@ def sample_rows(sequences: list[SequenceState], theta: TopKBatch, t: TopKBatch, 
     """One token for each sequence from both servers' top-k rows (in sequence order), each
     drawn with the sequence's own sampler and settings: the step of every per-token mode."""
     params = [s.params for s in sequences]
+    if any(p.top_k is not None for p in params):
+        ks = np.array([config.top_k if p.top_k is None else p.top_k for p in params], dtype=np.int64)
+        theta, t = keep_top(theta, ks), keep_top(t, ks)
     return mix_and_sample(
         theta, t,
         temperature=np.fromiter((p.temperature for p in params), np.float64, len(sequences)),
@@ -180,7 +183,8 @@ def sample_rows(sequences: list[SequenceState], theta: TopKBatch, t: TopKBatch, 
 
 
 def record_rows(sequences: list[SequenceState], step: StepResult, eos_ids: frozenset[int], max_len: int) -> None:
-    """Append each sequence's sampled token and its per-token values (and apply the stop rules)."""
+    """Append each sequence's sampled token and its per-token values (and apply the stop rules),
+    with q*'s top candidates for the sequences that ask for them."""
     # Python lists: indexing them per row is far cheaper than indexing numpy arrays.
     tokens = step.token_ids.tolist()
     alphas, lq = step.alpha.tolist(), step.logprob_q.tolist()
@@ -190,6 +194,16 @@ def record_rows(sequences: list[SequenceState], step: StepResult, eos_ids: froze
         seq.append(tokens[row], alphas[row], lq[row], lth[row], lt[row],
                    {key: values[row] for key, values in diagnostics.items()} if diagnostics else {},
                    eos_ids, max_len)
+    wanting = [row for row, seq in enumerate(sequences) if seq.params.top_logprobs]
+    if wanting:
+        n = max(sequences[row].params.top_logprobs for row in wanting)
+        tops = top_candidates(step.candidates[wanting], step.candidate_logq[wanting], n)
+        for row, top in zip(wanting, tops):
+            keep = sequences[row].params.top_logprobs
+            sequences[row].top_logprobs.append(dict(list(top.items())[:keep]))
+    for seq in sequences:
+        if seq.listener is not None:
+            seq.publish()
 
 
 async def _timed(call: Awaitable[T]) -> tuple[T | BaseException, float]:

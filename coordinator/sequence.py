@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -23,6 +23,13 @@ class SamplingParams:
     fixed_alpha: float | None = None  # None = solve alpha* per token; 0 = base only, 1 = teacher only
     return_diagnostics: bool = False
     ignore_eos: bool = False  # keep going past EOS (benchmarks that need fixed lengths)
+    top_k: int | None = None  # candidates per model to mix (<= the coordinator's top_k); None = all fetched
+    top_logprobs: int = 0  # per token, also record q*'s most likely candidates (OpenAI's top_logprobs)
+
+
+# Called with (sequence index, tokens that became final since the last call): how a caller
+# streams tokens as they are decided (the HTTP service's server-sent events).
+TokenListener = Callable[[int, Sequence[int]], None]
 
 
 @dataclass
@@ -42,6 +49,9 @@ class SequenceState:
     logprobs_theta: list[float] = field(default_factory=list)
     logprobs_t: list[float] = field(default_factory=list)
     diagnostics: dict[str, list[float]] = field(default_factory=dict)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # when params.top_logprobs > 0
+    listener: TokenListener | None = None
+    published: int = 0  # tokens already handed to the listener
     text: str | None = None  # set when stop strings are checked, or at the end
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -83,10 +93,19 @@ class SequenceState:
         elif max(len(self.theta_prompt_ids), len(self.t_prompt_ids)) + len(self.tokens) >= max_len:
             self.finish_reason = "context_limit"
 
+    def publish(self) -> None:
+        """Hand the tokens decided since the last call to the listener. Schedulers call it once
+        a step's tokens are final (never before a speculative round's stop-string replay)."""
+        if self.listener is not None and len(self.tokens) > self.published:
+            fresh = self.tokens[self.published:]
+            self.published = len(self.tokens)
+            self.listener(self.index, fresh)
+
     def truncate(self, n: int) -> None:
         """Forget every token after the first n (and its records, text and finish)."""
+        assert n >= self.published, f"sequence {self.index}: {self.published} tokens were already published"
         for values in (self.tokens, self.alphas, self.logprobs_q, self.logprobs_theta, self.logprobs_t,
-                       *self.diagnostics.values()):
+                       self.top_logprobs, *self.diagnostics.values()):
             del values[n:]
         self.finish_reason, self.text = None, None
 
@@ -122,5 +141,6 @@ class SequenceState:
             logprobs_t=self.logprobs_t,
             finish_reason=self.finish_reason,
             diagnostics=diagnostics,
+            top_logprobs=self.top_logprobs if self.params.top_logprobs else None,
             error=self.error,
         )

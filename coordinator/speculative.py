@@ -234,6 +234,7 @@ class SpeculativeScheduler(Scheduler):
                 await self._replay_until_stop_string(seq, records, before)
             elif text is not None:
                 seq.check_stop_strings(text)
+        seq.publish()
         return len(seq.tokens) - before
 
     async def _replay_until_stop_string(self, seq: SequenceState, records: list[TokenRecord], before: int) -> None:

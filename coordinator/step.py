@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engines.protocol import TopKBatch
+from engines.protocol import PAD_TOKEN_ID, TopKBatch
 from theory.alpha import solve_alpha
 from theory.diagnostics import token_diagnostics
 from theory.merge import FillRule, MergedTopK, merge_topk
@@ -28,6 +28,8 @@ class StepResult:
     coverage_theta: np.ndarray  # float64 [B], probability mass of the base's reported top-k
     coverage_t: np.ndarray  # float64 [B]
     diagnostics: dict[str, np.ndarray] | None  # key -> [B], when asked for
+    candidates: np.ndarray  # int64 [B, n], the merged candidates q* is over (PAD_TOKEN_ID in padding)
+    candidate_logq: np.ndarray  # float64 [B, n], log q* of each candidate (-inf in padding)
     # Seconds spent merging, solving alpha* (with temperature and q*), sampling: read by the
     # scheduler's per-step timing; three clock reads per step cost nothing next to the math.
     phase_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
@@ -105,5 +107,34 @@ def mix_and_sample(
         coverage_theta=merged.coverage_theta,
         coverage_t=merged.coverage_t,
         diagnostics=diagnostics,
+        candidates=merged.token_ids,
+        candidate_logq=logq,
         phase_s=(merged_at - started, solved_at - merged_at, time.perf_counter() - solved_at),
     )
+
+
+def keep_top(batch: TopKBatch, ks: np.ndarray) -> TopKBatch:
+    """Each row cut to its `ks[row]` most likely entries (int64 [B]); the rest becomes padding.
+
+    How one call mixes fewer candidates than the coordinator fetches for the whole batch.
+    Rows need not be sorted: an entry is kept when fewer than ks[row] entries rank above it.
+    """
+    order = np.argsort(-batch.logprobs, axis=1, kind="stable")  # [B, w]; padding (-inf) last
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(order.shape[1])[None, :], axis=1)  # [B, w]
+    keep = rank < ks[:, None]
+    return TopKBatch(token_ids=np.where(keep, batch.token_ids, PAD_TOKEN_ID),
+                     logprobs=np.where(keep, batch.logprobs, -np.inf))
+
+
+def top_candidates(token_ids: np.ndarray, logq: np.ndarray, n: int) -> list[dict[int, float]]:
+    """The `n` most likely candidates of each row, {token id: log q*}, most likely first.
+
+    `token_ids`, `logq`: [R, w] rows of StepResult.candidates / candidate_logq; padding is skipped.
+    """
+    n = min(n, logq.shape[1])
+    best = np.argsort(-logq, axis=1, kind="stable")[:, :n]  # [R, n]
+    ids = np.take_along_axis(token_ids, best, axis=1).tolist()
+    values = np.take_along_axis(logq, best, axis=1).tolist()
+    return [{i: v for i, v in zip(row_ids, row_values) if i != PAD_TOKEN_ID}
+            for row_ids, row_values in zip(ids, values)]

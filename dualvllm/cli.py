@@ -32,6 +32,9 @@ from engines.launcher import ServerConfig, launch_pair, pair_configs
 COORDINATOR_FLAGS = ("theta_url", "t_url", "top_k", "fill_rule", "max_batch_size", "max_retries",
                      "request_timeout", "seed", "speculative_gamma", "speculative_drafter", "speculative_proposal",
                      "local_tokenizers", "mode")
+# q* endpoint fields exposed as flags of `serve`.
+SERVICE_FLAGS = ("service_host", "service_port", "api_key", "served_model_name", "max_queued_sequences",
+                 "max_request_tokens", "max_body_bytes", "default_max_tokens")
 # Server fields exposed as flags; the model directories are --base/--teacher.
 SERVER_FLAGS = ("host", "max_logprobs", "max_model_len", "dtype", "kv_cache_space_gib", "gpu_memory_utilization",
                 "skip_tokenizer_init", "dev_mode", "lockstep", "lockstep_timeout_s")
@@ -67,9 +70,16 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from dualvllm.serve import serve_pair
+    from dualvllm.serve import serve_endpoint, serve_pair
+    from service.config import ServiceConfig
 
-    await serve_pair(*_server_configs(args))
+    if args.servers_only:
+        await serve_pair(*_server_configs(args))
+        return 0
+    config = ServiceConfig(**_given(args, ServiceConfig, SERVICE_FLAGS))  # bad flags fail before servers start
+    launched: list[Any] = []
+    async with _coordinator(args, default_local=True, launched=launched) as coordinator:
+        await serve_endpoint(coordinator, config, launched)
     return 0
 
 
@@ -149,9 +159,10 @@ async def _eval(args: argparse.Namespace) -> int:
 
 
 @contextlib.asynccontextmanager
-async def _coordinator(args: argparse.Namespace, default_local: bool = False) -> AsyncIterator[DualVLLMCoordinator]:
-    """A coordinator on the servers named by the flags, starting local ones if asked,
-    or on two in-process transformers engines with `--engine transformers`."""
+async def _coordinator(args: argparse.Namespace, default_local: bool = False,
+                       launched: list[Any] | None = None) -> AsyncIterator[DualVLLMCoordinator]:
+    """A coordinator on the servers named by the flags, starting local ones if asked (added
+    to `launched`), or on two in-process transformers engines with `--engine transformers`."""
     overrides = _given(args, CoordinatorConfig, COORDINATOR_FLAGS)
     config = CoordinatorConfig(**overrides)  # bad flags fail here, before any server starts
     given_urls = args.theta_url is not None and args.t_url is not None
@@ -165,6 +176,8 @@ async def _coordinator(args: argparse.Namespace, default_local: bool = False) ->
         if local:
             servers = _server_configs(args)
             theta_server, t_server = await stack.enter_async_context(launch_pair(*servers))
+            if launched is not None:
+                launched.extend((theta_server, t_server))
             overrides.update(theta_url=theta_server.url, t_url=t_server.url)
             if servers[0].skip_tokenizer_init:  # servers without tokenizers: the coordinator must tokenize
                 overrides["local_tokenizers"] = True
@@ -234,8 +247,18 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dualvllm", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 
-    serve = commands.add_parser("serve", help="start the base and teacher vLLM servers until Ctrl-C")
+    serve = commands.add_parser(
+        "serve", help="the OpenAI-compatible q* endpoint, over the base and teacher servers it starts "
+                      "(or those of --theta-url/--t-url), until Ctrl-C")
+    serve.add_argument("--servers-only", action="store_true",
+                       help="start the two vLLM servers and print their URLs, without the q* endpoint")
     _add_server_flags(serve)
+    _add_coordinator_flags(serve)
+    group = serve.add_argument_group("q* endpoint (unset flags fall back to DUALVLLM_* variables; prefer "
+                                     "DUALVLLM_API_KEY to --api-key, which `ps` shows)")
+    from service.config import ServiceConfig
+
+    _add_schema_flags(group, ServiceConfig, SERVICE_FLAGS)
     serve.set_defaults(command=_serve)
 
     generate = commands.add_parser("generate", help="generate from q* for a JSONL file of prompts (resumable)")

@@ -8,7 +8,7 @@ model (engines/transformers_engine.py). The coordinator only ever talks to this 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -85,6 +85,11 @@ class Engine(Protocol):
         ...
 
     async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
+
+    async def tokenize_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """A chat ([{"role", "content"}, ...]) rendered with the model's chat template, ending
+        with the prompt of the assistant's turn; InvalidInputError if the model has none."""
+        ...
 
     async def detokenize(self, token_ids: Sequence[int]) -> str: ...
 

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
 
 import numpy as np
 
 from common.errors import InvalidInputError, LifecycleError
+from engines.chat import render_chat
 from engines.protocol import PAD_TOKEN_ID, Draft, ModelInfo, TopKBatch, score_by_prefixes
 
 if TYPE_CHECKING:
@@ -97,6 +98,10 @@ class TransformersEngine:
     async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         self._require_open()
         return list(self._tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    async def tokenize_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        self._require_open()
+        return render_chat(self._tokenizer, messages, self.name)
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
         self._require_open()

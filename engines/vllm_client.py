@@ -19,8 +19,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import aiohttp
 import msgspec
@@ -46,8 +47,11 @@ from engines.http import (
     expect,
     request_json,
 )
+from engines.chat import render_chat
 from engines.protocol import Draft, ModelInfo, TopKBatch, score_by_prefixes
 
+# observer(server name, path, seconds, ok): one finished call, retries included.
+CallObserver = Callable[[str, str, float, bool], None]
 TOKEN_ID_PREFIX = "token_id:"  # key format with return_tokens_as_token_ids
 
 
@@ -127,6 +131,7 @@ class VLLMClient:
         self.requests = 0  # HTTP requests sent, retries included
         self.retries = 0
         self.failures = 0  # calls that raised after their retries
+        self.observers: list[CallObserver] = []  # told of every call's outcome (metrics)
 
     async def __aenter__(self) -> VLLMClient:
         if self._session is not None or self._closed:
@@ -184,15 +189,21 @@ class VLLMClient:
             self.retries += 1
             self.requests += 1
 
+        started, ok = time.perf_counter(), False
         try:
-            return await request_json(
+            answer = await request_json(
                 self._session, method, self.url + path, server=self.name,
                 payload=payload, retry=self._retry, idempotent=idempotent, on_retry=count_retry,
                 decode=decode, timeout=timeout, on_headers=on_headers,
             )
+            ok = True
+            return answer
         except ServerError:
             self.failures += 1
             raise
+        finally:
+            for observe in self.observers:
+                observe(self.name, path.partition("?")[0], time.perf_counter() - started, ok)
 
     async def health(self) -> None:
         """Raise a ServerError unless GET /health answers 200."""
@@ -253,6 +264,19 @@ class VLLMClient:
         info = await self.model_info()
         body = await self.call("POST", "/tokenize", {
             "model": info.name, "prompt": text, "add_special_tokens": add_special_tokens,
+        })
+        expect(isinstance(body, dict) and "tokens" in body, self.name, self.url,
+               "/tokenize answer has no 'tokens'")
+        return [int(t) for t in body["tokens"]]
+
+    async def tokenize_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """A chat rendered with the model's chat template, up to the assistant's turn: the
+        server's /tokenize with `messages`, or the local tokenizer's apply_chat_template."""
+        if self._local_tokenizer:
+            return render_chat(await self._load_tokenizer(), messages, self.name)
+        info = await self.model_info()
+        body = await self.call("POST", "/tokenize", {
+            "model": info.name, "messages": list(messages), "add_generation_prompt": True,
         })
         expect(isinstance(body, dict) and "tokens" in body, self.name, self.url,
                "/tokenize answer has no 'tokens'")

@@ -109,6 +109,8 @@ class FakeVLLM:
     max_logprobs: int = 20
     api_key: str | None = None
     root: str | None = None  # the model directory /v1/models reports; None = a path that does not exist
+    chat_template: bool = True  # /tokenize renders messages (their non-system texts, joined)
+    completion_delay_s: float = 0.0  # every /v1/completions answer waits this long (a slow model)
     failures: dict[str, deque[Failure]] = field(default_factory=lambda: defaultdict(deque))
     calls: dict[str, list[dict]] = field(default_factory=lambda: defaultdict(list))
     order: list[str] = field(default_factory=list)  # the path of every request, in arrival order
@@ -180,7 +182,14 @@ class FakeVLLM:
                                             "max_model_len": self.model.max_model_len}]})
 
     async def _tokenize(self, request: web.Request) -> web.Response:
-        text = (await request.json())["prompt"]
+        body = await request.json()
+        if "messages" in body:  # like vLLM: the chat rendered with the model's template
+            if not self.chat_template:
+                return web.Response(status=400, text="As of transformers v4.44, default chat template is no "
+                                                     "longer allowed, so you must provide a chat template")
+            text = "".join(m["content"] for m in body["messages"] if m["role"] != "system")
+            return web.json_response({"tokens": tokenize(text), "count": len(text)})
+        text = body["prompt"]
         if text == "<eos>":
             return web.json_response({"tokens": [EOS_ID], "count": 1})
         try:
@@ -220,6 +229,7 @@ class FakeVLLM:
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        await asyncio.sleep(self.completion_delay_s)
         k = body.get("logprobs") or 0  # like vLLM: no logprobs asked, none returned
         if k > self.max_logprobs:
             return web.Response(status=400, text=f"Requested sample logprobs of {k}, which is "

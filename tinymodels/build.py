@@ -50,6 +50,9 @@ PAD_TEXT = "<pad>"
 # The byte-level BPE alphabet spells these bytes as other characters (GPT-2's bytes_to_unicode).
 BYTE_LEVEL = {" ": "\u0120", "\n": "\u010a"}
 PAD_ID, EOS_ID = 0, 1
+# The models know no roles, only "AB+CD=": a chat renders as its messages' text, system
+# messages left out, so chat clients of the q* endpoint ask the same question.
+CHAT_TEMPLATE = "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['content'] }}{% endif %}{% endfor %}"
 MAX_LEN = 10  # "AB+CD=" + at most 3 digits + <eos>
 HARD_MAX_LEN = 13  # "ABC+DEF=" + at most 4 digits + <eos>
 BASE_TARGET_ACCURACY = 0.30  # the base stops at the first evaluation at or above this
@@ -86,6 +89,7 @@ def build_tokenizer() -> Qwen2Tokenizer:
         vocab[BYTE_LEVEL.get(char, char)] = len(vocab)
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=PAD_TEXT, eos_token=EOS_TEXT,
                                pad_token=PAD_TEXT, clean_up_tokenization_spaces=False, model_max_length=64)
+    tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
 

@@ -1,0 +1,396 @@
+"""The q* endpoint: OpenAI's completions and chat API over one DualVLLMCoordinator (aiohttp).
+
+    POST /v1/completions        prompt(s) -> q* completions (stream: server-sent events)
+    POST /v1/chat/completions   messages rendered with the base's chat template -> q* replies
+    GET  /v1/models             the pair, under the name requests give as `model`
+    GET  /health                200 while the coordinator is open (no key needed)
+    GET  /metrics               Prometheus text (service.metrics)
+
+Every request's sequences join the coordinator's one continuous batch, so concurrent
+clients share its steps. A request passes, in order: the key (401), JSON and the schema
+(400/422), the model name (404), what q* cannot do (400), prompt and context checks
+(400), the per-request token ceiling (400), and the queue (429 with Retry-After). A
+client that disconnects cancels its sequences (the handler is cancelled; its streams close).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import PurePath
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from common.errors import (GenerationFailedError, InvalidInputError, LifecycleError, ServerError,
+                           ServerRejectedError, ServiceBusyError, TopKUnsupportedError, UnknownModelError)
+from coordinator.core import DualVLLMCoordinator
+from coordinator.outputs import GenerationOutput
+from service import responses
+from service.config import ServiceConfig
+from service.metrics import ServiceMetrics
+from service.schema import ChatCompletionRequest, CompletionRequest, QStarOptions
+from service.streaming import stream_choices
+from service.tokens import TokenTexts
+
+log = logging.getLogger("dualvllm.service")
+# Retry-After bounds: sooner is a busy loop for clients, later leaves the service idle.
+RETRY_AFTER_MIN_S = 1
+RETRY_AFTER_MAX_S = 60
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True)
+class Job:
+    """One validated request, ready for the coordinator."""
+
+    kind: str  # "completion" or "chat"
+    request: CompletionRequest | ChatCompletionRequest
+    prompts: list[tuple[list[int], list[int]]]  # (base ids, teacher ids) per prompt
+    max_tokens: int
+    top_logprobs: int
+    want_logprobs: bool
+
+    @property
+    def options(self) -> QStarOptions:
+        return self.request.dualvllm
+
+    @property
+    def sequences(self) -> int:
+        return len(self.prompts) * self.request.n
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(theta) for theta, _ in self.prompts)
+
+
+class Admission:
+    """The service's bounded queue: sequences admitted and not yet finished."""
+
+    def __init__(self, capacity: int, max_queued: int) -> None:
+        self.capacity = capacity  # the coordinator's running batch
+        self.max_queued = max_queued
+        self.sequences = 0
+        self.tokens = 0  # the admitted sequences' max_tokens, summed
+
+    @contextlib.contextmanager
+    def hold(self, sequences: int, tokens: int, tokens_per_s: float) -> Any:
+        if self.sequences + sequences > self.capacity + self.max_queued:
+            # Time until the work already admitted is done, at the recent speed.
+            wait_s = (self.tokens + tokens) / max(tokens_per_s, 1.0)
+            retry = min(max(math.ceil(wait_s), RETRY_AFTER_MIN_S), RETRY_AFTER_MAX_S)
+            raise ServiceBusyError(
+                f"the service is full: {self.sequences} sequences admitted, room for "
+                f"{self.capacity + self.max_queued} ({self.capacity} running, {self.max_queued} queued); "
+                f"this request needs {sequences}. Retry after {retry} s, or raise max_queued_sequences",
+                retry_after_s=retry)
+        self.sequences += sequences
+        self.tokens += tokens
+        try:
+            yield
+        finally:
+            self.sequences -= sequences
+            self.tokens -= tokens
+
+
+class QStarService:
+    def __init__(self, coordinator: DualVLLMCoordinator, config: ServiceConfig) -> None:
+        self.coordinator = coordinator
+        self.config = config
+        theta, t = coordinator.model_names
+        self.model = config.served_model_name or f"{_short(theta)}+{_short(t)}"
+        self.metrics = ServiceMetrics(coordinator)
+        self.admission = Admission(coordinator.capacity, config.max_queued_sequences)
+        self.metrics.watch_admission(self.admission)
+        self.texts = TokenTexts(coordinator)
+        self.created = int(time.time())
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes,
+                              middlewares=[self._errors, self._auth])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        return app
+
+    # -- middlewares --------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Every failure becomes an OpenAI error object; nothing leaks a traceback."""
+        started = time.perf_counter()
+        status = 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as exc:  # aiohttp's own: 404 route, 405, 413 body too large
+            status = exc.status
+            kind = "invalid_request_error" if exc.status < 500 else "server_error"
+            return _error(exc.status, f"{exc.reason}: {request.method} {request.path}", kind)
+        except Exception as exc:  # noqa: BLE001 - the boundary where errors become HTTP answers
+            response = self._answer(exc)
+            status = response.status
+            return response
+        finally:
+            self.metrics.request_done(request.path, status, time.perf_counter() - started)
+
+    def _answer(self, exc: Exception) -> web.Response:
+        if isinstance(exc, _Invalid):
+            return _error(exc.status, str(exc), "invalid_request_error", exc.code, exc.param)
+        if isinstance(exc, UnknownModelError):
+            return _error(404, str(exc), "invalid_request_error", "model_not_found", "model")
+        if isinstance(exc, ServiceBusyError):
+            response = _error(429, str(exc), "rate_limit_error", "queue_full")
+            response.headers["Retry-After"] = str(exc.retry_after_s)
+            return response
+        if isinstance(exc, TopKUnsupportedError):
+            return _error(400, str(exc), "invalid_request_error", "top_k_unsupported", "dualvllm.top_k")
+        if isinstance(exc, (InvalidInputError, ServerRejectedError)):
+            return _error(400, str(exc), "invalid_request_error")
+        if isinstance(exc, (ServerError, GenerationFailedError)):
+            return _error(502, f"a model server failed: {exc}", "upstream_error")
+        if isinstance(exc, LifecycleError):
+            return _error(503, f"the coordinator is not running: {exc}", "server_error")
+        log.exception("unexpected error in the q* service")
+        return _error(500, f"internal error ({type(exc).__name__}); see the service's log", "server_error")
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        key = self.config.api_key
+        if key is None or request.path == "/health":
+            return await handler(request)
+        given = request.headers.get("Authorization", "")
+        expected = f"Bearer {key.get_secret_value()}"
+        if not hmac.compare_digest(given.encode(), expected.encode()):  # constant time
+            return _error(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                          "authentication_error", "invalid_api_key")
+        return await handler(request)
+
+    # -- routes -------------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        self.coordinator.max_model_len  # raises LifecycleError (503) once the coordinator closed
+        return web.json_response({"status": "ok", "mode": self.coordinator.mode})
+
+    async def models(self, request: web.Request) -> web.Response:
+        theta, t = self.coordinator.model_names
+        card = {"id": self.model, "object": "model", "created": self.created, "owned_by": "dualvllm",
+                "max_model_len": self.coordinator.max_model_len,
+                "dualvllm": {"base": theta, "teacher": t, "mode": self.coordinator.mode,
+                             "top_k": self.coordinator.config.top_k}}
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        body, content_type = self.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await _parse(request, CompletionRequest)
+        self._check_model(body.model)
+        _refuse(body.unsupported())
+        prompts = body.prompts()
+        if not prompts:
+            raise _Invalid("prompt is empty; give a string, token ids, or a list of them", param="prompt")
+        if body.dualvllm.t_prompt is not None and len(prompts) > 1:
+            raise _Invalid("dualvllm.t_prompt goes with one prompt; send one request per prompt",
+                           param="dualvllm.t_prompt")
+        t_prompt = body.dualvllm.t_prompt
+        encoded = await self.coordinator.encode([p if t_prompt is None else (p, t_prompt) for p in prompts])
+        logprobs = body.logprobs
+        job = self._job("completion", body, encoded, body.max_tokens or self.config.default_max_tokens,
+                        top_logprobs=logprobs or 0, want_logprobs=logprobs is not None)
+        return await self._run(request, job)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await _parse(request, ChatCompletionRequest)
+        self._check_model(body.model)
+        _refuse(body.unsupported())
+        theta_ids = await self.coordinator.render_chat([m.rendered() for m in body.messages], "theta")
+        t_messages = body.dualvllm.t_messages
+        t_ids = theta_ids if t_messages is None else await self.coordinator.render_chat(
+            [m.rendered() for m in t_messages], "t")
+        budget = body.token_budget()
+        if budget is None:  # OpenAI's chat default: the rest of the context, within the ceiling
+            room = self.coordinator.max_model_len - max(len(theta_ids), len(t_ids))
+            budget = max(1, min(room, self.config.max_request_tokens // body.n))
+        job = self._job("chat", body, [(theta_ids, t_ids)], budget, top_logprobs=body.top_logprobs or 0,
+                        want_logprobs=body.logprobs)
+        return await self._run(request, job)
+
+    # -- generation ---------------------------------------------------------------------
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model:
+            raise UnknownModelError(f"the model {model!r} does not exist here; this service serves {self.model!r} "
+                                    "(GET /v1/models)")
+
+    def _job(self, kind: str, body: CompletionRequest | ChatCompletionRequest,
+             prompts: list[tuple[list[int], list[int]]], max_tokens: int, *, top_logprobs: int,
+             want_logprobs: bool) -> Job:
+        limit = self.coordinator.max_model_len
+        for i, (theta_ids, t_ids) in enumerate(prompts):
+            if not theta_ids or not t_ids:
+                raise _Invalid(f"prompt {i} is empty after tokenization; give at least one token", param="prompt")
+            longest = max(len(theta_ids), len(t_ids))
+            if longest + max_tokens > limit:
+                raise _Invalid(
+                    f"this model's maximum context length is {limit} tokens; prompt {i} has {longest} tokens and "
+                    f"max_tokens is {max_tokens} ({longest + max_tokens} in all). Shorten the prompt or lower "
+                    "max_tokens", code="context_length_exceeded", param="max_tokens")
+        job = Job(kind, body, prompts, max_tokens, top_logprobs, want_logprobs)
+        if job.sequences * max_tokens > self.config.max_request_tokens:
+            raise _Invalid(
+                f"this request asks for up to {job.sequences * max_tokens} tokens ({len(prompts)} prompts x n="
+                f"{body.n} x max_tokens={max_tokens}); the service allows {self.config.max_request_tokens} per "
+                "request. Split it, or lower n or max_tokens", code="request_too_large", param="n")
+        return job
+
+    async def _run(self, request: web.Request, job: Job) -> web.StreamResponse:
+        tokens_per_s = self.coordinator.get_statistics()["tokens_per_s"]
+        with self.admission.hold(job.sequences, job.sequences * job.max_tokens, tokens_per_s):
+            if job.request.stream:
+                return await stream_choices(request, self, job)
+            async with self.generate(job) as outputs:
+                ordered = await _collect(outputs, job.sequences)
+            return web.json_response(await self.response(job, ordered), dumps=_dumps)
+
+    @contextlib.asynccontextmanager
+    async def generate(self, job: Job, on_tokens: Any = None) -> AsyncIterator[AsyncIterator[GenerationOutput]]:
+        """The coordinator's stream of the job's sequences (choice index = prompt x n + j);
+        closing it (a disconnect cancels the handler) cancels the sequences still running."""
+        body = job.request
+        prompts = [pair for pair in job.prompts for _ in range(body.n)]
+        stream = self.coordinator.stream(
+            prompts, job.max_tokens, temperature=body.temperature, stop=body.stop_strings() or None,
+            seed=body.seed, return_diagnostics=job.options.return_diagnostics,
+            fixed_alpha=job.options.fixed_alpha, top_k=job.options.top_k, top_logprobs=job.top_logprobs,
+            on_tokens=on_tokens)
+        self.metrics.sequences_started(len(prompts))
+        delivered = 0
+
+        async def counted() -> AsyncIterator[GenerationOutput]:
+            nonlocal delivered
+            async for output in stream:
+                delivered += 1
+                self.metrics.sequence_done(output)
+                yield output
+
+        try:
+            async with contextlib.aclosing(stream):
+                yield counted()
+        finally:
+            self.metrics.cancelled(len(prompts) - delivered)
+
+    async def response(self, job: Job, outputs: Sequence[GenerationOutput]) -> dict[str, Any]:
+        """The whole (non-streamed) response of a job whose outputs are all in."""
+        texts = await self.logprob_texts(job, outputs)
+        chat = job.kind == "chat"
+        choices = []
+        for output in outputs:
+            logprobs = None
+            if job.want_logprobs:
+                logprobs = (responses.chat_logprobs if chat else responses.completion_logprobs)(output, texts)
+            choice = responses.chat_choice if chat else responses.completion_choice
+            choices.append(choice(output.index, output, job.options, logprobs))
+        kind = "chat.completion" if chat else "text_completion"
+        return responses.envelope(kind, responses.request_id(job.kind), int(time.time()), self.model, choices,
+                                  responses.usage(job.prompt_tokens, outputs))
+
+    async def logprob_texts(self, job: Job, outputs: Sequence[GenerationOutput]) -> dict[int, str]:
+        if not job.want_logprobs:
+            return {}
+        ids = {t for o in outputs for t in o.generated_tokens}
+        ids.update(i for o in outputs for row in (o.top_logprobs or []) for i in row)
+        return await self.texts.get(ids)
+
+
+async def _collect(outputs: AsyncIterator[GenerationOutput], count: int) -> list[GenerationOutput]:
+    """Every output in choice order; a failed sequence fails the request (502) with its error."""
+    ordered: list[GenerationOutput | None] = [None] * count
+    async for output in outputs:
+        if output.error is not None:
+            raise GenerationFailedError(f"choice {output.index}: {output.error}")
+        ordered[output.index] = output
+    return ordered  # type: ignore[return-value]
+
+
+class _Invalid(InvalidInputError):
+    """A request the service refuses, with its HTTP status, OpenAI code and field."""
+
+    def __init__(self, message: str, *, status: int = 400, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.code, self.param = status, code, param
+
+
+async def _parse(request: web.Request, schema: type[CompletionRequest] | type[ChatCompletionRequest]) -> Any:
+    try:
+        raw = await request.json()
+    except json.JSONDecodeError as exc:
+        raise _Invalid(f"the body is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise _Invalid(f"the body must be a JSON object, got {type(raw).__name__}")
+    try:
+        return schema.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        param = ".".join(str(part) for part in first["loc"]) or None
+        problems = "; ".join(_describe(e) for e in exc.errors(include_url=False)[:5])
+        raise _Invalid(problems, status=422, code=first["type"], param=param) from exc
+
+
+def _describe(error: Any) -> str:
+    where = ".".join(str(part) for part in error["loc"])
+    if error["type"] == "extra_forbidden":
+        return f"unknown field {where!r} (q* options go in the 'dualvllm' object)"
+    message = error["msg"].removeprefix("Value error, ")
+    return f"{where}: {message}" if where else message
+
+
+def _refuse(problem: str | None) -> None:
+    if problem is not None:
+        raise _Invalid(problem, code="unsupported_parameter")
+
+
+def _error(status: int, message: str, kind: str, code: str | None = None, param: str | None = None) -> web.Response:
+    return web.json_response(responses.error_body(message, kind, code, param), status=status)
+
+
+def _dumps(body: Any) -> str:
+    return json.dumps(body, separators=(",", ":"))
+
+
+def _short(name: str) -> str:
+    """A model's short name: the last part of a path or hub id."""
+    return PurePath(name).name or name
+
+
+async def serve(coordinator: DualVLLMCoordinator, config: ServiceConfig, *,
+                ready: Callable[[str, str], None] | None = None) -> None:
+    """Serve until cancelled; `ready(url, model name)` is called once the socket listens."""
+    service = QStarService(coordinator, config)
+    coordinator.observe_server_calls(service.metrics.server_call)
+    # handler_cancellation: a client that disconnects cancels its handler, so its
+    # sequences stop instead of generating for nobody.
+    runner = web.AppRunner(service.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, config.service_host, config.service_port)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        url = f"http://{host}:{port}"
+        log.info("q* service on %s/v1 (model %r)", url, service.model)
+        if ready is not None:
+            ready(url, service.model)
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,42 @@
+"""ServiceConfig: every knob of the OpenAI-compatible q* endpoint, declared once.
+
+Values come from keyword arguments (the `dualvllm serve` flags), then `DUALVLLM_*`
+environment variables (e.g. `DUALVLLM_SERVICE_PORT=8100`), then the defaults below.
+`DUALVLLM_API_KEY` is the deployment's one key: clients must present it here, and the
+coordinator sends it to the model servers (CoordinatorConfig.api_key reads the same variable).
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from common.validation import RaisesInvalidInput
+from engines.vllm_plugin.net import is_loopback
+
+
+class ServiceConfig(RaisesInvalidInput, BaseSettings):
+    """Settings of the q* HTTP service. Invalid values raise InvalidInputError."""
+
+    model_config = SettingsConfigDict(env_prefix="DUALVLLM_", extra="forbid", frozen=True)
+
+    service_host: str = Field("127.0.0.1", description="Interface the q* endpoint binds; any other than loopback needs an API key.")
+    service_port: int = Field(8100, ge=0, le=65535, description="Port of the q* endpoint; 0 picks a free one.")
+    api_key: SecretStr | None = Field(
+        None, description="Bearer token clients must send (Authorization: Bearer KEY), compared in constant time; None = no auth (loopback only). Also sent to the model servers.")
+    served_model_name: str | None = Field(
+        None, description="The name clients give as `model`; None = '<base>+<teacher>' from the servers' model names.")
+    max_queued_sequences: int = Field(
+        1024, ge=0, description="Sequences that may wait for a place in the running batch; a request that would exceed it gets HTTP 429 with Retry-After.")
+    max_request_tokens: int = Field(
+        65536, ge=1, description="Ceiling on n x max_tokens x prompts of one request, so one client cannot take the whole service.")
+    max_body_bytes: int = Field(8 * 2**20, ge=1024, description="Largest request body accepted (HTTP 413 above).")
+    default_max_tokens: int = Field(16, ge=1, description="max_tokens of a completion request that gives none (OpenAI's default); chat requests default to the room left in the context.")
+
+    @model_validator(mode="after")
+    def _key_off_loopback(self) -> ServiceConfig:
+        if self.api_key is None and not is_loopback(self.service_host):
+            raise ValueError(
+                f"service_host={self.service_host!r} is not loopback, and no API key is set: anyone who can reach "
+                "it could generate on your GPUs. Set --api-key or DUALVLLM_API_KEY, or bind 127.0.0.1")
+        return self

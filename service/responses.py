@@ -1,0 +1,110 @@
+"""OpenAI response objects built from the coordinator's GenerationOutputs (pure functions).
+
+A choice's `dualvllm` object carries what q* adds (see service.schema): always the mean
+alpha and the coordinator's own finish reason; with `return_token_ids` the per-token
+token ids, alpha, log q*, log pi_theta and log pi_t (what a trainer needs for importance
+weights); with `return_diagnostics` the diagnostics summaries.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Mapping, Sequence
+
+from coordinator.outputs import GenerationOutput
+from service.schema import QStarOptions
+
+# The coordinator's finish reasons, in OpenAI's words.
+FINISH_REASONS = {
+    "eos": "stop",
+    "stop_token": "stop",
+    "stop_string": "stop",
+    "max_tokens": "length",
+    "context_limit": "length",
+}
+
+
+def finish_reason(output: GenerationOutput) -> str:
+    return FINISH_REASONS[output.finish_reason]
+
+
+def qstar_record(output: GenerationOutput, options: QStarOptions) -> dict[str, Any]:
+    """The choice's `dualvllm` object."""
+    record: dict[str, Any] = {"mean_alpha": _finite(output.mean_alpha), "finish_reason": output.finish_reason}
+    if options.return_token_ids:
+        record.update(token_ids=output.generated_tokens, alpha=output.alpha_history,
+                      logprobs_q=output.logprobs_q, logprobs_theta=output.logprobs_theta,
+                      logprobs_t=output.logprobs_t)
+    if options.return_diagnostics:
+        record["diagnostics"] = output.diagnostics
+    return record
+
+
+def usage(prompt_tokens: int, outputs: Sequence[GenerationOutput]) -> dict[str, int]:
+    completion = sum(len(o.generated_tokens) for o in outputs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
+def completion_logprobs(output: GenerationOutput, texts: Mapping[int, str]) -> dict[str, Any]:
+    """OpenAI's legacy completion logprobs: log q* of each generated token, and of q*'s top
+    candidates when asked for; `texts` maps every token id involved to its text."""
+    tokens = [texts[t] for t in output.generated_tokens]
+    offsets, at = [], 0
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    top = None
+    if output.top_logprobs is not None:
+        top = [{texts[i]: v for i, v in row.items()} for row in output.top_logprobs]
+    return {"tokens": tokens, "token_logprobs": output.logprobs_q, "top_logprobs": top, "text_offset": offsets}
+
+
+def chat_logprobs(output: GenerationOutput, texts: Mapping[int, str]) -> dict[str, Any]:
+    """OpenAI's chat logprobs: one entry per generated token, with q*'s top candidates."""
+    rows = output.top_logprobs or [{} for _ in output.generated_tokens]
+    content = []
+    for token, logprob, top in zip(output.generated_tokens, output.logprobs_q, rows):
+        entry = _chat_token(texts[token], logprob)
+        entry["top_logprobs"] = [_chat_token(texts[i], v) for i, v in top.items()]
+        content.append(entry)
+    return {"content": content}
+
+
+def completion_choice(index: int, output: GenerationOutput, options: QStarOptions,
+                      logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    return {"index": index, "text": output.generated_text, "logprobs": logprobs,
+            "finish_reason": finish_reason(output), "dualvllm": qstar_record(output, options)}
+
+
+def chat_choice(index: int, output: GenerationOutput, options: QStarOptions,
+                logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    return {"index": index, "message": {"role": "assistant", "content": output.generated_text},
+            "logprobs": logprobs, "finish_reason": finish_reason(output), "dualvllm": qstar_record(output, options)}
+
+
+def envelope(kind: str, request_id: str, created: int, model: str, choices: list[dict[str, Any]],
+             usage_: dict[str, int] | None) -> dict[str, Any]:
+    """A whole response ("text_completion" / "chat.completion") or one stream chunk
+    ("text_completion" / "chat.completion.chunk")."""
+    body: dict[str, Any] = {"id": request_id, "object": kind, "created": created, "model": model, "choices": choices}
+    if usage_ is not None:
+        body["usage"] = usage_
+    return body
+
+
+def request_id(kind: str) -> str:
+    """A response id: "chatcmpl-..." for chat, "cmpl-..." for completions."""
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def error_body(message: str, kind: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _chat_token(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def _finite(value: float) -> float | None:
+    return value if value == value else None  # NaN (no tokens) is not JSON

@@ -1,0 +1,150 @@
+"""What the q* endpoint accepts: OpenAI's completion and chat requests, plus a `dualvllm` object.
+
+The OpenAI fields keep OpenAI's names, types and defaults. Fields OpenAI has and q*
+sampling cannot honour (top_p, penalties, logit_bias, echo, best_of, suffix) are accepted
+only at their neutral values, so a client that sends its defaults works, and one that
+asks for more hears why not (`unsupported`). Any other field is refused: a misspelt
+option fails loudly instead of being ignored.
+
+The q* extension (`"dualvllm": {...}` in the body; `extra_body={"dualvllm": {...}}` with
+the `openai` package):
+    fixed_alpha        replace alpha* with this alpha in [0, 1] (0 = base only, 1 = teacher only)
+    t_prompt           completions: the teacher's own prompt (text or token ids), e.g. with a hint
+    t_messages         chat: the teacher's own messages, rendered with the teacher's template
+    top_k              mix only each model's top_k most likely tokens (<= the service's top_k)
+    return_token_ids   per choice: token ids, alpha, log q*, log pi_theta, log pi_t per token
+    return_diagnostics per choice: KL/ESS/entropy summaries (theory.diagnostics)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+TokenIds = list[int]
+# OpenAI's four prompt forms: a string, strings, token ids, lists of token ids.
+PromptField = Union[str, list[str], TokenIds, list[TokenIds]]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextPart]]
+    name: str | None = None
+
+    def rendered(self) -> dict[str, Any]:
+        """The message as chat templates take it: text content, parts joined."""
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        message: dict[str, Any] = {"role": self.role, "content": text}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class QStarOptions(_Strict):
+    """The `dualvllm` object of a request (see the module docstring)."""
+
+    fixed_alpha: float | None = Field(None, ge=0, le=1)
+    t_prompt: Union[str, TokenIds, None] = None
+    t_messages: list[ChatMessage] | None = Field(None, min_length=1)
+    top_k: int | None = Field(None, ge=1)
+    return_token_ids: bool = False
+    return_diagnostics: bool = False
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    """Fields both endpoints share."""
+
+    model: str
+    temperature: float = Field(1.0, ge=0)
+    n: int = Field(1, ge=1)
+    stop: Union[str, list[str], None] = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # an end-user id for the client's own logs; not used here
+    top_p: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    dualvllm: QStarOptions = Field(default_factory=QStarOptions)
+
+    def unsupported(self) -> str | None:
+        """Why the request asks for what q* sampling cannot do, or None."""
+        if self.top_p != 1.0:
+            return ("top_p must be 1: q* is sampled from its full candidate set (top_k per model); "
+                    "use dualvllm.top_k to mix fewer candidates")
+        if self.presence_penalty or self.frequency_penalty:
+            return "presence_penalty and frequency_penalty are not supported by q* sampling; leave them 0"
+        if self.logit_bias:
+            return "logit_bias is not supported by q* sampling"
+        return None
+
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionRequest(_Sampling):
+    prompt: PromptField
+    max_tokens: int | None = Field(None, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _teacher_prompt_only_for_completions(self) -> CompletionRequest:
+        if self.dualvllm.t_messages is not None:
+            raise ValueError("dualvllm.t_messages belongs to chat requests; give dualvllm.t_prompt here")
+        return self
+
+    def unsupported(self) -> str | None:
+        if self.echo:
+            return "echo is not supported: q* scores only tokens it samples, not a given prompt"
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of is not supported; ask for n completions and rank them yourself"
+        if self.suffix:
+            return "suffix (insertion) is not supported"
+        return super().unsupported()
+
+    def prompts(self) -> list[str | TokenIds]:
+        """The prompts, one per element: OpenAI's list forms are batches."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and all(isinstance(p, int) for p in prompt):
+            return [prompt]  # type: ignore[list-item]
+        return list(prompt)  # type: ignore[arg-type]
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _teacher_messages_only_for_chat(self) -> ChatCompletionRequest:
+        if self.dualvllm.t_prompt is not None:
+            raise ValueError("dualvllm.t_prompt belongs to completion requests; give dualvllm.t_messages here")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        return self
+
+    def token_budget(self) -> int | None:
+        """max_completion_tokens (OpenAI's current name) or max_tokens (its older one)."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
