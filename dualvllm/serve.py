@@ -18,9 +18,7 @@ LIVENESS_POLL_S = 2.0
 
 async def serve_pair(base: ServerConfig, teacher: ServerConfig) -> None:
     async with launch_pair(base, teacher) as (theta, t):
-        print(f"base    (theta): {theta.url}   log: {theta.log_path}")
-        print(f"teacher (t):     {t.url}   log: {t.log_path}")
-        print(f"export DUALVLLM_THETA_URL={theta.url} DUALVLLM_T_URL={t.url}")
+        _print_servers(theta, t)
         print("Ctrl-C stops both.", flush=True)
         while theta.running and t.running:
             await asyncio.sleep(LIVENESS_POLL_S)
@@ -34,8 +32,8 @@ async def serve_endpoint(coordinator: DualVLLMCoordinator, config: ServiceConfig
     """Serve the q* endpoint until interrupted, or until one of the `servers` started for it exits."""
 
     def ready(url: str, model: str) -> None:
-        for server in servers:
-            print(f"{server.name:<7} server: {server.url}   log: {server.log_path}")
+        if servers:
+            _print_servers(*servers)
         print(f"q* endpoint: {url}/v1  (model {model!r}, mode {coordinator.mode})")
         print(f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{model}\", \"prompt\": \"12+34=\", "
@@ -54,3 +52,9 @@ async def serve_endpoint(coordinator: DualVLLMCoordinator, config: ServiceConfig
     finally:
         endpoint.cancel()
         await asyncio.gather(endpoint, return_exceptions=True)
+
+
+def _print_servers(theta: VLLMServer, t: VLLMServer) -> None:
+    print(f"base    (theta): {theta.url}   log: {theta.log_path}")
+    print(f"teacher (t):     {t.url}   log: {t.log_path}")
+    print(f"export DUALVLLM_THETA_URL={theta.url} DUALVLLM_T_URL={t.url}")

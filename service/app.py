@@ -274,7 +274,7 @@ class QStarService:
             prompts, job.max_tokens, temperature=body.temperature, stop=body.stop_strings() or None,
             seed=body.seed, return_diagnostics=job.options.return_diagnostics,
             fixed_alpha=job.options.fixed_alpha, top_k=job.options.top_k, top_logprobs=job.top_logprobs,
-            on_tokens=on_tokens)
+            ignore_eos=job.options.ignore_eos, on_tokens=on_tokens)
         self.metrics.sequences_started(len(prompts))
         delivered = 0
 

@@ -14,6 +14,7 @@ the `openai` package):
     top_k              mix only each model's top_k most likely tokens (<= the service's top_k)
     return_token_ids   per choice: token ids, alpha, log q*, log pi_theta, log pi_t per token
     return_diagnostics per choice: KL/ESS/entropy summaries (theory.diagnostics)
+    ignore_eos         generate past EOS up to max_tokens (fixed lengths, for benchmarks)
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class QStarOptions(_Strict):
     top_k: int | None = Field(None, ge=1)
     return_token_ids: bool = False
     return_diagnostics: bool = False
+    ignore_eos: bool = False
 
 
 class StreamOptions(_Strict):

@@ -123,26 +123,35 @@ def test_serve_prints_both_urls_and_a_signal_stops_both(tmp_path, stop_signal):
     import urllib.request
 
     # Started with SIGINT ignored, as a shell's background job is: Ctrl-C must still work.
-    run = dualvllm("serve", "--log-dir", str(tmp_path), "--max-logprobs", "10",
-                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    run = dualvllm("serve", "--log-dir", str(tmp_path), "--max-logprobs", "10", "--top-k", "10",
+                   "--service-port", "0", preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         urls: list[str] = []
+        endpoint = model = ""
         assert run.stdout is not None
-        for line in run.stdout:  # serve prints its URLs once both servers are healthy
+        for line in run.stdout:  # serve prints the servers' URLs, then the endpoint's once it listens
             if line.startswith("export "):
                 urls = [part.split("=", 1)[1] for part in line.split()[1:]]
+            if line.startswith("q* endpoint: "):
+                endpoint, model = line.split()[2], line.split("'")[1]
                 break
         assert len(urls) == 2 and all(u.startswith("http://127.0.0.1:") for u in urls), run.stderr.read()
+        assert endpoint.startswith("http://127.0.0.1:") and endpoint.endswith("/v1"), run.stderr.read()
         for url in urls:
             with urllib.request.urlopen(url + "/health", timeout=10) as answer:
                 assert answer.status == 200
         assert_top_k_above_max_logprobs_is_refused(urls, top_k=20)
+        request = urllib.request.Request(
+            endpoint + "/completions", headers={"Content-Type": "application/json"},
+            data=json.dumps({"model": model, "prompt": "12+34=", "max_tokens": 4, "temperature": 0}).encode())
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            assert answer.status == 200 and json.load(answer)["choices"][0]["finish_reason"] in ("stop", "length")
         run.send_signal(stop_signal)
         assert run.wait(timeout=120) == 130
     finally:
         run.kill()
         run.wait()
-    for url in urls:  # both servers are gone, not orphaned
+    for url in [*urls, endpoint.removesuffix("/v1")]:  # servers and endpoint are gone, not orphaned
         try:
             urllib.request.urlopen(url + "/health", timeout=5)
         except OSError:

@@ -13,7 +13,8 @@ def imported_after(module: str) -> set[str]:
     return set(subprocess.check_output([sys.executable, "-c", code], text=True).split())
 
 
-@pytest.mark.parametrize("module", ["theory", "engines", "coordinator", "dualvllm.cli", "tinymodels.task"])
+@pytest.mark.parametrize("module", ["theory", "engines", "coordinator", "service.app", "dualvllm.cli",
+                                    "tinymodels.task"])
 def test_sampling_side_never_imports_torch_or_transformers(module):
     loaded = imported_after(module)
     assert not {"torch", "transformers", "vllm"} & loaded, f"importing {module} pulled in heavy packages"

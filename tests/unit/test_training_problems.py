@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import json
 
 import pytest
@@ -69,9 +71,18 @@ def test_a_chat_template_file_renders_every_prompt_as_a_user_message(tmp_path, t
 
 @pytest.mark.parametrize("values, message", [
     ({"teacher": "self"}, r"--teacher self is the base model shown the teacher's prompt, .* Give --teacher-template"),
-    ({"chat_template": "tokenizer"}, r"the base tokenizer has no chat template"),
     ({"reward": ("code",)}, r"train.jsonl:1: no 'tests' field, which the reward needs"),
 ])
 def test_refusals_before_any_server(tmp_path, tokenizer, values, message):
     with pytest.raises(InvalidInputError, match=message):
         load_problems(config(tmp_path, **values), tokenizer)
+
+
+def test_the_tokenizers_own_chat_template_is_used_and_needed(tmp_path, tokenizer):
+    # The bundled models' template renders a chat as its messages' text (tinymodels.build.CHAT_TEMPLATE).
+    loaded = load_problems(config(tmp_path, chat_template="tokenizer", eval_prompts=2), tokenizer)
+    assert loaded.train[0].prompt_text == loaded.train[0].row["prompt"]
+    bare = copy.deepcopy(tokenizer)
+    bare.chat_template = None
+    with pytest.raises(InvalidInputError, match="the base tokenizer has no chat template"):
+        load_problems(config(tmp_path, chat_template="tokenizer"), bare)
