@@ -39,15 +39,19 @@ async def running_service(pair, **coordinator: Any) -> AsyncIterator[tuple[str, 
             await asyncio.gather(task, return_exceptions=True)
 
 
+def client(url: str) -> openai.AsyncOpenAI:
+    """The official client, without its own retries (a failure here should show)."""
+    return openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0)
+
+
 def prompts(n: int) -> list[str]:
     return [p.prompt for p in problems("test", n=n, seed=3)]
 
 
 async def test_openai_completions_match_the_python_api(vllm_pair):
-    async with running_service(vllm_pair) as (url, coordinator):
+    async with running_service(vllm_pair) as (url, coordinator), client(url) as openai_client:
         assert coordinator.mode == "lockstep"  # the suite's servers carry the plugin
-        client = openai.AsyncOpenAI(base_url=url, api_key="unused")
-        answer = await client.completions.create(
+        answer = await openai_client.completions.create(
             model=MODEL, prompt=prompts(6), max_tokens=6, temperature=0,
             extra_body={"dualvllm": {"return_token_ids": True}})
         direct = await coordinator.generate_batch(prompts(6), max_tokens=6, temperature=0)
@@ -63,18 +67,17 @@ async def test_openai_completions_match_the_python_api(vllm_pair):
 
 async def test_openai_chat_renders_the_bundled_template_and_streams(vllm_pair):
     question = prompts(1)[0]
-    async with running_service(vllm_pair) as (url, _):
-        client = openai.AsyncOpenAI(base_url=url, api_key="unused")
-        plain = await client.completions.create(model=MODEL, prompt=question, max_tokens=6, temperature=0)
-        chat = await client.chat.completions.create(
+    async with running_service(vllm_pair) as (url, _), client(url) as openai_client:
+        plain = await openai_client.completions.create(model=MODEL, prompt=question, max_tokens=6, temperature=0)
+        chat = await openai_client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=6, temperature=0)
         pieces = []
-        stream = await client.chat.completions.create(
+        stream = await openai_client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=6, temperature=0, stream=True)
         async for chunk in stream:
             pieces.append(chunk.choices[0].delta.content or "")
         streamed = []
-        stream = await client.completions.create(model=MODEL, prompt=question, max_tokens=6, temperature=0,
+        stream = await openai_client.completions.create(model=MODEL, prompt=question, max_tokens=6, temperature=0,
                                                  stream=True, seed=1)
         async for chunk in stream:
             streamed.append(chunk.choices[0].text)
@@ -84,15 +87,14 @@ async def test_openai_chat_renders_the_bundled_template_and_streams(vllm_pair):
 
 
 async def test_openai_errors_are_typed_by_the_client(vllm_pair):
-    async with running_service(vllm_pair) as (url, _):
-        client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0)
+    async with running_service(vllm_pair) as (url, _), client(url) as openai_client:
         with pytest.raises(openai.NotFoundError, match="does not exist"):
-            await client.completions.create(model="gpt-4", prompt="1+1=", max_tokens=2)
+            await openai_client.completions.create(model="gpt-4", prompt="1+1=", max_tokens=2)
         with pytest.raises(openai.BadRequestError, match="maximum context length") as caught:
-            await client.completions.create(model=MODEL, prompt="1+1=", max_tokens=500)
+            await openai_client.completions.create(model=MODEL, prompt="1+1=", max_tokens=500)
         assert caught.value.code == "context_length_exceeded"
         with pytest.raises(openai.UnprocessableEntityError, match="unknown field"):
-            await client.completions.create(model=MODEL, prompt="1+1=", extra_body={"alpha": 0.5})
+            await openai_client.completions.create(model=MODEL, prompt="1+1=", extra_body={"alpha": 0.5})
 
 
 LM_EVAL_TASK = REPO / "benchmarks" / "lm_eval_tasks"
@@ -119,7 +121,7 @@ async def test_lm_eval_scores_q_star_as_dualvllm_eval_does(vllm_pair, tmp_path):
                             "tokenized_requests=False,num_concurrent=16,max_retries=1",
             "--include_path", str(LM_EVAL_TASK), "--tasks", "dualvllm_arithmetic",
             "--output_path", str(tmp_path / "lm_eval"),
-            env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"},
+            env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}, cwd=REPO,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
         log, _ = await asyncio.wait_for(process.communicate(), 600)
         assert process.returncode == 0, log.decode()[-3000:]
