@@ -101,9 +101,10 @@ LM_EVAL_TASK = REPO / "benchmarks" / "lm_eval_tasks"
 
 
 async def test_lm_eval_scores_q_star_as_dualvllm_eval_does(vllm_pair, tmp_path):
-    """lm-eval's local-completions model, on a task over the bundled test problems, gets the
-    greedy accuracy that `dualvllm eval --arms q* --eval-samples 0` computes for them (its
-    problems and evaluate(), on the same servers)."""
+    """lm-eval's local-completions model, on tasks over the bundled test problems, gets the
+    greedy accuracies that `dualvllm eval --arms base q* --eval-samples 0` computes for them
+    (its problems and evaluate(), on the same servers): q* and, with the task's
+    `dualvllm.fixed_alpha` 0, the base alone."""
     from transformers import AutoTokenizer
 
     import tinymodels
@@ -112,25 +113,25 @@ async def test_lm_eval_scores_q_star_as_dualvllm_eval_does(vllm_pair, tmp_path):
     from training.problems import load_problems
     from training.verifiers import verifier_pool
 
-    config = EvalConfig(arms=("q*",), eval_samples=0, eval_prompts=10_000)
+    config = EvalConfig(arms=("base", "q*"), eval_samples=0, eval_prompts=10_000)
     held_out = load_problems(config, AutoTokenizer.from_pretrained(tinymodels.BASE_DIR))
     async with running_service(vllm_pair) as (url, coordinator):
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "lm_eval", "--model", "local-completions",
             "--model_args", f"model={MODEL},base_url={url}/completions,tokenizer_backend=none,"
                             "tokenized_requests=False,num_concurrent=16,max_retries=1",
-            "--include_path", str(LM_EVAL_TASK), "--tasks", "dualvllm_arithmetic",
+            "--include_path", str(LM_EVAL_TASK), "--tasks", "dualvllm_arithmetic,dualvllm_arithmetic_base",
             "--output_path", str(tmp_path / "lm_eval"),
             env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}, cwd=REPO,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
         log, _ = await asyncio.wait_for(process.communicate(), 600)
         assert process.returncode == 0, log.decode()[-3000:]
         with verifier_pool() as pool:
-            [ours] = await evaluate(coordinator, held_out.held_out, held_out.spec, pool, arms=["q*"],
-                                    max_tokens=config.max_tokens)
-    assert ours.tasks == 484
-    results = json.loads(next((tmp_path / "lm_eval").rglob("results_*.json")).read_text())
-    theirs = results["results"]["dualvllm_arithmetic"]["exact_match,none"]
-    # both greedy (temperature 0) over the same q*: the same completions, so the same score
-    assert theirs == pytest.approx(ours.greedy_accuracy), (theirs, ours.greedy_accuracy)
-    assert ours.greedy_accuracy > 0.5  # q* leans on the teacher, which solves the task
+            base, qstar = await evaluate(coordinator, held_out.held_out, held_out.spec, pool, arms=config.arms,
+                                         max_tokens=config.max_tokens)
+    assert qstar.tasks == 484
+    results = json.loads(next((tmp_path / "lm_eval").rglob("results_*.json")).read_text())["results"]
+    # both greedy (temperature 0) over the same distributions: the same completions, the same scores
+    assert results["dualvllm_arithmetic"]["exact_match,none"] == pytest.approx(qstar.greedy_accuracy)
+    assert results["dualvllm_arithmetic_base"]["exact_match,none"] == pytest.approx(base.greedy_accuracy)
+    assert base.greedy_accuracy < 0.5 < qstar.greedy_accuracy  # q* leans on the teacher, which solves the task
