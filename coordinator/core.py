@@ -308,6 +308,11 @@ class DualVLLMCoordinator:
         return await engine.tokenize_chat(messages)
 
     @property
+    def is_open(self) -> bool:
+        """True between entering and leaving `async with`."""
+        return self._state == "open"
+
+    @property
     def max_model_len(self) -> int:
         """Prompt + generated tokens both servers accept (known once entered)."""
         return self._require_open().max_len

@@ -55,8 +55,10 @@ class GenerationOutput:
         return sum(self.alpha_history) / len(self.alpha_history) if self.alpha_history else float("nan")
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (prompt pairs become two-element lists)."""
+        """JSON-ready dict (prompt pairs become two-element lists; top_logprobs only if asked for)."""
         record = asdict(self)
+        if record["top_logprobs"] is None:
+            del record["top_logprobs"]
         if isinstance(self.prompt, tuple):
             record["prompt"] = [_jsonable(p) for p in self.prompt]
         else:

@@ -81,10 +81,12 @@ class Admission:
         self.tokens = 0  # the admitted sequences' max_tokens, summed
 
     @contextlib.contextmanager
-    def hold(self, sequences: int, tokens: int, tokens_per_s: float) -> Any:
+    def hold(self, sequences: int, tokens: int, tokens_per_s: Callable[[], float]) -> Any:
+        """Admit a request's sequences for the block, or raise ServiceBusyError; `tokens_per_s`
+        (the coordinator's recent speed) is asked only then."""
         if self.sequences + sequences > self.capacity + self.max_queued:
             # Time until the work already admitted is done, at the recent speed.
-            wait_s = (self.tokens + tokens) / max(tokens_per_s, 1.0)
+            wait_s = (self.tokens + tokens) / max(tokens_per_s(), 1.0)
             retry = min(max(math.ceil(wait_s), RETRY_AFTER_MIN_S), RETRY_AFTER_MAX_S)
             raise ServiceBusyError(
                 f"the service is full: {self.sequences} sequences admitted, room for "
@@ -133,6 +135,9 @@ class QStarService:
             response = await handler(request)
             status = response.status
             return response
+        except asyncio.CancelledError:  # the client left (nginx's 499: client closed request)
+            status = 499
+            raise
         except web.HTTPException as exc:  # aiohttp's own: 404 route, 405, 413 body too large
             status = exc.status
             kind = "invalid_request_error" if exc.status < 500 else "server_error"
@@ -179,7 +184,8 @@ class QStarService:
     # -- routes -------------------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
-        self.coordinator.max_model_len  # raises LifecycleError (503) once the coordinator closed
+        if not self.coordinator.is_open:
+            raise LifecycleError("the coordinator was closed")
         return web.json_response({"status": "ok", "mode": self.coordinator.mode})
 
     async def models(self, request: web.Request) -> web.Response:
@@ -256,8 +262,8 @@ class QStarService:
         return job
 
     async def _run(self, request: web.Request, job: Job) -> web.StreamResponse:
-        tokens_per_s = self.coordinator.get_statistics()["tokens_per_s"]
-        with self.admission.hold(job.sequences, job.sequences * job.max_tokens, tokens_per_s):
+        with self.admission.hold(job.sequences, job.sequences * job.max_tokens,
+                                 lambda: self.coordinator.get_statistics()["tokens_per_s"]):
             if job.request.stream:
                 return await stream_choices(request, self, job)
             async with self.generate(job) as outputs:

@@ -23,7 +23,7 @@ class ServiceConfig(RaisesInvalidInput, BaseSettings):
     service_host: str = Field("127.0.0.1", description="Interface the q* endpoint binds; any other than loopback needs an API key.")
     service_port: int = Field(8100, ge=0, le=65535, description="Port of the q* endpoint; 0 picks a free one.")
     api_key: SecretStr | None = Field(
-        None, description="Bearer token clients must send (Authorization: Bearer KEY), compared in constant time; None = no auth (loopback only). Also sent to the model servers.")
+        None, description="Bearer token clients must send (Authorization: Bearer KEY), compared in constant time; None = no auth (loopback only). Set as DUALVLLM_API_KEY, it also keys the model servers (the coordinator sends it, `serve` starts them with it).")
     served_model_name: str | None = Field(
         None, description="The name clients give as `model`; None = '<base>+<teacher>' from the servers' model names.")
     max_queued_sequences: int = Field(

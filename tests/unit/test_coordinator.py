@@ -337,3 +337,49 @@ async def test_auto_mode_falls_back_to_per_token_on_servers_without_the_plugin(f
     with pytest.raises(LockstepUnavailableError, match="no dualvllm lockstep plugin"):
         async with DualVLLMCoordinator(config(fake_theta, fake_t, mode="lockstep")):
             pass
+
+
+# -- per-call top_k and top_logprobs (what the HTTP service exposes) ---------------------
+
+def test_keep_top_cuts_each_row_to_its_own_k_wherever_its_entries_sit():
+    from coordinator.step import keep_top
+    from engines.protocol import TopKBatch
+
+    batch = TopKBatch(token_ids=np.array([[4, 7, 9], [5, 2, -1]]),
+                      logprobs=np.array([[-2.0, -0.5, -1.0], [-0.1, -3.0, -np.inf]]))
+    cut = keep_top(batch, np.array([2, 1]))
+    # row 0 keeps its two most likely (7 at -0.5, 9 at -1.0), row 1 its best (5)
+    assert cut.token_ids.tolist() == [[-1, 7, 9], [5, -1, -1]]
+    assert cut.logprobs.tolist() == [[-np.inf, -0.5, -1.0], [-0.1, -np.inf, -np.inf]]
+
+
+def test_top_candidates_lists_the_most_likely_first_and_skips_padding():
+    from coordinator.step import top_candidates
+
+    ids = np.array([[3, 8, -1], [1, 2, 6]])
+    logq = np.array([[np.log(0.3), np.log(0.7), -np.inf], np.log([0.2, 0.5, 0.3])])
+    assert top_candidates(ids, logq, 2) == [{8: np.log(0.7), 3: np.log(0.3)}, {2: np.log(0.5), 6: np.log(0.3)}]
+    assert top_candidates(ids, logq, 5)[0] == {8: np.log(0.7), 3: np.log(0.3)}
+
+
+async def test_top_logprobs_hold_the_sampled_tokens_log_q_and_top_k_narrows_q_star(fake_theta, fake_t):
+    async with DualVLLMCoordinator(config(fake_theta, fake_t)) as c:
+        [wide] = await c.generate_batch(["abc"], max_tokens=6, seed=4, top_logprobs=20)
+        [narrow] = await c.generate_batch(["abc"], max_tokens=6, seed=4, top_logprobs=20, top_k=1)
+        [plain] = await c.generate_batch(["abc"], max_tokens=6, seed=4)
+        with pytest.raises(TopKUnsupportedError, match="at most 8"):
+            await c.generate_batch(["abc"], max_tokens=2, top_k=9)
+    assert plain.top_logprobs is None and wide.generated_tokens == plain.generated_tokens
+    for token, logq, top in zip(wide.generated_tokens, wide.logprobs_q, wide.top_logprobs):
+        assert top[token] == pytest.approx(logq)  # q* over every candidate: the sampled one is listed
+        assert np.logaddexp.reduce(list(top.values())) == pytest.approx(0.0, abs=1e-9)  # all of q*
+    # one candidate per model: q* is over at most two tokens
+    assert all(1 <= len(top) <= 2 for top in narrow.top_logprobs)
+
+
+async def test_on_tokens_hands_over_every_token_once_in_order(fake_theta, fake_t):
+    seen: dict[int, list[int]] = {0: [], 1: []}
+    async with DualVLLMCoordinator(config(fake_theta, fake_t)) as c:
+        outputs = [o async for o in c.stream(["abc", "de"], max_tokens=8, seed=2,
+                                             on_tokens=lambda i, tokens: seen[i].extend(tokens))]
+    assert {o.index: o.generated_tokens for o in outputs} == seen

@@ -351,6 +351,7 @@ async def test_a_client_that_disconnects_cancels_its_sequences(fake_theta, fake_
             async with session.get(url + "/metrics") as response:
                 metrics = await response.text()
     assert 'dualvllm_sequences_total{outcome="cancelled"} 4.0' in metrics
+    assert 'dualvllm_requests_total{route="/v1/completions",status="499"} 1.0' in metrics
     assert coordinator.get_statistics()["tokens"] < 4 * 50
 
 
