@@ -42,6 +42,8 @@ from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
 WARMUP_S = 5.0
 # How long `dualvllm serve` may take to open its coordinator on running servers.
 SERVICE_START_TIMEOUT_S = 120.0
+# How long it may take to stop (it closes its coordinator and the open sequences).
+SERVICE_STOP_TIMEOUT_S = 30.0
 ARMS = ("python_api", "service")
 
 
@@ -148,7 +150,13 @@ async def running_service(args: Any, theta: str, t: str) -> AsyncIterator[tuple[
     finally:
         if process.returncode is None:
             process.terminate()
-            await process.wait()
+            try:
+                await asyncio.wait_for(process.wait(), SERVICE_STOP_TIMEOUT_S)
+            except TimeoutError:
+                print(f"dualvllm serve (pid {process.pid}) ignored SIGTERM for {SERVICE_STOP_TIMEOUT_S:g} s; "
+                      "killing it", flush=True)
+                process.kill()
+                await process.wait()
 
 
 def _cpu(process: psutil.Process) -> float:
