@@ -202,10 +202,9 @@ class DualVLLMCoordinator:
         cheap: hand them to a queue).
         """
         scheduler = self._require_open()
-        params = sampling_params(max_tokens, temperature=temperature, stop=stop, stop_token_ids=stop_token_ids,
+        params = self.check_call(max_tokens, temperature=temperature, stop=stop, stop_token_ids=stop_token_ids,
                                  fixed_alpha=fixed_alpha, return_diagnostics=return_diagnostics,
                                  ignore_eos=ignore_eos, top_k=top_k, top_logprobs=top_logprobs)
-        self._check_supported(params)
         if not prompts:
             return
         assert self._theta is not None and self._t is not None
@@ -276,7 +275,11 @@ class DualVLLMCoordinator:
         assert all(o is not None for o in outputs)
         return outputs  # type: ignore[return-value]
 
-    def _check_supported(self, params: SamplingParams) -> None:
+    def check_call(self, max_tokens: int, **settings: Any) -> SamplingParams:
+        """The settings of a `stream` call (its keyword arguments from max_tokens to
+        top_logprobs), checked against this coordinator: raises what `stream` would, before
+        anything starts (the HTTP service answers with it before a stream begins)."""
+        params = sampling_params(max_tokens, **settings)
         if params.top_k is not None and params.top_k > self.config.top_k:
             raise TopKUnsupportedError(
                 f"top_k={params.top_k} is above the coordinator's top_k={self.config.top_k}, the candidates it asks "
@@ -285,6 +288,7 @@ class DualVLLMCoordinator:
         if self.mode == "speculative" and (params.top_k is not None or params.top_logprobs):
             raise InvalidInputError("a per-call top_k and top_logprobs are not available in speculative mode; "
                                     "use per-token or lockstep mode (speculative_gamma=0)")
+        return params
 
     async def encode(self, prompts: Sequence[Prompt]) -> list[tuple[list[int], list[int]]]:
         """(base ids, teacher ids) of each prompt, tokenized as `stream` would: text by each

@@ -29,12 +29,12 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 from aiohttp import web
 from pydantic import ValidationError
 
-from common.errors import (GenerationFailedError, InvalidInputError, LifecycleError, ServerError,
-                           ServerRejectedError, ServiceBusyError, TopKUnsupportedError, UnknownModelError)
+from common.errors import GenerationFailedError, LifecycleError, ServiceBusyError, UnknownModelError
 from coordinator.core import DualVLLMCoordinator
 from coordinator.outputs import GenerationOutput
 from service import responses
 from service.config import ServiceConfig
+from service.errors import RequestError, error_of
 from service.metrics import ServiceMetrics
 from service.schema import ChatCompletionRequest, CompletionRequest, QStarOptions
 from service.streaming import stream_choices
@@ -150,24 +150,11 @@ class QStarService:
             self.metrics.request_done(request.path, status, time.perf_counter() - started)
 
     def _answer(self, exc: Exception) -> web.Response:
-        if isinstance(exc, _Invalid):
-            return _error(exc.status, str(exc), "invalid_request_error", exc.code, exc.param)
-        if isinstance(exc, UnknownModelError):
-            return _error(404, str(exc), "invalid_request_error", "model_not_found", "model")
+        status, body = error_of(exc)
+        response = web.json_response(body, status=status)
         if isinstance(exc, ServiceBusyError):
-            response = _error(429, str(exc), "rate_limit_error", "queue_full")
             response.headers["Retry-After"] = str(exc.retry_after_s)
-            return response
-        if isinstance(exc, TopKUnsupportedError):
-            return _error(400, str(exc), "invalid_request_error", "top_k_unsupported", "dualvllm.top_k")
-        if isinstance(exc, (InvalidInputError, ServerRejectedError)):
-            return _error(400, str(exc), "invalid_request_error")
-        if isinstance(exc, (ServerError, GenerationFailedError)):
-            return _error(502, f"a model server failed: {exc}", "upstream_error")
-        if isinstance(exc, LifecycleError):
-            return _error(503, f"the coordinator is not running: {exc}", "server_error")
-        log.exception("unexpected error in the q* service")
-        return _error(500, f"internal error ({type(exc).__name__}); see the service's log", "server_error")
+        return response
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -206,9 +193,9 @@ class QStarService:
         _refuse(body.unsupported())
         prompts = body.prompts()
         if not prompts:
-            raise _Invalid("prompt is empty; give a string, token ids, or a list of them", param="prompt")
+            raise RequestError("prompt is empty; give a string, token ids, or a list of them", param="prompt")
         if body.dualvllm.t_prompt is not None and len(prompts) > 1:
-            raise _Invalid("dualvllm.t_prompt goes with one prompt; send one request per prompt",
+            raise RequestError("dualvllm.t_prompt goes with one prompt; send one request per prompt",
                            param="dualvllm.t_prompt")
         t_prompt = body.dualvllm.t_prompt
         encoded = await self.coordinator.encode([p if t_prompt is None else (p, t_prompt) for p in prompts])
@@ -246,22 +233,31 @@ class QStarService:
         limit = self.coordinator.max_model_len
         for i, (theta_ids, t_ids) in enumerate(prompts):
             if not theta_ids or not t_ids:
-                raise _Invalid(f"prompt {i} is empty after tokenization; give at least one token", param="prompt")
+                raise RequestError(f"prompt {i} is empty after tokenization; give at least one token", param="prompt")
             longest = max(len(theta_ids), len(t_ids))
             if longest + max_tokens > limit:
-                raise _Invalid(
+                raise RequestError(
                     f"this model's maximum context length is {limit} tokens; prompt {i} has {longest} tokens and "
                     f"max_tokens is {max_tokens} ({longest + max_tokens} in all). Shorten the prompt or lower "
                     "max_tokens", code="context_length_exceeded", param="max_tokens")
         job = Job(kind, body, prompts, max_tokens, top_logprobs, want_logprobs)
         if job.sequences * max_tokens > self.config.max_request_tokens:
-            raise _Invalid(
+            raise RequestError(
                 f"this request asks for up to {job.sequences * max_tokens} tokens ({len(prompts)} prompts x n="
                 f"{body.n} x max_tokens={max_tokens}); the service allows {self.config.max_request_tokens} per "
                 "request. Split it, or lower n or max_tokens", code="request_too_large", param="n")
         return job
 
+    def _check(self, job: Job) -> None:
+        """What the coordinator would refuse, refused now: before a stream's first byte."""
+        body, options = job.request, job.options
+        self.coordinator.check_call(job.max_tokens, temperature=body.temperature, stop=body.stop_strings() or None,
+                                    fixed_alpha=options.fixed_alpha, return_diagnostics=options.return_diagnostics,
+                                    ignore_eos=options.ignore_eos, top_k=options.top_k,
+                                    top_logprobs=job.top_logprobs)
+
     async def _run(self, request: web.Request, job: Job) -> web.StreamResponse:
+        self._check(job)
         with self.admission.hold(job.sequences, job.sequences * job.max_tokens,
                                  lambda: self.coordinator.get_statistics()["tokens_per_s"]):
             if job.request.stream:
@@ -330,28 +326,20 @@ async def _collect(outputs: AsyncIterator[GenerationOutput], count: int) -> list
     return ordered  # type: ignore[return-value]
 
 
-class _Invalid(InvalidInputError):
-    """A request the service refuses, with its HTTP status, OpenAI code and field."""
-
-    def __init__(self, message: str, *, status: int = 400, code: str | None = None, param: str | None = None):
-        super().__init__(message)
-        self.status, self.code, self.param = status, code, param
-
-
 async def _parse(request: web.Request, schema: type[CompletionRequest] | type[ChatCompletionRequest]) -> Any:
     try:
         raw = await request.json()
     except json.JSONDecodeError as exc:
-        raise _Invalid(f"the body is not valid JSON: {exc}") from exc
+        raise RequestError(f"the body is not valid JSON: {exc}") from exc
     if not isinstance(raw, dict):
-        raise _Invalid(f"the body must be a JSON object, got {type(raw).__name__}")
+        raise RequestError(f"the body must be a JSON object, got {type(raw).__name__}")
     try:
         return schema.model_validate(raw)
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
         param = ".".join(str(part) for part in first["loc"]) or None
         problems = "; ".join(_describe(e) for e in exc.errors(include_url=False)[:5])
-        raise _Invalid(problems, status=422, code=first["type"], param=param) from exc
+        raise RequestError(problems, status=422, code=first["type"], param=param) from exc
 
 
 def _describe(error: Any) -> str:
@@ -364,7 +352,7 @@ def _describe(error: Any) -> str:
 
 def _refuse(problem: str | None) -> None:
     if problem is not None:
-        raise _Invalid(problem, code="unsupported_parameter")
+        raise RequestError(problem, code="unsupported_parameter")
 
 
 def _error(status: int, message: str, kind: str, code: str | None = None, param: str | None = None) -> web.Response:

@@ -24,8 +24,10 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from aiohttp import web
 
+from common.errors import GenerationFailedError
 from coordinator.outputs import GenerationOutput
 from service import responses
+from service.errors import error_of
 
 if TYPE_CHECKING:
     from service.app import Job, QStarService
@@ -85,38 +87,45 @@ async def stream_choices(request: web.Request, service: QStarService, job: Job) 
     async with service.generate(job, on_tokens) as outputs:
         pump = asyncio.create_task(_pump(outputs, events))
         try:
-            finished: list[GenerationOutput] = []
-            while len(finished) < job.sequences:
-                batch = [await events.get()]
-                while not events.empty():
-                    batch.append(events.get_nowait())
-                done: list[GenerationOutput] = []
-                grown: set[int] = set()
-                for index, item in batch:
-                    if isinstance(item, BaseException):
-                        raise item
-                    if isinstance(item, GenerationOutput):
-                        done.append(item)
-                    else:
-                        choices[index].tokens.extend(item)
-                        grown.add(index)
-                failed = next((o for o in done if o.error is not None), None)
-                if failed is not None:
-                    await _send(response, responses.error_body(
-                        f"choice {failed.index}: {failed.error}", "upstream_error"))
-                    await response.write(b"data: [DONE]\n\n")
-                    return response
-                await _send_deltas(response, writer, choices, sorted(grown - {o.index for o in done}))
-                for output in done:
-                    await _send(response, await writer.last_chunk(choices[output.index], output))
-                finished.extend(done)
-            if job.request.stream_options is not None and job.request.stream_options.include_usage:
-                await _send(response, writer.usage_chunk(finished))
-            await response.write(b"data: [DONE]\n\n")
+            await _relay(response, writer, job, choices, events)
+        except ConnectionError:  # the client is gone: nobody to tell
+            raise
+        except Exception as exc:  # noqa: BLE001 - headers are sent: the error goes in the stream
+            await _send(response, error_of(exc)[1])
         finally:
             pump.cancel()
             await asyncio.gather(pump, return_exceptions=True)
+        await response.write(b"data: [DONE]\n\n")
     return response
+
+
+async def _relay(response: web.StreamResponse, writer: _Writer, job: Job, choices: list[ChoiceText],
+                 events: asyncio.Queue[Any]) -> None:
+    """Chunks until every choice finished (and the usage chunk if asked for); raises what
+    failed, a failed choice included."""
+    finished: list[GenerationOutput] = []
+    while len(finished) < job.sequences:
+        batch = [await events.get()]
+        while not events.empty():
+            batch.append(events.get_nowait())
+        done: list[GenerationOutput] = []
+        grown: set[int] = set()
+        for index, item in batch:
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item, GenerationOutput):
+                if item.error is not None:
+                    raise GenerationFailedError(f"choice {item.index}: {item.error}")
+                done.append(item)
+            else:
+                choices[index].tokens.extend(item)
+                grown.add(index)
+        await _send_deltas(response, writer, choices, sorted(grown - {o.index for o in done}))
+        for output in done:
+            await _send(response, await writer.last_chunk(choices[output.index], output))
+        finished.extend(done)
+    if job.request.stream_options is not None and job.request.stream_options.include_usage:
+        await _send(response, writer.usage_chunk(finished))
 
 
 async def _pump(outputs: AsyncIterator[GenerationOutput], events: asyncio.Queue[Any]) -> None:

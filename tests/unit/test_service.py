@@ -372,3 +372,13 @@ async def test_models_health_and_metrics(service):
     assert 'dualvllm_server_call_seconds_count{route="/v1/completions",server="theta"}' in metrics
     assert "dualvllm_alpha_mean " in metrics and "dualvllm_tokens_per_second " in metrics
     assert "dualvllm_active_sequences 0.0" in metrics
+
+
+async def test_a_stream_refuses_bad_options_before_it_starts_and_reports_failures_inside(service, fake_theta):
+    url, _ = service
+    status, body = await post(url, "/v1/completions", completion(stream=True, dualvllm={"top_k": 9}))
+    assert status == 400 and body["error"]["code"] == "top_k_unsupported"  # a plain answer, no stream
+    fake_theta.fail_next("/v1/completions", Failure(503), Failure(503))
+    found = await events(url, "/v1/completions", completion(stream=True))
+    assert found[-1] == "[DONE]" and found[-2]["error"]["type"] == "upstream_error"
+    assert "theta" in found[-2]["error"]["message"]
