@@ -49,7 +49,8 @@ PREFIX_METRIC = re.compile(r"^vllm:prefix_cache_(queries|hits)_total\{[^}]*\} ([
 class SingleRequests(VLLMClient):
     """A vLLM client that sends one request per context, all at once, instead of one batch."""
 
-    async def next_token_topk(self, contexts: Sequence[Sequence[int]], k: int) -> TopKBatch:
+    async def next_token_topk(self, contexts: Sequence[Sequence[int]], k: int,
+                              keys: Sequence[int] | None = None) -> TopKBatch:
         rows = await asyncio.gather(*(super(SingleRequests, self).next_token_topk([c], k) for c in contexts))
         return TopKBatch(np.concatenate([r.token_ids for r in rows]), np.concatenate([r.logprobs for r in rows]))
 

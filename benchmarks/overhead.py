@@ -114,7 +114,8 @@ class StubEngine:
     async def model_info(self) -> ModelInfo:
         return ModelInfo(name=self.name, root="stub", max_model_len=1 << 20, vocab_size=VOCAB)
 
-    async def next_token_topk(self, contexts: Sequence[Sequence[int]], k: int) -> TopKBatch:
+    async def next_token_topk(self, contexts: Sequence[Sequence[int]], k: int,
+                              keys: Sequence[int] | None = None) -> TopKBatch:
         rows = (self._next + np.arange(len(contexts))) % self._pool.batch_size
         self._next = int(rows[-1]) + 1
         return TopKBatch(self._pool.token_ids[rows], self._pool.logprobs[rows])

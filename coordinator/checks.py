@@ -18,6 +18,14 @@ TOKENIZER_PROBES = (
 )
 
 
+def replica_pairs(theta: Engine, t: Engine) -> list[tuple[Engine, Engine]]:
+    """(base, teacher) engine pairs that put every replica of both roles through the pair
+    checks: each base replica with the first teacher, each other teacher with the first base."""
+    thetas = getattr(theta, "replicas", [theta])
+    ts = getattr(t, "replicas", [t])
+    return [(one, ts[0]) for one in thetas] + [(thetas[0], one) for one in ts[1:]]
+
+
 async def check_health(theta: Engine, t: Engine) -> None:
     await asyncio.gather(theta.health(), t.health())
 

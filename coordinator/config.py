@@ -6,10 +6,10 @@ Values come from keyword arguments, then `DUALVLLM_*` environment variables (e.g
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from common.validation import RaisesInvalidInput
 from engines.http import CONNECT_TIMEOUT_S, CONNECTION_POOL_SIZE, MAX_RETRIES, REQUEST_TIMEOUT_S, RETRY_DELAY_S
@@ -22,6 +22,12 @@ class CoordinatorConfig(RaisesInvalidInput, BaseSettings):
 
     theta_url: str = Field("http://127.0.0.1:8000", description="Base URL of the base-model (pi_theta) vLLM server.")
     t_url: str = Field("http://127.0.0.1:8001", description="Base URL of the teacher (pi_t) vLLM server.")
+    theta_urls: Annotated[tuple[str, ...], NoDecode] = Field(
+        (), description="Replicas of the base model (same weights), comma-separated in DUALVLLM_THETA_URLS; empty = theta_url alone. Each sequence stays on one replica; a replica that fails hands its sequences to the others (engines/pool.py).")
+    t_urls: Annotated[tuple[str, ...], NoDecode] = Field(
+        (), description="Replicas of the teacher, comma-separated in DUALVLLM_T_URLS; empty = t_url alone.")
+    replica_probe_interval: float = Field(
+        2.0, gt=0, description="Seconds between probes of a replica marked down (/health, then the weights probe); it rejoins when both pass.")
     theta_model: str | None = Field(None, description="Served model name to use on the base server (vLLM --served-model-name or a LoRA name); None = the first it lists.")
     t_model: str | None = Field(None, description="Served model name to use on the teacher server; None = the first it lists.")
     api_key: SecretStr | None = Field(None, description="Bearer token both servers expect (vLLM --api-key); None = no auth.")
@@ -71,6 +77,26 @@ class CoordinatorConfig(RaisesInvalidInput, BaseSettings):
             raise ValueError(f"server URL {url!r} must start with http:// or https://")
         return url.rstrip("/")
 
+    @field_validator("theta_urls", "t_urls", mode="before")
+    @classmethod
+    def _url_list(cls, urls: object) -> object:
+        if isinstance(urls, str):  # from the environment: "http://a:8000,http://b:8000"
+            urls = [u.strip() for u in urls.split(",") if u.strip()]
+        if isinstance(urls, (list, tuple)):
+            if len(set(urls)) != len(urls):
+                raise ValueError(f"a replica is listed twice in {list(urls)}")
+            return tuple(cls._http_url(u) for u in urls)
+        return urls
+
+    @property
+    def theta_pool(self) -> tuple[str, ...]:
+        """The base replicas' URLs (theta_url alone when theta_urls is empty)."""
+        return self.theta_urls or (self.theta_url,)
+
+    @property
+    def t_pool(self) -> tuple[str, ...]:
+        return self.t_urls or (self.t_url,)
+
     @model_validator(mode="after")
     def _requests_fit_the_servers(self) -> CoordinatorConfig:
         for name in ("max_batch_size", "speculative_gamma"):
@@ -84,6 +110,9 @@ class CoordinatorConfig(RaisesInvalidInput, BaseSettings):
 
     @model_validator(mode="after")
     def _one_mode(self) -> CoordinatorConfig:
+        if (len(self.theta_pool) > 1 or len(self.t_pool) > 1) and (self.mode == "lockstep" or self.speculative_gamma):
+            raise ValueError("replica pools (theta_urls/t_urls with more than one URL) run in per-token mode; "
+                             "set mode='per_token' or 'auto' and speculative_gamma=0, or give one URL per role")
         if self.mode == "lockstep" and self.speculative_gamma:
             raise ValueError("speculative_gamma > 0 is a per-token mode; lockstep needs speculative_gamma=0 "
                              "(it gains more: no request per token at all)")
@@ -93,4 +122,4 @@ class CoordinatorConfig(RaisesInvalidInput, BaseSettings):
     def self_teacher(self) -> bool:
         """One server plays both roles: the teacher is the base model shown another prompt
         (privileged information), so every call must give (theta_prompt, t_prompt) pairs that differ."""
-        return self.theta_url == self.t_url and self.theta_model == self.t_model
+        return self.theta_pool == self.t_pool and self.theta_model == self.t_model

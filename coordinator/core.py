@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from typing import Any, AsyncIterator, Mapping, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from coordinator.checks import check_health, check_tokenizers, check_top_k, resolve_eos
+from coordinator.checks import (TOKENIZER_PROBES, check_health, check_tokenizers, check_top_k, replica_pairs,
+                                resolve_eos)
 from coordinator.config import CoordinatorConfig
 from coordinator.lockstep import LockstepScheduler
 from coordinator.lockstep_setup import lockstep_stop_token, probe_servers
@@ -31,6 +33,7 @@ from coordinator.speculative import SpeculativeScheduler, speculative_scheduler
 from coordinator.stats import Statistics, StepTiming
 from common.errors import InvalidInputError, LifecycleError, LockstepUnavailableError, TopKUnsupportedError
 from engines.lockstep_channel import LockstepChannel
+from engines.pool import ReplicaPool
 from engines.protocol import Engine, ModelInfo
 from engines.vllm_client import CallObserver, VLLMClient
 
@@ -57,6 +60,7 @@ class DualVLLMCoordinator:
         self._stack = contextlib.AsyncExitStack()
         self._scheduler: Scheduler | LockstepScheduler | None = None
         self._stats = Statistics()
+        self._sequence_keys = itertools.count()
         self._seed_source = np.random.default_rng(self.config.seed)
         self._state = "new"
         self._eos_ids: frozenset[int] = frozenset()
@@ -89,16 +93,24 @@ class DualVLLMCoordinator:
         cfg = self.config
         api_key = cfg.api_key.get_secret_value() if cfg.api_key else None
         if theta is None:
-            theta = await self._stack.enter_async_context(self._client(cfg.theta_url, "theta", cfg.theta_model, api_key))
+            theta = await self._role(cfg.theta_pool, "theta", cfg.theta_model, api_key)
         if t is None:
-            t = await self._stack.enter_async_context(self._client(cfg.t_url, "t", cfg.t_model, api_key))
+            t = await self._role(cfg.t_pool, "t", cfg.t_model, api_key)
         await check_health(theta, t)
         infos = (await theta.model_info(), await t.model_info())
-        await check_tokenizers(theta, t, infos)
-        eos_ids = await resolve_eos(theta, t, infos, cfg.eos_token_ids)
+        eos_ids = frozenset[int]()
         vocab_sizes = [info.vocab_size for info in infos if info.vocab_size]
-        await check_top_k(theta, t, cfg.top_k, await theta.tokenize("Hello", add_special_tokens=True),
-                          min(vocab_sizes) if vocab_sizes else None)
+        probe = await theta.tokenize("Hello", add_special_tokens=True)
+        for theta_one, t_one in replica_pairs(theta, t):  # every replica passes every check
+            pair_infos = (await theta_one.model_info(), await t_one.model_info())
+            await check_tokenizers(theta_one, t_one, pair_infos)
+            eos_ids = await resolve_eos(theta_one, t_one, pair_infos, cfg.eos_token_ids)
+            await check_top_k(theta_one, t_one, cfg.top_k, probe, min(vocab_sizes) if vocab_sizes else None)
+        for pool in (theta, t):
+            if isinstance(pool, ReplicaPool):
+                await pool.check_same_weights()
+                pool.start_probing()
+                self._stack.push_async_callback(pool.close)
         max_len = min(infos[0].max_model_len, infos[1].max_model_len)
         log.info("coordinator ready: base %s, teacher %s, top_k=%d, eos=%s, max_model_len=%d",
                  infos[0].name, infos[1].name, cfg.top_k, sorted(eos_ids), max_len)
@@ -120,6 +132,11 @@ class DualVLLMCoordinator:
         for per-token mode. mode="lockstep" without the plugin raises LockstepUnavailableError."""
         cfg = self.config
         if cfg.mode == "per_token" or cfg.speculative_gamma:
+            return None
+        if isinstance(theta, ReplicaPool) or isinstance(t, ReplicaPool):
+            if cfg.mode == "lockstep":  # the config refuses this; engines given by hand can still ask
+                raise LockstepUnavailableError("lockstep mode runs on one server per role, not on replica pools")
+            log.info("per-token mode: replica pools run in per-token mode")
             return None
         if not (isinstance(theta, VLLMClient) and isinstance(t, VLLMClient)):
             if cfg.mode == "lockstep":
@@ -154,6 +171,15 @@ class DualVLLMCoordinator:
     def eos_token_ids(self) -> frozenset[int]:
         """The end-of-sequence ids generation stops at (known once entered)."""
         return self._eos_ids
+
+    async def _role(self, urls: tuple[str, ...], name: str, model: str | None, api_key: str | None) -> Engine:
+        """The engine of one role: a client of its server, or a pool of its replicas' clients."""
+        clients = [await self._stack.enter_async_context(self._client(url, name, model, api_key)) for url in urls]
+        if len(clients) == 1:
+            return clients[0]
+        probes = [await clients[0].tokenize(text, add_special_tokens=False) for text in TOKENIZER_PROBES]
+        return ReplicaPool(clients, name=name, probe_contexts=probes,
+                           probe_interval_s=self.config.replica_probe_interval)
 
     def _client(self, url: str, name: str, model: str | None, api_key: str | None) -> VLLMClient:
         cfg = self.config
@@ -223,7 +249,8 @@ class DualVLLMCoordinator:
         sink: "asyncio.Queue[GenerationOutput]" = asyncio.Queue()
         sequences = [
             SequenceState(index=i, prompt=prompt, theta_prompt_ids=ids_theta, t_prompt_ids=ids_t,
-                          params=params, rng=np.random.default_rng(rng_keys[i]), sink=sink, listener=on_tokens)
+                          params=params, rng=np.random.default_rng(rng_keys[i]), sink=sink, listener=on_tokens,
+                          key=next(self._sequence_keys))
             for i, (prompt, (ids_theta, ids_t)) in enumerate(zip(prompts, encoded))
         ]
         runnable = []
@@ -340,8 +367,9 @@ class DualVLLMCoordinator:
         that are not VLLMClients)."""
         self._require_open()
         for engine in (self._theta, self._t):
-            if isinstance(engine, VLLMClient):
-                engine.observers.append(observer)
+            for client in (engine.replicas if isinstance(engine, ReplicaPool) else [engine]):
+                if isinstance(client, VLLMClient):
+                    client.observers.append(observer)
 
     @contextlib.asynccontextmanager
     async def paused(self) -> AsyncIterator[None]:
@@ -369,12 +397,17 @@ class DualVLLMCoordinator:
         lockstep mode also parks, resubmissions, the share of server steps that ran ahead of the
         other server's, how long the servers waited on the coordinator (a "step" there is
         the time between decisions), and how often new sequences were admitted out of step."""
-        engines = [e for e in (self._theta, self._t) if e is not None]
+        engines = [c for e in (self._theta, self._t) if e is not None
+                   for c in (e.replicas if isinstance(e, ReplicaPool) else [e])]
         summary = self._stats.summary(
             requests=sum(getattr(e, "requests", 0) for e in engines),
             retries=sum(getattr(e, "retries", 0) for e in engines),
             request_failures=sum(getattr(e, "failures", 0) for e in engines),
         )
+        for engine in (self._theta, self._t):
+            if isinstance(engine, ReplicaPool):
+                summary.update(engine.counters.summary(engine.name))
+                summary[f"{engine.name}_replicas_up"] = len(engine.healthy)
         if isinstance(self._scheduler, SpeculativeScheduler):
             summary.update(self._scheduler.acceptance.summary())
         if isinstance(self._scheduler, LockstepScheduler):

@@ -114,9 +114,10 @@ class Scheduler:
     async def _step(self, active: list[SequenceState]) -> None:
         started = time.perf_counter()
         k = self._config.top_k
+        keys = [s.key for s in active]
         (theta_result, theta_s), (t_result, t_s) = await asyncio.gather(
-            _timed(self._theta.next_token_topk([s.theta_context() for s in active], k)),
-            _timed(self._t.next_token_topk([s.t_context() for s in active], k)),
+            _timed(self._theta.next_token_topk([s.theta_context() for s in active], k, keys)),
+            _timed(self._t.next_token_topk([s.t_context() for s in active], k, keys)),
         )
         answered = time.perf_counter()
         for engine, result in ((self._theta, theta_result), (self._t, t_result)):

@@ -43,6 +43,7 @@ class SequenceState:
     params: SamplingParams
     rng: np.random.Generator
     sink: asyncio.Queue[GenerationOutput]
+    key: int = -1  # unique within a coordinator: how replica pools keep a sequence on one replica
     tokens: list[int] = field(default_factory=list)
     alphas: list[float] = field(default_factory=list)
     logprobs_q: list[float] = field(default_factory=list)

@@ -80,8 +80,10 @@ class Engine(Protocol):
 
     async def model_info(self) -> ModelInfo: ...
 
-    async def next_token_topk(self, contexts: Sequence[Sequence[int]], k: int) -> TopKBatch:
-        """Top-k next-token logprobs after each context, in one batched call."""
+    async def next_token_topk(self, contexts: Sequence[Sequence[int]], k: int,
+                              keys: Sequence[int] | None = None) -> TopKBatch:
+        """Top-k next-token logprobs after each context, in one batched call. `keys` name the
+        contexts' sequences, for engines that route by sequence (engines/pool.py); others ignore them."""
         ...
 
     async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...

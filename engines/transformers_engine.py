@@ -117,7 +117,8 @@ class TransformersEngine:
             ids.add(self._tokenizer.eos_token_id)
         return frozenset(ids)
 
-    async def next_token_topk(self, contexts: Sequence[Sequence[int]], k: int) -> TopKBatch:
+    async def next_token_topk(self, contexts: Sequence[Sequence[int]], k: int,
+                              keys: Sequence[int] | None = None) -> TopKBatch:
         """The k most likely next tokens per context (all of them when k >= vocabulary)."""
         logprobs = await self.next_token_logprobs(contexts)  # [B, V]
         width = min(k, logprobs.shape[1])

@@ -319,7 +319,8 @@ class VLLMClient:
             self._eos_ids = ids
         return self._eos_ids
 
-    async def next_token_topk(self, contexts: Sequence[Sequence[int]], k: int) -> TopKBatch:
+    async def next_token_topk(self, contexts: Sequence[Sequence[int]], k: int,
+                              keys: Sequence[int] | None = None) -> TopKBatch:
         info = await self.model_info()
         payload = {
             "model": info.name,

@@ -1,0 +1,254 @@
+"""Replicas of one role (base or teacher) behind the Engine protocol: sticky routing, failover, rejoin.
+
+A per-token request carries each sequence's whole context, so any healthy replica of the
+same weights can continue a sequence from its recorded tokens. The pool:
+- routes each sequence (by the key the scheduler gives) to one replica and keeps it there,
+  so that replica's prefix cache keeps working; new sequences go to the replica with the
+  fewest;
+- sends one batched request per replica that has rows, all concurrently, and puts the
+  rows back in the caller's order;
+- marks a replica down when a request to it still fails after its retries (never for a
+  4xx: the request was wrong, not the server), moves its rows to the healthy replicas and
+  sends them there in the same call. The caller sees one answer or, when no replica of
+  the role is left, the last error;
+- probes a down replica in the background (/health, then the weights probe) and lets it
+  rejoin when it answers with the same weights as the others.
+
+Every move, down and rejoin is logged and counted (`PoolCounters`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
+
+import numpy as np
+
+from common.errors import IncompatibleModelsError, ServerError, ServerRejectedError
+from engines.protocol import PAD_TOKEN_ID, Engine, ModelInfo, TopKBatch
+
+log = logging.getLogger("dualvllm.pool")
+T = TypeVar("T")
+# How often a down replica is asked whether it is back: often enough that a restarted
+# server rejoins within seconds, rarely enough to cost nothing.
+PROBE_INTERVAL_S = 2.0
+# Replicas of one role must report the same top-k logprobs on the probe contexts within
+# this (nats). One build on one kind of device agrees exactly; float32 against bfloat16 is ~0.01.
+WEIGHTS_TOLERANCE_NATS = 1e-3
+WEIGHTS_PROBE_K = 5
+# The answer of a chunk whose replica failed (its rows went elsewhere).
+_EMPTY = TopKBatch(token_ids=np.zeros((0, 0), dtype=np.int64), logprobs=np.zeros((0, 0)))
+
+
+@dataclass
+class PoolCounters:
+    moves: int = 0  # sequences moved off a replica that went down
+    downs: int = 0  # replicas marked down
+    rejoins: int = 0  # replicas back after a probe
+
+    def summary(self, prefix: str) -> dict[str, float]:
+        return {f"{prefix}_replica_moves": self.moves, f"{prefix}_replica_downs": self.downs,
+                f"{prefix}_replica_rejoins": self.rejoins}
+
+
+class ReplicaPool:
+    """Implements `engines.protocol.Engine` for one role over several engines of the same weights."""
+
+    def __init__(self, replicas: Sequence[Engine], *, name: str, probe_contexts: Sequence[Sequence[int]] = (),
+                 probe_interval_s: float = PROBE_INTERVAL_S, tolerance: float = WEIGHTS_TOLERANCE_NATS) -> None:
+        assert replicas, "a pool needs at least one replica"
+        self.name = name
+        self.replicas = list(replicas)
+        self.url = ",".join(getattr(r, "url", r.name) for r in self.replicas)
+        self._up = [True] * len(self.replicas)
+        self._assigned: dict[int, int] = {}  # sequence key -> replica index
+        self._probe_contexts = [list(c) for c in probe_contexts]
+        self._reference: TopKBatch | None = None  # what healthy replicas answer on the probe contexts
+        self._probe_interval_s = probe_interval_s
+        self._tolerance = tolerance
+        self._prober: asyncio.Task[None] | None = None
+        self.counters = PoolCounters()
+
+    @property
+    def healthy(self) -> list[int]:
+        return [i for i, up in enumerate(self._up) if up]
+
+    def describe(self, index: int) -> str:
+        return f"{self.name} replica {getattr(self.replicas[index], 'url', index)}"
+
+    # -- start-up ------------------------------------------------------------------------
+
+    async def check_same_weights(self) -> None:
+        """Refuse replicas that answer the probe contexts differently, naming them."""
+        answers = await asyncio.gather(*(self._probe(r) for r in self.replicas))
+        self._reference = answers[0]
+        for index, answer in enumerate(answers[1:], start=1):
+            gap = _gap(self._reference, answer)
+            if gap > self._tolerance:
+                raise IncompatibleModelsError(
+                    f"{self.describe(0)} and {self.describe(index)} serve different weights: their top-"
+                    f"{WEIGHTS_PROBE_K} logprobs on probe prompts differ by up to {gap:.4f} nats (tolerance "
+                    f"{self._tolerance}). Replicas of one role must serve the same model; restart or remove "
+                    f"{getattr(self.replicas[index], 'url', index)}.")
+
+    async def _probe(self, replica: Engine) -> TopKBatch:
+        return await replica.next_token_topk(self._probe_contexts, WEIGHTS_PROBE_K)
+
+    def start_probing(self) -> None:
+        if self._prober is None and len(self.replicas) > 1:
+            self._prober = asyncio.create_task(self._probe_down_replicas(), name=f"dualvllm-{self.name}-prober")
+
+    async def close(self) -> None:
+        if self._prober is not None:
+            self._prober.cancel()
+            await asyncio.gather(self._prober, return_exceptions=True)
+            self._prober = None
+
+    # -- Engine protocol -----------------------------------------------------------------
+
+    async def health(self) -> None:
+        """Every replica is healthy (the start-up check); raises the first replica's error."""
+        await asyncio.gather(*(r.health() for r in self.replicas))
+
+    async def model_info(self) -> ModelInfo:
+        return await self._any(lambda r: r.model_info())
+
+    async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return await self._any(lambda r: r.tokenize(text, add_special_tokens=add_special_tokens))
+
+    async def tokenize_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        return await self._any(lambda r: r.tokenize_chat(messages))
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        return await self._any(lambda r: r.detokenize(token_ids))
+
+    async def eos_token_ids(self) -> frozenset[int]:
+        return await self._any(lambda r: r.eos_token_ids())
+
+    async def next_token_topk(self, contexts: Sequence[Sequence[int]], k: int,
+                              keys: Sequence[int] | None = None) -> TopKBatch:
+        """Top-k after each context; `keys` name the sequences (None: one-off rows, spread anew)."""
+        if keys is None:  # one-off rows: spread, not kept
+            keys = [-1 - i for i in range(len(contexts))]
+        else:  # a per-token step carries every active sequence: the others finished
+            keys = list(keys)
+            self._assigned = {key: self._assigned[key] for key in keys if key in self._assigned}
+        chunks = list(self._route(keys, list(range(len(contexts)))).items())  # (replica, rows)
+        answers: dict[int, TopKBatch] = {}  # chunk index -> its rows' answer
+        while len(answers) < len(chunks):
+            pending = [c for c in range(len(chunks)) if c not in answers]
+            got = await asyncio.gather(
+                *(self.replicas[chunks[c][0]].next_token_topk([contexts[i] for i in chunks[c][1]], k) for c in pending),
+                return_exceptions=True)
+            orphans: list[int] = []
+            for c, answer in zip(pending, got):
+                replica, rows = chunks[c]
+                if isinstance(answer, ServerError) and not isinstance(answer, ServerRejectedError):
+                    self._mark_down(replica, answer)
+                    if not self.healthy:
+                        raise answer
+                    orphans.extend(rows)
+                    answers[c] = _EMPTY
+                elif isinstance(answer, BaseException):
+                    raise answer
+                else:
+                    answers[c] = answer
+            if orphans:
+                self.counters.moves += sum(1 for i in orphans if keys[i] >= 0)
+                chunks.extend(self._route([keys[i] for i in orphans], orphans).items())
+        return _reassemble(len(contexts), [(rows, answers[c]) for c, (_, rows) in enumerate(chunks)
+                                           if answers[c] is not _EMPTY])
+
+    # -- routing -------------------------------------------------------------------------
+
+    def _route(self, keys: list[int], rows: list[int]) -> dict[int, list[int]]:
+        """replica -> rows (indexes into the call): a kept key stays on its replica while that
+        is up; a new or moved one goes to the healthy replica with the fewest sequences."""
+        healthy = self.healthy
+        load = {r: 0 for r in healthy}
+        for replica in self._assigned.values():
+            if replica in load:
+                load[replica] += 1
+        route: dict[int, list[int]] = {}
+        for key, row in zip(keys, rows):
+            replica = self._assigned.get(key)
+            if replica is None or not self._up[replica]:
+                replica = min(healthy, key=load.__getitem__)
+                load[replica] += 1
+                if key >= 0:
+                    self._assigned[key] = replica
+            route.setdefault(replica, []).append(row)
+        return route
+
+    def _mark_down(self, replica: int, error: ServerError) -> None:
+        if self._up[replica]:
+            self._up[replica] = False
+            self.counters.downs += 1
+            log.warning("%s is down (%s); its sequences move to %d healthy replica(s)",
+                        self.describe(replica), error, len(self.healthy))
+
+    async def _any(self, call: Callable[[Engine], Awaitable[T]]) -> T:
+        """`call` on the first healthy replica, the next one if it fails, and so on."""
+        error: ServerError | None = None
+        for replica in self.healthy:
+            try:
+                return await call(self.replicas[replica])
+            except ServerRejectedError:
+                raise
+            except ServerError as exc:
+                self._mark_down(replica, exc)
+                error = exc
+        if error is None:  # none was healthy to begin with
+            raise ServerError(self.name, self.url, "every replica of this role is down")
+        raise error
+
+    # -- rejoin --------------------------------------------------------------------------
+
+    async def _probe_down_replicas(self) -> None:
+        while True:
+            await asyncio.sleep(self._probe_interval_s)
+            for replica in [i for i, up in enumerate(self._up) if not up]:
+                if await self._passes(replica):
+                    self._up[replica] = True
+                    self.counters.rejoins += 1
+                    log.warning("%s passed /health and the weights probe: it rejoins the pool",
+                                self.describe(replica))
+
+    async def _passes(self, replica: int) -> bool:
+        engine = self.replicas[replica]
+        try:
+            await engine.health()
+            if self._reference is None or not self._probe_contexts:
+                return True
+            return _gap(self._reference, await self._probe(engine)) <= self._tolerance
+        except ServerError:
+            return False
+
+    def adopt_reference(self, reference: TopKBatch) -> None:
+        """New weights were pushed: probes compare against what the pushed replicas answer."""
+        self._reference = reference
+
+
+def _gap(a: TopKBatch, b: TopKBatch) -> float:
+    """Largest |logprob difference| over the tokens both list per row; inf when the top-1 differs."""
+    if a.token_ids.shape != b.token_ids.shape or not np.array_equal(a.token_ids[:, 0], b.token_ids[:, 0]):
+        return float("inf")
+    worst = 0.0
+    for ids_a, lp_a, ids_b, lp_b in zip(a.token_ids, a.logprobs, b.token_ids, b.logprobs):
+        other = dict(zip(ids_b.tolist(), lp_b.tolist()))
+        shared = [(lp, other[i]) for i, lp in zip(ids_a.tolist(), lp_a.tolist()) if i in other and i >= 0]
+        worst = max([worst, *(abs(x - y) for x, y in shared)])
+    return worst
+
+
+def _reassemble(size: int, parts: list[tuple[list[int], TopKBatch]]) -> TopKBatch:
+    """One TopKBatch in call order from each replica's answer for its rows."""
+    width = max(batch.token_ids.shape[1] for _, batch in parts)
+    ids = np.full((size, width), PAD_TOKEN_ID, dtype=np.int64)
+    logprobs = np.full((size, width), -np.inf, dtype=np.float64)
+    for rows, batch in parts:
+        w = batch.token_ids.shape[1]
+        ids[rows, :w], logprobs[rows, :w] = batch.token_ids, batch.logprobs
+    return TopKBatch(token_ids=ids, logprobs=logprobs)

@@ -1,0 +1,128 @@
+"""Replica pools (engines/pool.py) under the coordinator, over real HTTP to fake vLLM replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import AsyncIterator
+
+import pytest
+
+from common.errors import IncompatibleModelsError, InvalidInputError
+from coordinator import CoordinatorConfig, DualVLLMCoordinator
+from tests.fake_vllm import FakeModel, FakeVLLM, Failure, tokenize
+
+PROMPTS = ["abc", "de", "fgh", "ij", "klm", "no", "ab", "cd"]
+
+
+@contextlib.asynccontextmanager
+async def servers(*models: FakeModel) -> AsyncIterator[list[FakeVLLM]]:
+    started = [FakeVLLM(m, name="fake-base" if m.seed != 2 else "fake-teacher") for m in models]
+    for server in started:
+        await server.start()
+    try:
+        yield started
+    finally:
+        for server in started:
+            await server.close()
+
+
+def config(thetas: list[FakeVLLM], ts: list[FakeVLLM], **kw) -> CoordinatorConfig:
+    kw = dict(retry_delay=0.0, top_k=8, mode="per_token", max_retries=0, replica_probe_interval=0.05) | kw
+    return CoordinatorConfig(theta_urls=[s.url for s in thetas], t_urls=[s.url for s in ts], **kw)
+
+
+def contexts_seen(server: FakeVLLM, after: int) -> set[tuple[int, ...]]:
+    """The prompts (as token-id tuples) of the server's top-k requests after the first `after`."""
+    return {tuple(p) for call in server.calls["/v1/completions"][after:] for p in call["prompt"]}
+
+
+def owner(prompt: str, replicas: list[FakeVLLM], after: list[int]) -> list[int]:
+    """Which replicas saw a context that starts with `prompt`'s tokens."""
+    ids = tuple(tokenize(prompt))
+    return [i for i, r in enumerate(replicas) if any(c[:len(ids)] == ids for c in contexts_seen(r, after[i]))]
+
+
+async def test_sequences_spread_over_replicas_and_each_stays_on_one():
+    async with servers(FakeModel(1, eos_after=30), FakeModel(1, eos_after=30), FakeModel(2, eos_after=30)) as (a, b, t):
+        async with DualVLLMCoordinator(config([a, b], [t])) as c:
+            after = [len(a.calls["/v1/completions"]), len(b.calls["/v1/completions"])]  # past the start-up checks
+            outputs = await c.generate_batch(PROMPTS, max_tokens=6, seed=1)
+            stats = c.get_statistics()
+    assert all(o.ok for o in outputs)
+    owners = [owner(p, [a, b], after) for p in ("abc", "fgh", "klm")]  # prompts no other prompt starts with
+    assert all(len(o) == 1 for o in owners), owners  # every step of a sequence went to one replica
+    steps = [len(call["prompt"]) for call in a.calls["/v1/completions"][after[0]:]][-3:]
+    assert steps == [4, 4, 4]  # balanced: 8 sequences, 4 per replica, one request per replica per step
+    assert stats["theta_replicas_up"] == 2 and stats["theta_replica_moves"] == 0
+
+
+async def test_a_replica_that_dies_mid_run_hands_its_sequences_over_with_nothing_lost():
+    async with servers(FakeModel(1), FakeModel(1), FakeModel(2)) as (a, b, t):
+        async with DualVLLMCoordinator(config([a], [t])) as c:
+            reference = await c.generate_batch(PROMPTS, max_tokens=8, seed=3)
+        async with DualVLLMCoordinator(config([a, b], [t])) as c:
+            a.fail_next("/v1/completions", Failure(0), Failure(0), *[Failure(503)] * 1000)  # 2 steps, then down
+            outputs = await c.generate_batch(PROMPTS, max_tokens=8, seed=3)
+            stats = c.get_statistics()
+    assert [o.generated_tokens for o in outputs] == [o.generated_tokens for o in reference]
+    for got, want in zip(outputs, reference):
+        assert got.logprobs_q == pytest.approx(want.logprobs_q) and got.alpha_history == pytest.approx(want.alpha_history)
+    assert all(o.ok for o in outputs)
+    assert stats["theta_replica_downs"] == 1 and stats["theta_replica_moves"] == 4
+    assert stats["theta_replicas_up"] == 1 and stats["sequences_failed"] == 0
+
+
+async def test_with_every_replica_of_a_role_down_its_sequences_fail_as_before():
+    async with servers(FakeModel(1), FakeModel(1), FakeModel(2)) as (a, b, t):
+        async with DualVLLMCoordinator(config([a, b], [t])) as c:
+            for replica in (a, b):
+                replica.fail_next("/v1/completions", *[Failure(503)] * 50)
+            outputs = await c.generate_batch(PROMPTS[:4], max_tokens=4, seed=1)
+    assert all(not o.ok and "503" in o.error for o in outputs)
+
+
+async def test_a_down_replica_rejoins_once_it_answers_with_the_same_weights():
+    async with servers(FakeModel(1), FakeModel(1), FakeModel(2)) as (a, b, t):
+        async with DualVLLMCoordinator(config([a, b], [t])) as c:
+            a.fail_next("/v1/completions", Failure(503))
+            await c.generate_batch(PROMPTS, max_tokens=4, seed=1)
+            assert c.get_statistics()["theta_replica_downs"] == 1
+            for _ in range(100):  # probed every 0.05 s
+                await asyncio.sleep(0.05)
+                if c.get_statistics()["theta_replicas_up"] == 2:
+                    break
+            stats = c.get_statistics()
+            before = len(a.calls["/v1/completions"])
+            await c.generate_batch(PROMPTS, max_tokens=4, seed=2)
+    assert stats["theta_replica_rejoins"] == 1 and stats["theta_replicas_up"] == 2
+    assert len(a.calls["/v1/completions"]) > before  # new sequences go to it again
+
+
+async def test_a_replica_that_comes_back_with_other_weights_stays_out():
+    async with servers(FakeModel(1), FakeModel(1), FakeModel(2)) as (a, b, t):
+        async with DualVLLMCoordinator(config([a, b], [t])) as c:
+            a.model = FakeModel(7)  # it will come back from its failure with another checkpoint
+            a.fail_next("/v1/completions", Failure(503))
+            await c.generate_batch(PROMPTS[:2], max_tokens=2, seed=1)
+            await asyncio.sleep(0.5)  # ten probes
+            stats = c.get_statistics()
+    assert stats["theta_replica_downs"] == 1 and stats["theta_replicas_up"] == 1
+    assert stats["theta_replica_rejoins"] == 0
+
+
+async def test_replicas_with_different_weights_are_refused_by_url():
+    async with servers(FakeModel(1), FakeModel(5), FakeModel(2)) as (a, b, t):
+        with pytest.raises(IncompatibleModelsError, match="serve different weights") as refused:
+            async with DualVLLMCoordinator(config([a, b], [t])):
+                pass
+        assert a.url in str(refused.value) and b.url in str(refused.value)
+
+
+def test_pools_need_per_token_mode_and_urls_come_comma_separated(monkeypatch):
+    monkeypatch.setenv("DUALVLLM_T_URLS", "http://a:1, http://b:2/")
+    assert CoordinatorConfig().t_pool == ("http://a:1", "http://b:2")
+    with pytest.raises(InvalidInputError, match="per-token mode"):
+        CoordinatorConfig(mode="lockstep")
+    with pytest.raises(InvalidInputError, match="listed twice"):
+        CoordinatorConfig(theta_urls=["http://a:1", "http://a:1"])
