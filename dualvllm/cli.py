@@ -29,7 +29,7 @@ from coordinator.core import DualVLLMCoordinator, sampling_params
 from engines.launcher import ServerConfig, launch_pair, pair_configs
 
 # Coordinator fields exposed as flags (the rest are for the Python API / environment).
-COORDINATOR_FLAGS = ("theta_url", "t_url", "top_k", "fill_rule", "max_batch_size", "max_retries",
+COORDINATOR_FLAGS = ("theta_url", "t_url", "theta_urls", "t_urls", "top_k", "fill_rule", "max_batch_size", "max_retries",
                      "request_timeout", "seed", "speculative_gamma", "speculative_drafter", "speculative_proposal",
                      "local_tokenizers", "mode")
 # q* endpoint fields exposed as flags of `serve`.
@@ -165,7 +165,7 @@ async def _coordinator(args: argparse.Namespace, default_local: bool = False,
     to `launched`), or on two in-process transformers engines with `--engine transformers`."""
     overrides = _given(args, CoordinatorConfig, COORDINATOR_FLAGS)
     config = CoordinatorConfig(**overrides)  # bad flags fail here, before any server starts
-    given_urls = args.theta_url is not None and args.t_url is not None
+    given_urls = (args.theta_url or args.theta_urls) is not None and (args.t_url or args.t_urls) is not None
     local = args.base is not None or args.teacher is not None or (default_local and not given_urls)
     async with contextlib.AsyncExitStack() as stack:
         if args.engine == "transformers":
@@ -190,8 +190,8 @@ async def _in_process_engines(args: argparse.Namespace) -> AsyncIterator[tuple[A
     import tinymodels
     from engines.transformers_engine import TransformersEngine
 
-    if args.theta_url or args.t_url:
-        raise InvalidInputError("--engine transformers runs the models in this process; drop --theta-url/--t-url")
+    if args.theta_url or args.t_url or args.theta_urls or args.t_urls:
+        raise InvalidInputError("--engine transformers runs the models in this process; drop the server URLs")
     dtype = args.dtype if args.dtype not in (None, "auto") else "float32"
     async with TransformersEngine(args.base or tinymodels.BASE_DIR, name="theta", dtype=dtype) as theta, \
             TransformersEngine(args.teacher or tinymodels.TEACHER_DIR, name="t", dtype=dtype) as t:

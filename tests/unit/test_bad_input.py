@@ -55,7 +55,7 @@ GENERATE = [
     ("max-batch-size-zero", None, "--max-batch-size 0", r"max_batch_size=0: Input should be greater than or equal"),
     ("base-not-a-directory", None, "--base {tmp}/no-such-model",
      r"model '.*no-such-model' is not a Hugging Face model directory"),
-    ("in-process-engine-with-urls", None, "--engine transformers", r"--engine transformers .* drop --theta-url"),
+    ("in-process-engine-with-urls", None, "--engine transformers", r"--engine transformers .* drop the server URLs"),
 ]
 # (id, arguments after `dualvllm`, message)
 OTHER_COMMANDS = [

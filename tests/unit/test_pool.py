@@ -126,3 +126,12 @@ def test_pools_need_per_token_mode_and_urls_come_comma_separated(monkeypatch):
         CoordinatorConfig(mode="lockstep")
     with pytest.raises(InvalidInputError, match="listed twice"):
         CoordinatorConfig(theta_urls=["http://a:1", "http://a:1"])
+
+
+def test_the_command_line_takes_replica_lists():
+    from dualvllm.cli import COORDINATOR_FLAGS, _given, _parser
+
+    args = _parser().parse_args(["generate", "--input", "in.jsonl", "--output", "out.jsonl",
+                                 "--theta-urls", "http://a:1", "http://b:1", "--t-urls", "http://c:1"])
+    config = CoordinatorConfig(**_given(args, CoordinatorConfig, COORDINATOR_FLAGS))
+    assert config.theta_pool == ("http://a:1", "http://b:1") and config.t_pool == ("http://c:1",)
