@@ -344,6 +344,14 @@ class DualVLLMCoordinator:
         return self._state == "open"
 
     @property
+    def base_engine(self) -> Engine:
+        """The base role's engine: its server's client, or the ReplicaPool of its replicas'
+        clients. A trainer pushes weights through it (training.weight_sync.BasePusher)."""
+        self._require_open()
+        assert self._theta is not None
+        return self._theta
+
+    @property
     def max_model_len(self) -> int:
         """Prompt + generated tokens both servers accept (known once entered)."""
         return self._require_open().max_len

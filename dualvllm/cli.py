@@ -26,7 +26,7 @@ from pydantic import BaseModel
 from common.errors import DualVLLMError, InvalidInputError
 from coordinator.config import CoordinatorConfig
 from coordinator.core import DualVLLMCoordinator, sampling_params
-from engines.launcher import ServerConfig, launch_pair, pair_configs
+from engines.launcher import ServerConfig, launch_replicas, replica_configs
 
 # Coordinator fields exposed as flags (the rest are for the Python API / environment).
 COORDINATOR_FLAGS = ("theta_url", "t_url", "theta_urls", "t_urls", "top_k", "fill_rule", "max_batch_size", "max_retries",
@@ -70,11 +70,11 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from dualvllm.serve import serve_endpoint, serve_pair
+    from dualvllm.serve import serve_endpoint, serve_servers
     from service.config import ServiceConfig
 
     if args.servers_only:
-        await serve_pair(*_server_configs(args))
+        await serve_servers(_server_configs(args))
         return 0
     config = ServiceConfig(**_given(args, ServiceConfig, SERVICE_FLAGS))  # bad flags fail before servers start
     launched: list[Any] = []
@@ -167,6 +167,8 @@ async def _coordinator(args: argparse.Namespace, default_local: bool = False,
     config = CoordinatorConfig(**overrides)  # bad flags fail here, before any server starts
     given_urls = (args.theta_url or args.theta_urls) is not None and (args.t_url or args.t_urls) is not None
     local = args.base is not None or args.teacher is not None or (default_local and not given_urls)
+    if local and args.replicas > 1:  # what pools cannot do is refused before any server starts
+        CoordinatorConfig(**overrides | {"theta_urls": [f"http://replica-{i}" for i in range(args.replicas)]})
     async with contextlib.AsyncExitStack() as stack:
         if args.engine == "transformers":
             engines = await stack.enter_async_context(_in_process_engines(args))
@@ -174,12 +176,12 @@ async def _coordinator(args: argparse.Namespace, default_local: bool = False,
                 DualVLLMCoordinator(config, theta_engine=engines[0], t_engine=engines[1]))
             return
         if local:
-            servers = _server_configs(args)
-            theta_server, t_server = await stack.enter_async_context(launch_pair(*servers))
+            pairs = _server_configs(args)
+            servers = await stack.enter_async_context(launch_replicas(pairs))
             if launched is not None:
-                launched.extend((theta_server, t_server))
-            overrides.update(theta_url=theta_server.url, t_url=t_server.url)
-            if servers[0].skip_tokenizer_init:  # servers without tokenizers: the coordinator must tokenize
+                launched.extend(server for pair in servers for server in pair)
+            overrides.update(theta_urls=[theta.url for theta, _ in servers], t_urls=[t.url for _, t in servers])
+            if pairs[0][0].skip_tokenizer_init:  # servers without tokenizers: the coordinator must tokenize
                 overrides["local_tokenizers"] = True
             config = CoordinatorConfig(**overrides)
         yield await stack.enter_async_context(DualVLLMCoordinator(config))
@@ -198,14 +200,19 @@ async def _in_process_engines(args: argparse.Namespace) -> AsyncIterator[tuple[A
         yield theta, t
 
 
-def _server_configs(args: argparse.Namespace) -> tuple[ServerConfig, ServerConfig]:
-    """Configs of the servers to start; they require the key the coordinator sends
-    (DUALVLLM_API_KEY, kept out of argv so `ps` does not show it)."""
+def _server_configs(args: argparse.Namespace) -> list[tuple[ServerConfig, ServerConfig]]:
+    """Configs of the (base, teacher) pairs to start; they require the key the coordinator
+    sends (DUALVLLM_API_KEY, kept out of argv so `ps` does not show it)."""
+    if args.replicas < 1:
+        raise InvalidInputError(f"--replicas must be at least 1, got {args.replicas}")
+    if args.replicas > 1 and args.lockstep:
+        raise InvalidInputError("replica pools run in per-token mode, so --lockstep servers would go unused; "
+                                "drop --lockstep or --replicas")
     secret = CoordinatorConfig().api_key
     options = _given(args, ServerConfig, SERVER_FLAGS)
     if secret is not None:
         options["api_key"] = secret.get_secret_value()
-    return pair_configs(args.base, args.teacher, log_dir=args.log_dir, **options)
+    return replica_configs(args.base, args.teacher, replicas=args.replicas, log_dir=args.log_dir, **options)
 
 
 def _given(args: argparse.Namespace, schema: type[BaseModel], names: Iterable[str]) -> dict[str, Any]:
@@ -310,6 +317,10 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--base", help="base model (pi_theta) directory; default: the bundled tiny base")
     group.add_argument("--teacher", help="teacher model (pi_t) directory; default: the bundled tiny teacher")
     group.add_argument("--log-dir", type=Path, default=None, help="write theta.log and t.log here")
+    group.add_argument("--replicas", type=int, default=1,
+                       help="start this many (base, teacher) pairs, each on its own cores when there are enough; "
+                            "the coordinator pools the replicas of each role, and a replica that dies hands its "
+                            "sequences to the others (per-token mode) (default: 1)")
     _add_schema_flags(group, ServerConfig, SERVER_FLAGS)
 
 

@@ -4,11 +4,12 @@ until interrupted."""
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import Sequence
 
 from common.errors import ServerStartupError
 from coordinator.core import DualVLLMCoordinator
-from engines.launcher import ServerConfig, VLLMServer, launch_pair
+from engines.launcher import ServerConfig, VLLMServer, launch_replicas
 from service.app import serve
 from service.config import ServiceConfig
 
@@ -16,20 +17,35 @@ from service.config import ServiceConfig
 LIVENESS_POLL_S = 2.0
 
 
-async def serve_pair(base: ServerConfig, teacher: ServerConfig) -> None:
-    async with launch_pair(base, teacher) as (theta, t):
-        _print_servers(theta, t)
-        print("Ctrl-C stops both.", flush=True)
-        while theta.running and t.running:
+async def serve_servers(pairs: list[tuple[ServerConfig, ServerConfig]]) -> None:
+    """Start the (base, teacher) pairs, print their URLs, and keep them up until interrupted.
+
+    With one pair, a server that exits stops the other. Replicas are meant to outlive each
+    other: a dead one is reported, the others serve on, and it may be restarted by hand on
+    its port (a coordinator's pool takes it back once it passes its probe)."""
+    async with launch_replicas(pairs) as launched:
+        servers = [server for pair in launched for server in pair]
+        _print_servers(*servers)
+        print("Ctrl-C stops them all.", flush=True)
+        reported: set[str] = set()
+        while True:
+            dead = [server for server in servers if not server.running and server.name not in reported]
+            if dead and len(servers) == 2:
+                raise ServerStartupError(f"{dead[0].name} server exited while serving; the other one was stopped. "
+                                         f"Log {dead[0].log_path}:\n{dead[0].log_tail()}")
+            for server in dead:
+                print(f"{server.name} server ({server.url}) exited; the others serve on. Log {server.log_path}",
+                      file=sys.stderr, flush=True)
+                reported.add(server.name)
+            if len(reported) == len(servers):
+                raise ServerStartupError("every server exited; see their logs above")
             await asyncio.sleep(LIVENESS_POLL_S)
-        dead = theta if not theta.running else t
-        raise ServerStartupError(f"{dead.name} server exited while serving; the other one was stopped. "
-                                 f"Log {dead.log_path}:\n{dead.log_tail()}")
 
 
 async def serve_endpoint(coordinator: DualVLLMCoordinator, config: ServiceConfig,
                          servers: Sequence[VLLMServer]) -> None:
-    """Serve the q* endpoint until interrupted, or until one of the `servers` started for it exits."""
+    """Serve the q* endpoint until interrupted, or until a server started for it exits: with
+    replica pools, until every replica of a role has (the pool fails over until then)."""
 
     def ready(url: str, model: str) -> None:
         if servers:
@@ -43,7 +59,7 @@ async def serve_endpoint(coordinator: DualVLLMCoordinator, config: ServiceConfig
     endpoint = asyncio.create_task(serve(coordinator, config, ready=ready))
     try:
         while not endpoint.done():
-            dead = next((s for s in servers if not s.running), None)
+            dead = _role_lost(servers)
             if dead is not None:
                 raise ServerStartupError(f"{dead.name} server exited while serving; the endpoint was stopped. "
                                          f"Log {dead.log_path}:\n{dead.log_tail()}")
@@ -54,7 +70,22 @@ async def serve_endpoint(coordinator: DualVLLMCoordinator, config: ServiceConfig
         await asyncio.gather(endpoint, return_exceptions=True)
 
 
-def _print_servers(theta: VLLMServer, t: VLLMServer) -> None:
-    print(f"base    (theta): {theta.url}   log: {theta.log_path}")
-    print(f"teacher (t):     {t.url}   log: {t.log_path}")
-    print(f"export DUALVLLM_THETA_URL={theta.url} DUALVLLM_T_URL={t.url}")
+def _print_servers(*servers: VLLMServer) -> None:
+    """Each server's URL and log, then the variables that point a coordinator at them."""
+    thetas, ts = servers[0::2], servers[1::2]  # (base, teacher) pairs, in order
+    for server in servers:
+        role = "base    (theta)" if server in thetas else "teacher (t)    "
+        print(f"{role} {server.name:>8}: {server.url}   log: {server.log_path}")
+    if len(thetas) == 1:
+        print(f"export DUALVLLM_THETA_URL={thetas[0].url} DUALVLLM_T_URL={ts[0].url}")
+    else:
+        print(f"export DUALVLLM_THETA_URLS={','.join(s.url for s in thetas)} "
+              f"DUALVLLM_T_URLS={','.join(s.url for s in ts)}")
+
+
+def _role_lost(servers: Sequence[VLLMServer]) -> VLLMServer | None:
+    """A server of a role none of whose servers (the pairs' base, or teacher) still runs."""
+    for role in (servers[0::2], servers[1::2]):
+        if role and not any(server.running for server in role):
+            return role[0]
+    return None

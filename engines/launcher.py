@@ -293,43 +293,76 @@ def pair_configs(base_model: str | None = None, teacher_model: str | None = None
     weight-push endpoint on the base only: the teacher is never trained, so it never
     exposes /collective_rpc. `options` are any other ServerConfig fields, set on both.
     """
+    [pair] = replica_configs(base_model, teacher_model, replicas=1, log_dir=log_dir, dev_mode=dev_mode, **options)
+    return pair
+
+
+def replica_configs(base_model: str | None = None, teacher_model: str | None = None, *, replicas: int,
+                    log_dir: Path | None = None, dev_mode: bool = False,
+                    **options: Any) -> list[tuple[ServerConfig, ServerConfig]]:
+    """`replicas` (base, teacher) pairs for one machine, as `pair_configs` builds one.
+
+    Each of the 2 x replicas servers gets its own block of cores when the CPU build has
+    enough (none are bound otherwise); logs go to theta-I.log and t-I.log. On GPUs, give
+    each replica its own devices with CUDA_VISIBLE_DEVICES, or use vLLM's own data
+    parallelism behind one URL (README, "Replica pools").
+    """
     import tinymodels
 
     if base_model is None or teacher_model is None:
         options.setdefault("dtype", tinymodels.SERVER_DTYPE)
-    cores = split_cores(2) if is_cpu_build() else [None, None]
+    cores = split_cores(2 * replicas) if is_cpu_build() else [None] * (2 * replicas)
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
-    configs = []
-    for model, name, core, role_dev_mode in ((base_model or tinymodels.BASE_DIR, "theta", cores[0], dev_mode),
-                                             (teacher_model or tinymodels.TEACHER_DIR, "t", cores[1], False)):
-        configs.append(ServerConfig(model=str(model), cpu_cores=core, dev_mode=role_dev_mode,
-                                    log_path=log_dir / f"{name}.log" if log_dir is not None else None, **options))
-    return configs[0], configs[1]
+    roles = ((base_model or tinymodels.BASE_DIR, "theta", dev_mode), (teacher_model or tinymodels.TEACHER_DIR, "t", False))
+    pairs = []
+    for replica in range(replicas):
+        suffix = f"-{replica}" if replicas > 1 else ""
+        pair = [ServerConfig(model=str(model), cpu_cores=cores[2 * replica + j], dev_mode=role_dev_mode,
+                             log_path=log_dir / f"{name}{suffix}.log" if log_dir is not None else None, **options)
+                for j, (model, name, role_dev_mode) in enumerate(roles)]
+        pairs.append((pair[0], pair[1]))
+    return pairs
+
+
+async def start_servers(named: list[tuple[ServerConfig, str]]) -> list[VLLMServer]:
+    """Start every (config, name) server concurrently -> all of them, healthy.
+
+    If any fails to start, all are stopped and the first error is raised. The caller stops
+    them (`launch_pair`, `launch_replicas` do it on exit).
+    """
+    servers = [VLLMServer(config, name=name) for config, name in named]
+    results = await asyncio.gather(*(server.start() for server in servers), return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        for server in servers:
+            server.stop()
+        raise errors[0]
+    return servers
 
 
 async def start_pair(base: ServerConfig, teacher: ServerConfig) -> tuple[VLLMServer, VLLMServer]:
-    """Start the base ("theta") and the teacher ("t") server concurrently -> both, healthy.
-
-    If either fails to start, both are stopped and the first error is raised. The caller
-    stops them (`launch_pair` does it on exit).
-    """
-    theta, t = VLLMServer(base, name="theta"), VLLMServer(teacher, name="t")
-    results = await asyncio.gather(theta.start(), t.start(), return_exceptions=True)
-    errors = [r for r in results if isinstance(r, BaseException)]
-    if errors:
-        theta.stop()
-        t.stop()
-        raise errors[0]
+    """Start the base ("theta") and the teacher ("t") server concurrently -> both, healthy."""
+    theta, t = await start_servers([(base, "theta"), (teacher, "t")])
     return theta, t
 
 
 @asynccontextmanager
 async def launch_pair(base: ServerConfig, teacher: ServerConfig) -> AsyncIterator[tuple[VLLMServer, VLLMServer]]:
     """Both servers of a pair, started concurrently and stopped on exit (see start_pair)."""
-    theta, t = await start_pair(base, teacher)
+    async with launch_replicas([(base, teacher)]) as [pair]:
+        yield pair
+
+
+@asynccontextmanager
+async def launch_replicas(pairs: list[tuple[ServerConfig, ServerConfig]]
+                          ) -> AsyncIterator[list[tuple[VLLMServer, VLLMServer]]]:
+    """Every (base, teacher) pair, all started concurrently, all stopped on exit."""
+    suffix = (lambda i: f"-{i}") if len(pairs) > 1 else (lambda i: "")
+    servers = await start_servers([(config, f"{role}{suffix(i)}") for i, pair in enumerate(pairs)
+                                   for config, role in zip(pair, ("theta", "t"))])
     try:
-        yield theta, t
+        yield [(servers[2 * i], servers[2 * i + 1]) for i in range(len(pairs))]
     finally:
-        theta.stop()
-        t.stop()
+        for server in servers:
+            server.stop()

@@ -11,8 +11,11 @@ same weights can continue a sequence from its recorded tokens. The pool:
   4xx: the request was wrong, not the server), moves its rows to the healthy replicas and
   sends them there in the same call. The caller sees one answer or, when no replica of
   the role is left, the last error;
-- probes a down replica in the background (/health, then the weights probe) and lets it
-  rejoin when it answers with the same weights as the others.
+- probes a down replica in the background (/health, then the `rejoin_hook` if one is set,
+  then the weights probe) and lets it rejoin when it answers with the same weights as the
+  others. A trainer sets the hook to push its newest weights first, takes a replica that
+  failed a push out (`take_out`), and after each push makes the pushed weights the ones a
+  rejoining replica must match (`refresh_reference`).
 
 Every move, down and rejoin is logged and counted (`PoolCounters`).
 """
@@ -26,7 +29,7 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
 
-from common.errors import IncompatibleModelsError, ServerError, ServerRejectedError
+from common.errors import DualVLLMError, IncompatibleModelsError, ServerError, ServerRejectedError
 from engines.protocol import PAD_TOKEN_ID, Engine, ModelInfo, TopKBatch
 
 log = logging.getLogger("dualvllm.pool")
@@ -70,6 +73,12 @@ class ReplicaPool:
         self._tolerance = tolerance
         self._prober: asyncio.Task[None] | None = None
         self.counters = PoolCounters()
+        # Awaited on a down replica that passed /health, before its weights probe; a raise
+        # keeps it down (e.g. a trainer pushing its newest weights, which did not take).
+        self.rejoin_hook: Callable[[Engine], Awaitable[None]] | None = None
+        # Held while a replica rejoins, and by a trainer while it pushes weights: a replica
+        # then either got the push or rejoins after it (through the hook), never between.
+        self.membership = asyncio.Lock()
 
     @property
     def healthy(self) -> list[int]:
@@ -146,7 +155,7 @@ class ReplicaPool:
             for c, answer in zip(pending, got):
                 replica, rows = chunks[c]
                 if isinstance(answer, ServerError) and not isinstance(answer, ServerRejectedError):
-                    self._mark_down(replica, answer)
+                    self.take_out(replica, answer)
                     if not self.healthy:
                         raise answer
                     orphans.extend(rows)
@@ -182,12 +191,13 @@ class ReplicaPool:
             route.setdefault(replica, []).append(row)
         return route
 
-    def _mark_down(self, replica: int, error: ServerError) -> None:
+    def take_out(self, replica: int, reason: object) -> None:
+        """Mark `replica` down: its sequences move at their next step, and it is probed until it passes."""
         if self._up[replica]:
             self._up[replica] = False
             self.counters.downs += 1
             log.warning("%s is down (%s); its sequences move to %d healthy replica(s)",
-                        self.describe(replica), error, len(self.healthy))
+                        self.describe(replica), reason, len(self.healthy))
 
     async def _any(self, call: Callable[[Engine], Awaitable[T]]) -> T:
         """`call` on the first healthy replica, the next one if it fails, and so on."""
@@ -198,7 +208,7 @@ class ReplicaPool:
             except ServerRejectedError:
                 raise
             except ServerError as exc:
-                self._mark_down(replica, exc)
+                self.take_out(replica, exc)
                 error = exc
         if error is None:  # none was healthy to begin with
             raise ServerError(self.name, self.url, "every replica of this role is down")
@@ -210,25 +220,37 @@ class ReplicaPool:
         while True:
             await asyncio.sleep(self._probe_interval_s)
             for replica in [i for i, up in enumerate(self._up) if not up]:
-                if await self._passes(replica):
+                async with self.membership:
+                    if not await self._passes(replica):
+                        continue
                     self._up[replica] = True
                     self.counters.rejoins += 1
-                    log.warning("%s passed /health and the weights probe: it rejoins the pool",
-                                self.describe(replica))
+                log.warning("%s passed /health and the weights probe: it rejoins the pool", self.describe(replica))
 
     async def _passes(self, replica: int) -> bool:
         engine = self.replicas[replica]
         try:
             await engine.health()
+        except ServerError:
+            return False  # still down: no log line every probe interval
+        try:
+            if self.rejoin_hook is not None:
+                await self.rejoin_hook(engine)
             if self._reference is None or not self._probe_contexts:
                 return True
-            return _gap(self._reference, await self._probe(engine)) <= self._tolerance
-        except ServerError:
+            gap = _gap(self._reference, await self._probe(engine))
+        except DualVLLMError as exc:
+            log.warning("%s answers /health but cannot rejoin yet: %s", self.describe(replica), exc)
             return False
+        if gap > self._tolerance:
+            log.warning("%s answers /health but serves other weights (top-%d logprobs differ by %.4f nats); "
+                        "it stays out", self.describe(replica), WEIGHTS_PROBE_K, gap)
+        return gap <= self._tolerance
 
-    def adopt_reference(self, reference: TopKBatch) -> None:
-        """New weights were pushed: probes compare against what the pushed replicas answer."""
-        self._reference = reference
+    async def refresh_reference(self) -> None:
+        """New weights were pushed to the healthy replicas: a rejoining replica must match them."""
+        if self._probe_contexts:
+            self._reference = await self._any(self._probe)
 
 
 def _gap(a: TopKBatch, b: TopKBatch) -> float:

@@ -72,6 +72,16 @@ class TaskConfig(RaisesInvalidInput, BaseModel):
         False, description="Start the servers with the lockstep plugin, so rollouts are decoded natively in lockstep "
                            "(coordinator/lockstep.py); a weight push takes the sequences in flight off the servers and "
                            "resumes them after it, on the new weights.")
+    replicas: int = Field(
+        1, ge=1, le=64, description="(base, teacher) server pairs this run starts, pooled per role: a replica that "
+                                    "dies hands its sequences to the others, and every weight push goes to each base "
+                                    "replica, verified (engines/pool.py).")
+    theta_urls: tuple[str, ...] = Field(
+        (), description="Base servers already running (dev mode, serving --base) to sample from instead of starting "
+                        "any; the run first pushes its starting weights into each, then every update.")
+    t_urls: tuple[str, ...] = Field(
+        (), description="Teacher servers already running (serving --teacher); needed with --theta-urls unless "
+                        "--teacher self, which samples the teacher from the base servers.")
     eval_prompts: int = Field(200, ge=1, description="Held-out problems per evaluation.")
     eval_samples: int = Field(
         0, ge=0, description="Samples per held-out problem for pass@k at --temperature; 0 = greedy accuracy only.")
@@ -105,6 +115,16 @@ class TaskConfig(RaisesInvalidInput, BaseModel):
                                  f"add {reward} to --reward or drop {flag(name)}")
         if self.chat_template not in (None, "tokenizer") and not Path(self.chat_template).is_file():
             raise ValueError(f"--chat-template {self.chat_template!r} is neither 'tokenizer' nor a template file")
+        if self.theta_urls and "replicas" in given:
+            raise ValueError("--replicas starts servers and --theta-urls names running ones; give one of them")
+        if bool(self.theta_urls) != bool(self.t_urls) and not (self.theta_urls and self.teacher == "self"):
+            raise ValueError("--theta-urls and --t-urls name the running base and teacher servers: give both "
+                             "(or --teacher self with --theta-urls alone)")
+        if self.teacher == "self" and (self.replicas > 1 or len(self.theta_urls) > 1 or self.t_urls):
+            raise ValueError("--teacher self samples the teacher from the one base server; with several base "
+                             "replicas, serve the starting weights as the teacher (--teacher self-frozen) instead")
+        if self.lockstep and (self.replicas > 1 or len(self.theta_urls) > 1 or len(self.t_urls) > 1):
+            raise ValueError("replica pools run in per-token mode; drop --lockstep or use one server per role")
         if too_large := [k for k in self.pass_k if k > self.eval_samples]:
             if "pass_k" in given:
                 raise ValueError(f"--pass-k {too_large} needs at least {max(too_large)} --eval-samples per problem")
@@ -178,6 +198,9 @@ class TrainConfig(TaskConfig):
         if self.eval_every > self.steps and "eval_every" in given:
             raise ValueError(f"--eval-every {self.eval_every} is more than --steps {self.steps}: no evaluation "
                              "would run between the first and the last; lower it or drop it")
+        if self.method == "dpo" and self.theta_urls:
+            raise ValueError("--method dpo evaluates the trained model on servers it starts for it; running servers "
+                             "(--theta-urls, --t-urls) are for grpo, which pushes weights into them: drop them")
         return self
 
 

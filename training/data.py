@@ -27,7 +27,6 @@ server starts, with its file, its line (JSONL) or row (other formats) and the fi
 from __future__ import annotations
 
 import functools
-import json
 import random
 import re
 import string

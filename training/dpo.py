@@ -79,7 +79,7 @@ async def train_dpo(config: TrainConfig, *, show_progress: bool = True) -> DPORe
     chosen = problems.train[:config.steps * config.prompts_per_step]
     batch_size = len(chosen) * config.group_size
     with verifier_pool() as pool:
-        async with serving(config, base_dir, log_dir=out, batch_size=batch_size) as (coordinator, _):
+        async with serving(config, base_dir, log_dir=out, batch_size=batch_size) as coordinator:
             accuracy_before = await _held_out_accuracy(coordinator, config, problems, pool)
             sampled = await sample_batch(
                 coordinator, chosen, group_size=config.group_size, max_tokens=config.max_tokens,
@@ -116,7 +116,7 @@ async def train_dpo(config: TrainConfig, *, show_progress: bool = True) -> DPORe
         final = out / "final"
         lora.save_full(trainer.model, final)  # merged weights when trained with LoRA
         tokenizer.save_pretrained(final)
-        async with serving(config, str(final), log_dir=out / "final-servers") as (coordinator, _):
+        async with serving(config, str(final), log_dir=out / "final-servers") as coordinator:
             accuracy_after = await _held_out_accuracy(coordinator, config, problems, pool)
     return DPOReport(pairs=len(pairs), accuracy_before=accuracy_before, accuracy_after=accuracy_after,
                      pairs_path=pairs_path, model_dir=final)

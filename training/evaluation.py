@@ -120,7 +120,7 @@ async def run_eval(config: EvalConfig, *, show_progress: bool = True) -> str:
     problems = load_problems(config, AutoTokenizer.from_pretrained(base_dir))
     tasks = problems.held_out
     with verifier_pool() as pool:
-        async with serving(config, base_dir, batch_size=len(tasks) * max(config.eval_samples, 1)) as (coordinator, _):
+        async with serving(config, base_dir, batch_size=len(tasks) * max(config.eval_samples, 1)) as coordinator:
             results = await evaluate(coordinator, tasks, problems.spec, pool, arms=config.arms,
                                      max_tokens=config.max_tokens, samples=config.eval_samples, ks=config.pass_ks,
                                      temperature=config.temperature, seed=config.seed,

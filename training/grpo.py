@@ -38,7 +38,7 @@ from training.problems import Problems, load_problems
 from training.rollouts import ScoredBatch, Task, produce, sample_batch
 from training.serving import serving
 from training.verifiers import verifier_pool
-from training.weight_sync import push_weights
+from training.weight_sync import BasePusher
 
 log = logging.getLogger("dualvllm.training")
 
@@ -87,7 +87,10 @@ async def train_grpo(config: TrainConfig, *, resume: bool = False, show_progress
 
     with verifier_pool() as pool:
         async with serving(config, start_dir, log_dir=out, dev_mode=True,
-                           batch_size=config.prompts_per_step * config.group_size) as (coordinator, base_client):
+                           batch_size=config.prompts_per_step * config.group_size) as coordinator:
+            pusher = BasePusher(coordinator.base_engine, probes)
+            if config.theta_urls:  # servers started elsewhere serve whatever they were given: make it ours
+                await pusher.push(learner.model, tokenizer, _push_dir(out, state.step))
             async def sample(chosen: list[Task], seed: int):
                 return await sample_batch(coordinator, chosen, group_size=config.group_size, max_tokens=config.max_tokens,
                                           temperature=config.temperature, fixed_alpha=config.fixed_alpha,
@@ -126,10 +129,10 @@ async def train_grpo(config: TrainConfig, *, resume: bool = False, show_progress
                         step += 1
                         if step % config.push_every == 0 or step == config.steps:
                             async with coordinator.paused():  # lockstep sequences resume on the new weights
-                                push = await push_weights(base_client, learner.model, tokenizer,
-                                                          out / "pushed" / f"step-{step:06d}-{time.time_ns()}", probes)
+                                push = await pusher.push(learner.model, tokenizer, _push_dir(out, step))
                             version += 1
-                            metrics["push_max_abs_diff"] = push.max_abs_diff
+                            metrics.update(push_max_abs_diff=push.max_abs_diff, push_replicas=push.replicas,
+                                           push_replicas_dropped=len(push.dropped))
                             _prune_pushed(out)
                         state = RunState(step=step, data_position=batch.data_position, policy_version=version,
                                          curriculum=batch.curriculum_state)
@@ -195,6 +198,11 @@ async def _next_batch(queue: asyncio.Queue[ScoredBatch], sampler: asyncio.Task[N
 def _log_metrics(path: Path, record: dict[str, Any]) -> None:
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def _push_dir(out: Path, step: int) -> Path:
+    """A new directory per push (reloading an overwritten one can serve stale weights)."""
+    return out / "pushed" / f"step-{step:06d}-{time.time_ns()}"
 
 
 def _prune_pushed(out: Path, keep: int = 1) -> None:

@@ -17,8 +17,7 @@ from typing import AsyncIterator
 
 import tinymodels
 from coordinator import CoordinatorConfig, DualVLLMCoordinator
-from engines.launcher import VLLMServer, launch_pair, pair_configs
-from engines.vllm_client import VLLMClient
+from engines.launcher import VLLMServer, launch_replicas, replica_configs
 from training.config import TaskConfig
 
 # One per-token request carries every active sequence: no more than the servers accept.
@@ -27,25 +26,35 @@ MAX_PROMPTS = CoordinatorConfig.model_fields["max_prompts_per_request"].default
 
 @contextlib.asynccontextmanager
 async def serving(config: TaskConfig, start_dir: str, *, log_dir: Path | None = None, dev_mode: bool = False,
-                  batch_size: int = 64) -> AsyncIterator[tuple[DualVLLMCoordinator, VLLMClient]]:
-    """(coordinator, a client of the base server) over the servers of `config`.
+                  batch_size: int = 64) -> AsyncIterator[DualVLLMCoordinator]:
+    """A coordinator over the servers of `config`: those it names (--theta-urls, --t-urls), or
+    `config.replicas` pairs started here, pooled per role.
 
-    The base serves `start_dir` (the base, or a checkpoint when resuming), in dev mode for
-    weight pushes when asked (loopback only). `batch_size` is the coordinator's batch.
+    Started base servers serve `start_dir` (the base, or a checkpoint when resuming), in dev
+    mode for weight pushes when asked (loopback only). `batch_size` is the coordinator's batch.
+    The base role's engine, for pushes, is `coordinator.base_engine`.
     """
+    async with contextlib.AsyncExitStack() as stack:
+        if config.theta_urls:
+            theta_urls, t_urls = config.theta_urls, config.t_urls or config.theta_urls
+        else:
+            theta_urls, t_urls = await _start_servers(stack, config, start_dir, log_dir=log_dir, dev_mode=dev_mode)
+        coordinator_config = CoordinatorConfig(theta_urls=theta_urls, t_urls=t_urls, top_k=config.top_k,
+                                               max_batch_size=min(max(64, batch_size), MAX_PROMPTS), seed=config.seed)
+        yield await stack.enter_async_context(DualVLLMCoordinator(coordinator_config))
+
+
+async def _start_servers(stack: contextlib.AsyncExitStack, config: TaskConfig, start_dir: str, *,
+                         log_dir: Path | None, dev_mode: bool) -> tuple[list[str], list[str]]:
+    """Start the run's servers (stopped when `stack` closes) -> (base URLs, teacher URLs)."""
     base_dir = config.base or str(tinymodels.BASE_DIR)
     teacher = base_dir if config.teacher == "self-frozen" else config.teacher
     bundled = {"dtype": tinymodels.SERVER_DTYPE} if config.base is None else {}  # start_dir is a copy of it
-    base_config, teacher_config = pair_configs(start_dir, None if teacher == "self" else teacher, log_dir=log_dir,
-                                               dev_mode=dev_mode, max_logprobs=max(config.top_k, 20), lockstep=config.lockstep,
-                                               **bundled)
-    async with contextlib.AsyncExitStack() as stack:
-        if teacher == "self":
-            theta_server = t_server = await stack.enter_async_context(VLLMServer(base_config, name="theta"))
-        else:
-            theta_server, t_server = await stack.enter_async_context(launch_pair(base_config, teacher_config))
-        coordinator_config = CoordinatorConfig(theta_url=theta_server.url, t_url=t_server.url, top_k=config.top_k,
-                                               max_batch_size=min(max(64, batch_size), MAX_PROMPTS), seed=config.seed)
-        coordinator = await stack.enter_async_context(DualVLLMCoordinator(coordinator_config))
-        base_client = await stack.enter_async_context(VLLMClient(theta_server.url, name="theta"))
-        yield coordinator, base_client
+    pairs = replica_configs(start_dir, None if teacher == "self" else teacher, replicas=config.replicas,
+                            log_dir=log_dir, dev_mode=dev_mode, max_logprobs=max(config.top_k, 20),
+                            lockstep=config.lockstep, **bundled)
+    if teacher == "self":  # one server plays both roles
+        base = await stack.enter_async_context(VLLMServer(pairs[0][0], name="theta"))
+        return [base.url], [base.url]
+    servers = await stack.enter_async_context(launch_replicas(pairs))
+    return [theta.url for theta, _ in servers], [t.url for _, t in servers]

@@ -4,6 +4,10 @@
     -> POST /reset_prefix_cache -> POST /resume
     -> compare the server's next-token logprobs on probe contexts with the learner's own
 
+With several base replicas (engines.pool.ReplicaPool), `BasePusher` pushes to each and
+verifies each; a replica that fails is taken out of the pool and the run goes on with
+the others, and a replica that comes back first gets the newest weights, verified.
+
 The server must run with VLLM_SERVER_DEV_MODE=1 (`ServerConfig(dev_mode=True)`, loopback
 only). Every push writes a fresh directory, because reloading from a directory that was
 overwritten in place is a known source of stale weights. Verification is not optional:
@@ -34,7 +38,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from common.errors import ServerError, ServerRejectedError, WeightSyncError
-from engines.protocol import TopKBatch
+from engines.pool import ReplicaPool
+from engines.protocol import Engine, TopKBatch
 from engines.vllm_client import VLLMClient
 
 log = logging.getLogger("dualvllm.training")
@@ -48,14 +53,19 @@ RELOAD_SENDS = 2
 # After a failed reload, a server not healthy within this long is reported, not waited on:
 # a reload takes ~60 ms on the bundled models, and a CPU server restarts in ~35 s.
 HEALTH_WAIT_S = 120.0
+# A replica in a pool is not waited on as long: the run goes on with the others, and the
+# replica gets the newest weights when it rejoins.
+REPLICA_HEALTH_WAIT_S = 5.0
 
 
 @dataclass(frozen=True)
 class PushReport:
     path: Path
-    max_abs_diff: float  # largest |server - learner| logprob over the probe tokens
+    max_abs_diff: float  # largest |server - learner| logprob over the probe tokens (and replicas)
     probes: int
     reload_sends: int  # 2 when the first send failed without a clear answer and did not take
+    replicas: int = 1  # base replicas that serve the pushed weights, verified
+    dropped: tuple[str, ...] = ()  # URLs of replicas the push failed on, taken out of the pool
 
 
 @dataclass(frozen=True)
@@ -116,17 +126,95 @@ async def push_weights(client: VLLMClient, model: Any, tokenizer: Any, out_dir: 
                        probes: Sequence[Sequence[int]], *, top_k: int = 20,
                        tolerance: float = 1e-3) -> PushReport:
     """Save `model` to the new directory `out_dir`, reload it into the server, verify."""
+    expected = await save_for_push(model, tokenizer, out_dir, probes)
+    return await reload_and_verify(client, out_dir, probes, expected, top_k=top_k, tolerance=tolerance)
+
+
+async def save_for_push(model: Any, tokenizer: Any, out_dir: Path, probes: Sequence[Sequence[int]]) -> np.ndarray:
+    """Save `model` to the new directory `out_dir` -> the learner's logprobs on `probes` (what to verify)."""
     if out_dir.exists():
         raise WeightSyncError(f"{out_dir} exists; every push needs a new directory (reloading an "
                               "overwritten one can serve stale weights): pass a path that does not exist yet")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     await asyncio.to_thread(_save, model, tokenizer, out_dir)
-    expected = await asyncio.to_thread(learner_logprobs, model, probes)
-    return await reload_and_verify(client, out_dir, probes, expected, top_k=top_k, tolerance=tolerance)
+    return await asyncio.to_thread(learner_logprobs, model, probes)
+
+
+class BasePusher:
+    """Pushes the learner's weights into the base role: one server, or every healthy replica of a pool.
+
+    Each replica is reloaded and verified on its own, concurrently. A replica whose push
+    fails (it died, or serves other weights after its reload) is taken out of the pool and
+    the run goes on with the others; WeightSyncError only when no replica took the push.
+    The newest pushed weights stay at hand: a replica that comes back gets them, verified,
+    before it rejoins (the pool's rejoin hook), so no replica ever samples stale weights.
+    """
+
+    def __init__(self, base: Engine, probes: Sequence[Sequence[int]], *, top_k: int = 20,
+                 tolerance: float = 1e-3) -> None:
+        self._pool = base if isinstance(base, ReplicaPool) else None
+        self._single = base
+        self._probes = [list(p) for p in probes]
+        self._top_k, self._tolerance = top_k, tolerance
+        self._newest: tuple[Path, np.ndarray] | None = None  # (weights dir, learner logprobs on the probes)
+        if self._pool is not None:
+            self._pool.rejoin_hook = self._catch_up
+
+    async def push(self, model: Any, tokenizer: Any, out_dir: Path) -> PushReport:
+        """Save `model` to the new directory `out_dir`, reload it into every base replica, verify each."""
+        return await self.push_saved(out_dir, await save_for_push(model, tokenizer, out_dir, self._probes))
+
+    async def push_saved(self, out_dir: Path, expected: np.ndarray) -> PushReport:
+        """Reload the checkpoint in `out_dir` into every base replica; `expected` is the learner's
+        [len(probes), vocab] logprobs on the probe contexts."""
+        if self._pool is None:
+            report = await reload_and_verify(_vllm(self._single), out_dir, self._probes, expected,
+                                             top_k=self._top_k, tolerance=self._tolerance)
+            self._newest = (out_dir, expected)
+            return report
+        async with self._pool.membership:  # no replica rejoins halfway through a push
+            indexes = self._pool.healthy
+            results = await asyncio.gather(
+                *(reload_and_verify(_vllm(self._pool.replicas[i]), out_dir, self._probes, expected, top_k=self._top_k,
+                                    tolerance=self._tolerance, health_wait_s=REPLICA_HEALTH_WAIT_S) for i in indexes),
+                return_exceptions=True)
+            reports, dropped, errors = [], [], []
+            for index, result in zip(indexes, results):
+                if isinstance(result, (WeightSyncError, ServerError)):
+                    self._pool.take_out(index, f"the weight push of {out_dir.name} failed: {result}")
+                    dropped.append(_vllm(self._pool.replicas[index]).url)
+                    errors.append(result)
+                elif isinstance(result, BaseException):
+                    raise result
+                else:
+                    reports.append(result)
+            if not reports:
+                raise WeightSyncError(f"no base replica serves the weights pushed to {out_dir}: "
+                                      + "; ".join(str(e) for e in errors)) from (errors[0] if errors else None)
+            self._newest = (out_dir, expected)
+            await self._pool.refresh_reference()
+        return PushReport(path=out_dir, max_abs_diff=max(r.max_abs_diff for r in reports), probes=len(self._probes),
+                          reload_sends=max(r.reload_sends for r in reports), replicas=len(reports),
+                          dropped=tuple(dropped))
+
+    async def _catch_up(self, replica: Engine) -> None:
+        """A replica back from the dead gets the newest pushed weights before it rejoins."""
+        if self._newest is not None:
+            weights_dir, expected = self._newest
+            await reload_and_verify(_vllm(replica), weights_dir, self._probes, expected, top_k=self._top_k,
+                                    tolerance=self._tolerance, health_wait_s=REPLICA_HEALTH_WAIT_S)
+
+
+def _vllm(engine: Engine) -> VLLMClient:
+    if not isinstance(engine, VLLMClient):
+        raise WeightSyncError(f"weights are pushed into vLLM servers; the base engine {engine.name!r} is a "
+                              f"{type(engine).__name__}")
+    return engine
 
 
 async def reload_and_verify(client: VLLMClient, weights_dir: Path, probes: Sequence[Sequence[int]],
-                            expected: np.ndarray, *, top_k: int = 20, tolerance: float = 1e-3) -> PushReport:
+                            expected: np.ndarray, *, top_k: int = 20, tolerance: float = 1e-3,
+                            health_wait_s: float = HEALTH_WAIT_S) -> PushReport:
     """Reload the checkpoint in `weights_dir` into the server and check that it serves it.
 
     `expected` is the learner's [len(probes), vocab] logprobs. A send that failed without
@@ -134,7 +222,7 @@ async def reload_and_verify(client: VLLMClient, weights_dir: Path, probes: Seque
     """
     failures: list[ServerError] = []
     for _ in range(RELOAD_SENDS):
-        failure = await _fenced_reload(client, weights_dir)
+        failure = await _fenced_reload(client, weights_dir, health_wait_s)
         diff = compare_logprobs(await client.next_token_topk(probes, top_k), expected)
         if diff.max_abs_diff <= tolerance:
             if failure is not None:
@@ -153,7 +241,7 @@ async def reload_and_verify(client: VLLMClient, weights_dir: Path, probes: Seque
     raise WeightSyncError(_mismatch_message(client, diff, tolerance, failures))
 
 
-async def _fenced_reload(client: VLLMClient, weights_dir: Path) -> ServerError | None:
+async def _fenced_reload(client: VLLMClient, weights_dir: Path, health_wait_s: float) -> ServerError | None:
     """One reload, then a prefix-cache reset, between /pause and /resume.
 
     Returns None if the server answered the reload, or the error of a send it may or may
@@ -175,7 +263,7 @@ async def _fenced_reload(client: VLLMClient, weights_dir: Path) -> ServerError |
             if not err.retryable:  # a 4xx refusal (a resend is refused too) or a malformed 2xx
                 raise
             failure = err
-            await _wait_healthy(client, weights_dir, failure)
+            await _wait_healthy(client, weights_dir, failure, health_wait_s)
         # Inside the fence, where no request holds KV blocks: the reset is refused otherwise.
         await reset_prefix_cache(client)
         return failure
@@ -184,12 +272,12 @@ async def _fenced_reload(client: VLLMClient, weights_dir: Path) -> ServerError |
             await client.call("POST", "/resume")
 
 
-async def _wait_healthy(client: VLLMClient, weights_dir: Path, failure: ServerError) -> None:
+async def _wait_healthy(client: VLLMClient, weights_dir: Path, failure: ServerError, wait_s: float) -> None:
     try:
-        await client.wait_healthy(HEALTH_WAIT_S)
+        await client.wait_healthy(wait_s)
     except ServerError as err:
         raise WeightSyncError(
-            f"{client.name} server at {client.url} is not healthy {HEALTH_WAIT_S:.0f} s after a reload of "
+            f"{client.name} server at {client.url} is not healthy {wait_s:.0f} s after a reload of "
             f"{weights_dir} failed ({failure}); check its log, restart it, and push again") from err
 
 

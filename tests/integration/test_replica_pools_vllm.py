@@ -1,0 +1,130 @@
+"""Replica pools over 2 + 2 real vLLM servers (the bundled models): a base replica is killed.
+
+- Mid-run, with SIGKILL: its sequences move to the other base replica and continue from
+  their recorded tokens, so every token and log q* equals an uninterrupted run's with the
+  same seed, and no sequence fails. Restarted on its port, it passes /health and the
+  weights probe and rejoins; a weight push then reaches both replicas, verified on each.
+- During `dualvllm train`: the run goes on, pushing verified weights into the survivor.
+
+The servers run in dev mode (weight pushes), without the lockstep plugin: pools decode in
+per-token mode. The training test runs last: it leaves a base replica dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import transformers
+
+import tinymodels
+from coordinator import CoordinatorConfig, DualVLLMCoordinator
+from engines.launcher import VLLMServer, replica_configs
+from tests.integration.pairs import running_servers
+from tests.integration.test_cli import REPO
+from tinymodels.task import problems
+from training.weight_sync import BasePusher
+
+SEQUENCES = 16
+MAX_TOKENS = 24
+PROBE_INTERVAL_S = 0.5
+
+
+@pytest.fixture(scope="module")
+def pools(tmp_path_factory):
+    """[theta-0, t-0, theta-1, t-1]: two pairs of servers, the bases in dev mode."""
+    pairs = replica_configs(replicas=2, log_dir=tmp_path_factory.mktemp("vllm-pool-logs"), dev_mode=True,
+                            max_logprobs=20)
+    with running_servers([(config, f"{role}-{i}") for i, pair in enumerate(pairs)
+                          for config, role in zip(pair, ("theta", "t"))]) as servers:
+        yield servers
+
+
+def pool_config(servers: list[VLLMServer]) -> CoordinatorConfig:
+    return CoordinatorConfig(theta_urls=[s.url for s in servers[0::2]], t_urls=[s.url for s in servers[1::2]],
+                             top_k=20, mode="per_token", replica_probe_interval=PROBE_INTERVAL_S)
+
+
+def kill(server: VLLMServer) -> None:
+    assert server.pid is not None
+    os.killpg(server.pid, signal.SIGKILL)  # a crash: no shutdown, every request to it breaks
+    server.stop()  # reaps it
+
+
+async def until(condition, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s:.0f} s"
+        await asyncio.sleep(0.1)
+
+
+async def test_a_killed_base_replica_loses_no_token_and_rejoins_after_a_restart(pools, tmp_path):
+    prompts = [p.prompt for p in problems("test", n=SEQUENCES, seed=12)]
+    theta1 = pools[2]
+    restarted = VLLMServer(theta1.config.model_copy(update={"port": theta1.port,
+                                                            "log_path": tmp_path / "theta-1-restarted.log"}),
+                           name=theta1.name)
+    async with DualVLLMCoordinator(pool_config(pools)) as c:
+        reference = await c.generate_batch(prompts, max_tokens=MAX_TOKENS, seed=4, ignore_eos=True)
+        before = c.get_statistics()
+        run = asyncio.create_task(c.generate_batch(prompts, max_tokens=MAX_TOKENS, seed=4, ignore_eos=True))
+        await until(lambda: c.get_statistics()["tokens"] >= before["tokens"] + SEQUENCES * MAX_TOKENS // 4, 300)
+        assert not run.done(), "the run ended before the kill"
+        kill(theta1)
+        outputs = await run
+        after_kill = c.get_statistics()
+
+        await restarted.start()  # same port, same model
+        pools[2] = restarted  # the fixture stops it
+        await until(lambda: c.get_statistics()["theta_replicas_up"] == 2, 60)
+
+        # Both base replicas take a push of other weights (the teacher's), each verified.
+        tokenizer = transformers.AutoTokenizer.from_pretrained(tinymodels.TEACHER_DIR)
+        learner = transformers.AutoModelForCausalLM.from_pretrained(tinymodels.TEACHER_DIR)
+        probes = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts[:4]]
+        push = await BasePusher(c.base_engine, probes).push(learner, tokenizer, tmp_path / "pushed")
+        final = c.get_statistics()
+
+    assert all(o.ok for o in outputs) and after_kill["sequences_failed"] == 0
+    assert [o.generated_tokens for o in outputs] == [o.generated_tokens for o in reference]
+    for got, want in zip(outputs, reference):
+        assert got.logprobs_q == pytest.approx(want.logprobs_q, abs=1e-6)
+    assert after_kill["theta_replica_downs"] == 1 and after_kill["theta_replicas_up"] == 1
+    assert 1 <= after_kill["theta_replica_moves"] <= SEQUENCES
+    assert final["theta_replica_rejoins"] == 1
+    assert (push.replicas, push.dropped) == (2, ()) and push.max_abs_diff < 1e-3
+
+
+def test_training_goes_on_pushing_verified_weights_when_a_base_replica_dies(pools, tmp_path):
+    out, log = tmp_path / "run", tmp_path / "train.log"
+    with open(log, "w") as stderr:  # a file, not a pipe: nobody reads it while the run goes on
+        run = subprocess.Popen(
+            [sys.executable, "-m", "dualvllm", "train", "--output-dir", str(out), "--theta-urls", pools[0].url,
+             pools[2].url, "--t-urls", pools[1].url, pools[3].url, "--steps", "4", "--prompts-per-step", "2",
+             "--group-size", "4", "--eval-prompts", "8", "--max-tokens", "4", "--eval-every", "4"],
+            cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr)
+    try:
+        metrics = out / "metrics.jsonl"
+        deadline = time.monotonic() + 600
+        while not (metrics.is_file() and '"step": 1,' in metrics.read_text()):
+            assert run.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "no training step within 600 s"
+            time.sleep(0.2)
+        kill(pools[2])  # after the first update's push, before the second's
+        run.wait(timeout=600)
+    finally:
+        run.kill()
+    text = log.read_text()
+    assert run.returncode == 0, text[-3000:]
+    steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if "event" not in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert steps[0]["push_replicas"] == 2  # both took the first update's weights
+    assert all(r["push_replicas"] == 1 for r in steps[1:])  # then the survivor alone, verified
+    assert all(r["push_max_abs_diff"] < 1e-3 for r in steps)
+    assert f"theta replica {pools[2].url} is down" in text  # the loss was logged, naming the replica
