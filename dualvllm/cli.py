@@ -31,7 +31,7 @@ from engines.launcher import ServerConfig, launch_replicas, replica_configs
 # Coordinator fields exposed as flags (the rest are for the Python API / environment).
 COORDINATOR_FLAGS = ("theta_url", "t_url", "theta_urls", "t_urls", "top_k", "fill_rule", "max_batch_size", "max_retries",
                      "request_timeout", "seed", "speculative_gamma", "speculative_drafter", "speculative_proposal",
-                     "local_tokenizers", "mode")
+                     "local_tokenizers", "mode", "replica_probe_interval")
 # q* endpoint fields exposed as flags of `serve`.
 SERVICE_FLAGS = ("service_host", "service_port", "api_key", "served_model_name", "max_queued_sequences",
                  "max_request_tokens", "max_body_bytes", "default_max_tokens")

@@ -94,6 +94,14 @@ class TaskConfig(RaisesInvalidInput, BaseModel):
         """The learner loads the base here, and this run serves it."""
         return _model_directory(model)
 
+    @field_validator("theta_urls", "t_urls", mode="before")
+    @classmethod
+    def _server_urls(cls, urls: object) -> object:
+        """Checked as the coordinator checks them, before the run loads anything."""
+        from coordinator.config import CoordinatorConfig
+
+        return CoordinatorConfig._url_list(urls)
+
     @field_validator("teacher")
     @classmethod
     def _teacher_directory(cls, model: str | None) -> str | None:
