@@ -4,8 +4,12 @@
     python benchmarks/failover.py --parts generate throughput --prompts 512 --batch-sizes 64
 
 Starts 2 + 2 servers of the bundled tiny models (the bases in dev mode, for pushes), then:
+- `throughput`: the Python API in per-token mode, pair A/C alone against both pairs, at
+  each --batch-sizes; tokens/s and the CPU seconds per 1,000 tokens of the four servers
+  together and of this process. On 2 cores the servers share the cores whatever the pool,
+  so 2 pairs cannot be faster; the point is whether the pool adds a serial cost.
 - `generate`: `dualvllm generate --theta-urls A B --t-urls C D` over --prompts prompts,
-  once uninterrupted and once with base replica B SIGKILLed once a third of the records
+  once uninterrupted and once with base replica B SIGKILLed once --kill-at of the records
   are written, and started again on its port --restart-after seconds later. Reports the
   records written, lost (input ids missing from the output), duplicated and failed; the
   records whose tokens differ from the uninterrupted run's (same --seed); the wall seconds
@@ -13,12 +17,9 @@ Starts 2 + 2 servers of the bundled tiny models (the bases in dev mode, for push
 - `train`: `dualvllm train --theta-urls A B --t-urls C D` for --train-steps updates, B
   killed after update 2 and restarted as above. Reports the base replicas every update's
   weights were pushed into (each verified) and when B rejoined.
-- `throughput`: the Python API in per-token mode, pair A/C alone against both pairs, at
-  each --batch-sizes; tokens/s and the CPU seconds per 1,000 tokens of the four servers
-  together and of this process. On 2 cores the servers share the cores whatever the pool,
-  so 2 pairs cannot be faster; the point is whether the pool adds a serial cost.
 
-The parts share the servers and run in that order (a restarted B serves the later parts).
+The parts share the servers and run in that order (a restarted B serves the later parts;
+training leaves A and B on different weights, so it runs last).
 Writes benchmarks/results/failover.json (units in keys) and failover.png.
 """
 
@@ -46,7 +47,9 @@ from benchmarks import harness  # noqa: E402
 from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
 from engines.launcher import VLLMServer, launch_replicas, replica_configs  # noqa: E402
 
-PARTS = ("generate", "train", "throughput")
+# In this order: training leaves the two base replicas with different weights (the
+# restarted one rejoins a later run only after a push), so it runs last.
+PARTS = ("throughput", "generate", "train")
 DOWN, REJOIN = re.compile(r"theta replica (\S+) is down"), re.compile(r"theta replica (\S+) passed /health")
 
 
@@ -133,7 +136,7 @@ async def part_generate(args: Any, servers: Servers, work: Path) -> dict[str, An
 
     output = work / "killed.jsonl"
     run = Run([*command, "--output", str(output)])
-    while len(jsonl(output)) < args.prompts // 3:
+    while len(jsonl(output)) < args.prompts * args.kill_at:
         assert run.process.poll() is None, "the run ended before the kill"
         await asyncio.sleep(0.1)
     restart = await servers.kill_and_restart(args.restart_after)
@@ -230,12 +233,12 @@ async def run(args: Any) -> dict[str, Any]:
     async with launch_replicas(pairs) as launched:
         servers = Servers([s for pair in launched for s in pair], work / "logs")
         try:
+            if "throughput" in args.parts:
+                report["throughput"] = await part_throughput(args, servers)
             if "generate" in args.parts:
                 report["generate"] = await part_generate(args, servers, work)
             if "train" in args.parts:
                 report["train"] = await part_train(args, servers, work)
-            if "throughput" in args.parts:
-                report["throughput"] = await part_throughput(args, servers)
         finally:
             for server in servers.all[2:3]:  # a restarted replica is not among those launched
                 server.stop()
@@ -256,12 +259,13 @@ def plot(report: dict, path: Path) -> None:
 def main() -> None:
     parser = harness.argument_parser(__doc__, live_servers=False)
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
-    parser.add_argument("--prompts", type=int, default=1536,
+    parser.add_argument("--prompts", type=int, default=6144,
                         help="generate: prompts in the input file (enough that the restarted replica rejoins mid-run)")
+    parser.add_argument("--kill-at", type=float, default=0.1, help="generate: kill once this share of records is written")
     parser.add_argument("--max-tokens", type=int, default=32, help="generate and throughput: tokens per prompt")
     parser.add_argument("--batch", type=int, default=64, help="generate: the coordinator's --max-batch-size")
     parser.add_argument("--restart-after", type=float, default=20.0, help="seconds between the kill and the restart")
-    parser.add_argument("--train-steps", type=int, default=12)
+    parser.add_argument("--train-steps", type=int, default=80, help="train: enough that the restarted replica rejoins")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--top-k", type=int, default=20)

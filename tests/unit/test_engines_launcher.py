@@ -56,7 +56,8 @@ def test_dev_mode_is_allowed_on_loopback(host):
 def test_split_cores_gives_each_server_its_own_block():
     assert split_cores(2, 2) == ["0", "1"]
     assert split_cores(2, 8) == ["0-3", "4-7"]
-    assert split_cores(2, 1) == [None, None]
+    assert split_cores(2, 1) == ["0", "0"]
+    assert split_cores(4, 2) == ["0", "1", "0", "1"]  # replicas share cores, a pair's two servers never do
 
 
 FAKE_SERVER = textwrap.dedent("""

@@ -179,3 +179,19 @@ async def test_a_push_no_replica_takes_fails_and_names_them(tmp_path):
                 # The checkpoint holds seed 7 and the learner says seed 8: no replica can match it.
                 await pusher.push_saved(write_fake_weights(tmp_path / "step-1", 7), learner(8, probes))
             assert a.url in str(failed.value) and b.url in str(failed.value)
+
+
+def test_serve_prints_pool_variables_and_stops_only_when_a_whole_role_is_gone(capsys):
+    from types import SimpleNamespace
+
+    from dualvllm.serve import _print_servers, _role_lost
+
+    servers = [SimpleNamespace(name=n, url=f"http://127.0.0.1:{p}", log_path=f"{n}.log", running=True)
+               for n, p in (("theta-0", 1), ("t-0", 2), ("theta-1", 3), ("t-1", 4))]
+    _print_servers(*servers)
+    assert ("export DUALVLLM_THETA_URLS=http://127.0.0.1:1,http://127.0.0.1:3 "
+            "DUALVLLM_T_URLS=http://127.0.0.1:2,http://127.0.0.1:4") in capsys.readouterr().out
+    servers[2].running = False  # one base replica: the pool fails over, the endpoint serves on
+    assert _role_lost(servers) is None
+    servers[0].running = False  # every base replica
+    assert _role_lost(servers) is servers[0]
