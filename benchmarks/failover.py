@@ -1,6 +1,6 @@
 """Replica pools: a base replica SIGKILLed mid-run and restarted, and 1 pair against 2.
 
-    python benchmarks/failover.py                                   # all parts, ~20 min on 2 cores
+    python benchmarks/failover.py                                   # all parts, ~30 min on 2 cores
     python benchmarks/failover.py --parts generate throughput --prompts 512 --batch-sizes 64
 
 Starts 2 + 2 servers of the bundled tiny models (the bases in dev mode, for pushes), then:
@@ -259,13 +259,13 @@ def plot(report: dict, path: Path) -> None:
 def main() -> None:
     parser = harness.argument_parser(__doc__, live_servers=False)
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
-    parser.add_argument("--prompts", type=int, default=6144,
+    parser.add_argument("--prompts", type=int, default=12288,
                         help="generate: prompts in the input file (enough that the restarted replica rejoins mid-run)")
     parser.add_argument("--kill-at", type=float, default=0.1, help="generate: kill once this share of records is written")
     parser.add_argument("--max-tokens", type=int, default=32, help="generate and throughput: tokens per prompt")
     parser.add_argument("--batch", type=int, default=64, help="generate: the coordinator's --max-batch-size")
     parser.add_argument("--restart-after", type=float, default=20.0, help="seconds between the kill and the restart")
-    parser.add_argument("--train-steps", type=int, default=80, help="train: enough that the restarted replica rejoins")
+    parser.add_argument("--train-steps", type=int, default=200, help="train: enough that the restarted replica rejoins")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--top-k", type=int, default=20)
