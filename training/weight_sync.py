@@ -174,9 +174,11 @@ class BasePusher:
             return report
         async with self._pool.membership:  # no replica rejoins halfway through a push
             indexes = self._pool.healthy
+            # The last replica standing is waited on as a lone server is: the run needs it.
+            wait_s = REPLICA_HEALTH_WAIT_S if len(indexes) > 1 else HEALTH_WAIT_S
             results = await asyncio.gather(
                 *(reload_and_verify(_vllm(self._pool.replicas[i]), out_dir, self._probes, expected, top_k=self._top_k,
-                                    tolerance=self._tolerance, health_wait_s=REPLICA_HEALTH_WAIT_S) for i in indexes),
+                                    tolerance=self._tolerance, health_wait_s=wait_s) for i in indexes),
                 return_exceptions=True)
             reports, dropped, errors = [], [], []
             for index, result in zip(indexes, results):
