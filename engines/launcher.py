@@ -112,8 +112,8 @@ def split_cores(n_servers: int, n_cores: int | None = None) -> list[str]:
 
     With fewer cores than servers, each server gets one core, round-robin, so a pair's two
     servers never share one. Unbound servers each start an OpenMP thread per core, all
-    spinning on every core: measured with 2 + 2 servers on 2 cores (benchmarks/failover.py),
-    one pair's per-token decoding ran at 95 tokens/s unbound and 395 bound round-robin.
+    spinning on every core: with 2 + 2 servers on 2 cores (benchmarks/failover.py), one
+    pair's per-token decoding at batch 64 ran at 95 tokens/s unbound and 428 bound round-robin.
     """
     n_cores = n_cores or os.cpu_count() or 1
     if n_cores < n_servers:
