@@ -62,11 +62,16 @@ def _stop_on_signals() -> None:
     process managers send) would kill us without stopping the servers' process groups.
     """
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, _as_sigint)
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+def _as_sigint(signum: int, frame: object) -> None:
+    """SIGTERM takes Ctrl-C's path. Inside asyncio.run, SIGINT's handler cancels the main
+    task, so every `async with` unwinds and stops what it started. Raising KeyboardInterrupt
+    here instead lands in whatever frame runs, and when that is a finalizer (`__del__`, a
+    GC callback) Python prints it and carries on. That is the likely cause of the two times
+    `dualvllm serve` went on serving after a SIGTERM (a benchmark, a CI run); Ctrl-C never did."""
+    signal.raise_signal(signal.SIGINT)
 
 
 async def _serve(args: argparse.Namespace) -> int:
