@@ -69,8 +69,8 @@ def _as_sigint(signum: int, frame: object) -> None:
     """SIGTERM takes Ctrl-C's path. Inside asyncio.run, SIGINT's handler cancels the main
     task, so every `async with` unwinds and stops what it started. Raising KeyboardInterrupt
     here instead lands in whatever frame runs, and when that is a finalizer (`__del__`, a
-    GC callback) Python prints it and carries on. That is the likely cause of the two times
-    `dualvllm serve` went on serving after a SIGTERM (a benchmark, a CI run); Ctrl-C never did."""
+    GC callback) Python prints it and carries on: the likely cause of a `dualvllm serve` that
+    once went on serving after a SIGTERM, which Ctrl-C never did."""
     signal.raise_signal(signal.SIGINT)
 
 
