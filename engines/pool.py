@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
 
@@ -37,6 +38,10 @@ T = TypeVar("T")
 # How often a down replica is asked whether it is back: often enough that a restarted
 # server rejoins within seconds, rarely enough to cost nothing.
 PROBE_INTERVAL_S = 2.0
+# A replica that answers /health but cannot rejoin (other weights, a failed catch-up push)
+# is a state an operator has to fix; it is retried at doubling intervals up to this, and
+# warned about once per distinct reason, not every probe interval.
+MAX_RECHECK_S = 60.0
 # Replicas of one role must report the same top-k logprobs on the probe contexts within
 # this (nats). One build on one kind of device agrees exactly; float32 against bfloat16 is ~0.01.
 WEIGHTS_TOLERANCE_NATS = 1e-3
@@ -72,6 +77,8 @@ class ReplicaPool:
         self._probe_interval_s = probe_interval_s
         self._tolerance = tolerance
         self._prober: asyncio.Task[None] | None = None
+        # Down replicas that answer /health but failed to rejoin: replica -> (retry at, delay, reason).
+        self._refused: dict[int, tuple[float, float, str]] = {}
         self.counters = PoolCounters()
         # Awaited on a down replica that passed /health, before its weights probe; a raise
         # keeps it down (e.g. a trainer pushing its newest weights, which did not take).
@@ -217,13 +224,17 @@ class ReplicaPool:
     # -- rejoin --------------------------------------------------------------------------
 
     async def _probe_down_replicas(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self._probe_interval_s)
             for replica in [i for i, up in enumerate(self._up) if not up]:
+                if replica in self._refused and loop.time() < self._refused[replica][0]:
+                    continue
                 async with self.membership:
                     if not await self._passes(replica):
                         continue
                     self._up[replica] = True
+                    self._refused.pop(replica, None)
                     self.counters.rejoins += 1
                 log.warning("%s passed /health and the weights probe: it rejoins the pool", self.describe(replica))
 
@@ -232,6 +243,7 @@ class ReplicaPool:
         try:
             await engine.health()
         except ServerError:
+            self._refused.pop(replica, None)  # down again: whatever comes back is probed afresh
             return False  # still down: no log line every probe interval
         try:
             if self.rejoin_hook is not None:
@@ -240,17 +252,31 @@ class ReplicaPool:
                 return True
             gap = _gap(self._reference, await self._probe(engine))
         except DualVLLMError as exc:
-            log.warning("%s answers /health but cannot rejoin yet: %s", self.describe(replica), exc)
+            self._refuse(replica, f"answers /health but cannot rejoin yet: {exc}")
             return False
         if gap > self._tolerance:
-            log.warning("%s answers /health but serves other weights (top-%d logprobs differ by %.4f nats); "
-                        "it stays out", self.describe(replica), WEIGHTS_PROBE_K, gap)
+            self._refuse(replica, f"answers /health but serves other weights (top-{WEIGHTS_PROBE_K} logprobs "
+                                  f"differ by {gap:.4f} nats); it stays out")
         return gap <= self._tolerance
+
+    def _refuse(self, replica: int, reason: str) -> None:
+        """Keep a replica that answers /health out, retried at doubling intervals; warn on a new reason."""
+        _, delay, before = self._refused.get(replica, (0.0, self._probe_interval_s / 2, ""))
+        delay = min(2 * delay, max(MAX_RECHECK_S, self._probe_interval_s))
+        self._refused[replica] = (asyncio.get_running_loop().time() + delay, delay, reason)
+        if _without_numbers(reason) != _without_numbers(before):
+            log.warning("%s %s (retried at doubling intervals up to %.0f s)", self.describe(replica), reason,
+                        MAX_RECHECK_S)
 
     async def refresh_reference(self) -> None:
         """New weights were pushed to the healthy replicas: a rejoining replica must match them."""
         if self._probe_contexts:
             self._reference = await self._any(self._probe)
+
+
+def _without_numbers(reason: str) -> str:
+    """A reason with its measured numbers blanked: the same failure measured again is not news."""
+    return re.sub(r"[0-9.]+", "#", reason)
 
 
 def _gap(a: TopKBatch, b: TopKBatch) -> float:

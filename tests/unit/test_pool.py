@@ -101,16 +101,22 @@ async def test_a_down_replica_rejoins_once_it_answers_with_the_same_weights():
     assert len(a.calls["/v1/completions"]) > before  # new sequences go to it again
 
 
-async def test_a_replica_that_comes_back_with_other_weights_stays_out():
+async def test_a_replica_that_comes_back_with_other_weights_stays_out(caplog):
     async with servers(FakeModel(1), FakeModel(1), FakeModel(2)) as (a, b, t):
         async with DualVLLMCoordinator(config([a, b], [t])) as c:
             a.model = FakeModel(7)  # it will come back from its failure with another checkpoint
             a.fail_next("/v1/completions", Failure(503))
             await c.generate_batch(PROMPTS[:2], max_tokens=2, seed=1)
-            await asyncio.sleep(0.5)  # ten probes
+            down_at, url = len(a.calls["/v1/completions"]), a.url
+            await asyncio.sleep(0.6)  # twelve probe intervals
             stats = c.get_statistics()
     assert stats["theta_replica_downs"] == 1 and stats["theta_replicas_up"] == 1
     assert stats["theta_replica_rejoins"] == 0
+    # Its weights are probed at doubling intervals (0.05, 0.1, 0.2, 0.4 s), not every interval,
+    # and the operator is told once.
+    assert 2 <= len(a.calls["/v1/completions"]) - down_at <= 5
+    warnings = [r for r in caplog.records if "serves other weights" in r.getMessage()]
+    assert len(warnings) == 1 and url in warnings[0].getMessage()
 
 
 async def test_replicas_with_different_weights_are_refused_by_url():
