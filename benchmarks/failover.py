@@ -2,9 +2,12 @@
 
     python benchmarks/failover.py                                   # all parts, ~30 min on 2 cores
     python benchmarks/failover.py --parts generate throughput --prompts 512 --batch-sizes 64
+    python benchmarks/failover.py --mode lockstep --output benchmarks/results/failover_lockstep.json
 
 Starts 2 + 2 servers of the bundled tiny models (the bases in dev mode, for pushes), then:
-- `throughput`: the Python API in per-token mode, pair A/C alone against both pairs, at
+--mode lockstep starts the servers with the lockstep plugin and runs every part in lockstep
+mode (training picks it by itself: its default mode is auto).
+- `throughput`: the Python API in --mode, pair A/C alone against both pairs, at
   each --batch-sizes; tokens/s and the CPU seconds per 1,000 tokens of the four servers
   together and of this process. On 2 cores the servers share the cores whatever the pool,
   so 2 pairs cannot be faster; the point is whether the pool adds a serial cost.
@@ -129,7 +132,7 @@ async def part_generate(args: Any, servers: Servers, work: Path) -> dict[str, An
     inputs.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n"
                               for i, p in enumerate(harness.prompts_for(args.prompts, seed=21))))
     command = ["generate", "--input", str(inputs), "--max-tokens", str(args.max_tokens), "--seed", str(args.seed),
-               "--max-batch-size", str(args.batch), "--mode", "per_token", "--replica-probe-interval", "1",
+               "--max-batch-size", str(args.batch), "--mode", args.mode, "--replica-probe-interval", "1",
                "--quiet", *servers.pool_flags()]
     reference_seconds, _ = await Run([*command, "--output", str(work / "uninterrupted.jsonl")]).finish()
     print(f"generate: uninterrupted run {reference_seconds:.1f} s", flush=True)
@@ -207,7 +210,7 @@ async def part_throughput(args: Any, servers: Servers) -> list[dict[str, Any]]:
 
 
 async def _timed(servers: Servers, pairs: int, prompts: list[str], args: Any) -> dict[str, float]:
-    config = CoordinatorConfig(theta_urls=servers.urls(0, pairs), t_urls=servers.urls(1, pairs), mode="per_token",
+    config = CoordinatorConfig(theta_urls=servers.urls(0, pairs), t_urls=servers.urls(1, pairs), mode=args.mode,
                                max_batch_size=len(prompts), top_k=args.top_k)
     cpus = [harness.ServerCPU(s.url) for s in servers.all]
     async with DualVLLMCoordinator(config) as c:
@@ -228,8 +231,9 @@ async def run(args: Any) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     print(f"inputs, outputs and server logs: {work}", flush=True)
     report: dict[str, Any] = {"machine": harness.machine(), "command": " ".join(["python", *sys.argv]),
-                              "restart_after_s": args.restart_after}
-    pairs = replica_configs(replicas=2, log_dir=work / "logs", dev_mode=True, max_logprobs=args.top_k)
+                              "restart_after_s": args.restart_after, "mode": args.mode}
+    pairs = replica_configs(replicas=2, log_dir=work / "logs", dev_mode=True, max_logprobs=args.top_k,
+                            lockstep=args.mode == "lockstep")
     async with launch_replicas(pairs) as launched:
         servers = Servers([s for pair in launched for s in pair], work / "logs")
         try:
@@ -252,13 +256,15 @@ def plot(report: dict, path: Path) -> None:
     plt = harness.pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.5))
     harness.plot_tokens_per_s(ax, rows, {"1 pair": "1_pair_tokens_per_s", "2 pairs": "2_pair_tokens_per_s"},
-                              "per-token mode, 1 pair vs 2 (2 cores)")
+                              f"{report.get('mode', 'per_token')} mode, 1 pair vs 2 (2 cores)")
     harness.save_figure(fig, path)
 
 
 def main() -> None:
     parser = harness.argument_parser(__doc__, live_servers=False)
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--mode", choices=("per_token", "lockstep"), default="per_token",
+                        help="how the coordinator decodes; lockstep starts the servers with the plugin")
     parser.add_argument("--prompts", type=int, default=12288,
                         help="generate: prompts in the input file (enough that the restarted replica rejoins mid-run)")
     parser.add_argument("--kill-at", type=float, default=0.1, help="generate: kill once this share of records is written")

@@ -110,9 +110,9 @@ class CoordinatorConfig(RaisesInvalidInput, BaseSettings):
 
     @model_validator(mode="after")
     def _one_mode(self) -> CoordinatorConfig:
-        if (len(self.theta_pool) > 1 or len(self.t_pool) > 1) and (self.mode == "lockstep" or self.speculative_gamma):
-            raise ValueError("replica pools (theta_urls/t_urls with more than one URL) run in per-token mode; "
-                             "set mode='per_token' or 'auto' and speculative_gamma=0, or give one URL per role")
+        if (len(self.theta_pool) > 1 or len(self.t_pool) > 1) and self.speculative_gamma:
+            raise ValueError("replica pools (theta_urls/t_urls with more than one URL) run in lockstep or per-token "
+                             "mode, not speculative; set speculative_gamma=0, or give one URL per role")
         if self.mode == "lockstep" and self.speculative_gamma:
             raise ValueError("speculative_gamma > 0 is a per-token mode; lockstep needs speculative_gamma=0 "
                              "(it gains more: no request per token at all)")

@@ -133,17 +133,14 @@ class DualVLLMCoordinator:
         cfg = self.config
         if cfg.mode == "per_token" or cfg.speculative_gamma:
             return None
-        if isinstance(theta, ReplicaPool) or isinstance(t, ReplicaPool):
-            if cfg.mode == "lockstep":  # the config refuses this; engines given by hand can still ask
-                raise LockstepUnavailableError("lockstep mode runs on one server per role, not on replica pools")
-            log.info("per-token mode: replica pools run in per-token mode")
-            return None
-        if not (isinstance(theta, VLLMClient) and isinstance(t, VLLMClient)):
+        servers = [client for engine in (theta, t)
+                   for client in (engine.replicas if isinstance(engine, ReplicaPool) else [engine])]
+        if not all(isinstance(server, VLLMClient) for server in servers):
             if cfg.mode == "lockstep":
-                raise LockstepUnavailableError("lockstep mode needs two vLLM servers (VLLMClient engines)")
+                raise LockstepUnavailableError("lockstep mode needs vLLM servers (VLLMClient engines)")
             return None
         channel = LockstepChannel(cfg.lockstep_host)
-        probe = await probe_servers(channel, [theta, t], await theta.tokenize("Hello"), stop_token,
+        probe = await probe_servers(channel, servers, await theta.tokenize("Hello"), stop_token,  # type: ignore[arg-type]
                                     cfg.request_timeout)
         if probe.unavailable is not None:
             channel.close()
@@ -151,12 +148,13 @@ class DualVLLMCoordinator:
                 raise LockstepUnavailableError(f"lockstep mode: {probe.unavailable}")
             log.info("per-token mode: %s", probe.unavailable)
             return None
-        if probe.capacity < cfg.max_batch_size:
-            log.info("lockstep: at most %d sequences at once (the servers' max_num_seqs), not max_batch_size=%d",
-                     probe.capacity, cfg.max_batch_size)
-        return LockstepScheduler(theta, t, config=cfg, eos_ids=eos_ids, max_len=max_len, stats=self._stats,
-                                 channel=channel, stop_token=stop_token, capacity=probe.capacity,
-                                 vocab_size=vocab_size)
+        scheduler = LockstepScheduler(theta, t, config=cfg, eos_ids=eos_ids, max_len=max_len,  # type: ignore[arg-type]
+                                      stats=self._stats, channel=channel, stop_token=stop_token,
+                                      capacity=probe.capacity, vocab_size=vocab_size)
+        if scheduler.capacity < cfg.max_batch_size:
+            log.info("lockstep: at most %d sequences at once (%d per server, the servers' max_num_seqs), not "
+                     "max_batch_size=%d", scheduler.capacity, probe.capacity, cfg.max_batch_size)
+        return scheduler
 
     @property
     def mode(self) -> str:

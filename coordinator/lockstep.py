@@ -24,10 +24,17 @@ The state machine, per plugin report (one per server decode step):
 - a stream that the server ended on its own while its sequence goes on (its stop token
   sampled as an ordinary token, the server's max_tokens) is resubmitted the same way.
 - a stream whose request broke (a connection reset, a server killed or restarting) takes
-  its sequence off both servers until that server answers /health again; the sequence
-  then starts again from its agreed tokens, like a new one. A server that does not come
-  back within `lockstep_restart_timeout` fails the sequences; any other request failure
-  fails its sequence only.
+  its sequence off both servers. With another healthy replica of that role (replica
+  pools, engines/pool.py), the server is marked down in its pool, every sequence on it
+  is taken off too, and they all start again from their agreed tokens on the healthy
+  replicas at once; the pool probes the server and lets it rejoin. Without one, they wait
+  until that server answers /health again; a server that does not come back within
+  `lockstep_restart_timeout` fails them. Any other request failure fails its sequence only.
+- replica pools: each sequence is placed on one replica per role and stays there (its
+  KV and prefix cache), on the one with the fewest sequences among those with room. A
+  deadlock is then a set of waiting servers each of which waits on a row that must come
+  from another in the set; pairs of servers that share no sequence deadlock and are
+  parked independently.
 - admission: new sequences start while both servers are blocked here, and the reports are
   answered a moment later, so that both servers admit them in the same step
   (coordinator/admission.py).
@@ -59,6 +66,7 @@ from coordinator.scheduler import record_rows, sample_rows
 from coordinator.sequence import SequenceState
 from coordinator.stats import Statistics, StepTiming
 from engines.lockstep_channel import LockstepChannel
+from engines.pool import ReplicaPool
 from engines.protocol import TopKBatch
 from engines.vllm_client import VLLMClient
 from engines.vllm_plugin import wire
@@ -98,6 +106,8 @@ class _Live:
     """A sequence being generated in lockstep: its two streams and their waiting rows."""
 
     seq: SequenceState
+    # The server of each role it runs on (a replica of the role's pool), kept while healthy.
+    engines: list[VLLMClient | None] = field(default_factory=lambda: [None, None])
     streams: list["_Stream | None"] = field(default_factory=lambda: [None, None])
     rows: list[tuple[_Blocked, int] | None] = field(default_factory=lambda: [None, None])
     resubmissions: int = 0  # requests the servers ended on their own (parks are not counted)
@@ -146,12 +156,15 @@ class LockstepCounters:
 
 
 class LockstepScheduler:
-    def __init__(self, theta: VLLMClient, t: VLLMClient, *, config: CoordinatorConfig, eos_ids: frozenset[int],
-                 max_len: int, stats: Statistics, channel: LockstepChannel, stop_token: int,
-                 capacity: int | None = None, vocab_size: int | None = None) -> None:
-        """`stop_token`: the token a stream's plugin forces to end it (an EOS id of both models);
-        `capacity`: the most sequences the servers run at once (None: no limit but max_batch_size)."""
-        self._engines = (theta, t)
+    def __init__(self, theta: VLLMClient | ReplicaPool, t: VLLMClient | ReplicaPool, *, config: CoordinatorConfig,
+                 eos_ids: frozenset[int], max_len: int, stats: Statistics, channel: LockstepChannel,
+                 stop_token: int, capacity: int | None = None, vocab_size: int | None = None) -> None:
+        """`theta`/`t`: a server's client, or a ReplicaPool of its replicas' clients;
+        `stop_token`: the token a stream's plugin forces to end it (an EOS id of both models);
+        `capacity`: the most sequences one server runs at once (None: no limit but max_batch_size)."""
+        self._pools = tuple(e if isinstance(e, ReplicaPool) else None for e in (theta, t))
+        self._replicas: tuple[list[VLLMClient], list[VLLMClient]] = tuple(  # type: ignore[assignment]
+            list(e.replicas) if isinstance(e, ReplicaPool) else [e] for e in (theta, t))
         self._config = config
         self._eos_ids = eos_ids
         self._max_len = max_len
@@ -161,7 +174,9 @@ class LockstepScheduler:
         self._vocab_size = vocab_size
         # More sequences than a server runs at once would wait in its queue while the other
         # server runs them: a park at every step.
-        self._max_live = min(config.max_batch_size, capacity or config.max_batch_size)
+        self._per_server = capacity or config.max_batch_size
+        fewest = min(len(replicas) for replicas in self._replicas)
+        self._max_live = min(config.max_batch_size, self._per_server * fewest)
         self._delivery = Delivery(theta, stats)
         self.counters = LockstepCounters()
         self._waiting: deque[SequenceState] = deque()
@@ -194,6 +209,45 @@ class LockstepScheduler:
     def capacity(self) -> int:
         """Sequences in flight at once: max_batch_size, or fewer if the servers run fewer."""
         return self._max_live
+
+    # -- placement on replicas ---------------------------------------------------------
+
+    def _healthy(self, role: int) -> list[VLLMClient]:
+        pool = self._pools[role]
+        replicas = self._replicas[role]
+        return replicas if pool is None else [replicas[i] for i in pool.healthy]
+
+    def _loads(self, role: int) -> dict[str, int]:
+        """Live sequences per server of `role`, healthy ones only."""
+        loads = {engine.url: 0 for engine in self._healthy(role)}
+        for live in self._live:
+            engine = live.engines[role]
+            if not live.done and engine is not None and engine.url in loads:
+                loads[engine.url] += 1
+        return loads
+
+    def _has_slot(self) -> bool:
+        return all(min(self._loads(role).values(), default=self._per_server) < self._per_server
+                   for role in (THETA, T))
+
+    def _place(self, live: _Live) -> None:
+        """Keep `live` on its servers while they are healthy and have room; else the healthy
+        replica of the role with the fewest sequences (its old one went down: a move)."""
+        for role in (THETA, T):
+            loads = self._loads(role)
+            engine = live.engines[role]
+            if engine is not None and loads.get(engine.url, self._per_server) < self._per_server:
+                continue
+            best = min(self._healthy(role), key=lambda e: loads[e.url])
+            pool = self._pools[role]
+            if engine is not None and pool is not None:
+                pool.counters.moves += 1
+                log.info("lockstep: sequence %d moves from %s to %s", live.seq.index, engine.url, best.url)
+            live.engines[role] = best
+
+    def _servers(self) -> set[str]:
+        """The healthy servers, where new sequences may start."""
+        return {engine.url for role in (THETA, T) for engine in self._healthy(role)}
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -246,7 +300,7 @@ class LockstepScheduler:
             while self._room():
                 self._start(self._next_waiting())
             return
-        targets = {engine.url for engine in self._engines}
+        targets = self._servers()
         if not targets <= self._blocked_servers() | self._busy_servers():  # a server would never block here
             self._start(self._next_waiting())
         if self._room() and not self.gate.armed:
@@ -258,13 +312,14 @@ class LockstepScheduler:
             self._waiting.popleft()
         while self._suspended and self._suspended[0].seq.cancelled:
             self._suspended.popleft().done = True
-        return bool(self._waiting or self._suspended) and len(self._live) < self._max_live
+        return bool(self._waiting or self._suspended) and len(self._live) < self._max_live and self._has_slot()
 
     def _next_waiting(self) -> _Live:
         """A suspended sequence first (it has waited longest), else a new one."""
         return self._suspended.popleft() if self._suspended else _Live(self._waiting.popleft())
 
     def _start(self, live: _Live) -> _Live:
+        self._place(live)
         self._live.append(live)
         for role in (THETA, T):
             self._start_stream(live, role)
@@ -282,8 +337,7 @@ class LockstepScheduler:
         """Start the waiting sequences if both servers are blocked here (or `force`), then hold
         the servers until both have taken every new request in, and a moment more for the
         requests to reach their engines."""
-        targets = {engine.url for engine in self._engines}
-        if not self.gate.armed or not (force or targets <= self._blocked_servers()):
+        if not self.gate.armed or not (force or self._servers() <= self._blocked_servers()):
             return
         started = []
         while self._room() and not self._holding:
@@ -325,7 +379,9 @@ class LockstepScheduler:
         seq = live.seq
         prompt = seq.theta_context() if role == THETA else seq.t_context()
         agreed = len(seq.tokens)
-        stream = _Stream(id=next(self._ids), live=live, role=role, engine=self._engines[role], offset=agreed)
+        engine = live.engines[role]
+        assert engine is not None, "a sequence starts only once placed"
+        stream = _Stream(id=next(self._ids), live=live, role=role, engine=engine, offset=agreed)
         live.streams[role] = stream
         self._streams[stream.id] = stream
         # One more than needed: the coordinator ends the request (END) before the server would.
@@ -344,6 +400,7 @@ class LockstepScheduler:
         if task.cancelled():
             self._streams.pop(stream.id, None)
             return
+        task.exception()  # retrieved here: a retired stream's break (a dead server) is expected
         self._spawn(self._on_stream_end(stream, task))
 
     async def _on_stream_end(self, stream: _Stream, task: asyncio.Task[str]) -> None:
@@ -384,7 +441,7 @@ class LockstepScheduler:
             # agreed tokens on both servers, under new stream ids (if the broken request did
             # reach the server, its rows are unknown here and answered END).
             live.request_failures += 1
-            self._suspend(live, stream.engine, error)
+            self._suspend(live, stream.role, stream.engine, error)
         elif error is not None:
             log.warning("%s lockstep request of a sequence failed: %s", stream.engine.name, error)
             seq.fail(f"{stream.engine.name} server: {error}")
@@ -399,9 +456,18 @@ class LockstepScheduler:
             live.resubmissions += 1
             self._resubmit(live, stream.role)
 
-    def _suspend(self, live: _Live, engine: VLLMClient, error: ServerError) -> None:
-        """Take `live` off both servers until `engine` is back."""
+    def _suspend(self, live: _Live, role: int, engine: VLLMClient, error: ServerError) -> None:
+        """Take `live` off both servers until `engine` (its server of `role`) is back, or, when
+        the role has another healthy replica, take `engine` out of its pool and move its
+        sequences there."""
         self._take_off(live)
+        pool = self._pools[role]
+        if pool is not None and any(e is not engine for e in self._healthy(role)):
+            pool.take_out(self._replicas[role].index(engine), error)
+            for other in list(self._live):
+                if not other.done and engine in other.engines:
+                    self._take_off(other)
+            return
         if engine.url in self._dead:
             self._fail_waiting(self._dead[engine.url])
         elif engine.url not in self._recovering:
@@ -546,8 +612,9 @@ class LockstepScheduler:
 
     async def _settle(self) -> None:
         """After any change: break a deadlock, start what can start, answer what is decided."""
-        if self._live_servers_all_blocked():
-            self._break_deadlock()
+        stuck = self._deadlocked_servers()
+        if stuck:
+            self._break_deadlock(stuck)
         self._admit()
         await self._open_gate()
         await self._send_ready()
@@ -630,14 +697,30 @@ class LockstepScheduler:
 
     # -- deadlocks and stalls ----------------------------------------------------------
 
-    def _live_servers_all_blocked(self) -> bool:
-        """Every server that holds a stream is waiting here with undecidable rows."""
-        waiting = {b.server for b in self._blocked.values() if (b.answers == UNSET).any()}
-        holding = {s.engine.url for s in self._streams.values() if not s.retired}
-        return bool(waiting) and holding <= waiting
+    def _deadlocked_servers(self) -> set[str]:
+        """Servers waiting here that nothing will free: each waits on a row that must come
+        from a server that is itself waiting here, and so cannot report it before it is
+        answered. Exact. With one server per role: both servers wait with undecided rows."""
+        waits_on: dict[str, set[str | None]] = {}  # waiting server -> servers its undecided rows need
+        for blocked in self._blocked.values():
+            undecided = np.flatnonzero(blocked.answers == UNSET)
+            if blocked.server is None or undecided.size == 0:
+                continue
+            needed = waits_on.setdefault(blocked.server, set())
+            for i in undecided.tolist():
+                stream = self._streams.get(int(blocked.report.ids[i]))
+                other = stream.live.streams[1 - stream.role] if stream is not None else None
+                needed.add(other.engine.url if other is not None and not other.retired else None)
+        stuck = set(waits_on)
+        while True:  # free every server all of whose needed rows come from servers not stuck
+            free = {server for server in stuck if not waits_on[server] & stuck}
+            if not free:
+                return stuck
+            stuck -= free
 
-    def _break_deadlock(self) -> None:
-        undecided = {identity: int((b.answers == UNSET).sum()) for identity, b in self._blocked.items()}
+    def _break_deadlock(self, stuck: set[str]) -> None:
+        undecided = {identity: int((b.answers == UNSET).sum()) for identity, b in self._blocked.items()
+                     if b.server in stuck}
         identity = min((i for i in undecided if undecided[i]), key=undecided.__getitem__)
         self._park(self._blocked[identity])
 
@@ -656,11 +739,15 @@ class LockstepScheduler:
                 self._resubmit(live, stream.role)
 
     async def _watch_stalls(self) -> None:
-        """Park reports that wait too long on a server that is busy with other work."""
+        """Park reports that wait too long on a server that is busy with other work; start
+        sequences that wait for a replica that has since rejoined its pool (no report would)."""
         limit = self._config.lockstep_stall_timeout
+        every = min(limit / 4, self._config.replica_probe_interval)
         while True:
-            await asyncio.sleep(limit / 4)
+            await asyncio.sleep(every)
             async with self._lock:
+                if not self._holding and self._room():
+                    await self._settle()
                 now = time.perf_counter()
                 stalled = [b for b in self._blocked.values()
                            if now - b.arrived > limit and (b.answers == UNSET).any()]

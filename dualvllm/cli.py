@@ -210,9 +210,6 @@ def _server_configs(args: argparse.Namespace) -> list[tuple[ServerConfig, Server
     sends (DUALVLLM_API_KEY, kept out of argv so `ps` does not show it)."""
     if args.replicas < 1:
         raise InvalidInputError(f"--replicas must be at least 1, got {args.replicas}")
-    if args.replicas > 1 and args.lockstep:
-        raise InvalidInputError("replica pools run in per-token mode, so --lockstep servers would go unused; "
-                                "drop --lockstep or --replicas")
     secret = CoordinatorConfig().api_key
     options = _given(args, ServerConfig, SERVER_FLAGS)
     if secret is not None:
@@ -325,7 +322,7 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--replicas", type=int, default=1,
                        help="start this many (base, teacher) pairs, each on its own cores when there are enough; "
                             "the coordinator pools the replicas of each role, and a replica that dies hands its "
-                            "sequences to the others (per-token mode) (default: 1)")
+                            "sequences to the others (default: 1)")
     _add_schema_flags(group, ServerConfig, SERVER_FLAGS)
 
 

@@ -225,6 +225,12 @@ class FakeLockstepServer:
                 self.running.remove(request)
             raise
 
+    async def health(self) -> None:
+        """As VLLMClient.health: raises while `down` (a replica pool's prober asks this)."""
+        self.health_checks += 1
+        if self.down:
+            raise ServerUnavailableError(self.name, self.url, "GET /health: connection refused (simulated)")
+
     async def wait_healthy(self, timeout_s: float, poll_s: float = 0.01) -> None:
         """As VLLMClient.wait_healthy: returns once `down` is cleared, raises after `timeout_s`."""
         self.health_checks += 1

@@ -131,8 +131,6 @@ class TaskConfig(RaisesInvalidInput, BaseModel):
         if self.teacher == "self" and (self.replicas > 1 or len(self.theta_urls) > 1 or self.t_urls):
             raise ValueError("--teacher self samples the teacher from the one base server; with several base "
                              "replicas, serve the starting weights as the teacher (--teacher self-frozen) instead")
-        if self.lockstep and (self.replicas > 1 or len(self.theta_urls) > 1 or len(self.t_urls) > 1):
-            raise ValueError("replica pools run in per-token mode; drop --lockstep or use one server per role")
         if too_large := [k for k in self.pass_k if k > self.eval_samples]:
             if "pass_k" in given:
                 raise ValueError(f"--pass-k {too_large} needs at least {max(too_large)} --eval-samples per problem")

@@ -4,10 +4,14 @@
   their recorded tokens, so every token and log q* equals an uninterrupted run's with the
   same seed, and no sequence fails. Restarted on its port, it passes /health and the
   weights probe and rejoins; a weight push then reaches both replicas, verified on each.
-- During `dualvllm train`: the run goes on, pushing verified weights into the survivor.
+- In lockstep mode, with SIGKILL on a teacher replica: its sequences start again from
+  their agreed tokens on the other teacher, and every token equals per-token mode's.
+- During `dualvllm train` (lockstep, the default with these servers): the run goes on,
+  pushing verified weights into the survivor.
 
-The servers run in dev mode (weight pushes), without the lockstep plugin: pools decode in
-per-token mode. The training test runs last: it leaves a base replica dead.
+The servers run in dev mode (weight pushes) with the lockstep plugin; per-token runs ask
+for mode="per_token". The tests run in file order and each leaves a server dead: the
+lockstep test a teacher, the training test a base.
 """
 
 from __future__ import annotations
@@ -40,15 +44,15 @@ PROBE_INTERVAL_S = 0.5
 def pools(tmp_path_factory):
     """[theta-0, t-0, theta-1, t-1]: two pairs of servers, the bases in dev mode."""
     pairs = replica_configs(replicas=2, log_dir=tmp_path_factory.mktemp("vllm-pool-logs"), dev_mode=True,
-                            max_logprobs=20)
+                            max_logprobs=20, lockstep=True)
     with running_servers([(config, f"{role}-{i}") for i, pair in enumerate(pairs)
                           for config, role in zip(pair, ("theta", "t"))]) as servers:
         yield servers
 
 
-def pool_config(servers: list[VLLMServer]) -> CoordinatorConfig:
+def pool_config(servers: list[VLLMServer], mode: str = "per_token") -> CoordinatorConfig:
     return CoordinatorConfig(theta_urls=[s.url for s in servers[0::2]], t_urls=[s.url for s in servers[1::2]],
-                             top_k=20, mode="per_token", replica_probe_interval=PROBE_INTERVAL_S)
+                             top_k=20, mode=mode, replica_probe_interval=PROBE_INTERVAL_S)
 
 
 def kill(server: VLLMServer) -> None:
@@ -101,12 +105,32 @@ async def test_a_killed_base_replica_loses_no_token_and_rejoins_after_a_restart(
     assert (push.replicas, push.dropped) == (2, ()) and push.max_abs_diff < 1e-3
 
 
+async def test_a_killed_teacher_replica_in_lockstep_mode_loses_no_token(pools):
+    prompts = [p.prompt for p in problems("test", n=SEQUENCES, seed=13)]
+    async with DualVLLMCoordinator(pool_config(pools)) as c:
+        reference = await c.generate_batch(prompts, max_tokens=MAX_TOKENS, seed=5, ignore_eos=True)
+    async with DualVLLMCoordinator(pool_config(pools, mode="lockstep")) as c:
+        run = asyncio.create_task(c.generate_batch(prompts, max_tokens=MAX_TOKENS, seed=5, ignore_eos=True))
+        await until(lambda: c.get_statistics()["tokens"] >= SEQUENCES * MAX_TOKENS // 4, 300)
+        assert not run.done(), "the run ended before the kill"
+        kill(pools[3])  # a teacher; the training test below uses the other one
+        outputs = await run
+        stats = c.get_statistics()
+
+    assert all(o.ok for o in outputs) and stats["sequences_failed"] == 0
+    assert [o.generated_tokens for o in outputs] == [o.generated_tokens for o in reference]
+    for got, want in zip(outputs, reference):
+        assert got.logprobs_q == pytest.approx(want.logprobs_q, abs=1e-5)
+    assert stats["t_replica_downs"] == 1 and stats["t_replicas_up"] == 1
+    assert 1 <= stats["t_replica_moves"] <= SEQUENCES
+
+
 def test_training_goes_on_pushing_verified_weights_when_a_base_replica_dies(pools, tmp_path):
     out, log = tmp_path / "run", tmp_path / "train.log"
     with open(log, "w") as stderr:  # a file, not a pipe: nobody reads it while the run goes on
         run = subprocess.Popen(
             [sys.executable, "-m", "dualvllm", "train", "--output-dir", str(out), "--theta-urls", pools[0].url,
-             pools[2].url, "--t-urls", pools[1].url, pools[3].url, "--steps", "4", "--prompts-per-step", "2",
+             pools[2].url, "--t-urls", pools[1].url, "--steps", "4", "--prompts-per-step", "2",
              "--group-size", "4", "--eval-prompts", "8", "--max-tokens", "4", "--eval-every", "4"],
             cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr)
     try:

@@ -30,6 +30,7 @@ from coordinator.sequence import SamplingParams, SequenceState
 from coordinator.stats import Statistics
 from coordinator.step import mix_and_sample
 from engines.lockstep_channel import LockstepChannel
+from engines.pool import ReplicaPool
 from engines.protocol import ModelInfo, TopKBatch
 from engines.vllm_plugin import wire
 from tests.fake_lockstep import EOS_ID, VOCAB_SIZE, FakeLockstepServer, FakeModel, FakeRequest
@@ -819,3 +820,124 @@ def test_malformed_messages_raise_wire_errors():
         wire.decode_reply([reply[0], reply[1][:-8]])  # one row short
     with pytest.raises(wire.WireError):
         wire.decode_reply([*reply, b""])
+
+
+# -- replica pools ----------------------------------------------------------------------
+
+
+class PoolRig:
+    """Two replicas of each role (fakes of the same models) behind ReplicaPools."""
+
+    def __init__(self, rig: Rig, *, theta: list[dict] | None = None, t: list[dict] | None = None) -> None:
+        self.models = (FakeModel(1), FakeModel(2))
+        options = (theta or [{}, {}], t or [{}, {}])
+        self.replicas = [[FakeLockstepServer(f"{role}{i}", model, **opts) for i, opts in enumerate(role_options)]
+                         for role, model, role_options in zip(("theta", "t"), self.models, options)]
+        rig.fakes.extend(self.replicas[0] + self.replicas[1])
+        self.pools = [ReplicaPool(replicas, name=role, probe_interval_s=0.05)  # type: ignore[arg-type]
+                      for role, replicas in zip(("theta", "t"), self.replicas)]
+        self.scheduler = rig.scheduler(*self.pools, config())  # type: ignore[arg-type]
+
+    def placement(self, outputs: list[GenerationOutput]) -> dict[int, tuple[set[str], set[str]]]:
+        """sequence -> (base replicas, teacher replicas) its requests went to."""
+        return {out.index: tuple({fake.name for fake in replicas if fake.requests_of(key(out.index))}
+                                 for replicas in self.replicas) for out in outputs}  # type: ignore[misc]
+
+    def assert_lossless(self, outputs: list[GenerationOutput], params: SamplingParams) -> None:
+        for out in outputs:
+            assert out.ok and out.finish_reason == "max_tokens", out.error
+            assert_per_token_tokens(out, *self.models, params, self.scheduler._config)
+        for replicas, prompt in zip(self.replicas, (theta_prompt, t_prompt)):
+            for fake in replicas:
+                assert_servers_followed(fake, [o for o in outputs if fake.requests_of(key(o.index))], prompt)
+
+
+async def test_a_pool_spreads_sequences_over_replicas_and_keeps_each_on_its_own(rig):
+    pools = PoolRig(rig)
+    sequences = make_sequences(8, max_tokens=6)
+    outputs = await generate(pools.scheduler, sequences)
+
+    pools.assert_lossless(outputs, sequences[0].params)
+    placement = pools.placement(outputs)
+    assert all(len(thetas) == 1 and len(ts) == 1 for thetas, ts in placement.values())  # one replica per role
+    for role in (0, 1):  # balanced: four sequences on each replica
+        assert sorted(sum(1 for p in placement.values() if fake.name in p[role]) for fake in pools.replicas[role]) \
+            == [4, 4]
+    # Aligned admission holds over four servers: all admitted each new sequence in one step.
+    assert pools.scheduler.counters.parks == 0 and pools.scheduler.counters.split_reports == 0
+    assert pools.scheduler.gate.counters.admitted == 6 and pools.scheduler.gate.counters.misses == 0
+
+
+async def test_a_base_replica_that_dies_hands_its_sequences_to_the_other_with_nothing_lost(rig):
+    pools = PoolRig(rig)
+    dead = pools.replicas[0][0]
+    sequences = make_sequences(6, max_tokens=10)
+    crash = asyncio.create_task(crash_during(dead, after_steps=4, down_s=None))
+    outputs = await generate(pools.scheduler, sequences)
+    await crash
+
+    pools.assert_lossless(outputs, sequences[0].params)  # same tokens as per-token mode, none twice
+    assert pools.pools[0].healthy == [1] and pools.pools[0].counters.downs == 1
+    moved = [out for out in outputs if dead.requests_of(key(out.index))]
+    assert moved and pools.pools[0].counters.moves == len(moved)
+    survivor = pools.replicas[0][1]
+    for out in moved:  # each went on from its agreed tokens on the other base replica
+        resumed = survivor.requests_of(key(out.index))[-1]
+        assert 0 < resumed.offset < 10 and resumed.finish == "stop"
+    assert pools.scheduler.counters.suspensions >= len(moved)
+
+
+async def test_a_replica_that_comes_back_rejoins_and_takes_new_sequences(rig):
+    pools = PoolRig(rig)
+    pools.pools[0].start_probing()
+    try:
+        comeback = pools.replicas[0][0]
+        crash = asyncio.create_task(crash_during(comeback, after_steps=3, down_s=0.2))
+        pools.scheduler.submit(first := make_sequences(4, max_tokens=8))
+        for out in await collect(first):
+            assert out.ok
+            assert_per_token_tokens(out, *pools.models, first[0].params, pools.scheduler._config)
+        await crash
+        await eventually(lambda: pools.pools[0].healthy == [0, 1], "the restarted replica rejoined")
+        before = len(comeback.requests)
+        pools.scheduler.submit(second := make_sequences(4, max_tokens=4))
+        assert all(out.ok for out in await collect(second))
+        assert len(comeback.requests) - before >= 2 and pools.pools[0].counters.rejoins == 1
+        await asyncio.wait_for(pools.scheduler.close(), OUTPUT_TIMEOUT_S)
+        assert all(fake.idle for fake in pools.replicas[0] + pools.replicas[1])
+    finally:
+        await pools.pools[0].close()
+
+
+def admit_only_once(k: int):
+    """An admission policy: the first time more than one request waits, admit only sequence k's."""
+    fired: list[bool] = []
+
+    def admit(server: FakeLockstepServer, queued: list[FakeRequest]) -> list[FakeRequest]:
+        if len(queued) > 1 and any(r.key == key(k) for r in queued) and not fired:
+            fired.append(True)
+            return [r for r in queued if r.key == key(k)]
+        return queued
+    return admit
+
+
+async def test_two_servers_deadlocked_apart_from_the_others_are_parked_while_the_others_run(rig):
+    # Pair 1 (theta1, t1) gets sequences 1, 3 and 5; in the round that sends 3 and 5, the base
+    # admits 3 alone and the teacher 5 alone: each of the two waits on the other, while
+    # theta0 and t0 go on decoding their sequences. Only those two servers are deadlocked.
+    pools = PoolRig(rig, theta=[{}, {"admit": admit_only_once(3)}], t=[{}, {"admit": admit_only_once(5)}])
+    others_steps: list[int] = []  # theta0's decode steps when each park happened
+    park = pools.scheduler._park
+
+    def watched_park(blocked):
+        others_steps.append(pools.replicas[0][0].steps)
+        park(blocked)
+
+    pools.scheduler._park = watched_park  # type: ignore[method-assign]
+    sequences = make_sequences(6, max_tokens=12)
+    outputs = await generate(pools.scheduler, sequences)
+
+    pools.assert_lossless(outputs, sequences[0].params)
+    assert pools.placement(outputs)[3] == ({"theta1"}, {"t1"}) and pools.placement(outputs)[5] == ({"theta1"}, {"t1"})
+    assert pools.scheduler.counters.parks >= 1
+    assert others_steps and others_steps[0] < 12  # parked while the other pair was still decoding

@@ -8,7 +8,7 @@ import pytest
 from coordinator import CoordinatorConfig, DualVLLMCoordinator
 from common.errors import InvalidInputError
 from tests.exact_q import chi_square_pvalue, exact_q_star, two_sample_pvalue
-from tests.fake_vllm import EOS_ID, VOCAB_SIZE, Failure, tokenize
+from tests.fake_vllm import VOCAB_SIZE, Failure, tokenize
 
 
 def config(theta, t, **kw) -> CoordinatorConfig:

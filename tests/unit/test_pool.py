@@ -127,11 +127,12 @@ async def test_replicas_with_different_weights_are_refused_by_url():
         assert a.url in str(refused.value) and b.url in str(refused.value)
 
 
-def test_pools_need_per_token_mode_and_urls_come_comma_separated(monkeypatch):
+def test_pools_refuse_speculative_mode_and_urls_come_comma_separated(monkeypatch):
     monkeypatch.setenv("DUALVLLM_T_URLS", "http://a:1, http://b:2/")
     assert CoordinatorConfig().t_pool == ("http://a:1", "http://b:2")
-    with pytest.raises(InvalidInputError, match="per-token mode"):
-        CoordinatorConfig(mode="lockstep")
+    assert CoordinatorConfig(mode="lockstep").mode == "lockstep"
+    with pytest.raises(InvalidInputError, match="not speculative"):
+        CoordinatorConfig(speculative_gamma=4)
     with pytest.raises(InvalidInputError, match="listed twice"):
         CoordinatorConfig(theta_urls=["http://a:1", "http://a:1"])
 
