@@ -18,6 +18,10 @@ same weights can continue a sequence from its recorded tokens. The pool:
   rejoining replica must match (`refresh_reference`).
 
 Every move, down and rejoin is logged and counted (`PoolCounters`).
+
+In lockstep mode requests are not per token: the lockstep scheduler (coordinator/lockstep.py)
+places each sequence on a replica itself and uses the pool for the rest: which replicas
+are up, `take_out` when one breaks, the prober and its hook for rejoins, the counters.
 """
 
 from __future__ import annotations
