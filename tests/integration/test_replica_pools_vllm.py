@@ -152,3 +152,4 @@ def test_training_goes_on_pushing_verified_weights_when_a_base_replica_dies(pool
     assert all(r["push_replicas"] == 1 for r in steps[1:])  # then the survivor alone, verified
     assert all(r["push_max_abs_diff"] < 1e-3 for r in steps)
     assert f"theta replica {pools[2].url} is down" in text  # the loss was logged, naming the replica
+    assert "decoding mode: lockstep" in text  # the default with servers that carry the plugin
