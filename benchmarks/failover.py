@@ -15,7 +15,8 @@ mode (training picks it by itself: its default mode is auto).
   once uninterrupted and once with base replica B SIGKILLed once --kill-at of the records
   are written, and started again on its port --restart-after seconds later. Reports the
   records written, lost (input ids missing from the output), duplicated and failed; the
-  records whose tokens differ from the uninterrupted run's (same --seed); the wall seconds
+  records whose tokens differ from the uninterrupted run's (same --seed), and how far log q*
+  of the same tokens is from it; the wall seconds
   the kill cost; when the pool marked B down and when B rejoined (from the run's log).
 - `train`: `dualvllm train --theta-urls A B --t-urls C D` for --train-steps updates, B
   killed after update 2 and restarted as above. Reports the base replicas every update's
@@ -148,14 +149,19 @@ async def part_generate(args: Any, servers: Servers, work: Path) -> dict[str, An
     written = jsonl(output)
     reference = {r["id"]: r for r in jsonl(work / "uninterrupted.jsonl")}
     ids = [r["id"] for r in written]
-    differ = sum(1 for r in written if (r["generated_tokens"], r["logprobs_q"])
-                 != (reference[r["id"]]["generated_tokens"], reference[r["id"]]["logprobs_q"]))
+    differ = sum(1 for r in written if r["generated_tokens"] != reference[r["id"]]["generated_tokens"])
+    # log q* of the same tokens: equal, or off in the last bits. The step math's float64
+    # rounding depends on which rows are decided together (its arrays are as wide as the
+    # batch's widest merged row), and in lockstep mode that depends on the servers' timing.
+    gaps = [max((abs(a - b) for a, b in zip(r["logprobs_q"], reference[r["id"]]["logprobs_q"])), default=0.0)
+            for r in written if r["generated_tokens"] == reference[r["id"]]["generated_tokens"]]
     failed = int(re.search(r"(\d+) failed of", stdout).group(1))  # type: ignore[union-attr]
     down, rejoin = run.first(DOWN), run.first(REJOIN)
     result = {
         "prompts": args.prompts, "max_tokens": args.max_tokens, "records_written": len(written),
         "records_lost": len(set(map(str, range(args.prompts))) - set(ids)), "records_duplicated": len(ids) - len(set(ids)),
         "records_failed": failed, "records_with_other_tokens": differ,
+        "records_with_other_logprobs_q": sum(1 for gap in gaps if gap > 0), "max_logprob_q_gap": max(gaps, default=0.0),
         "uninterrupted_s": reference_seconds, "with_kill_s": seconds, "kill_cost_s": seconds - reference_seconds,
         "killed_at_s": kill_s, "marked_down_after_kill_s": down - kill_s if down is not None else None,
         "restarted_healthy_after_kill_s": restart["healthy_again_s"], "restart_cpu_s": restart["restart_cpu_s"],
