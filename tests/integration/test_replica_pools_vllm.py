@@ -68,6 +68,17 @@ async def until(condition, timeout_s: float) -> None:
         await asyncio.sleep(0.1)
 
 
+def assert_lost_nothing(outputs, reference, stats: dict, role: str, atol: float) -> None:
+    """No sequence failed, each has the reference run's tokens and log q*, and the killed
+    replica of `role` was marked down with its sequences moved."""
+    assert all(o.ok for o in outputs) and stats["sequences_failed"] == 0
+    assert [o.generated_tokens for o in outputs] == [o.generated_tokens for o in reference]
+    for got, want in zip(outputs, reference):
+        assert got.logprobs_q == pytest.approx(want.logprobs_q, abs=atol)
+    assert stats[f"{role}_replica_downs"] == 1 and stats[f"{role}_replicas_up"] == 1
+    assert 1 <= stats[f"{role}_replica_moves"] <= SEQUENCES
+
+
 async def test_a_killed_base_replica_loses_no_token_and_rejoins_after_a_restart(pools, tmp_path):
     prompts = [p.prompt for p in problems("test", n=SEQUENCES, seed=12)]
     theta1 = pools[2]
@@ -95,12 +106,7 @@ async def test_a_killed_base_replica_loses_no_token_and_rejoins_after_a_restart(
         push = await BasePusher(c.base_engine, probes).push(learner, tokenizer, tmp_path / "pushed")
         final = c.get_statistics()
 
-    assert all(o.ok for o in outputs) and after_kill["sequences_failed"] == 0
-    assert [o.generated_tokens for o in outputs] == [o.generated_tokens for o in reference]
-    for got, want in zip(outputs, reference):
-        assert got.logprobs_q == pytest.approx(want.logprobs_q, abs=1e-6)
-    assert after_kill["theta_replica_downs"] == 1 and after_kill["theta_replicas_up"] == 1
-    assert 1 <= after_kill["theta_replica_moves"] <= SEQUENCES
+    assert_lost_nothing(outputs, reference, after_kill, "theta", atol=1e-6)
     assert final["theta_replica_rejoins"] == 1
     assert (push.replicas, push.dropped) == (2, ()) and push.max_abs_diff < 1e-3
 
@@ -117,12 +123,7 @@ async def test_a_killed_teacher_replica_in_lockstep_mode_loses_no_token(pools):
         outputs = await run
         stats = c.get_statistics()
 
-    assert all(o.ok for o in outputs) and stats["sequences_failed"] == 0
-    assert [o.generated_tokens for o in outputs] == [o.generated_tokens for o in reference]
-    for got, want in zip(outputs, reference):
-        assert got.logprobs_q == pytest.approx(want.logprobs_q, abs=1e-5)
-    assert stats["t_replica_downs"] == 1 and stats["t_replicas_up"] == 1
-    assert 1 <= stats["t_replica_moves"] <= SEQUENCES
+    assert_lost_nothing(outputs, reference, stats, "t", atol=1e-5)
 
 
 def test_training_goes_on_pushing_verified_weights_when_a_base_replica_dies(pools, tmp_path):
