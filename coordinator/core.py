@@ -151,6 +151,9 @@ class DualVLLMCoordinator:
         scheduler = LockstepScheduler(theta, t, config=cfg, eos_ids=eos_ids, max_len=max_len,  # type: ignore[arg-type]
                                       stats=self._stats, channel=channel, stop_token=stop_token,
                                       capacity=probe.capacity, vocab_size=vocab_size)
+        for pool in (theta, t):
+            if isinstance(pool, ReplicaPool):  # a replica restarted without the plugin stays out
+                pool.rejoin_checks.append(scheduler.check_plugin)  # type: ignore[arg-type]
         if scheduler.capacity < cfg.max_batch_size:
             log.info("lockstep: at most %d sequences at once (%d per server, the servers' max_num_seqs), not "
                      "max_batch_size=%d", scheduler.capacity, probe.capacity, cfg.max_batch_size)

@@ -58,7 +58,7 @@ from typing import AsyncIterator
 
 import numpy as np
 
-from common.errors import LifecycleError, ServerError
+from common.errors import LifecycleError, LockstepUnavailableError, ServerError
 from coordinator.admission import MAX_HOLD_S, AdmissionGate
 from coordinator.config import CoordinatorConfig
 from coordinator.delivery import Delivery
@@ -188,6 +188,7 @@ class LockstepScheduler:
         self._streams: dict[int, _Stream] = {}
         self._requests: set[asyncio.Task[str]] = set()
         self._blocked: dict[bytes, _Blocked] = {}
+        self._probes: dict[int, asyncio.Future[None]] = {}  # check_plugin's requests: done when reported
         # Ids start at a random point: a plugin that still counts positions for a previous
         # coordinator on the same port must never mistake these streams for its old ones.
         self._ids = itertools.count(secrets.randbits(40) << 20)
@@ -245,6 +246,34 @@ class LockstepScheduler:
                 log.info("lockstep: sequence %d moves from %s to %s", live.seq.index, engine.url, best.url)
             live.engines[role] = best
 
+    async def check_plugin(self, engine: VLLMClient) -> None:
+        """Raise LockstepUnavailableError unless `engine`'s plugin reports here: a replica
+        that rejoins its pool may have been restarted without it, and would then decode its
+        sequences natively (each ended on its own and resent, until it failed)."""
+        self._listen()
+        probe_id = next(self._ids)
+        reported = self._probes[probe_id] = asyncio.get_running_loop().create_future()
+        args = {wire.ARG_ADDRESS: self._channel.address, wire.ARG_ID: probe_id, wire.ARG_OFFSET: 0,
+                wire.ARG_TOP_K: 1, wire.ARG_STOP: self._stop_token}
+        request = asyncio.create_task(engine.forced_generation(
+            [self._stop_token], max_tokens=2, stop_token=self._stop_token, lockstep_args=args))
+        try:
+            await asyncio.wait({request, reported}, timeout=self._config.request_timeout,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if reported.done():
+                return
+            if request.done():
+                request.result()  # a refusal raises its ServerError
+                raise LockstepUnavailableError(
+                    f"{engine.name} server at {engine.url} answered a lockstep request without asking for its tokens: "
+                    "it runs without the dualvllm lockstep plugin (restart it with `dualvllm serve --lockstep`)")
+            raise LockstepUnavailableError(f"{engine.name} server at {engine.url}: its lockstep probe got no answer "
+                                           f"within {self._config.request_timeout:g} s")
+        finally:
+            del self._probes[probe_id]
+            request.cancel()
+            await asyncio.gather(request, return_exceptions=True)
+
     def _servers(self) -> set[str]:
         """The healthy servers, where new sequences may start."""
         return {engine.url for role in (THETA, T) for engine in self._healthy(role)}
@@ -255,10 +284,13 @@ class LockstepScheduler:
         if self._closing:
             raise LifecycleError("the coordinator is closing")
         self._waiting.extend(sequences)
+        self._listen()
+        self._admit()
+
+    def _listen(self) -> None:
         if self._loop_task is None:
             self._loop_task = asyncio.create_task(self._receive_loop(), name="dualvllm-lockstep")
             self._watchdog = asyncio.create_task(self._watch_stalls(), name="dualvllm-lockstep-watchdog")
-        self._admit()
 
     async def close(self) -> None:
         """Fail what is unfinished, end every server request, then stop listening."""
@@ -585,6 +617,9 @@ class LockstepScheduler:
         for i, (stream_id, position) in enumerate(zip(report.ids.tolist(), report.positions.tolist())):
             stream = self._streams.get(stream_id)
             if stream is None or stream.retired or stream.live.done or self._closing:
+                probe = self._probes.get(stream_id)
+                if probe is not None and not probe.done():
+                    probe.set_result(None)
                 answers[i] = wire.END
                 continue
             live, seq = stream.live, stream.live.seq

@@ -6,12 +6,12 @@
   weights probe and rejoins; a weight push then reaches both replicas, verified on each.
 - In lockstep mode, with SIGKILL on a teacher replica: its sequences start again from
   their agreed tokens on the other teacher, and every token equals per-token mode's.
+  Restarted with the plugin, it passes the plugin check and rejoins.
 - During `dualvllm train` (lockstep, the default with these servers): the run goes on,
   pushing verified weights into the survivor.
 
 The servers run in dev mode (weight pushes) with the lockstep plugin; per-token runs ask
-for mode="per_token". The tests run in file order and each leaves a server dead: the
-lockstep test a teacher, the training test a base.
+for mode="per_token". The training test runs last: it leaves a base replica dead.
 """
 
 from __future__ import annotations
@@ -61,6 +61,13 @@ def kill(server: VLLMServer) -> None:
     server.stop()  # reaps it
 
 
+def restarted(server: VLLMServer, log_dir) -> VLLMServer:
+    """A new server on the port of `server` (killed), with the same model and flags."""
+    return VLLMServer(server.config.model_copy(update={"port": server.port,
+                                                       "log_path": log_dir / f"{server.name}-restarted.log"}),
+                      name=server.name)
+
+
 async def until(condition, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -81,22 +88,19 @@ def assert_lost_nothing(outputs, reference, stats: dict, role: str, atol: float)
 
 async def test_a_killed_base_replica_loses_no_token_and_rejoins_after_a_restart(pools, tmp_path):
     prompts = [p.prompt for p in problems("test", n=SEQUENCES, seed=12)]
-    theta1 = pools[2]
-    restarted = VLLMServer(theta1.config.model_copy(update={"port": theta1.port,
-                                                            "log_path": tmp_path / "theta-1-restarted.log"}),
-                           name=theta1.name)
+    theta1 = restarted(pools[2], tmp_path)
     async with DualVLLMCoordinator(pool_config(pools)) as c:
         reference = await c.generate_batch(prompts, max_tokens=MAX_TOKENS, seed=4, ignore_eos=True)
         before = c.get_statistics()
         run = asyncio.create_task(c.generate_batch(prompts, max_tokens=MAX_TOKENS, seed=4, ignore_eos=True))
         await until(lambda: c.get_statistics()["tokens"] >= before["tokens"] + SEQUENCES * MAX_TOKENS // 4, 300)
         assert not run.done(), "the run ended before the kill"
-        kill(theta1)
+        kill(pools[2])
         outputs = await run
         after_kill = c.get_statistics()
 
-        await restarted.start()  # same port, same model
-        pools[2] = restarted  # the fixture stops it
+        await theta1.start()  # same port, same model
+        pools[2] = theta1  # the fixture stops it
         await until(lambda: c.get_statistics()["theta_replicas_up"] == 2, 60)
 
         # Both base replicas take a push of other weights (the teacher's), each verified.
@@ -111,19 +115,26 @@ async def test_a_killed_base_replica_loses_no_token_and_rejoins_after_a_restart(
     assert (push.replicas, push.dropped) == (2, ()) and push.max_abs_diff < 1e-3
 
 
-async def test_a_killed_teacher_replica_in_lockstep_mode_loses_no_token(pools):
+async def test_a_killed_teacher_replica_in_lockstep_mode_loses_no_token_and_rejoins(pools, tmp_path):
     prompts = [p.prompt for p in problems("test", n=SEQUENCES, seed=13)]
     async with DualVLLMCoordinator(pool_config(pools)) as c:
         reference = await c.generate_batch(prompts, max_tokens=MAX_TOKENS, seed=5, ignore_eos=True)
+    t1 = restarted(pools[3], tmp_path)
     async with DualVLLMCoordinator(pool_config(pools, mode="lockstep")) as c:
         run = asyncio.create_task(c.generate_batch(prompts, max_tokens=MAX_TOKENS, seed=5, ignore_eos=True))
         await until(lambda: c.get_statistics()["tokens"] >= SEQUENCES * MAX_TOKENS // 4, 300)
         assert not run.done(), "the run ended before the kill"
-        kill(pools[3])  # a teacher; the training test below uses the other one
+        kill(pools[3])
         outputs = await run
         stats = c.get_statistics()
+        # Back with the plugin: it passes /health, the plugin check and the weights probe.
+        await t1.start()
+        pools[3] = t1  # the fixture stops it
+        await until(lambda: c.get_statistics()["t_replicas_up"] == 2, 60)
+        again = await c.generate_batch(prompts, max_tokens=4, seed=5, ignore_eos=True)
 
     assert_lost_nothing(outputs, reference, stats, "t", atol=1e-5)
+    assert all(o.ok for o in again) and c.get_statistics()["t_replica_rejoins"] == 1
 
 
 def test_training_goes_on_pushing_verified_weights_when_a_base_replica_dies(pools, tmp_path):
@@ -131,7 +142,7 @@ def test_training_goes_on_pushing_verified_weights_when_a_base_replica_dies(pool
     with open(log, "w") as stderr:  # a file, not a pipe: nobody reads it while the run goes on
         run = subprocess.Popen(
             [sys.executable, "-m", "dualvllm", "train", "--output-dir", str(out), "--theta-urls", pools[0].url,
-             pools[2].url, "--t-urls", pools[1].url, "--steps", "4", "--prompts-per-step", "2",
+             pools[2].url, "--t-urls", pools[1].url, pools[3].url, "--steps", "4", "--prompts-per-step", "2",
              "--group-size", "4", "--eval-prompts", "8", "--max-tokens", "4", "--eval-every", "4"],
             cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr)
     try:

@@ -941,3 +941,37 @@ async def test_two_servers_deadlocked_apart_from_the_others_are_parked_while_the
     assert pools.placement(outputs)[3] == ({"theta1"}, {"t1"}) and pools.placement(outputs)[5] == ({"theta1"}, {"t1"})
     assert pools.scheduler.counters.parks >= 1
     assert others_steps and others_steps[0] < 12  # parked while the other pair was still decoding
+
+
+async def test_a_replica_restarted_without_the_plugin_stays_out_of_the_pool(rig, caplog):
+    pools = PoolRig(rig)
+    pools.pools[0].rejoin_checks.append(pools.scheduler.check_plugin)
+    pools.pools[0].start_probing()
+    try:
+        plain = pools.replicas[0][0]
+
+        async def restart_without_plugin() -> None:
+            await crash_during(plain, after_steps=3, down_s=None)
+            plain.plugin = False
+            plain.down = False
+
+        restart = asyncio.create_task(restart_without_plugin())
+        sequences = make_sequences(4, max_tokens=8)
+        outputs = await generate(pools.scheduler, sequences)
+        await restart
+        await eventually(lambda: plain.requests[-1].finish == "length", "the plugin probe reached the replica")
+        await asyncio.sleep(0.2)  # several probe intervals
+
+        pools.assert_lossless(outputs, sequences[0].params)
+        assert pools.pools[0].healthy == [1] and pools.pools[0].counters.rejoins == 0
+        refusals = [r for r in caplog.records if "without the dualvllm lockstep plugin" in r.getMessage()]
+        assert len(refusals) == 1 and plain.url in refusals[0].getMessage()
+    finally:
+        await pools.pools[0].close()
+
+
+async def test_the_plugin_check_passes_a_replica_that_reports(rig):
+    pools = PoolRig(rig)
+    replica = pools.replicas[0][1]
+    await asyncio.wait_for(pools.scheduler.check_plugin(replica), OUTPUT_TIMEOUT_S)  # type: ignore[arg-type]
+    assert len(replica.requests) == 1 and replica.steps >= 1  # its one step reported here
