@@ -242,8 +242,8 @@ class LockstepScheduler:
             best = min(self._healthy(role), key=lambda e: loads[e.url])
             pool = self._pools[role]
             if engine is not None and pool is not None:
-                pool.counters.moves += 1
-                log.info("lockstep: sequence %d moves from %s to %s", live.seq.index, engine.url, best.url)
+                pool.counters.moves += 1  # the pool's take_out warned once for all of them
+                log.debug("lockstep: sequence %d moves from %s to %s", live.seq.index, engine.url, best.url)
             live.engines[role] = best
 
     async def check_plugin(self, engine: VLLMClient) -> None:
