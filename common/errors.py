@@ -13,6 +13,7 @@
     ├── WeightSyncError                       a weight push did not take: the server serves other weights
     ├── NoTrainingSignalError                 sampled data holds nothing to learn from (e.g. no DPO pair)
     ├── ServiceBusyError                      the q* service's queue is full (HTTP 429, Retry-After)
+    ├── ShutdownTimeoutError                  something being stopped did not stop within its bound
     └── ServerError                           a request to a running server failed
         ├── ServerUnavailableError            connection reset / closed after sending (retried if idempotent)
         │   └── ServerConnectError            no connection opened: refused, DNS, connect timeout (retried)
@@ -96,6 +97,11 @@ class ServiceBusyError(DualVLLMError):
     def __init__(self, message: str, *, retry_after_s: int) -> None:
         self.retry_after_s = retry_after_s
         super().__init__(message)
+
+
+class ShutdownTimeoutError(DualVLLMError):
+    """A task or resource being stopped did not stop within its bound; names what was awaited,
+    so that a process exits non-zero instead of waiting forever."""
 
 
 class ServerError(DualVLLMError):

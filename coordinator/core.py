@@ -83,10 +83,16 @@ class DualVLLMCoordinator:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        if self._scheduler is not None:
-            await self._scheduler.close()
-        await self._stack.aclose()
-        self._state = "closed"
+        """Close the scheduler, then the clients and pools, each bounded (a ShutdownTimeoutError
+        names what did not end); the clients are closed even when the scheduler's close fails."""
+        try:
+            if self._scheduler is not None:
+                await self._scheduler.close()
+        finally:
+            try:
+                await self._stack.aclose()
+            finally:
+                self._state = "closed"
 
     async def _open(self) -> None:
         theta, t = self._given_engines

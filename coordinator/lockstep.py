@@ -59,6 +59,7 @@ from typing import AsyncIterator
 import numpy as np
 
 from common.errors import LifecycleError, LockstepUnavailableError, ServerError
+from common.tasks import bounded, stop
 from coordinator.admission import MAX_HOLD_S, AdmissionGate
 from coordinator.config import CoordinatorConfig
 from coordinator.delivery import Delivery
@@ -85,6 +86,9 @@ MAX_REQUEST_FAILURES = 3
 # After close, reports are answered END for this long, so that no server waits out its
 # plugin timeout on a coordinator that has gone.
 DRAIN_S = 5.0
+# close() waits at most this long for each of: the step in progress, its tasks to end, the
+# last outputs' detokenization (an HTTP call, itself bounded by request_timeout).
+CLOSE_STEP_S = 60.0
 
 
 @dataclass(eq=False)
@@ -293,8 +297,11 @@ class LockstepScheduler:
             self._watchdog = asyncio.create_task(self._watch_stalls(), name="dualvllm-lockstep-watchdog")
 
     async def close(self) -> None:
-        """Fail what is unfinished, end every server request, then stop listening."""
-        async with self._lock:
+        """Fail what is unfinished, end every server request, then stop listening. Every wait
+        is bounded: ShutdownTimeoutError names what did not end."""
+        # A step in progress holds the lock across at most a detokenization or a gate's hold.
+        await bounded(self._lock.acquire(), what="the lockstep step in progress (its lock)", timeout_s=CLOSE_STEP_S)
+        try:
             self._closing = True
             for live in list(self._live):
                 if not live.done:
@@ -306,15 +313,17 @@ class LockstepScheduler:
             self._waiting.clear()
             self._suspended.clear()
             await self._send_ready()
+        finally:
+            self._lock.release()
         # The servers end their requests at their next report, answered END here.
         if self._requests:
             await asyncio.wait(list(self._requests), timeout=DRAIN_S)
-        tasks = [t for t in (self._watchdog, self._loop_task, *self._requests, *self._background) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        self._channel.close()
-        await self._delivery.aclose()
+        try:
+            await stop(self._watchdog, self._loop_task, *self._requests, *self._background,
+                       what="the lockstep scheduler's tasks", timeout_s=CLOSE_STEP_S)
+        finally:
+            self._channel.close()
+        await bounded(self._delivery.aclose(), what="the detokenization of finished outputs", timeout_s=CLOSE_STEP_S)
 
     # -- admission and streams ---------------------------------------------------------
 

@@ -56,10 +56,13 @@ async def probe_servers(channel: LockstepChannel, engines: list[VLLMClient], pro
         if engine.url in probed:
             continue
         probed.add(engine.url)
+        bound = asyncio.timeout(timeout_s)  # not wait_for, which may drop a cancel (common/tasks.py)
         try:
-            reason, server_capacity = await asyncio.wait_for(_probe(channel, engine, probe_ids, stop_token),
-                                                             timeout_s)
-        except asyncio.TimeoutError:
+            async with bound:
+                reason, server_capacity = await _probe(channel, engine, probe_ids, stop_token)
+        except TimeoutError:
+            if not bound.expired():
+                raise
             reason, server_capacity = f"its probe request got no answer within {timeout_s:g} s", 0
         if reason is not None:
             return Probe(f"{engine.name} server at {engine.url}: {reason}", 0)

@@ -22,11 +22,14 @@ from coordinator.sequence import SequenceState
 from coordinator.stats import Statistics, StepTiming
 from coordinator.step import StepResult, keep_top, mix_and_sample, top_candidates
 from common.errors import DualVLLMError
+from common.tasks import stop
 from engines.protocol import Engine, TopKBatch
 
 log = logging.getLogger("dualvllm.coordinator")
 # Tokens to average over before judging top-k coverage: the first few can be unusual.
 COVERAGE_WARNING_MIN_TOKENS = 64
+# A cancelled step ends at its next await (its HTTP requests are cancelled); the bound turns a bug into an error.
+STOP_S = 30.0
 T = TypeVar("T")
 
 
@@ -68,13 +71,8 @@ class Scheduler:
 
     async def close(self) -> None:
         """Stop stepping; every unfinished sequence is returned with an error."""
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await stop(self._task, what="the per-token scheduler", timeout_s=STOP_S)
+        self._task = None
         for seq in [*self._active, *self._waiting]:
             seq.fail("the coordinator was closed before this sequence finished")
             self._delivery.deliver(seq, text="")

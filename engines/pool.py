@@ -35,6 +35,7 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
 import numpy as np
 
 from common.errors import DualVLLMError, IncompatibleModelsError, ServerError, ServerRejectedError
+from common.tasks import stop
 from engines.protocol import PAD_TOKEN_ID, Engine, ModelInfo, TopKBatch
 
 log = logging.getLogger("dualvllm.pool")
@@ -50,6 +51,8 @@ MAX_RECHECK_S = 60.0
 # this (nats). One build on one kind of device agrees exactly; float32 against bfloat16 is ~0.01.
 WEIGHTS_TOLERANCE_NATS = 1e-3
 WEIGHTS_PROBE_K = 5
+# The prober ends at its next await once cancelled (a /health call or a sleep).
+STOP_S = 30.0
 # The answer of a chunk whose replica failed (its rows went elsewhere).
 _EMPTY = TopKBatch(token_ids=np.zeros((0, 0), dtype=np.int64), logprobs=np.zeros((0, 0)))
 
@@ -124,10 +127,8 @@ class ReplicaPool:
             self._prober = asyncio.create_task(self._probe_down_replicas(), name=f"dualvllm-{self.name}-prober")
 
     async def close(self) -> None:
-        if self._prober is not None:
-            self._prober.cancel()
-            await asyncio.gather(self._prober, return_exceptions=True)
-            self._prober = None
+        await stop(self._prober, what=f"the {self.name} pool's prober", timeout_s=STOP_S)
+        self._prober = None
 
     # -- Engine protocol -----------------------------------------------------------------
 

@@ -1,8 +1,18 @@
 from __future__ import annotations
 
+import pytest
 import pytest_asyncio
 
+from tests import processes
 from tests.fake_vllm import FakeModel, FakeVLLM
+
+
+@pytest.fixture(autouse=True)
+def end_started_processes():
+    """Every process a test started through tests.processes.start ends with the test, on
+    every path: a failure or a timeout included."""
+    yield
+    processes.end_started()
 
 
 @pytest_asyncio.fixture

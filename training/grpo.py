@@ -8,13 +8,13 @@
     cleanup  stop the sampler, the pool and the servers
 
 The held-out tasks are evaluated (training.evaluation: the base alone, greedy accuracy and
-pass@k) at the start, every `eval_every` updates and at the end.
+pass@k) at the start, every `eval_every` updates and after the last one (once, with the
+sampler stopped). Every await of the shutdown is bounded (common/tasks.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import shutil
@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 import tinymodels
 from common.errors import InvalidInputError
+from common.tasks import stop
 from training import checkpoint, lora
 from training.checkpoint import RunState
 from training.config import TrainConfig
@@ -44,6 +45,9 @@ log = logging.getLogger("dualvllm.training")
 
 # Probe contexts for push verification: a few held-out prompts.
 PUSH_PROBES = 4
+# A cancelled sampler stops at its next await, within milliseconds (its sequences are
+# cancelled, a reward being scored is left to its worker); the bound turns a bug into an error.
+SAMPLER_STOP_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,7 @@ async def train_grpo(config: TrainConfig, *, resume: bool = False, show_progress
                                                   curriculum=_curriculum(config, state, len(tasks))))
             dropped = 0
             step = state.step
+            final: dict[str, float] | None = None
             try:
                 with tqdm(total=config.steps, initial=step, desc="grpo", unit="step", disable=not show_progress) as bar:
                     while step < config.steps:
@@ -145,17 +150,20 @@ async def train_grpo(config: TrainConfig, *, resume: bool = False, show_progress
                                        mean_alpha=sum(alphas) / max(len(alphas), 1),
                                        sample_tokens_per_s=batch.tokens / max(batch.sample_seconds, 1e-9),
                                        step_seconds=time.perf_counter() - started)
+                        if step == config.steps:  # nothing more to sample: the last evaluation runs alone
+                            await stop(sampler, what="the rollout sampler", timeout_s=SAMPLER_STOP_S)
                         if step % config.eval_every == 0 or step == config.steps:
-                            metrics.update(await held_out_metrics())
+                            evaluation = await held_out_metrics()
+                            metrics.update(evaluation)
+                            if step == config.steps:
+                                final = evaluation
                         _log_metrics(metrics_path, metrics)
                         bar.update(1)
                         bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}",
                                         held_out=f"{metrics.get('held_out_accuracy', float('nan')):.2f}")
             finally:
-                sampler.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await sampler
-            after = await held_out_metrics()
+                await stop(sampler, what="the rollout sampler", timeout_s=SAMPLER_STOP_S)
+            after = final if final is not None else await held_out_metrics()  # a resumed run that was done
             _log_metrics(metrics_path, {"step": step, "event": "eval", **after})
     _prune_pushed(out)
     return TrainReport(steps_done=step, accuracy_before=before["held_out_accuracy"],

@@ -232,13 +232,17 @@ async def _score_one(spec: RewardSpec, name: str, prompts: list[str], completion
     if n == 0:
         return []
     future = asyncio.get_running_loop().run_in_executor(executor, _call, spec, name, prompts, completions, fields)
+    # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancel that lands as the
+    # reward finishes (common/tasks.py), and the cancelled sampler then ran on forever.
+    bound = asyncio.timeout(timeout_s)
     try:
-        scores = await asyncio.wait_for(future, timeout_s)
+        async with bound:
+            scores = await future
     except BrokenExecutor:
         raise
     # A user's function may raise anything; it costs this batch its scores, not the run.
     except Exception as exc:  # noqa: BLE001
-        if isinstance(exc, TimeoutError) and future.cancelled():  # wait_for's timeout, not the reward's own
+        if isinstance(exc, TimeoutError) and bound.expired():  # our timeout, not the reward's own
             log.warning("reward %r did not finish within %g s; its %d completions score None "
                         "(its pool worker stays busy until the function returns)", name, timeout_s, n)
         else:

@@ -14,15 +14,18 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests import processes
 from tinymodels.task import problems
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def dualvllm(*args: str, **kw) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "dualvllm", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    """`dualvllm ARGS` in a subprocess (output piped unless `kw` says otherwise), ended with
+    everything it started when the test ends, on every path (tests/processes.py)."""
+    kw = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, **kw}
+    return processes.start([sys.executable, "-m", "dualvllm", *args], cwd=REPO,
+                           env={**os.environ, "PYTHONUNBUFFERED": "1"}, **kw)
 
 
 def wait_for(condition, process: subprocess.Popen, what: str, timeout_s: float = 600) -> None:

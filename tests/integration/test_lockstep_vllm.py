@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from coordinator import CoordinatorConfig, DualVLLMCoordinator
+from tests import processes
 from tinymodels.task import problems
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -55,6 +56,32 @@ async def test_lockstep_generates_what_per_token_mode_generates(vllm_pair, kw):
     assert stats["lockstep_reports"] > 0
 
 
+async def test_a_batch_cancelled_mid_flight_leaves_the_coordinator_serving_the_next(vllm_pair):
+    """Issue 23: cancel a lockstep batch while both servers hold its requests, then run another
+    batch on the same coordinator: it gives per-token mode's tokens, and no request is left
+    running on either server."""
+    theta, t = vllm_pair
+    prompts = [p.prompt for p in problems("test", n=16, seed=9)]
+    async with DualVLLMCoordinator(config(vllm_pair, mode="lockstep", max_batch_size=16)) as c:
+        cancelled = asyncio.create_task(c.generate_batch(prompts, max_tokens=40, ignore_eos=True, seed=1))
+        for _ in range(3000):
+            if c.get_statistics()["tokens"] >= 4 * len(prompts):
+                break
+            await asyncio.sleep(0.01)
+        else:
+            pytest.fail("the first batch made no progress within 30 s")
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        following = await asyncio.wait_for(c.generate_batch(prompts, max_tokens=8, seed=2), 300)
+    per_token, _ = await generate_in("per_token", vllm_pair, prompts, max_tokens=8, seed=2)
+    for got, want in zip(following, per_token):
+        assert got.ok, got.error
+        assert got.generated_tokens == want.generated_tokens
+    for url in (theta.url, t.url):
+        assert await _running_requests(url) == 0, url
+
+
 async def _running_requests(url: str) -> float:
     async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as response:
         text = await response.text()
@@ -68,6 +95,7 @@ async def test_a_killed_coordinator_leaves_the_servers_serving(vllm_pair):
     script = textwrap.dedent(f"""
         import asyncio, sys
         from coordinator import CoordinatorConfig, DualVLLMCoordinator
+from tests import processes
         async def main():
             cfg = CoordinatorConfig(theta_url="{theta.url}", t_url="{t.url}", mode="lockstep", max_batch_size=8)
             async with DualVLLMCoordinator(cfg) as c:
@@ -76,8 +104,8 @@ async def test_a_killed_coordinator_leaves_the_servers_serving(vllm_pair):
                     await asyncio.sleep(3600)  # never reached: the first output ends at 50 tokens
         asyncio.run(main())
     """)
-    process = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    process = processes.start([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
     try:
         # Kill it once both servers hold its requests.
         for _ in range(600):

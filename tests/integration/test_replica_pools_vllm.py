@@ -21,7 +21,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -31,7 +30,7 @@ import tinymodels
 from coordinator import CoordinatorConfig, DualVLLMCoordinator
 from engines.launcher import VLLMServer, replica_configs
 from tests.integration.pairs import running_servers
-from tests.integration.test_cli import REPO
+from tests.integration.test_cli import dualvllm
 from tinymodels.task import problems
 from training.weight_sync import BasePusher
 
@@ -140,11 +139,10 @@ async def test_a_killed_teacher_replica_in_lockstep_mode_loses_no_token_and_rejo
 def test_training_goes_on_pushing_verified_weights_when_a_base_replica_dies(pools, tmp_path):
     out, log = tmp_path / "run", tmp_path / "train.log"
     with open(log, "w") as stderr:  # a file, not a pipe: nobody reads it while the run goes on
-        run = subprocess.Popen(
-            [sys.executable, "-m", "dualvllm", "train", "--output-dir", str(out), "--theta-urls", pools[0].url,
-             pools[2].url, "--t-urls", pools[1].url, pools[3].url, "--steps", "4", "--prompts-per-step", "2",
-             "--group-size", "4", "--eval-prompts", "8", "--max-tokens", "4", "--eval-every", "4"],
-            cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr)
+        run = dualvllm("train", "--output-dir", str(out), "--theta-urls", pools[0].url, pools[2].url, "--t-urls",
+                       pools[1].url, pools[3].url, "--steps", "4", "--prompts-per-step", "2", "--group-size", "4",
+                       "--eval-prompts", "8", "--max-tokens", "4", "--eval-every", "4",
+                       stdout=subprocess.DEVNULL, stderr=stderr)
     try:
         metrics = out / "metrics.jsonl"
         deadline = time.monotonic() + 600

@@ -975,3 +975,61 @@ async def test_the_plugin_check_passes_a_replica_that_reports(rig):
     replica = pools.replicas[0][1]
     await asyncio.wait_for(pools.scheduler.check_plugin(replica), OUTPUT_TIMEOUT_S)  # type: ignore[arg-type]
     assert len(replica.requests) == 1 and replica.steps >= 1  # its one step reported here
+
+
+# -- a caller that stops listening ------------------------------------------------------
+
+
+def cancel(sequences: list[SequenceState]) -> None:
+    """What DualVLLMCoordinator.stream does when its caller is cancelled."""
+    for seq in sequences:
+        seq.cancelled = True
+
+
+async def cancel_while_waiting_to_start(scheduler, theta, t, sequences):
+    cancel(sequences)
+
+
+async def cancel_mid_step(scheduler, theta, t, sequences):
+    await eventually(lambda: theta.steps >= 3 and t.steps >= 3, "three decode steps on each server")
+    cancel(sequences)
+
+
+async def cancel_while_the_gate_holds(scheduler, theta, t, sequences):
+    await eventually(lambda: scheduler.gate.counters.rounds >= 1 and any(not s.accepted.done()
+                                                                        for s in scheduler._streams.values()),
+                     "a gate waiting for the servers to take its requests in")
+    cancel(sequences)
+
+
+async def cancel_while_paused(scheduler, theta, t, sequences):
+    await eventually(lambda: theta.steps >= 2, "two base steps")
+    async with scheduler.paused():
+        cancel(sequences)
+
+
+@pytest.mark.parametrize("when", [cancel_while_waiting_to_start, cancel_mid_step, cancel_while_the_gate_holds,
+                                  cancel_while_paused], ids=lambda f: f.__name__.removeprefix("cancel_"))
+async def test_a_call_cancelled_at_any_point_leaves_the_scheduler_serving_the_next(rig, when):
+    """Issue 23's suspects, ruled out: sequences cancelled by their caller wherever they are
+    (waiting to start, rows in flight, behind the admission gate, taken off by a pause)
+    free their slots; a later call completes with the per-token tokens, close returns,
+    and every server request was answered (none timed out, none left running)."""
+    theta, t = rig.servers(theta={"accept_delay_s": 0.002}, t={"accept_delay_s": 0.002})
+    cfg = config(max_batch_size=4)
+    scheduler = rig.scheduler(theta, t, cfg, capacity=4)
+    cancelled = make_sequences(6, max_tokens=1000)
+    scheduler.submit(cancelled)
+    await when(scheduler, theta, t, cancelled)
+
+    following = make_sequences(6, max_tokens=5)
+    scheduler.submit(following)
+    outputs = await collect(following)
+    await asyncio.wait_for(scheduler.close(), OUTPUT_TIMEOUT_S)
+
+    for out in outputs:
+        assert out.ok and out.finish_reason == "max_tokens", out.error
+        assert_per_token_tokens(out, theta.model, t.model, following[0].params, cfg)
+    for fake in (theta, t):
+        assert fake.idle and fake.timeouts == 0, fake.name
+        assert all(r.finish == "stop" for r in fake.requests[:len(fake.requests) - 6]), fake.name

@@ -4,12 +4,15 @@ every refusal of `reward_spec`. Expected numbers are worked out by hand."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import sys
 import textwrap
 import uuid
+from concurrent.futures import Executor, Future
 from concurrent.futures.process import BrokenProcessPool
+from typing import Any, Callable
 
 import pytest
 
@@ -287,3 +290,35 @@ def test_the_spec_pickles_and_defaults_weights_to_one():
     assert spec.weights == (1.0, 1.0) and set(BUILT_IN) == {"exact", "math", "gsm8k", "code", "length", "format"}
     assert pickle.loads(pickle.dumps(spec)) == spec
     assert isinstance(spec, RewardSpec) and spec.import_path == tuple(sys.path)
+
+
+# --- cancellation ---------------------------------------------------------------------------
+
+class HeldExecutor(Executor):
+    """Runs nothing until the test finishes a job by hand: the moment a reward finishes is the test's."""
+
+    def __init__(self) -> None:
+        self.jobs: list[tuple[Future, Callable[..., Any], tuple[Any, ...]]] = []
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        future: Future = Future()
+        self.jobs.append((future, fn, args))
+        return future
+
+
+async def test_a_cancel_that_lands_as_the_reward_finishes_is_not_dropped():
+    """The cause of issue 23's hang: on Python 3.11 asyncio.wait_for returned the reward's
+    scores and dropped a cancel that arrived in the loop iteration in which they came back,
+    so a cancelled sampler ran on (and blocked forever on its full queue)."""
+    executor = HeldExecutor()
+    scoring = asyncio.create_task(score_completions(reward_spec(["exact"]), ["1+1="], ["2"], [{"answer": "2"}],
+                                                    executor))
+    for _ in range(100):
+        if executor.jobs:
+            break
+        await asyncio.sleep(0)
+    [(future, function, args)] = executor.jobs
+    future.set_result(function(*args))  # the reward finishes ...
+    scoring.cancel()  # ... and the cancel lands before the scoring task runs again
+    with pytest.raises(asyncio.CancelledError):
+        await scoring
