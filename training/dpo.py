@@ -12,12 +12,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 from common.errors import NoTrainingSignalError
 from training.config import TrainConfig
-from training.evaluation import evaluate
-from training.problems import Problems, load_problems
+from training.recipe import held_out, prepare
 from training.rollouts import Groups, sample_batch
 from training.serving import serving
 from training.verifiers import verifier_pool
@@ -64,23 +63,19 @@ class DPOReport:
 async def train_dpo(config: TrainConfig, *, show_progress: bool = True) -> DPOReport:
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from trl import DPOConfig, DPOTrainer
 
-    import tinymodels
     from training import lora
 
     out: Path = config.output_dir
-    base_dir = config.base or str(tinymodels.BASE_DIR)
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    problems = load_problems(config, tokenizer)  # refuses bad data before any server starts
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(config.model_dump_json(indent=2) + "\n")
+    inputs = prepare(config)
+    base_dir, tokenizer, problems = inputs.base_dir, inputs.tokenizer, inputs.problems
     chosen = problems.train[:config.steps * config.prompts_per_step]
     batch_size = len(chosen) * config.group_size
     with verifier_pool() as pool:
         async with serving(config, base_dir, log_dir=out, batch_size=batch_size) as coordinator:
-            accuracy_before = await _held_out_accuracy(coordinator, config, problems, pool)
+            accuracy_before = (await held_out(coordinator, config, problems, pool))["held_out_accuracy"]
             sampled = await sample_batch(
                 coordinator, chosen, group_size=config.group_size, max_tokens=config.max_tokens,
                 temperature=config.temperature, fixed_alpha=config.fixed_alpha, seed=config.seed,
@@ -117,13 +112,7 @@ async def train_dpo(config: TrainConfig, *, show_progress: bool = True) -> DPORe
         lora.save_full(trainer.model, final)  # merged weights when trained with LoRA
         tokenizer.save_pretrained(final)
         async with serving(config, str(final), log_dir=out / "final-servers") as coordinator:
-            accuracy_after = await _held_out_accuracy(coordinator, config, problems, pool)
+            accuracy_after = (await held_out(coordinator, config, problems, pool))["held_out_accuracy"]
     return DPOReport(pairs=len(pairs), accuracy_before=accuracy_before, accuracy_after=accuracy_after,
                      pairs_path=pairs_path, model_dir=final)
 
-
-async def _held_out_accuracy(coordinator: Any, config: TrainConfig, problems: Problems, pool: Any) -> float:
-    """Greedy accuracy of the base alone on the held-out tasks."""
-    [base] = await evaluate(coordinator, problems.held_out, problems.spec, pool, arms=("base",),
-                            max_tokens=config.max_tokens, seed=config.seed, reward_timeout_s=config.reward_timeout)
-    return base.greedy_accuracy

@@ -1,4 +1,5 @@
-"""Streaming GRPO on q* rollouts, end to end: the recipe behind `dualvllm train`.
+"""Streaming GRPO on q* rollouts, end to end: the recipe behind `dualvllm train`
+(`GRPORecipe`; the inputs and the evaluation it shares with DPO are in training/recipe.py).
 
     setup    problems (dataset, templates, rewards: all checked before any server starts),
              servers (base in dev mode, on the newest checkpoint when resuming), learner,
@@ -15,28 +16,27 @@ sampler stopped). Every await of the shutdown is bounded (common/tasks.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
-import tinymodels
 from common.errors import InvalidInputError
 from common.tasks import stop
 from training import checkpoint, lora
 from training.checkpoint import RunState
 from training.config import TrainConfig
 from training.curriculum import Curriculum
-from training.evaluation import evaluate
 from training.learner import Learner
-from training.problems import Problems, load_problems
-from training.rollouts import ScoredBatch, Task, produce, sample_batch
+from training.recipe import held_out, prepare
+from training.rollouts import Sampled, ScoredBatch, Task, produce, sample_batch
 from training.serving import serving
 from training.verifiers import verifier_pool
 from training.weight_sync import BasePusher
@@ -60,115 +60,158 @@ class TrainReport:
 
 
 async def train_grpo(config: TrainConfig, *, resume: bool = False, show_progress: bool = True) -> TrainReport:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """`dualvllm train --method grpo`: the recipe below, set up, trained and cleaned up."""
+    return await GRPORecipe(config, resume=resume, show_progress=show_progress).run()
 
-    out = config.output_dir
-    newest = checkpoint.latest(out) if resume and out.is_dir() else None
-    if not resume and out.is_dir() and checkpoint.latest(out) is not None:
-        raise InvalidInputError(f"{out} already holds checkpoints; pass --resume to continue that run "
-                                "or choose a new --output-dir")
-    base_dir = config.base or str(tinymodels.BASE_DIR)
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    problems = load_problems(config, tokenizer)  # refuses bad data before any server starts
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(config.model_dump_json(indent=2) + "\n")
-    start_dir = str(newest) if newest is not None else base_dir
-    torch.manual_seed(config.seed)
-    if config.lora_rank and newest is not None:
-        model = lora.resume(base_dir, newest, torch.float32)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(start_dir, dtype=torch.float32)
-        if config.lora_rank:
-            model = lora.wrap(model, rank=config.lora_rank, alpha=config.lora_alpha)
-    learner = Learner(model, learning_rate=config.learning_rate, kl_coef=config.kl_coef,
-                      pad_id=tokenizer.pad_token_id or 0)
-    state = checkpoint.load_state(newest, learner.optimizer) if newest is not None else RunState(0, 0, 0)
-    if newest is not None:
-        log.info("resuming from %s (step %d)", newest, state.step)
-    tasks, held_out = problems.train, problems.held_out
-    probes = [list(t.prompt_ids) for t in held_out[:PUSH_PROBES]]
-    metrics_path = out / "metrics.jsonl"
 
-    with verifier_pool() as pool:
-        async with serving(config, start_dir, log_dir=out, dev_mode=True,
-                           batch_size=config.prompts_per_step * config.group_size) as coordinator:
-            pusher = BasePusher(coordinator.base_engine, probes)
-            if config.theta_urls:  # servers started elsewhere serve whatever they were given: make it ours
-                await pusher.push(learner.model, tokenizer, _push_dir(out, state.step))
-            async def sample(chosen: list[Task], seed: int):
-                return await sample_batch(coordinator, chosen, group_size=config.group_size, max_tokens=config.max_tokens,
-                                          temperature=config.temperature, fixed_alpha=config.fixed_alpha,
-                                          seed=config.seed * 1_000_003 + seed, spec=problems.spec, executor=pool,
-                                          reward_timeout_s=config.reward_timeout)
+class GRPORecipe:
+    """setup / evaluate / train_step / train / cleanup, as torchtune's recipes are shaped."""
 
-            async def held_out_metrics() -> dict[str, float]:
-                return await _evaluate_base(coordinator, config, problems, pool)
+    def __init__(self, config: TrainConfig, *, resume: bool = False, show_progress: bool = True) -> None:
+        self.config = config
+        self.resume = resume
+        self.show_progress = show_progress
+        self.out = config.output_dir
+        self.metrics_path = self.out / "metrics.jsonl"
+        self._stack = contextlib.AsyncExitStack()
+        self._sampler: asyncio.Task[None] | None = None
+        self.dropped = 0
 
-            before = await held_out_metrics()
-            _log_metrics(metrics_path, {"step": state.step, "event": "eval", **before})
-            version = state.policy_version
-            queue: asyncio.Queue[ScoredBatch] = asyncio.Queue(maxsize=config.queue_size)
-            sampler = asyncio.create_task(produce(queue, sample, tasks, start=state.data_position,
-                                                  prompts_per_step=config.prompts_per_step,
-                                                  policy_version=lambda: version,
-                                                  curriculum=_curriculum(config, state, len(tasks))))
-            dropped = 0
-            step = state.step
-            final: dict[str, float] | None = None
-            try:
-                with tqdm(total=config.steps, initial=step, desc="grpo", unit="step", disable=not show_progress) as bar:
-                    while step < config.steps:
-                        batch = await _next_batch(queue, sampler)
-                        if not batch.groups:
-                            log.warning("a batch had no group of two or more scored rollouts; skipped")
-                            continue
-                        staleness = version - batch.policy_version
-                        if staleness > config.max_staleness:
-                            dropped += 1
-                            continue
-                        started = time.perf_counter()
-                        metrics = await asyncio.to_thread(
-                            learner.train_step, batch, correction=config.correction,
-                            scale_advantages=config.scale_advantages, is_cap=config.is_cap, share_cap=config.share_cap,
-                            normalization=config.normalization, max_completion_length=config.max_tokens)
-                        step += 1
-                        if step % config.push_every == 0 or step == config.steps:
-                            async with coordinator.paused():  # lockstep sequences resume on the new weights
-                                push = await pusher.push(learner.model, tokenizer, _push_dir(out, step))
-                            version += 1
-                            metrics.update(push_max_abs_diff=push.max_abs_diff, push_replicas=push.replicas,
-                                           push_replicas_dropped=len(push.dropped))
-                            _prune_pushed(out)
-                        state = RunState(step=step, data_position=batch.data_position, policy_version=version,
-                                         curriculum=batch.curriculum_state)
-                        await asyncio.to_thread(checkpoint.save, out, learner.model, tokenizer, learner.optimizer,
-                                                state, config.keep_checkpoints)
-                        alphas = [a for g in batch.groups for r in g for a in r.alphas]
-                        metrics.update({f"reward/{name}": mean for name, mean in batch.reward_means.items()})
-                        metrics.update(batch.curriculum_stats)
-                        metrics.update(step=step, staleness=staleness, policy_version=version, unscored=batch.unscored,
-                                       mean_alpha=sum(alphas) / max(len(alphas), 1),
-                                       sample_tokens_per_s=batch.tokens / max(batch.sample_seconds, 1e-9),
-                                       step_seconds=time.perf_counter() - started)
-                        if step == config.steps:  # nothing more to sample: the last evaluation runs alone
-                            await stop(sampler, what="the rollout sampler", timeout_s=SAMPLER_STOP_S)
-                        if step % config.eval_every == 0 or step == config.steps:
-                            evaluation = await held_out_metrics()
-                            metrics.update(evaluation)
-                            if step == config.steps:
-                                final = evaluation
-                        _log_metrics(metrics_path, metrics)
-                        bar.update(1)
-                        bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}",
-                                        held_out=f"{metrics.get('held_out_accuracy', float('nan')):.2f}")
-            finally:
-                await stop(sampler, what="the rollout sampler", timeout_s=SAMPLER_STOP_S)
-            after = final if final is not None else await held_out_metrics()  # a resumed run that was done
-            _log_metrics(metrics_path, {"step": step, "event": "eval", **after})
-    _prune_pushed(out)
-    return TrainReport(steps_done=step, accuracy_before=before["held_out_accuracy"],
-                       accuracy_after=after["held_out_accuracy"],
-                       dropped_stale_batches=dropped, metrics_path=metrics_path)
+    async def run(self) -> TrainReport:
+        try:
+            await self.setup()
+            return await self.train()
+        finally:
+            await self.cleanup()
+
+    async def setup(self) -> None:
+        """Inputs (checked before any server starts), learner, servers, coordinator, verifier pool."""
+        from transformers import AutoModelForCausalLM
+
+        config = self.config
+        newest = checkpoint.latest(self.out) if self.resume and self.out.is_dir() else None
+        inputs = prepare(config, resume=self.resume)
+        self.tokenizer, self.problems = inputs.tokenizer, inputs.problems
+        start_dir = str(newest) if newest is not None else inputs.base_dir
+        torch.manual_seed(config.seed)
+        if config.lora_rank and newest is not None:
+            model = lora.resume(inputs.base_dir, newest, torch.float32)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(start_dir, dtype=torch.float32)
+            if config.lora_rank:
+                model = lora.wrap(model, rank=config.lora_rank, alpha=config.lora_alpha)
+        self.learner = Learner(model, learning_rate=config.learning_rate, kl_coef=config.kl_coef,
+                               pad_id=self.tokenizer.pad_token_id or 0)
+        self.state = checkpoint.load_state(newest, self.learner.optimizer) if newest is not None else RunState(0, 0, 0)
+        if newest is not None:
+            log.info("resuming from %s (step %d)", newest, self.state.step)
+        self.pool = self._stack.enter_context(verifier_pool())
+        self.coordinator = await self._stack.enter_async_context(
+            serving(config, start_dir, log_dir=self.out, dev_mode=True,
+                    batch_size=config.prompts_per_step * config.group_size))
+        probes = [list(t.prompt_ids) for t in self.problems.held_out[:PUSH_PROBES]]
+        self.pusher = BasePusher(self.coordinator.base_engine, probes)
+        if config.theta_urls:  # servers started elsewhere serve whatever they were given: make it ours
+            await self.pusher.push(self.learner.model, self.tokenizer, _push_dir(self.out, self.state.step))
+
+    async def evaluate(self) -> dict[str, float]:
+        return await held_out(self.coordinator, self.config, self.problems, self.pool)
+
+    async def _sample(self, chosen: Sequence[Task], seed: int) -> Sampled:
+        config = self.config
+        return await sample_batch(self.coordinator, chosen, group_size=config.group_size, max_tokens=config.max_tokens,
+                                  temperature=config.temperature, fixed_alpha=config.fixed_alpha,
+                                  seed=config.seed * 1_000_003 + seed, spec=self.problems.spec, executor=self.pool,
+                                  reward_timeout_s=config.reward_timeout)
+
+    def _start_sampler(self, queue: asyncio.Queue[ScoredBatch]) -> None:
+        self._sampler = asyncio.create_task(
+            produce(queue, self._sample, self.problems.train, start=self.state.data_position,
+                    prompts_per_step=self.config.prompts_per_step, policy_version=lambda: self.state.policy_version,
+                    curriculum=_curriculum(self.config, self.state, len(self.problems.train))),
+            name="dualvllm-sampler")
+
+    async def _stop_sampler(self) -> None:
+        if self._sampler is not None:
+            await stop(self._sampler, what="the rollout sampler", timeout_s=SAMPLER_STOP_S)
+
+    async def train_step(self, batch: ScoredBatch) -> dict[str, Any] | None:
+        """One update on `batch`, its push, checkpoint and metrics; None when the batch is dropped."""
+        config, state = self.config, self.state
+        if not batch.groups:
+            log.warning("a batch had no group of two or more scored rollouts; skipped")
+            return None
+        staleness = state.policy_version - batch.policy_version
+        if staleness > config.max_staleness:
+            self.dropped += 1
+            return None
+        started = time.perf_counter()
+        metrics = await asyncio.to_thread(
+            self.learner.train_step, batch, correction=config.correction,
+            scale_advantages=config.scale_advantages, is_cap=config.is_cap, share_cap=config.share_cap,
+            normalization=config.normalization, max_completion_length=config.max_tokens)
+        step, version = state.step + 1, state.policy_version
+        if step % config.push_every == 0 or step == config.steps:
+            async with self.coordinator.paused():  # lockstep sequences resume on the new weights
+                push = await self.pusher.push(self.learner.model, self.tokenizer, _push_dir(self.out, step))
+            version += 1
+            metrics.update(push_max_abs_diff=push.max_abs_diff, push_replicas=push.replicas,
+                           push_replicas_dropped=len(push.dropped))
+            _prune_pushed(self.out)
+        self.state = RunState(step=step, data_position=batch.data_position, policy_version=version,
+                              curriculum=batch.curriculum_state)
+        await asyncio.to_thread(checkpoint.save, self.out, self.learner.model, self.tokenizer,
+                                self.learner.optimizer, self.state, config.keep_checkpoints)
+        alphas = [a for g in batch.groups for r in g for a in r.alphas]
+        metrics.update({f"reward/{name}": mean for name, mean in batch.reward_means.items()})
+        metrics.update(batch.curriculum_stats)
+        metrics.update(step=step, staleness=staleness, policy_version=version, unscored=batch.unscored,
+                       mean_alpha=sum(alphas) / max(len(alphas), 1),
+                       sample_tokens_per_s=batch.tokens / max(batch.sample_seconds, 1e-9),
+                       step_seconds=time.perf_counter() - started)
+        return metrics
+
+    async def train(self) -> TrainReport:
+        """Evaluate, update until `steps`, evaluate every `eval_every` updates and once after the last."""
+        config = self.config
+        before = await self.evaluate()
+        _log_metrics(self.metrics_path, {"step": self.state.step, "event": "eval", **before})
+        queue: asyncio.Queue[ScoredBatch] = asyncio.Queue(maxsize=config.queue_size)
+        self._start_sampler(queue)
+        assert self._sampler is not None
+        final: dict[str, float] | None = None
+        with tqdm(total=config.steps, initial=self.state.step, desc="grpo", unit="step",
+                  disable=not self.show_progress) as bar:
+            while self.state.step < config.steps:
+                metrics = await self.train_step(await _next_batch(queue, self._sampler))
+                if metrics is None:
+                    continue
+                step = self.state.step
+                if step == config.steps:  # nothing more to sample: the last evaluation runs alone
+                    await self._stop_sampler()
+                if step % config.eval_every == 0 or step == config.steps:
+                    evaluation = await self.evaluate()
+                    metrics.update(evaluation)
+                    if step == config.steps:
+                        final = evaluation
+                _log_metrics(self.metrics_path, metrics)
+                bar.update(1)
+                bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}",
+                                held_out=f"{metrics.get('held_out_accuracy', float('nan')):.2f}")
+        await self._stop_sampler()
+        after = final if final is not None else await self.evaluate()  # a resumed run that was done
+        _log_metrics(self.metrics_path, {"step": self.state.step, "event": "eval", **after})
+        return TrainReport(steps_done=self.state.step, accuracy_before=before["held_out_accuracy"],
+                           accuracy_after=after["held_out_accuracy"], dropped_stale_batches=self.dropped,
+                           metrics_path=self.metrics_path)
+
+    async def cleanup(self) -> None:
+        """Stop the sampler, then the coordinator, the servers and the verifier pool (each bounded)."""
+        try:
+            await self._stop_sampler()
+        finally:
+            await self._stack.aclose()
+            _prune_pushed(self.out)
 
 
 def _curriculum(config: TrainConfig, state: RunState, n_tasks: int) -> Curriculum | None:
@@ -182,14 +225,6 @@ def _curriculum(config: TrainConfig, state: RunState, n_tasks: int) -> Curriculu
         raise InvalidInputError(f"the checkpoint's curriculum covers {resumed.n_tasks} prompts and the dataset has "
                                 f"{n_tasks}; resume with the dataset of the first run")
     return resumed
-
-
-async def _evaluate_base(coordinator: Any, config: TrainConfig, problems: Problems, pool: Any) -> dict[str, float]:
-    """The base alone on the held-out tasks: held_out_accuracy (greedy) and held_out_pass@k."""
-    [base] = await evaluate(coordinator, problems.held_out, problems.spec, pool, arms=("base",),
-                            max_tokens=config.max_tokens, samples=config.eval_samples, ks=config.pass_ks,
-                            temperature=config.temperature, seed=config.seed, reward_timeout_s=config.reward_timeout)
-    return {"held_out_accuracy": base.greedy_accuracy, **{f"held_out_pass@{k}": v for k, v in base.pass_at.items()}}
 
 
 async def _next_batch(queue: asyncio.Queue[ScoredBatch], sampler: asyncio.Task[None]) -> ScoredBatch:
