@@ -219,6 +219,7 @@ class DualVLLMCoordinator:
         top_k: int | None = None,
         top_logprobs: int = 0,
         on_tokens: TokenListener | None = None,
+        record_topk: int = 0,
     ) -> AsyncIterator[GenerationOutput]:
         """Yield each prompt's output as soon as it finishes (any order; see `.index`).
 
@@ -230,14 +231,17 @@ class DualVLLMCoordinator:
         generates past EOS (fixed-length runs for benchmarks). `top_k` mixes only each
         model's top_k most likely tokens (at most the coordinator's top_k, which is what the
         servers are asked for); `top_logprobs` records q*'s that many most likely candidates
-        per token (`GenerationOutput.top_logprobs`). `on_tokens(index, token_ids)` is called
+        per token (`GenerationOutput.top_logprobs`); `record_topk` records each model's that
+        many most likely ids and raw logprobs per token (`GenerationOutput.topk_ids`,
+        `topk_logprobs`: what distillation losses need). `on_tokens(index, token_ids)` is called
         from the coordinator's loop with each sequence's tokens as they are decided (keep it
         cheap: hand them to a queue).
         """
         scheduler = self._require_open()
         params = self.check_call(max_tokens, temperature=temperature, stop=stop, stop_token_ids=stop_token_ids,
                                  fixed_alpha=fixed_alpha, return_diagnostics=return_diagnostics,
-                                 ignore_eos=ignore_eos, top_k=top_k, top_logprobs=top_logprobs)
+                                 ignore_eos=ignore_eos, top_k=top_k, top_logprobs=top_logprobs,
+                                 record_topk=record_topk)
         if not prompts:
             return
         assert self._theta is not None and self._t is not None
@@ -297,6 +301,7 @@ class DualVLLMCoordinator:
         ignore_eos: bool = False,
         top_k: int | None = None,
         top_logprobs: int = 0,
+        record_topk: int = 0,
     ) -> list[GenerationOutput]:
         """Generate for every prompt; outputs in input order. Arguments as in `stream`."""
         outputs: list[GenerationOutput | None] = [None] * len(prompts)
@@ -304,6 +309,7 @@ class DualVLLMCoordinator:
             prompts, max_tokens, temperature=temperature, stop=stop, stop_token_ids=stop_token_ids,
             seed=seed, return_diagnostics=return_diagnostics, show_progress=show_progress,
             fixed_alpha=fixed_alpha, seeds=seeds, ignore_eos=ignore_eos, top_k=top_k, top_logprobs=top_logprobs,
+            record_topk=record_topk,
         ):
             outputs[output.index] = output
         assert all(o is not None for o in outputs)
@@ -311,7 +317,7 @@ class DualVLLMCoordinator:
 
     def check_call(self, max_tokens: int, **settings: Any) -> SamplingParams:
         """The settings of a `stream` call (its keyword arguments from max_tokens to
-        top_logprobs), checked against this coordinator: raises what `stream` would, before
+        record_topk), checked against this coordinator: raises what `stream` would, before
         anything starts (the HTTP service answers with it before a stream begins)."""
         params = sampling_params(max_tokens, **settings)
         if params.top_k is not None and params.top_k > self.config.top_k:
@@ -319,9 +325,12 @@ class DualVLLMCoordinator:
                 f"top_k={params.top_k} is above the coordinator's top_k={self.config.top_k}, the candidates it asks "
                 "the servers for (checked against their --max-logprobs at start-up); ask for at most "
                 f"{self.config.top_k}, or restart the coordinator with a larger top_k")
-        if self.mode == "speculative" and (params.top_k is not None or params.top_logprobs):
-            raise InvalidInputError("a per-call top_k and top_logprobs are not available in speculative mode; "
-                                    "use per-token or lockstep mode (speculative_gamma=0)")
+        if params.record_topk > self.config.top_k:
+            raise InvalidInputError(f"record_topk={params.record_topk} is above the coordinator's top_k="
+                                    f"{self.config.top_k}, the candidates the servers send; ask for at most that")
+        if self.mode == "speculative" and (params.top_k is not None or params.top_logprobs or params.record_topk):
+            raise InvalidInputError("a per-call top_k, top_logprobs and record_topk are not available in speculative "
+                                    "mode; use per-token or lockstep mode (speculative_gamma=0)")
         return params
 
     async def encode(self, prompts: Sequence[Prompt]) -> list[tuple[list[int], list[int]]]:
@@ -456,6 +465,7 @@ def sampling_params(
     ignore_eos: bool = False,
     top_k: int | None = None,
     top_logprobs: int = 0,
+    record_topk: int = 0,
 ) -> SamplingParams:
     """The per-call settings of `stream`, validated: raises InvalidInputError on a bad value.
 
@@ -475,9 +485,11 @@ def sampling_params(
         raise InvalidInputError(f"top_k must be a positive integer or None (all fetched candidates), got {top_k!r}")
     if not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool) or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidInputError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs!r}")
+    if not isinstance(record_topk, int) or isinstance(record_topk, bool) or record_topk < 0:
+        raise InvalidInputError(f"record_topk must be an integer >= 0 (0 = record nothing), got {record_topk!r}")
     return SamplingParams(
         max_tokens=max_tokens, temperature=float(temperature), stop=stops,
         stop_token_ids=frozenset(int(i) for i in stop_token_ids or ()),
         fixed_alpha=fixed_alpha, return_diagnostics=return_diagnostics, ignore_eos=ignore_eos,
-        top_k=top_k, top_logprobs=top_logprobs,
+        top_k=top_k, top_logprobs=top_logprobs, record_topk=record_topk,
     )

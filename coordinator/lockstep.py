@@ -677,7 +677,7 @@ class LockstepScheduler:
         t = self._topk([live.rows[T] for live in ready])  # type: ignore[misc]
         sequences = [live.seq for live in ready]
         step = sample_rows(sequences, theta, t, self._config, self._vocab_size)
-        record_rows(sequences, step, self._eos_ids, self._max_len)
+        record_rows(sequences, step, self._eos_ids, self._max_len, theta, t)
         tokens = step.token_ids.tolist()
         await self._delivery.check_stop_strings([seq for seq in sequences if seq.params.stop and seq.error is None])
         for row, live in enumerate(ready):

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Sequence, Union
 
+import numpy as np
+
 # A prompt is text, token ids, or a (theta_prompt, t_prompt) pair: the two models may see
 # different prompts (e.g. the teacher gets a hint) while sharing the continuation.
 PromptPart = Union[str, Sequence[int]]
@@ -45,6 +47,12 @@ class GenerationOutput:
     # Per token, q*'s most likely candidates {token id: log q*} (at the call's temperature),
     # when the call asked for top_logprobs.
     top_logprobs: list[dict[int, float]] | None = None
+    # When the call asked for record_topk=k: per token, the base's (row 0) and the teacher's
+    # (row 1) k most likely ids, best first, int64 [T, 2, k], and their raw logprobs
+    # (temperature 1), float64 [T, 2, k]; PAD id and -inf where a model reported fewer.
+    # 32·k bytes per token (k = 20: 640 B), for losses that need the teacher's distribution.
+    topk_ids: np.ndarray | None = None
+    topk_logprobs: np.ndarray | None = None
 
     @property
     def ok(self) -> bool:
@@ -55,10 +63,14 @@ class GenerationOutput:
         return sum(self.alpha_history) / len(self.alpha_history) if self.alpha_history else float("nan")
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (prompt pairs become two-element lists; top_logprobs only if asked for)."""
+        """JSON-ready dict (prompt pairs become two-element lists; top_logprobs and the recorded
+        top-k only if asked for, as nested lists)."""
         record = asdict(self)
-        if record["top_logprobs"] is None:
-            del record["top_logprobs"]
+        for key in ("top_logprobs", "topk_ids", "topk_logprobs"):
+            if record[key] is None:
+                del record[key]
+            elif isinstance(record[key], np.ndarray):
+                record[key] = record[key].tolist()
         if isinstance(self.prompt, tuple):
             record["prompt"] = [_jsonable(p) for p in self.prompt]
         else:

@@ -23,7 +23,7 @@ from coordinator.stats import Statistics, StepTiming
 from coordinator.step import StepResult, keep_top, mix_and_sample, top_candidates
 from common.errors import DualVLLMError
 from common.tasks import stop
-from engines.protocol import Engine, TopKBatch
+from engines.protocol import PAD_TOKEN_ID, Engine, TopKBatch
 
 log = logging.getLogger("dualvllm.coordinator")
 # Tokens to average over before judging top-k coverage: the first few can be unusual.
@@ -129,7 +129,7 @@ class Scheduler:
         assert isinstance(theta_result, TopKBatch) and isinstance(t_result, TopKBatch)
 
         step = sample_rows(active, theta_result, t_result, self._config, self._vocab_size)
-        record_rows(active, step, self._eos_ids, self._max_len)
+        record_rows(active, step, self._eos_ids, self._max_len, theta_result, t_result)
         await self._delivery.check_stop_strings([s for s in active if s.params.stop and s.error is None])
         finished = time.perf_counter()
         merge_s, alpha_s, sample_s = step.phase_s
@@ -181,9 +181,11 @@ def sample_rows(sequences: list[SequenceState], theta: TopKBatch, t: TopKBatch, 
     )
 
 
-def record_rows(sequences: list[SequenceState], step: StepResult, eos_ids: frozenset[int], max_len: int) -> None:
+def record_rows(sequences: list[SequenceState], step: StepResult, eos_ids: frozenset[int], max_len: int,
+                theta: TopKBatch, t: TopKBatch) -> None:
     """Append each sequence's sampled token and its per-token values (and apply the stop rules),
-    with q*'s top candidates for the sequences that ask for them."""
+    with q*'s top candidates and both models' top-k (`theta`, `t`: the step's rows, in
+    sequence order) for the sequences that ask for them."""
     # Python lists: indexing them per row is far cheaper than indexing numpy arrays.
     tokens = step.token_ids.tolist()
     alphas, lq = step.alpha.tolist(), step.logprob_q.tolist()
@@ -200,9 +202,30 @@ def record_rows(sequences: list[SequenceState], step: StepResult, eos_ids: froze
         for row, top in zip(wanting, tops):
             keep = sequences[row].params.top_logprobs
             sequences[row].top_logprobs.append(dict(list(top.items())[:keep]))
+    recording = [row for row, seq in enumerate(sequences) if seq.params.record_topk]
+    if recording:
+        k = max(sequences[row].params.record_topk for row in recording)
+        ids, logprobs = best_first(theta, t, np.array(recording), k)  # [R, 2, k] each
+        for i, row in enumerate(recording):
+            keep = sequences[row].params.record_topk
+            sequences[row].topk_ids.append(ids[i, :, :keep])
+            sequences[row].topk_logprobs.append(logprobs[i, :, :keep])
     for seq in sequences:
         if seq.listener is not None:
             seq.publish()
+
+
+def best_first(theta: TopKBatch, t: TopKBatch, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Both models' `k` most likely entries of `rows`, best first: int64 ids and float64 raw
+    logprobs, [R, 2, k] each (model 0 the base, 1 the teacher); PAD and -inf beyond a row's entries."""
+    ids = np.full((len(rows), 2, k), PAD_TOKEN_ID, dtype=np.int64)
+    logprobs = np.full((len(rows), 2, k), -np.inf)
+    for model, batch in enumerate((theta, t)):
+        width = min(k, batch.logprobs.shape[1])
+        order = np.argsort(-batch.logprobs[rows], axis=1, kind="stable")[:, :width]  # [R, width]
+        ids[:, model, :width] = np.take_along_axis(batch.token_ids[rows], order, axis=1)
+        logprobs[:, model, :width] = np.take_along_axis(batch.logprobs[rows], order, axis=1)
+    return ids, logprobs
 
 
 async def _timed(call: Awaitable[T]) -> tuple[T | BaseException, float]:

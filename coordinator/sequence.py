@@ -25,6 +25,7 @@ class SamplingParams:
     ignore_eos: bool = False  # keep going past EOS (benchmarks that need fixed lengths)
     top_k: int | None = None  # candidates per model to mix (<= the coordinator's top_k); None = all fetched
     top_logprobs: int = 0  # per token, also record q*'s most likely candidates (OpenAI's top_logprobs)
+    record_topk: int = 0  # per token, also record each model's k most likely ids and raw logprobs (losses)
 
 
 # Called with (sequence index, tokens that became final since the last call): how a caller
@@ -51,6 +52,10 @@ class SequenceState:
     logprobs_t: list[float] = field(default_factory=list)
     diagnostics: dict[str, list[float]] = field(default_factory=dict)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)  # when params.top_logprobs > 0
+    # When params.record_topk > 0, per token: int64 [2, k] ids and float64 [2, k] raw logprobs
+    # of the base (row 0) and the teacher (row 1).
+    topk_ids: list[np.ndarray] = field(default_factory=list)
+    topk_logprobs: list[np.ndarray] = field(default_factory=list)
     listener: TokenListener | None = None
     published: int = 0  # tokens already handed to the listener
     text: str | None = None  # set when stop strings are checked, or at the end
@@ -106,7 +111,7 @@ class SequenceState:
         """Forget every token after the first n (and its records, text and finish)."""
         assert n >= self.published, f"sequence {self.index}: {self.published} tokens were already published"
         for values in (self.tokens, self.alphas, self.logprobs_q, self.logprobs_theta, self.logprobs_t,
-                       self.top_logprobs, *self.diagnostics.values()):
+                       self.top_logprobs, self.topk_ids, self.topk_logprobs, *self.diagnostics.values()):
             del values[n:]
         self.finish_reason, self.text = None, None
 
@@ -144,4 +149,14 @@ class SequenceState:
             diagnostics=diagnostics,
             top_logprobs=self.top_logprobs if self.params.top_logprobs else None,
             error=self.error,
+            **self._topk_arrays(),
         )
+
+    def _topk_arrays(self) -> dict[str, np.ndarray]:
+        """topk_ids int64 [T, 2, k] and topk_logprobs float64 [T, 2, k], when recorded."""
+        k = self.params.record_topk
+        if not k:
+            return {}
+        if not self.topk_ids:  # no token generated (an error before the first step)
+            return {"topk_ids": np.zeros((0, 2, k), dtype=np.int64), "topk_logprobs": np.zeros((0, 2, k))}
+        return {"topk_ids": np.stack(self.topk_ids), "topk_logprobs": np.stack(self.topk_logprobs)}

@@ -377,6 +377,30 @@ async def test_top_logprobs_hold_the_sampled_tokens_log_q_and_top_k_narrows_q_st
     assert all(1 <= len(top) <= 2 for top in narrow.top_logprobs)
 
 
+async def test_record_topk_keeps_each_models_best_entries_per_token_without_changing_the_tokens(fake_theta, fake_t):
+    async with DualVLLMCoordinator(config(fake_theta, fake_t)) as c:
+        [recorded] = await c.generate_batch(["abc"], max_tokens=6, seed=4, record_topk=3)
+        [plain] = await c.generate_batch(["abc"], max_tokens=6, seed=4)
+        [(theta_ids, t_ids)] = await c.encode(["abc"])
+        with pytest.raises(InvalidInputError, match="record_topk=9 is above the coordinator's top_k=8"):
+            await c.generate_batch(["abc"], max_tokens=2, record_topk=9)
+    assert plain.topk_ids is None and recorded.generated_tokens == plain.generated_tokens
+    tokens = recorded.generated_tokens
+    assert recorded.topk_ids.shape == recorded.topk_logprobs.shape == (len(tokens), 2, 3)
+    for position in range(len(tokens)):
+        for model, (fake, prompt) in enumerate(((fake_theta, theta_ids), (fake_t, t_ids))):
+            logprobs = fake.model.logprobs(prompt + tokens[:position])
+            best = np.argsort(-logprobs, kind="stable")[:3]
+            assert recorded.topk_ids[position, model].tolist() == best.tolist()
+            np.testing.assert_allclose(recorded.topk_logprobs[position, model], logprobs[best], atol=1e-6)
+    # the teacher's logprob of the sampled token, where it is in the teacher's top 3, is the recorded one
+    for position, token in enumerate(tokens):
+        row = recorded.topk_ids[position, 1].tolist()
+        if token in row:
+            assert recorded.topk_logprobs[position, 1, row.index(token)] == pytest.approx(recorded.logprobs_t[position])
+    assert isinstance(recorded.to_dict()["topk_ids"], list)
+
+
 async def test_on_tokens_hands_over_every_token_once_in_order(fake_theta, fake_t):
     seen: dict[int, list[int]] = {0: [], 1: []}
     async with DualVLLMCoordinator(config(fake_theta, fake_t)) as c:

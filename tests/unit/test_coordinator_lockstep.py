@@ -1033,3 +1033,19 @@ async def test_a_call_cancelled_at_any_point_leaves_the_scheduler_serving_the_ne
     for fake in (theta, t):
         assert fake.idle and fake.timeouts == 0, fake.name
         assert all(r.finish == "stop" for r in fake.requests[:len(fake.requests) - 6]), fake.name
+
+
+async def test_record_topk_keeps_both_servers_reported_best_entries(rig):
+    theta, t = rig.servers()
+    cfg = config()
+    scheduler = rig.scheduler(theta, t, cfg)
+    sequences = make_sequences(2, max_tokens=5, record_topk=3)
+    outputs = await generate(scheduler, sequences)
+
+    for out in outputs:
+        assert out.topk_ids.shape == (5, 2, 3)
+        for position in range(5):
+            for model, (fake, prompt) in enumerate(((theta, theta_prompt), (t, t_prompt))):
+                ids, logprobs = fake.model.topk(prompt(out.index) + out.generated_tokens[:position], 3)
+                assert out.topk_ids[position, model].tolist() == ids.tolist()
+                np.testing.assert_allclose(out.topk_logprobs[position, model], logprobs, rtol=1e-6)
