@@ -15,7 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from common.validation import RaisesInvalidInput
 from training.losses import Correction, Normalization
 
-Method = Literal["grpo", "dpo"]
+Method = Literal["grpo", "sft", "rft", "opd", "dpo"]
+# Methods that train on a stream of rollouts with weight pushes (training/grpo.py's recipe);
+# dpo mines pairs from one batch of rollouts and trains with TRL's DPOTrainer.
+STREAMING = ("grpo", "sft", "rft", "opd")
 Arm = Literal["base", "q*", "teacher"]
 # The teacher may be the base model itself, shown the teacher's prompt: "self" on the base
 # server (always the current weights), "self-frozen" on a second server with the starting weights.
@@ -23,8 +26,17 @@ SELF_TEACHERS = ("self", "self-frozen")
 # Options only one method reads: setting one of them under the other method does nothing,
 # so it is refused rather than silently ignored.
 GRPO_ONLY = ("correction", "is_cap", "share_cap", "normalization", "scale_advantages", "kl_coef",
-             "max_staleness", "queue_size", "push_every", "keep_checkpoints", "eval_every", "curriculum")
+             "max_staleness", "queue_size", "push_every", "keep_checkpoints", "eval_every", "curriculum",
+             "opd_coef", "distill_coef", "distill_beta", "on_policy_rollouts", "guided_shaping", "rft_min_reward")
 DPO_ONLY = ("dpo_beta", "dpo_epochs")
+# Among the streaming methods, options of the reward policy gradient (grpo) that sft, rft and
+# opd never read; and what each of those methods alone reads.
+REWARD_PG_ONLY = ("correction", "share_cap", "scale_advantages", "on_policy_rollouts", "guided_shaping")
+UNREAD_BY = {"opd": REWARD_PG_ONLY, "sft": (*REWARD_PG_ONLY, "is_cap", "normalization", "kl_coef", "opd_coef"),
+             "rft": (*REWARD_PG_ONLY, "is_cap", "normalization", "kl_coef", "opd_coef")}
+METHOD_ONLY = {"rft_min_reward": "rft"}
+# The rollouts' alpha that sft (the teacher's samples) and opd (the base's own) stand for.
+METHOD_ALPHA = {"sft": 1.0, "opd": 0.0}
 
 
 def flag(name: str) -> str:
@@ -154,7 +166,10 @@ class TrainConfig(TaskConfig):
 
     output_dir: Path = Field(description="Checkpoints, pushed weights, metrics.jsonl and the run's config go here.")
     method: Method = Field(
-        "grpo", description="grpo: streaming GRPO with verified weight pushes; dpo: TRL DPO on pairs mined from q* rollouts.")
+        "grpo", description="grpo: streaming GRPO with verified weight pushes; sft: fine-tuning on teacher samples "
+                            "(alpha = 1); rft: fine-tuning on the verified q* rollouts (rejection fine-tuning); opd: "
+                            "on-policy distillation (the base samples, the teacher scores each token); dpo: TRL DPO on "
+                            "pairs mined from q* rollouts. All but dpo stream with pushes, and take --distill-coef.")
     steps: int = Field(200, ge=1, description="Learner updates to run.")
     prompts_per_step: int = Field(8, ge=1, description="Prompts per update; each gets group_size rollouts.")
     group_size: int = Field(8, ge=2, description="Rollouts per prompt (G): advantages compare a prompt's rollouts.")
@@ -183,6 +198,24 @@ class TrainConfig(TaskConfig):
         False, description="Pick prompts by difficulty: per-prompt reward EMA, buckets at the valleys of a KDE over "
                            "them, hard buckets drawn more, prompts whose group scored all alike skipped for a while "
                            "(training/curriculum.py).")
+    opd_coef: float | None = Field(
+        None, ge=0, description="Weight c of on-policy distillation's per-token advantage -c (log pi_theta(y_t) - log "
+                                "pi_t(y_t)) (training/distill.py), added to the reward advantages; None = 1 under "
+                                "--method opd, else 0 (off).")
+    distill_coef: float = Field(
+        0.0, ge=0, description="Weight of the distillation term: JSD_beta between the teacher's top-k (+ a tail "
+                               "bucket) and the learner at every visited state (GKD; training/distill.py); 0 = off.")
+    distill_beta: float = Field(
+        0.0, ge=0, le=1, description="That divergence's beta, as TRL's: 0 = forward KL(teacher || learner), "
+                                     "1 = reverse KL, between them the generalized JSD.")
+    on_policy_rollouts: int = Field(
+        0, ge=0, description="Pooled groups: of each prompt's --group-size rollouts, this many are sampled "
+                             "on-policy (alpha = 0), the rest from q*; advantages over the pooled group (LUFFY).")
+    guided_shaping: float | None = Field(
+        None, gt=0, description="LUFFY's shaping f(p) = p / (p + gamma) on the tokens of the q* rollouts of pooled "
+                                "groups, with this gamma (0.1 in the paper), in place of their importance weight; "
+                                "None = off.")
+    rft_min_reward: float = Field(1.0, description="--method rft: rollouts whose reward reaches this are trained on.")
     dpo_beta: float = Field(0.1, gt=0, description="DPO: strength of the implicit KL to the starting model (TRL's beta).")
     dpo_epochs: int = Field(1, ge=1, description="DPO: passes over the mined preference pairs.")
 
@@ -190,10 +223,30 @@ class TrainConfig(TaskConfig):
     def _no_option_without_effect(self) -> TrainConfig:
         """Options set explicitly that the chosen method or mode never reads are refused with the fix."""
         given = self.model_fields_set
-        unused = {"grpo": DPO_ONLY, "dpo": GRPO_ONLY}[self.method]
+        unused = GRPO_ONLY if self.method == "dpo" else DPO_ONLY
         if wasted := [flag(n) for n in unused if n in given]:
-            other = "dpo" if self.method == "grpo" else "grpo"
+            other = "grpo" if self.method == "dpo" else "dpo"
             raise ValueError(f"{', '.join(wasted)} only apply to --method {other}; drop them, or pass --method {other}")
+        if wasted := [flag(n) for n in UNREAD_BY.get(self.method, ()) if n in given]:
+            raise ValueError(f"--method {self.method} does not read {', '.join(wasted)} (options of grpo's policy "
+                             "gradient); drop them")
+        for name, method in METHOD_ONLY.items():
+            if name in given and self.method != method:
+                raise ValueError(f"{flag(name)} applies to --method {method}; drop it or pass --method {method}")
+        implied = METHOD_ALPHA.get(self.method)
+        if implied is not None and "fixed_alpha" in given and self.fixed_alpha != implied:
+            raise ValueError(f"--method {self.method} samples at alpha = {implied:g}; drop --fixed-alpha")
+        if self.on_policy_rollouts >= self.group_size:
+            raise ValueError(f"--on-policy-rollouts {self.on_policy_rollouts} leaves no q* rollout in groups of "
+                             f"{self.group_size}; give fewer than --group-size")
+        if self.on_policy_rollouts and self.fixed_alpha == 0.0:
+            raise ValueError("--on-policy-rollouts pools on-policy with q* rollouts, and --fixed-alpha 0 makes every "
+                             "rollout on-policy; drop one of them")
+        if self.guided_shaping is not None and not self.on_policy_rollouts:
+            raise ValueError("--guided-shaping shapes the q* rollouts of pooled groups; set --on-policy-rollouts too")
+        if self.method == "opd" and self.opd_coef == 0:
+            raise ValueError("--method opd trains on the teacher's per-token advantages alone: --opd-coef 0 leaves "
+                             "nothing to learn; drop it (1) or give a positive weight")
         if "lora_alpha" in given and self.lora_rank == 0:
             raise ValueError("--lora-alpha scales LoRA adapters, and lora_rank is 0 (full fine-tuning); "
                              "set --lora-rank > 0 or drop --lora-alpha")
@@ -204,10 +257,26 @@ class TrainConfig(TaskConfig):
         if self.eval_every > self.steps and "eval_every" in given:
             raise ValueError(f"--eval-every {self.eval_every} is more than --steps {self.steps}: no evaluation "
                              "would run between the first and the last; lower it or drop it")
+        if self.distill_beta and not self.distill_coef:
+            raise ValueError("--distill-beta shapes the distillation term, which --distill-coef 0 turns off; "
+                             "give --distill-coef > 0 or drop --distill-beta")
         if self.method == "dpo" and self.theta_urls:
             raise ValueError("--method dpo evaluates the trained model on servers it starts for it; running servers "
                              "(--theta-urls, --t-urls) are for grpo, which pushes weights into them: drop them")
         return self
+
+
+    @property
+    def sampling_alpha(self) -> float | None:
+        """The rollouts' fixed alpha: the method's own (sft 1, opd 0), else --fixed-alpha (None = alpha*)."""
+        return METHOD_ALPHA.get(self.method, self.fixed_alpha)
+
+    @property
+    def teacher_advantage_coef(self) -> float:
+        """The weight of on-policy distillation's per-token advantage (opd_coef resolved)."""
+        if self.opd_coef is not None:
+            return self.opd_coef
+        return 1.0 if self.method == "opd" else 0.0
 
 
 class EvalConfig(TaskConfig):

@@ -34,7 +34,7 @@ from training import checkpoint, lora
 from training.checkpoint import RunState
 from training.config import TrainConfig
 from training.curriculum import Curriculum
-from training.learner import Learner
+from training.learner import Learner, Objective
 from training.recipe import held_out, prepare
 from training.rollouts import Sampled, ScoredBatch, Task, produce, sample_batch
 from training.serving import serving
@@ -76,6 +76,7 @@ class GRPORecipe:
         self._stack = contextlib.AsyncExitStack()
         self._sampler: asyncio.Task[None] | None = None
         self.dropped = 0
+        self.objective = Objective.from_config(config)
 
     async def run(self) -> TrainReport:
         try:
@@ -120,9 +121,10 @@ class GRPORecipe:
     async def _sample(self, chosen: Sequence[Task], seed: int) -> Sampled:
         config = self.config
         return await sample_batch(self.coordinator, chosen, group_size=config.group_size, max_tokens=config.max_tokens,
-                                  temperature=config.temperature, fixed_alpha=config.fixed_alpha,
+                                  temperature=config.temperature, fixed_alpha=config.sampling_alpha,
                                   seed=config.seed * 1_000_003 + seed, spec=self.problems.spec, executor=self.pool,
-                                  reward_timeout_s=config.reward_timeout)
+                                  reward_timeout_s=config.reward_timeout, on_policy=config.on_policy_rollouts,
+                                  record_topk=config.top_k if self.objective.needs_teacher_topk else 0)
 
     def _start_sampler(self, queue: asyncio.Queue[ScoredBatch]) -> None:
         self._sampler = asyncio.create_task(
@@ -146,10 +148,7 @@ class GRPORecipe:
             self.dropped += 1
             return None
         started = time.perf_counter()
-        metrics = await asyncio.to_thread(
-            self.learner.train_step, batch, correction=config.correction,
-            scale_advantages=config.scale_advantages, is_cap=config.is_cap, share_cap=config.share_cap,
-            normalization=config.normalization, max_completion_length=config.max_tokens)
+        metrics = await asyncio.to_thread(self.learner.train_step, batch, self.objective)
         step, version = state.step + 1, state.policy_version
         if step % config.push_every == 0 or step == config.steps:
             async with self.coordinator.paused():  # lockstep sequences resume on the new weights
@@ -180,7 +179,7 @@ class GRPORecipe:
         self._start_sampler(queue)
         assert self._sampler is not None
         final: dict[str, float] | None = None
-        with tqdm(total=config.steps, initial=self.state.step, desc="grpo", unit="step",
+        with tqdm(total=config.steps, initial=self.state.step, desc=config.method, unit="step",
                   disable=not self.show_progress) as bar:
             while self.state.step < config.steps:
                 metrics = await self.train_step(await _next_batch(queue, self._sampler))

@@ -20,6 +20,11 @@ Two corrections are offered (`Correction`):
   it is biased: the group mean of q* rollouts overestimates E_pi[R], the base's own
   mistakes carry weights > 1 and the teacher-guided tokens < 1, so the update is mostly a
   push-down (measured: it did not lift the bundled base, see benchmarks/README.md).
+- "vespo": plain group advantages, every token of rollout i weighed by the smooth Gamma
+  weight phi(W_i) = e^lambda W_i^k e^(-lambda W_i) of its sequence ratio W_i (phi(1) = 1;
+  k, lambda by the sign of the advantage), as TRL 1.16's `loss_type="vespo"`
+  (`GRPOTrainer.get_gamma_weights`; VESPO, arXiv 2602.10693): near-on-policy rollouts
+  count fully, far-off ones fade smoothly instead of being truncated.
 - "none": plain group advantages, every token weighs 1, as if q* were the base. Biased on
   purpose. Both corrections above estimate the on-policy gradient of E_pi[R], and where
   the base almost never succeeds that gradient is almost zero however well it is
@@ -40,12 +45,19 @@ exp(ref - logp) - (ref - logp) - 1 >= 0 (Schulman 2020), per token, normalized t
 
 from __future__ import annotations
 
+import math
 from typing import Literal, Sequence
 
 import torch
 
 Normalization = Literal["grpo", "dr_grpo", "dapo"]
-Correction = Literal["sequence", "token", "none"]
+Correction = Literal["sequence", "token", "vespo", "none"]
+# VESPO's Gamma shapes, TRL 1.16's defaults (vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg).
+VESPO_POSITIVE = (2.0, 3.0)
+VESPO_NEGATIVE = (3.0, 2.0)
+# TRL clamps log W to [log 1e-8, 20] before exponentiating.
+VESPO_LOG_W_MIN = math.log(1e-8)
+VESPO_LOG_W_MAX = 20.0
 
 
 def group_advantages(rewards: torch.Tensor, *, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
@@ -102,6 +114,32 @@ def importance_weights(logp_policy: torch.Tensor, logp_behaviour: torch.Tensor, 
     return ratio.clamp(max=cap), ratio
 
 
+def gamma_weights(advantages: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor, *,
+                  positive: tuple[float, float] = VESPO_POSITIVE,
+                  negative: tuple[float, float] = VESPO_NEGATIVE) -> torch.Tensor:
+    """VESPO's phi(W) = exp(lambda + k log W - lambda W) per rollout, detached; [B], [B, T], [B, T] -> [B].
+
+    W = prod_t pi_theta(y_t) / q*(y_t) over the real tokens (per-token log ratios clamped to
+    [-20, 20], log W to [log 1e-8, 20], as TRL does); (k, lambda) = `positive` where the
+    advantage is >= 0, else `negative`.
+    """
+    log_w = (log_ratio.detach().clamp(-20.0, 20.0) * mask).sum(-1).clamp(VESPO_LOG_W_MIN, VESPO_LOG_W_MAX)  # [B]
+    nonneg = advantages >= 0
+    k = torch.where(nonneg, positive[0], negative[0])  # [B]
+    lam = torch.where(nonneg, positive[1], negative[1]).clamp(min=1e-4)  # [B]
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def guided_shaping(logp_policy: torch.Tensor, gamma: float = 0.1) -> torch.Tensor:
+    """LUFFY (Yan et al. 2025, arXiv 2504.14945)'s f(pi_theta(y_t)) = p / (p + gamma), with grad; [B, T] -> [B, T].
+
+    Its gradient is gamma / (p + gamma)^2 · p ∇log p: near 1/gamma · p ∇log p for rare tokens,
+    far above the ratio's p ∇log p, so the learner moves toward guided tokens it finds unlikely.
+    """
+    p = logp_policy.exp()
+    return p / (p + gamma)
+
+
 def k3_kl(logp_policy: torch.Tensor, logp_reference: torch.Tensor) -> torch.Tensor:
     """Per-token KL(pi || ref) estimate exp(ref - logp) - (ref - logp) - 1 >= 0, [B, T]."""
     delta = logp_reference - logp_policy
@@ -137,10 +175,10 @@ def advantages(rewards: Sequence[torch.Tensor], log_ratios: Sequence[torch.Tenso
     weights = [sequence_weights(l) for l in log_ratios]  # [G_g] each
     # How far off-policy the rollouts are, whatever the correction does about it.
     ess = {"ess_ratio": float(torch.stack([effective_sample_size_ratio(v) for v in weights]).mean())}
-    if correction in ("token", "none"):
+    if correction in ("token", "vespo", "none"):
         return torch.cat([group_advantages(r[None, :], scale=scale)[0] for r in rewards]), ess
     if correction != "sequence":
-        raise ValueError(f"unknown correction {correction!r}; use sequence, token or none")
+        raise ValueError(f"unknown correction {correction!r}; use sequence, token, vespo or none")
     out = torch.cat([weighted_group_advantages(r, v, scale=scale, cap=share_cap) for r, v in zip(rewards, weights)])
     shares = torch.cat([v * v.shape[-1] for v in weights])  # [B]
     return out, {
@@ -162,15 +200,32 @@ def policy_loss(
     max_completion_length: int | None = None,
     logp_reference: torch.Tensor | None = None,  # [B, T] frozen reference, for the KL penalty
     kl_coef: float = 0.0,
+    token_advantages: torch.Tensor | None = None,  # [B, T] per-token advantages (on-policy distillation)
+    shaped: torch.Tensor | None = None,  # bool [B]: rollouts whose tokens take LUFFY's shaping f(p)
+    shaping_gamma: float = 0.1,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The importance-corrected policy-gradient loss and its metrics (ratio stats, KL).
 
     "sequence": the advantages already carry the correction, each token weighs 1;
-    "token": each token weighs min(pi/q*, is_cap); "none": each token weighs 1.
+    "token": each token weighs min(pi/q*, is_cap); "vespo": each token of a rollout weighs
+    its Gamma weight phi(W); "none": each token weighs 1. `token_advantages` are added to
+    the rollout's advantage at each token, weighed by min(pi/q*, is_cap) whatever the
+    correction (a per-token term needs no sequence weight). Rows of `shaped` use
+    -A f(pi_theta(y_t)) (training.distill.guided_shaping) instead of -w A log pi_theta(y_t).
     """
     truncated, ratio = importance_weights(logp_policy, logp_behaviour, is_cap)  # [B, T]
-    weights = truncated if correction == "token" else torch.ones_like(truncated)
-    per_token = -weights * advantages[:, None] * logp_policy  # [B, T]
+    if correction == "token":
+        weights = truncated
+    elif correction == "vespo":
+        weights = gamma_weights(advantages, logp_policy - logp_behaviour, mask)[:, None].expand_as(truncated)
+    else:
+        weights = torch.ones_like(truncated)
+    weighted = weights * advantages[:, None]  # [B, T]
+    if token_advantages is not None:
+        weighted = weighted + truncated * token_advantages
+    per_token = -weighted * logp_policy  # [B, T]
+    if shaped is not None and shaped.any():
+        per_token = torch.where(shaped[:, None], -weighted * guided_shaping(logp_policy, shaping_gamma), per_token)
     real = mask.bool()
     metrics = {
         "ratio_min": float(ratio[real].min()) if real.any() else float("nan"),
@@ -178,8 +233,10 @@ def policy_loss(
         "ratio_max": float(ratio[real].max()) if real.any() else float("nan"),
         # Group-centred advantages sum to zero; importance weights can break that, and a
         # negative mean then pushes down every sampled token (watch it in the metrics).
-        "weighted_advantage_mean": float(normalize((weights * advantages[:, None]).detach(), mask, "dapo")),
+        "weighted_advantage_mean": float(normalize(weighted.detach(), mask, "dapo")),
     }
+    if correction == "vespo":
+        metrics["vespo_phi_mean"] = float(normalize(weights.detach(), mask, "dapo"))
     if correction == "token":
         metrics["clip_fraction"] = float((ratio[real] > is_cap).float().mean()) if real.any() else 0.0
     if logp_reference is not None and kl_coef > 0:

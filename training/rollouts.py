@@ -14,12 +14,16 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
+import numpy as np
+
 from coordinator.core import DualVLLMCoordinator
 from coordinator.outputs import GenerationOutput
 from training.curriculum import Curriculum
 from training.rewards import RewardSpec, score_completions
 
 log = logging.getLogger("dualvllm.training")
+# The on-policy part of a pooled group draws from its own seeds, apart from every batch's q* part.
+ON_POLICY_SEED_OFFSET = 1 << 40
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,13 @@ class Rollout:
     alphas: tuple[float, ...]
     text: str
     reward: float
+    # log pi_t(y_t), raw (the fill value of theory.merge where y_t was outside the teacher's
+    # top-k): what on-policy distillation's per-token advantage needs. Empty when not recorded.
+    logprobs_t: tuple[float, ...] = ()
+    # The teacher's top-k at each visited state, int64 ids and raw logprobs [T, k] (-inf in
+    # padding): what the distillation term needs. None unless sampled with record_topk.
+    teacher_topk: tuple[np.ndarray, np.ndarray] | None = field(default=None, compare=False)
+    on_policy: bool = False  # sampled at alpha = 0 in a pooled group (the rest are guided by the teacher)
 
 
 Groups = tuple[tuple[Rollout, ...], ...]
@@ -78,15 +89,31 @@ class Sampled:
 
 async def sample_batch(coordinator: DualVLLMCoordinator, tasks: Sequence[Task], *, group_size: int,
                        max_tokens: int, temperature: float, fixed_alpha: float | None, seed: int,
-                       spec: RewardSpec, executor: Executor, reward_timeout_s: float) -> Sampled:
+                       spec: RewardSpec, executor: Executor, reward_timeout_s: float, on_policy: int = 0,
+                       record_topk: int = 0) -> Sampled:
     """`group_size` rollouts per task from q*, scored off the event loop.
 
+    With `on_policy` = N > 0 the groups are pooled: each task's first N rollouts are sampled
+    at alpha = 0 (the base alone), the other group_size - N from q* (`fixed_alpha`).
+    `record_topk` keeps the teacher's top-k at every visited state (Rollout.teacher_topk).
     Failed rollouts and rollouts a reward scored None are dropped (logged), and so are
     groups left with fewer than two rollouts: a lone rollout has no group to compare with.
     """
-    prompts = [task.prompt for task in tasks for _ in range(group_size)]
-    outputs = await coordinator.generate_batch(prompts, max_tokens=max_tokens, temperature=temperature,
-                                               fixed_alpha=fixed_alpha, seed=seed)
+    guided = group_size - on_policy
+    calls = [coordinator.generate_batch([task.prompt for task in tasks for _ in range(guided)], max_tokens=max_tokens,
+                                        temperature=temperature, fixed_alpha=fixed_alpha, seed=seed,
+                                        record_topk=record_topk)]
+    if on_policy:  # one call per part: a call has one fixed_alpha; both share the coordinator's batch
+        calls.append(coordinator.generate_batch([task.prompt for task in tasks for _ in range(on_policy)],
+                                                max_tokens=max_tokens, temperature=temperature, fixed_alpha=0.0,
+                                                seed=seed + ON_POLICY_SEED_OFFSET, record_topk=record_topk))
+    parts = await asyncio.gather(*calls)
+    outputs, is_on_policy = [], []
+    for i in range(len(tasks)):  # each task's group: its on-policy rollouts first, then the guided ones
+        if on_policy:
+            outputs.extend(parts[1][i * on_policy:(i + 1) * on_policy])
+        outputs.extend(parts[0][i * guided:(i + 1) * guided])
+        is_on_policy.extend([True] * on_policy + [False] * guided)
     failed = [o for o in outputs if not o.ok]
     if failed:
         log.warning("%d of %d rollouts failed and are dropped (first: %s)", len(failed), len(outputs), failed[0].error)
@@ -101,7 +128,7 @@ async def sample_batch(coordinator: DualVLLMCoordinator, tasks: Sequence[Task], 
     groups = []
     for i, task in enumerate(tasks):
         members = range(i * group_size, (i + 1) * group_size)
-        groups.append(tuple(_rollout(task, outputs[j], scores.total[j]) for j in members
+        groups.append(tuple(_rollout(task, outputs[j], scores.total[j], is_on_policy[j]) for j in members
                             if outputs[j].ok and scores.total[j] is not None))
     means = {name: _mean([v for o, v in zip(outputs, values) if o.ok and v is not None])
              for name, values in scores.by_name.items()}
@@ -119,10 +146,14 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def _rollout(task: Task, output: GenerationOutput, reward: float) -> Rollout:
+def _rollout(task: Task, output: GenerationOutput, reward: float, on_policy: bool) -> Rollout:
+    teacher_topk = None
+    if output.topk_ids is not None and output.topk_logprobs is not None:
+        teacher_topk = (output.topk_ids[:, 1], output.topk_logprobs[:, 1])  # [T, k]: row 1 is the teacher's
     return Rollout(prompt_ids=task.prompt_ids, completion_ids=tuple(output.generated_tokens),
                    logprobs_q=tuple(output.logprobs_q), alphas=tuple(output.alpha_history),
-                   text=output.generated_text, reward=reward)
+                   text=output.generated_text, reward=reward, logprobs_t=tuple(output.logprobs_t),
+                   teacher_topk=teacher_topk, on_policy=on_policy)
 
 
 async def produce(queue: asyncio.Queue[ScoredBatch], sample: Callable[[Sequence[Task], int], Awaitable[Sampled]],

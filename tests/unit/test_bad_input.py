@@ -85,6 +85,16 @@ OTHER_COMMANDS = [
     ("train-greedy-rollouts", "train --temperature 0", r"temperature=0.0: Input should be greater than 0"),
     ("train-eval-every-past-the-end", "train --steps 4 --eval-every 10", r"--eval-every 10 is more than --steps 4"),
     ("train-base-missing", "train --base {tmp}/nothing", r"invalid TrainConfig: base=.*: '.*nothing' is not a model directory"),
+    ("train-sft-with-a-correction", "train --method sft --correction token",
+     r"--method sft does not read --correction \(options of grpo's policy gradient\)"),
+    ("train-opd-at-another-alpha", "train --method opd --fixed-alpha 0.5", r"--method opd samples at alpha = 0; drop"),
+    ("train-pooled-groups-without-q", "train --group-size 4 --on-policy-rollouts 4",
+     r"--on-policy-rollouts 4 leaves no q\* rollout in groups of 4"),
+    ("train-shaping-without-pooled-groups", "train --guided-shaping 0.1",
+     r"--guided-shaping shapes the q\* rollouts of pooled groups; set --on-policy-rollouts"),
+    ("train-distill-beta-without-the-term", "train --distill-beta 0.5", r"--distill-coef 0 turns off"),
+    ("train-opd-without-weight", "train --method opd --opd-coef 0", r"--opd-coef 0 leaves nothing to learn"),
+    ("train-rft-threshold-under-grpo", "train --rft-min-reward 0.5", r"--rft-min-reward applies to --method rft"),
 ]
 
 

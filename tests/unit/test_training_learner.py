@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 import tinymodels  # noqa: E402
 from training import checkpoint  # noqa: E402
 from training.checkpoint import RunState  # noqa: E402
-from training.learner import Learner, completion_logprobs, pack  # noqa: E402
+from training.learner import Learner, Objective, completion_logits, completion_logprobs, pack  # noqa: E402
 from training.rollouts import Rollout, ScoredBatch  # noqa: E402
 
 
@@ -19,11 +19,22 @@ def tokenizer():
     return transformers.AutoTokenizer.from_pretrained(tinymodels.BASE_DIR)
 
 
-def rollout(tokenizer, prompt: str, completion: str, reward: float, logq: float = -1.0) -> Rollout:
+def rollout(tokenizer, prompt: str, completion: str, reward: float, logq: float = -1.0, **kw) -> Rollout:
     ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [1]  # + EOS
     return Rollout(prompt_ids=tuple(tokenizer(prompt, add_special_tokens=False)["input_ids"]),
                    completion_ids=tuple(ids), logprobs_q=(logq,) * len(ids), alphas=(0.3,) * len(ids),
-                   text=completion, reward=reward)
+                   text=completion, reward=reward, **kw)
+
+
+def one_update(tokenizer, rollouts, objective: Objective) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(summed log p of each rollout before, after, metrics) of one small update on one group."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(tinymodels.BASE_DIR)
+    batch = ScoredBatch(groups=(tuple(rollouts),), policy_version=0, data_position=1, sample_seconds=1.0, tokens=6)
+    learner = Learner(model, learning_rate=1e-5, kl_coef=0.0, pad_id=0)
+    before = completion_logprobs(model, pack(rollouts, 0)).sum(-1).detach()
+    metrics = learner.train_step(batch, objective)
+    after = completion_logprobs(model, pack(rollouts, 0)).sum(-1).detach()
+    return before, after, metrics
 
 
 def test_completion_logprobs_match_a_plain_forward_pass(tokenizer):
@@ -42,7 +53,7 @@ def test_completion_logprobs_match_a_plain_forward_pass(tokenizer):
     assert got[1, 3:].abs().sum() == 0  # padding contributes nothing
 
 
-@pytest.mark.parametrize("correction", ["sequence", "token", "none"])
+@pytest.mark.parametrize("correction", ["sequence", "token", "vespo", "none"])
 def test_an_update_makes_the_rewarded_completion_more_likely(tokenizer, correction):
     model = transformers.AutoModelForCausalLM.from_pretrained(tinymodels.BASE_DIR)
     good, bad = rollout(tokenizer, "12+34=", "64", 1.0), rollout(tokenizer, "12+34=", "65", 0.0)
@@ -50,9 +61,7 @@ def test_an_update_makes_the_rewarded_completion_more_likely(tokenizer, correcti
     # A small step, where the update follows the gradient's first-order promise.
     learner = Learner(model, learning_rate=1e-5, kl_coef=0.0, pad_id=0)
     before = completion_logprobs(model, pack([good, bad], 0)).sum(-1).detach()
-    metrics = learner.train_step(batch, correction=correction, scale_advantages=True, is_cap=2.0, share_cap=3.0,
-                                 normalization="dapo",
-                                 max_completion_length=6)
+    metrics = learner.train_step(batch, Objective(correction=correction, max_completion_length=6))
     after = completion_logprobs(model, pack([good, bad], 0)).sum(-1).detach()
     assert after[0] > before[0] and after[1] < before[1]
     assert metrics["reward_mean"] == 0.5 and metrics["accuracy"] == 0.5
@@ -72,3 +81,52 @@ def test_checkpoints_round_trip_and_keep_the_newest(tmp_path, tokenizer):
     assert checkpoint.load_state(newest, fresh.optimizer) == RunState(3, 24, 3)
     for mine, saved in zip(model.parameters(), fresh.model.parameters()):
         assert torch.equal(mine, saved)
+
+
+def test_sft_makes_every_sample_more_likely_and_rft_only_the_verified_ones(tokenizer):
+    right, wrong = rollout(tokenizer, "12+34=", "64", 1.0), rollout(tokenizer, "12+34=", "65", 0.0)
+    before, after, metrics = one_update(tokenizer, [right, wrong], Objective(method="sft"))
+    assert (after > before).all() and metrics["sft_rollouts"] == 1.0
+    before, after, metrics = one_update(tokenizer, [right, wrong], Objective(method="rft"))
+    assert after[0] > before[0] and metrics["sft_rollouts"] == 0.5
+    # the wrong answer is not trained on: it moves only as much as sharing "6" with the right one moves it
+    assert after[1] - before[1] < after[0] - before[0]
+
+
+def test_on_policy_distillation_follows_the_teachers_per_token_log_ratio(tokenizer):
+    # Same reward for both: no reward advantage. The teacher likes "64" far more than the learner
+    # does (log pi_t = 0 per token) and "65" far less (-20 per token).
+    liked = rollout(tokenizer, "12+34=", "64", 0.0, logprobs_t=(0.0, 0.0, 0.0))
+    disliked = rollout(tokenizer, "12+34=", "65", 0.0, logprobs_t=(-20.0, -20.0, -20.0))
+    for r in (liked, disliked):
+        assert len(r.completion_ids) == 3
+    model = transformers.AutoModelForCausalLM.from_pretrained(tinymodels.BASE_DIR)
+    on_policy = completion_logprobs(model, pack([liked, disliked], 0)).detach()  # sampled by the base itself
+    liked = rollout(tokenizer, "12+34=", "64", 0.0, logprobs_t=(0.0,) * 3)
+    liked = type(liked)(**{**liked.__dict__, "logprobs_q": tuple(on_policy[0].tolist())})
+    disliked = type(disliked)(**{**disliked.__dict__, "logprobs_q": tuple(on_policy[1].tolist())})
+    before, after, metrics = one_update(tokenizer, [liked, disliked], Objective(method="opd", teacher_advantage_coef=1.0))
+    assert after[0] > before[0] and after[1] < before[1]
+    assert metrics["teacher_log_ratio"] > 0  # the learner gives its tokens more than the teacher, on average
+
+
+def test_the_distillation_term_moves_the_learner_toward_the_teachers_top_k(tokenizer):
+    import numpy as np
+
+    r = rollout(tokenizer, "12+34=", "65", 0.0)
+    target = tokenizer("4", add_special_tokens=False)["input_ids"][0]  # the teacher's answer at the second state
+    model = transformers.AutoModelForCausalLM.from_pretrained(tinymodels.BASE_DIR)
+    with torch.no_grad():
+        logits = completion_logits(model, pack([r], 0))[0]  # [T, V]
+    ids = np.argsort(-logits.numpy(), axis=-1)[:, :2].astype(np.int64)  # the learner's own top 2 ...
+    logprobs = np.log(np.full((3, 2), 0.01))
+    ids[1, 0], logprobs[1, 0] = target, np.log(0.98)  # ... except the second state, where the teacher says "4"
+    r = type(r)(**{**r.__dict__, "teacher_topk": (ids, logprobs)})
+    learner = Learner(model, learning_rate=1e-4, kl_coef=0.0, pad_id=0)
+    batch = ScoredBatch(groups=((r, r),), policy_version=0, data_position=1, sample_seconds=1.0, tokens=6)
+    before = torch.log_softmax(logits[1], -1)[target].item()
+    # equal rewards: no reward advantage, the distillation term alone moves the learner
+    metrics = learner.train_step(batch, Objective(correction="none", distill_coef=1.0))
+    with torch.no_grad():
+        after = torch.log_softmax(completion_logits(model, pack([r], 0))[0, 1], -1)[target].item()
+    assert after > before and metrics["distill_divergence"] > 0
