@@ -220,6 +220,7 @@ class DualVLLMCoordinator:
         top_logprobs: int = 0,
         on_tokens: TokenListener | None = None,
         record_topk: int = 0,
+        max_alpha: float | None = None,
     ) -> AsyncIterator[GenerationOutput]:
         """Yield each prompt's output as soon as it finishes (any order; see `.index`).
 
@@ -233,7 +234,8 @@ class DualVLLMCoordinator:
         servers are asked for); `top_logprobs` records q*'s that many most likely candidates
         per token (`GenerationOutput.top_logprobs`); `record_topk` records each model's that
         many most likely ids and raw logprobs per token (`GenerationOutput.topk_ids`,
-        `topk_logprobs`: what distillation losses need). `on_tokens(index, token_ids)` is called
+        `topk_logprobs`: what distillation losses need); `max_alpha` caps alpha* (an alpha
+        schedule that ends on-policy). `on_tokens(index, token_ids)` is called
         from the coordinator's loop with each sequence's tokens as they are decided (keep it
         cheap: hand them to a queue).
         """
@@ -241,7 +243,7 @@ class DualVLLMCoordinator:
         params = self.check_call(max_tokens, temperature=temperature, stop=stop, stop_token_ids=stop_token_ids,
                                  fixed_alpha=fixed_alpha, return_diagnostics=return_diagnostics,
                                  ignore_eos=ignore_eos, top_k=top_k, top_logprobs=top_logprobs,
-                                 record_topk=record_topk)
+                                 record_topk=record_topk, max_alpha=max_alpha)
         if not prompts:
             return
         assert self._theta is not None and self._t is not None
@@ -302,6 +304,7 @@ class DualVLLMCoordinator:
         top_k: int | None = None,
         top_logprobs: int = 0,
         record_topk: int = 0,
+        max_alpha: float | None = None,
     ) -> list[GenerationOutput]:
         """Generate for every prompt; outputs in input order. Arguments as in `stream`."""
         outputs: list[GenerationOutput | None] = [None] * len(prompts)
@@ -309,7 +312,7 @@ class DualVLLMCoordinator:
             prompts, max_tokens, temperature=temperature, stop=stop, stop_token_ids=stop_token_ids,
             seed=seed, return_diagnostics=return_diagnostics, show_progress=show_progress,
             fixed_alpha=fixed_alpha, seeds=seeds, ignore_eos=ignore_eos, top_k=top_k, top_logprobs=top_logprobs,
-            record_topk=record_topk,
+            record_topk=record_topk, max_alpha=max_alpha,
         ):
             outputs[output.index] = output
         assert all(o is not None for o in outputs)
@@ -328,9 +331,10 @@ class DualVLLMCoordinator:
         if params.record_topk > self.config.top_k:
             raise InvalidInputError(f"record_topk={params.record_topk} is above the coordinator's top_k="
                                     f"{self.config.top_k}, the candidates the servers send; ask for at most that")
-        if self.mode == "speculative" and (params.top_k is not None or params.top_logprobs or params.record_topk):
-            raise InvalidInputError("a per-call top_k, top_logprobs and record_topk are not available in speculative "
-                                    "mode; use per-token or lockstep mode (speculative_gamma=0)")
+        if self.mode == "speculative" and (params.top_k is not None or params.top_logprobs or params.record_topk
+                                           or params.max_alpha is not None):
+            raise InvalidInputError("a per-call top_k, top_logprobs, record_topk and max_alpha are not available in "
+                                    "speculative mode; use per-token or lockstep mode (speculative_gamma=0)")
         return params
 
     async def encode(self, prompts: Sequence[Prompt]) -> list[tuple[list[int], list[int]]]:
@@ -466,6 +470,7 @@ def sampling_params(
     top_k: int | None = None,
     top_logprobs: int = 0,
     record_topk: int = 0,
+    max_alpha: float | None = None,
 ) -> SamplingParams:
     """The per-call settings of `stream`, validated: raises InvalidInputError on a bad value.
 
@@ -487,9 +492,11 @@ def sampling_params(
         raise InvalidInputError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs!r}")
     if not isinstance(record_topk, int) or isinstance(record_topk, bool) or record_topk < 0:
         raise InvalidInputError(f"record_topk must be an integer >= 0 (0 = record nothing), got {record_topk!r}")
+    if max_alpha is not None and not 0.0 <= max_alpha <= 1.0:
+        raise InvalidInputError(f"max_alpha must be in [0, 1] (0 = base only) or None (no cap), got {max_alpha!r}")
     return SamplingParams(
         max_tokens=max_tokens, temperature=float(temperature), stop=stops,
         stop_token_ids=frozenset(int(i) for i in stop_token_ids or ()),
         fixed_alpha=fixed_alpha, return_diagnostics=return_diagnostics, ignore_eos=ignore_eos,
-        top_k=top_k, top_logprobs=top_logprobs, record_topk=record_topk,
+        top_k=top_k, top_logprobs=top_logprobs, record_topk=record_topk, max_alpha=max_alpha,
     )

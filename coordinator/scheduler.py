@@ -178,6 +178,8 @@ def sample_rows(sequences: list[SequenceState], theta: TopKBatch, t: TopKBatch, 
         alpha_tol=config.alpha_tol,
         alpha_max_iter=config.alpha_max_iter,
         with_diagnostics=any(p.return_diagnostics for p in params),
+        max_alpha=(np.array([1.0 if p.max_alpha is None else p.max_alpha for p in params])
+                   if any(p.max_alpha is not None for p in params) else None),
     )
 
 

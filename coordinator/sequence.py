@@ -26,6 +26,7 @@ class SamplingParams:
     top_k: int | None = None  # candidates per model to mix (<= the coordinator's top_k); None = all fetched
     top_logprobs: int = 0  # per token, also record q*'s most likely candidates (OpenAI's top_logprobs)
     record_topk: int = 0  # per token, also record each model's k most likely ids and raw logprobs (losses)
+    max_alpha: float | None = None  # cap on alpha* (an alpha schedule); None = no cap
 
 
 # Called with (sequence index, tokens that became final since the last call): how a caller

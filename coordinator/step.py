@@ -47,8 +47,9 @@ class Target:
 
 
 def solve_target(merged: MergedTopK, temperature: np.ndarray, fixed_alpha: np.ndarray, *,
-                 alpha_tol: float, alpha_max_iter: int) -> Target:
-    """Temperature, alpha* (where fixed_alpha is NaN) and q* of merged rows -> Target.
+                 alpha_tol: float, alpha_max_iter: int, max_alpha: np.ndarray | None = None) -> Target:
+    """Temperature, alpha* (where fixed_alpha is NaN, capped at `max_alpha` [B] when given)
+    and q* of merged rows -> Target.
 
     `temperature` [B], 0 = greedy: such rows still need a q* to take the argmax of, so they
     use temperature 1. Shared by the per-token step and speculative rounds, so both sample
@@ -65,6 +66,8 @@ def solve_target(merged: MergedTopK, temperature: np.ndarray, fixed_alpha: np.nd
     elif solve.any():
         alpha[solve] = solve_alpha(logp_theta[solve], logp_t[solve], mask[solve],
                                    tol=alpha_tol, max_iter=alpha_max_iter)
+    if max_alpha is not None:  # an alpha schedule: q* leans on the teacher at most this much
+        alpha = np.where(solve, np.minimum(alpha, max_alpha), alpha)
     return Target(merged, logp_theta, logp_t, alpha, mixture_logprobs(logp_theta, logp_t, alpha, mask))
 
 
@@ -80,13 +83,15 @@ def mix_and_sample(
     alpha_max_iter: int,
     vocab_size: int | None = None,
     with_diagnostics: bool = False,
+    max_alpha: np.ndarray | None = None,  # float64 [B]: cap on alpha* (1 = none); None = no cap anywhere
 ) -> StepResult:
     started = time.perf_counter()
     merged = merge_topk(theta.token_ids, theta.logprobs, t.token_ids, t.logprobs,
                         fill=fill, vocab_size=vocab_size)
     mask = merged.mask
     merged_at = time.perf_counter()
-    target = solve_target(merged, temperature, fixed_alpha, alpha_tol=alpha_tol, alpha_max_iter=alpha_max_iter)
+    target = solve_target(merged, temperature, fixed_alpha, alpha_tol=alpha_tol, alpha_max_iter=alpha_max_iter,
+                          max_alpha=max_alpha)
     solved_at = time.perf_counter()
     logq = target.logq  # [B, n]
     index = sample_indices(logq, mask, uniforms)  # [B]

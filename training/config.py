@@ -27,7 +27,8 @@ SELF_TEACHERS = ("self", "self-frozen")
 # so it is refused rather than silently ignored.
 GRPO_ONLY = ("correction", "is_cap", "share_cap", "normalization", "scale_advantages", "kl_coef",
              "max_staleness", "queue_size", "push_every", "keep_checkpoints", "eval_every", "curriculum",
-             "opd_coef", "distill_coef", "distill_beta", "on_policy_rollouts", "guided_shaping", "rft_min_reward")
+             "opd_coef", "distill_coef", "distill_beta", "on_policy_rollouts", "guided_shaping", "rft_min_reward",
+             "alpha_decay_steps", "alpha_cap_start")
 DPO_ONLY = ("dpo_beta", "dpo_epochs")
 # Among the streaming methods, options of the reward policy gradient (grpo) that sft, rft and
 # opd never read; and what each of those methods alone reads.
@@ -216,6 +217,10 @@ class TrainConfig(TaskConfig):
                                 "groups, with this gamma (0.1 in the paper), in place of their importance weight; "
                                 "None = off.")
     rft_min_reward: float = Field(1.0, description="--method rft: rollouts whose reward reaches this are trained on.")
+    alpha_decay_steps: int | None = Field(
+        None, ge=1, description="Alpha schedule: alpha* is capped at --alpha-cap-start x (1 - u / N) at update u, "
+                                "reaching 0 (on-policy) after N updates (Logit Fusion's decay, as a cap); None = no cap.")
+    alpha_cap_start: float = Field(1.0, ge=0, le=1, description="The schedule's cap at the first update.")
     dpo_beta: float = Field(0.1, gt=0, description="DPO: strength of the implicit KL to the starting model (TRL's beta).")
     dpo_epochs: int = Field(1, ge=1, description="DPO: passes over the mined preference pairs.")
 
@@ -257,6 +262,11 @@ class TrainConfig(TaskConfig):
         if self.eval_every > self.steps and "eval_every" in given:
             raise ValueError(f"--eval-every {self.eval_every} is more than --steps {self.steps}: no evaluation "
                              "would run between the first and the last; lower it or drop it")
+        if self.alpha_decay_steps is not None and self.sampling_alpha is not None:
+            raise ValueError(f"--alpha-decay-steps caps alpha*, and these rollouts are sampled at a fixed alpha "
+                             f"({self.sampling_alpha:g}); drop one of them")
+        if "alpha_cap_start" in given and self.alpha_decay_steps is None:
+            raise ValueError("--alpha-cap-start starts the alpha schedule; give --alpha-decay-steps too")
         if self.distill_beta and not self.distill_coef:
             raise ValueError("--distill-beta shapes the distillation term, which --distill-coef 0 turns off; "
                              "give --distill-coef > 0 or drop --distill-beta")
@@ -270,6 +280,12 @@ class TrainConfig(TaskConfig):
     def sampling_alpha(self) -> float | None:
         """The rollouts' fixed alpha: the method's own (sft 1, opd 0), else --fixed-alpha (None = alpha*)."""
         return METHOD_ALPHA.get(self.method, self.fixed_alpha)
+
+    def alpha_cap(self, step: int) -> float | None:
+        """The alpha schedule's cap for rollouts sampled after `step` updates (None: no schedule)."""
+        if self.alpha_decay_steps is None:
+            return None
+        return self.alpha_cap_start * max(0.0, 1.0 - step / self.alpha_decay_steps)
 
     @property
     def teacher_advantage_coef(self) -> float:

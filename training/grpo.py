@@ -124,7 +124,8 @@ class GRPORecipe:
                                   temperature=config.temperature, fixed_alpha=config.sampling_alpha,
                                   seed=config.seed * 1_000_003 + seed, spec=self.problems.spec, executor=self.pool,
                                   reward_timeout_s=config.reward_timeout, on_policy=config.on_policy_rollouts,
-                                  record_topk=config.top_k if self.objective.needs_teacher_topk else 0)
+                                  record_topk=config.top_k if self.objective.needs_teacher_topk else 0,
+                                  max_alpha=config.alpha_cap(self.state.step))
 
     def _start_sampler(self, queue: asyncio.Queue[ScoredBatch]) -> None:
         self._sampler = asyncio.create_task(

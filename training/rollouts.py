@@ -90,19 +90,20 @@ class Sampled:
 async def sample_batch(coordinator: DualVLLMCoordinator, tasks: Sequence[Task], *, group_size: int,
                        max_tokens: int, temperature: float, fixed_alpha: float | None, seed: int,
                        spec: RewardSpec, executor: Executor, reward_timeout_s: float, on_policy: int = 0,
-                       record_topk: int = 0) -> Sampled:
+                       record_topk: int = 0, max_alpha: float | None = None) -> Sampled:
     """`group_size` rollouts per task from q*, scored off the event loop.
 
     With `on_policy` = N > 0 the groups are pooled: each task's first N rollouts are sampled
     at alpha = 0 (the base alone), the other group_size - N from q* (`fixed_alpha`).
-    `record_topk` keeps the teacher's top-k at every visited state (Rollout.teacher_topk).
+    `record_topk` keeps the teacher's top-k at every visited state (Rollout.teacher_topk);
+    `max_alpha` caps alpha* of the q* rollouts (an alpha schedule).
     Failed rollouts and rollouts a reward scored None are dropped (logged), and so are
     groups left with fewer than two rollouts: a lone rollout has no group to compare with.
     """
     guided = group_size - on_policy
     calls = [coordinator.generate_batch([task.prompt for task in tasks for _ in range(guided)], max_tokens=max_tokens,
                                         temperature=temperature, fixed_alpha=fixed_alpha, seed=seed,
-                                        record_topk=record_topk)]
+                                        record_topk=record_topk, max_alpha=max_alpha)]
     if on_policy:  # one call per part: a call has one fixed_alpha; both share the coordinator's batch
         calls.append(coordinator.generate_batch([task.prompt for task in tasks for _ in range(on_policy)],
                                                 max_tokens=max_tokens, temperature=temperature, fixed_alpha=0.0,

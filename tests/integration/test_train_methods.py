@@ -41,6 +41,7 @@ METHODS = {
     "sft-distill-term": ({"method": "sft", "distill_coef": 1.0}, "distill_divergence"),
     "grpo-vespo": ({"correction": "vespo"}, "vespo_phi_mean"),
     "grpo-pooled-luffy": ({"on_policy_rollouts": 2, "guided_shaping": 0.1, "correction": "none"}, "loss"),
+    "grpo-alpha-schedule": ({"alpha_decay_steps": 1, "alpha_cap_start": 0.5}, "loss"),
 }
 
 
@@ -66,3 +67,5 @@ async def test_each_method_trains_two_updates_with_verified_pushes(dev_pair, tmp
         assert all(r["teacher_log_ratio"] > 0 for r in updates)
     if config.on_policy_rollouts:  # half of every group at alpha = 0, the other half from q*
         assert all(0 < r["mean_alpha"] < 1 for r in updates)
+    if config.alpha_decay_steps:  # capped at 0.5 before the first update, at 0 after it (the sampler runs ahead)
+        assert 0 < updates[0]["mean_alpha"] <= 0.5 and all(r["mean_alpha"] <= 0.5 for r in updates)

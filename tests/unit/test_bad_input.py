@@ -95,6 +95,8 @@ OTHER_COMMANDS = [
     ("train-distill-beta-without-the-term", "train --distill-beta 0.5", r"--distill-coef 0 turns off"),
     ("train-opd-without-weight", "train --method opd --opd-coef 0", r"--opd-coef 0 leaves nothing to learn"),
     ("train-rft-threshold-under-grpo", "train --rft-min-reward 0.5", r"--rft-min-reward applies to --method rft"),
+    ("train-alpha-schedule-at-a-fixed-alpha", "train --method sft --alpha-decay-steps 100",
+     r"--alpha-decay-steps caps alpha\*, and these rollouts are sampled at a fixed alpha \(1\)"),
 ]
 
 

@@ -401,6 +401,21 @@ async def test_record_topk_keeps_each_models_best_entries_per_token_without_chan
     assert isinstance(recorded.to_dict()["topk_ids"], list)
 
 
+async def test_max_alpha_caps_alpha_star_and_at_zero_samples_the_base(fake_theta, fake_t):
+    async with DualVLLMCoordinator(config(fake_theta, fake_t)) as c:
+        free = await c.generate_batch(["abc", "de"], max_tokens=6, seed=4)
+        capped = await c.generate_batch(["abc", "de"], max_tokens=6, seed=4, max_alpha=0.05)
+        zero = await c.generate_batch(["abc", "de"], max_tokens=6, seed=4, max_alpha=0.0)
+        base = await c.generate_batch(["abc", "de"], max_tokens=6, seed=4, fixed_alpha=0.0)
+        with pytest.raises(InvalidInputError, match="max_alpha must be in"):
+            await c.generate_batch(["abc"], max_tokens=2, max_alpha=1.5)
+    assert max(a for o in free for a in o.alpha_history) > 0.05  # the premise: alpha* exceeds the cap
+    assert all(a <= 0.05 for o in capped for a in o.alpha_history)
+    for got, want in zip(zero, base):
+        assert got.generated_tokens == want.generated_tokens
+        np.testing.assert_allclose(got.logprobs_q, want.logprobs_q, atol=1e-12)
+
+
 async def test_on_tokens_hands_over_every_token_once_in_order(fake_theta, fake_t):
     seen: dict[int, list[int]] = {0: [], 1: []}
     async with DualVLLMCoordinator(config(fake_theta, fake_t)) as c:
