@@ -16,8 +16,9 @@ engine is entered, so importing `engines` stays light.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Literal, Mapping, Sequence
 
 import numpy as np
 
@@ -54,12 +55,33 @@ class TransformersEngine:
         self.tokens_prefilled = 0  # context tokens run without a cache hit
         self.cache_hits = 0  # rows that ran one token on cached keys/values
 
+    @classmethod
+    def live(cls, model: Any, tokenizer: Any, *, name: str = "model", kv_cache: bool = True,
+             max_model_len: int | None = None) -> TransformersEngine:
+        """An engine over a model object this process trains: it samples from the weights as they
+        are (no copy, no push). Wrap every update in `updating()`."""
+        engine = cls(getattr(model, "name_or_path", "") or "live", name=name, kv_cache=kv_cache,
+                     max_model_len=max_model_len)
+        engine._model, engine._tokenizer = model, tokenizer
+        return engine
+
     async def __aenter__(self) -> TransformersEngine:
         if self._state != "new":
             raise LifecycleError(f"{self.name} engine was already entered; create a new TransformersEngine")
         self._state = "open"
         await asyncio.to_thread(self._load)
         return self
+
+    @contextlib.asynccontextmanager
+    async def updating(self) -> AsyncIterator[None]:
+        """Hold every forward pass while the caller changes the weights (an optimizer step on a
+        `live` engine's model); the cached keys and values, computed with the old weights, are
+        dropped after it, as a server's prefix cache is reset after a push."""
+        async with self._lock:
+            try:
+                yield
+            finally:
+                self._cache.clear()
 
     async def __aexit__(self, *exc_info: object) -> None:
         self._model = self._tokenizer = None
@@ -70,6 +92,10 @@ class TransformersEngine:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        if self._model is not None:  # a live model: use it where it is
+            self._torch = torch
+            self._device = next(self._model.parameters()).device
+            return
         if not Path(self.model_path).exists():
             raise InvalidInputError(f"{self.name} model directory {self.model_path} does not exist")
         cuda = torch.cuda.is_available()

@@ -166,6 +166,10 @@ class TrainConfig(TaskConfig):
     """Training on q* rollouts (GRPO or DPO): sampling, the update, weight pushes, checkpoints."""
 
     output_dir: Path = Field(description="Checkpoints, pushed weights, metrics.jsonl and the run's config go here.")
+    engine: Literal["vllm", "transformers"] = Field(
+        "vllm", description="vllm: sample from vLLM servers, pushing every update into the base's; transformers: "
+                            "sample in this process from the learner's live weights and the teacher loaded beside "
+                            "it (no server, no push: small models and fast sweeps; training/inprocess.py).")
     method: Method = Field(
         "grpo", description="grpo: streaming GRPO with verified weight pushes; sft: fine-tuning on teacher samples "
                             "(alpha = 1); rft: fine-tuning on the verified q* rollouts (rejection fine-tuning); opd: "
@@ -270,6 +274,12 @@ class TrainConfig(TaskConfig):
         if self.distill_beta and not self.distill_coef:
             raise ValueError("--distill-beta shapes the distillation term, which --distill-coef 0 turns off; "
                              "give --distill-coef > 0 or drop --distill-beta")
+        if self.engine == "transformers":
+            if server_options := [flag(n) for n in ("theta_urls", "t_urls", "replicas", "lockstep") if n in given]:
+                raise ValueError(f"--engine transformers samples in this process; {', '.join(server_options)} "
+                                 "name or start servers: drop them or use --engine vllm")
+            if self.method == "dpo":
+                raise ValueError("--method dpo samples and evaluates on servers; use --engine vllm")
         if self.method == "dpo" and self.theta_urls:
             raise ValueError("--method dpo evaluates the trained model on servers it starts for it; running servers "
                              "(--theta-urls, --t-urls) are for grpo, which pushes weights into them: drop them")

@@ -3,7 +3,8 @@
 
     setup    problems (dataset, templates, rewards: all checked before any server starts),
              servers (base in dev mode, on the newest checkpoint when resuming), learner,
-             coordinator, verifier pool, the sampler task
+             coordinator, verifier pool, the sampler task; or, under --engine transformers,
+             in-process engines over the learner's live weights (training/inprocess.py)
     train    take a scored batch from the queue, drop it if too stale, update, push the
              new weights into the base server (verified), checkpoint, log metrics
     cleanup  stop the sampler, the pool and the servers
@@ -30,10 +31,12 @@ from tqdm.auto import tqdm
 
 from common.errors import InvalidInputError
 from common.tasks import stop
+from engines.transformers_engine import TransformersEngine
 from training import checkpoint, lora
 from training.checkpoint import RunState
 from training.config import TrainConfig
 from training.curriculum import Curriculum
+from training.inprocess import in_process
 from training.learner import Learner, Objective
 from training.recipe import held_out, prepare
 from training.rollouts import Sampled, ScoredBatch, Task, produce, sample_batch
@@ -77,6 +80,7 @@ class GRPORecipe:
         self._sampler: asyncio.Task[None] | None = None
         self.dropped = 0
         self.objective = Objective.from_config(config)
+        self._live: TransformersEngine | None = None  # the base engine under --engine transformers
 
     async def run(self) -> TrainReport:
         try:
@@ -107,9 +111,13 @@ class GRPORecipe:
         if newest is not None:
             log.info("resuming from %s (step %d)", newest, self.state.step)
         self.pool = self._stack.enter_context(verifier_pool())
+        batch_size = config.prompts_per_step * config.group_size
+        if config.engine == "transformers":  # the base engine samples the live weights: no server, no push
+            self.coordinator, self._live = await self._stack.enter_async_context(
+                in_process(config, self.learner.model, self.tokenizer, batch_size=batch_size))
+            return
         self.coordinator = await self._stack.enter_async_context(
-            serving(config, start_dir, log_dir=self.out, dev_mode=True,
-                    batch_size=config.prompts_per_step * config.group_size))
+            serving(config, start_dir, log_dir=self.out, dev_mode=True, batch_size=batch_size))
         probes = [list(t.prompt_ids) for t in self.problems.held_out[:PUSH_PROBES]]
         self.pusher = BasePusher(self.coordinator.base_engine, probes)
         if config.theta_urls:  # servers started elsewhere serve whatever they were given: make it ours
@@ -149,9 +157,12 @@ class GRPORecipe:
             self.dropped += 1
             return None
         started = time.perf_counter()
-        metrics = await asyncio.to_thread(self.learner.train_step, batch, self.objective)
+        async with self._live.updating() if self._live is not None else contextlib.nullcontext():
+            metrics = await asyncio.to_thread(self.learner.train_step, batch, self.objective)
         step, version = state.step + 1, state.policy_version
-        if step % config.push_every == 0 or step == config.steps:
+        if self._live is not None:  # the next forward pass samples the new weights
+            version += 1
+        elif step % config.push_every == 0 or step == config.steps:
             async with self.coordinator.paused():  # lockstep sequences resume on the new weights
                 push = await self.pusher.push(self.learner.model, self.tokenizer, _push_dir(self.out, step))
             version += 1

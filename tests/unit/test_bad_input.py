@@ -95,6 +95,8 @@ OTHER_COMMANDS = [
     ("train-distill-beta-without-the-term", "train --distill-beta 0.5", r"--distill-coef 0 turns off"),
     ("train-opd-without-weight", "train --method opd --opd-coef 0", r"--opd-coef 0 leaves nothing to learn"),
     ("train-rft-threshold-under-grpo", "train --rft-min-reward 0.5", r"--rft-min-reward applies to --method rft"),
+    ("train-in-process-with-servers", "train --engine transformers --theta-urls http://127.0.0.1:9 --t-urls "
+     "http://127.0.0.1:8", r"--engine transformers samples in this process; --theta-urls, --t-urls name or start"),
     ("train-alpha-schedule-at-a-fixed-alpha", "train --method sft --alpha-decay-steps 100",
      r"--alpha-decay-steps caps alpha\*, and these rollouts are sampled at a fixed alpha \(1\)"),
 ]

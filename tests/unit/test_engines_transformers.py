@@ -107,3 +107,23 @@ async def test_sampling_is_exact_for_models_that_barely_overlap(tmp_path):
         p, r = np.exp((await a.next_token_logprobs(context))[0]), np.exp((await b.next_token_logprobs(context))[0])
     assert np.sum(np.sqrt(p * r)) < 0.3, "precondition: the two models barely overlap"
     assert pvalue > 1e-3
+
+
+async def test_a_live_engine_samples_the_weights_as_updated_and_drops_its_cache():
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tinymodels.BASE_DIR, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(tinymodels.BASE_DIR)
+    context = tokenizer("12+34=", add_special_tokens=False)["input_ids"]
+    async with TransformersEngine.live(model, tokenizer, name="theta") as engine:
+        before = await engine.next_token_logprobs([context])
+        await engine.next_token_logprobs([context + [5]])  # cached: context's keys and values
+        async with engine.updating():
+            with torch.no_grad():
+                model.lm_head.weight.mul_(2.0)  # an "update"
+        after = await engine.next_token_logprobs([context + [5]])
+    with torch.no_grad():
+        fresh = torch.log_softmax(model(torch.tensor([context + [5]])).logits[0, -1].double(), -1).numpy()
+    np.testing.assert_allclose(after[0], fresh, atol=1e-5)  # the new weights, not a stale cache
+    assert not np.allclose(before[0], after[0])

@@ -1,0 +1,41 @@
+"""`--engine transformers`: sampling in this process, from the learner's live weights.
+
+For small models and fast sweeps, as TRL's `use_vllm=False` is: the base role is a
+TransformersEngine over the model being trained (no server, no weight push: an update is
+visible to the next forward pass), the teacher a TransformersEngine loaded beside it (or
+the same engine for `--teacher self`), and the coordinator runs its per-token mode over
+them. The coordinator code, rollouts, rewards, losses and evaluation are the ones the
+server path uses, so a sweep made here measures the same recipe. Every update runs
+inside the base engine's `updating()`, so no forward pass sees half-updated weights and
+no cached key/value survives an update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, AsyncIterator
+
+import tinymodels
+from coordinator import CoordinatorConfig, DualVLLMCoordinator
+from engines.transformers_engine import TransformersEngine
+from training.config import TrainConfig
+from training.serving import MAX_PROMPTS
+
+
+@contextlib.asynccontextmanager
+async def in_process(config: TrainConfig, model: Any, tokenizer: Any, *,
+                     batch_size: int) -> AsyncIterator[tuple[DualVLLMCoordinator, TransformersEngine]]:
+    """(coordinator, the base's live engine) over `model` and the run's teacher."""
+    async with contextlib.AsyncExitStack() as stack:
+        base = await stack.enter_async_context(TransformersEngine.live(model, tokenizer, name="theta"))
+        if config.teacher == "self":
+            teacher = base
+        else:
+            path = (config.base or tinymodels.BASE_DIR) if config.teacher == "self-frozen" else (
+                config.teacher or tinymodels.TEACHER_DIR)
+            teacher = await stack.enter_async_context(TransformersEngine(path, name="t"))
+        coordinator_config = CoordinatorConfig(top_k=config.top_k, max_batch_size=min(max(64, batch_size), MAX_PROMPTS),
+                                               seed=config.seed, mode="per_token")
+        coordinator = await stack.enter_async_context(
+            DualVLLMCoordinator(coordinator_config, theta_engine=base, t_engine=teacher))
+        yield coordinator, base
