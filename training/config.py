@@ -15,10 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from common.validation import RaisesInvalidInput
 from training.losses import Correction, Normalization
 
-Method = Literal["grpo", "sft", "rft", "opd", "dpo"]
+Method = Literal["grpo", "sft", "rft", "opd", "distill", "dpo"]
 # Methods that train on a stream of rollouts with weight pushes (training/grpo.py's recipe);
 # dpo mines pairs from one batch of rollouts and trains with TRL's DPOTrainer.
-STREAMING = ("grpo", "sft", "rft", "opd")
+STREAMING = ("grpo", "sft", "rft", "opd", "distill")
 Arm = Literal["base", "q*", "teacher"]
 # The teacher may be the base model itself, shown the teacher's prompt: "self" on the base
 # server (always the current weights), "self-frozen" on a second server with the starting weights.
@@ -33,8 +33,8 @@ DPO_ONLY = ("dpo_beta", "dpo_epochs")
 # Among the streaming methods, options of the reward policy gradient (grpo) that sft, rft and
 # opd never read; and what each of those methods alone reads.
 REWARD_PG_ONLY = ("correction", "share_cap", "scale_advantages", "on_policy_rollouts", "guided_shaping")
-UNREAD_BY = {"opd": REWARD_PG_ONLY, "sft": (*REWARD_PG_ONLY, "is_cap", "normalization", "kl_coef", "opd_coef"),
-             "rft": (*REWARD_PG_ONLY, "is_cap", "normalization", "kl_coef", "opd_coef")}
+_NO_PG = (*REWARD_PG_ONLY, "is_cap", "normalization", "kl_coef", "opd_coef")
+UNREAD_BY = {"opd": REWARD_PG_ONLY, "sft": _NO_PG, "rft": _NO_PG, "distill": _NO_PG}
 METHOD_ONLY = {"rft_min_reward": "rft"}
 # The rollouts' alpha that sft (the teacher's samples) and opd (the base's own) stand for.
 METHOD_ALPHA = {"sft": 1.0, "opd": 0.0}
@@ -173,11 +173,15 @@ class TrainConfig(TaskConfig):
     method: Method = Field(
         "grpo", description="grpo: streaming GRPO with verified weight pushes; sft: fine-tuning on teacher samples "
                             "(alpha = 1); rft: fine-tuning on the verified q* rollouts (rejection fine-tuning); opd: "
-                            "on-policy distillation (the base samples, the teacher scores each token); dpo: TRL DPO on "
-                            "pairs mined from q* rollouts. All but dpo stream with pushes, and take --distill-coef.")
+                            "on-policy distillation (the base samples, the teacher scores each token); distill: the "
+                            "distillation term alone on the states the rollouts visit (q*, or --fixed-alpha); dpo: TRL "
+                            "DPO on pairs mined from q* rollouts. All but dpo stream with pushes, and take "
+                            "--distill-coef.")
     steps: int = Field(200, ge=1, description="Learner updates to run.")
     prompts_per_step: int = Field(8, ge=1, description="Prompts per update; each gets group_size rollouts.")
-    group_size: int = Field(8, ge=2, description="Rollouts per prompt (G): advantages compare a prompt's rollouts.")
+    group_size: int = Field(
+        8, ge=1, description="Rollouts per prompt (G): grpo's advantages compare a prompt's rollouts (G >= 2); the "
+                             "other methods take G = 1 (more distinct prompts per update).")
     fixed_alpha: float | None = Field(
         None, ge=0, le=1, description="None = sample from q* (alpha* per token); 0 = on-policy (base only); 1 = teacher only.")
     learning_rate: float = Field(2e-4, gt=0, description="AdamW learning rate (1e-3 collapsed every arm on the bundled base).")
@@ -207,9 +211,10 @@ class TrainConfig(TaskConfig):
         None, ge=0, description="Weight c of on-policy distillation's per-token advantage -c (log pi_theta(y_t) - log "
                                 "pi_t(y_t)) (training/distill.py), added to the reward advantages; None = 1 under "
                                 "--method opd, else 0 (off).")
-    distill_coef: float = Field(
-        0.0, ge=0, description="Weight of the distillation term: JSD_beta between the teacher's top-k (+ a tail "
-                               "bucket) and the learner at every visited state (GKD; training/distill.py); 0 = off.")
+    distill_coef: float | None = Field(
+        None, ge=0, description="Weight of the distillation term: JSD_beta between the teacher's top-k (+ a tail "
+                                "bucket) and the learner at every visited state (GKD; training/distill.py); None = 1 "
+                                "under --method distill, else 0 (off).")
     distill_beta: float = Field(
         0.0, ge=0, le=1, description="That divergence's beta, as TRL's: 0 = forward KL(teacher || learner), "
                                      "1 = reverse KL, between them the generalized JSD.")
@@ -253,6 +258,12 @@ class TrainConfig(TaskConfig):
                              "rollout on-policy; drop one of them")
         if self.guided_shaping is not None and not self.on_policy_rollouts:
             raise ValueError("--guided-shaping shapes the q* rollouts of pooled groups; set --on-policy-rollouts too")
+        if self.method in ("grpo", "dpo") and self.group_size < 2:
+            raise ValueError(f"--method {self.method} compares a prompt's rollouts: give --group-size >= 2, or use "
+                             "--method sft, rft, opd or distill")
+        if self.method == "distill" and self.distill_coef == 0:
+            raise ValueError("--method distill trains on the distillation term alone: --distill-coef 0 leaves nothing "
+                             "to learn; drop it (1) or give a positive weight")
         if self.method == "opd" and self.opd_coef == 0:
             raise ValueError("--method opd trains on the teacher's per-token advantages alone: --opd-coef 0 leaves "
                              "nothing to learn; drop it (1) or give a positive weight")
@@ -271,7 +282,7 @@ class TrainConfig(TaskConfig):
                              f"({self.sampling_alpha:g}); drop one of them")
         if "alpha_cap_start" in given and self.alpha_decay_steps is None:
             raise ValueError("--alpha-cap-start starts the alpha schedule; give --alpha-decay-steps too")
-        if self.distill_beta and not self.distill_coef:
+        if self.distill_beta and not self.distillation_coef:
             raise ValueError("--distill-beta shapes the distillation term, which --distill-coef 0 turns off; "
                              "give --distill-coef > 0 or drop --distill-beta")
         if self.engine == "transformers":
@@ -296,6 +307,13 @@ class TrainConfig(TaskConfig):
         if self.alpha_decay_steps is None:
             return None
         return self.alpha_cap_start * max(0.0, 1.0 - step / self.alpha_decay_steps)
+
+    @property
+    def distillation_coef(self) -> float:
+        """The weight of the distillation term (distill_coef resolved)."""
+        if self.distill_coef is not None:
+            return self.distill_coef
+        return 1.0 if self.method == "distill" else 0.0
 
     @property
     def teacher_advantage_coef(self) -> float:

@@ -133,7 +133,7 @@ class GRPORecipe:
                                   seed=config.seed * 1_000_003 + seed, spec=self.problems.spec, executor=self.pool,
                                   reward_timeout_s=config.reward_timeout, on_policy=config.on_policy_rollouts,
                                   record_topk=config.top_k if self.objective.needs_teacher_topk else 0,
-                                  max_alpha=config.alpha_cap(self.state.step))
+                                  max_alpha=config.alpha_cap(self.state.step), min_group=self.objective.min_group)
 
     def _start_sampler(self, queue: asyncio.Queue[ScoredBatch]) -> None:
         self._sampler = asyncio.create_task(
@@ -150,7 +150,7 @@ class GRPORecipe:
         """One update on `batch`, its push, checkpoint and metrics; None when the batch is dropped."""
         config, state = self.config, self.state
         if not batch.groups:
-            log.warning("a batch had no group of two or more scored rollouts; skipped")
+            log.warning("a batch had no group with enough scored rollouts (%d); skipped", self.objective.min_group)
             return None
         staleness = state.policy_version - batch.policy_version
         if staleness > config.max_staleness:

@@ -6,7 +6,8 @@ One update's loss is a sum of terms (`Objective`, from TrainConfig):
   (--method opd: those alone, no reward advantage), LUFFY's shaping on guided rollouts;
 - supervised fine-tuning on chosen rollouts (--method sft: all of them, teacher samples;
   --method rft: those whose reward reaches rft_min_reward);
-- distill_coef x the top-k JSD to the teacher at every visited state (training.distill).
+- distill_coef x the top-k JSD to the teacher at every visited state (training.distill;
+  --method distill: that term alone).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from training.rollouts import Rollout, ScoredBatch
 class Objective:
     """What one update optimizes (see the module docstring); built by `from_config`."""
 
-    method: str = "grpo"  # grpo, sft, rft or opd
+    method: str = "grpo"  # grpo, sft, rft, opd or distill
     correction: str = "sequence"
     scale_advantages: bool = True
     is_cap: float = 2.0
@@ -45,12 +46,17 @@ class Objective:
         return cls(method=config.method, correction=config.correction, scale_advantages=config.scale_advantages,
                    is_cap=config.is_cap, share_cap=config.share_cap, normalization=config.normalization,
                    max_completion_length=config.max_tokens, teacher_advantage_coef=config.teacher_advantage_coef,
-                   distill_coef=config.distill_coef, distill_beta=config.distill_beta,
+                   distill_coef=config.distillation_coef, distill_beta=config.distill_beta,
                    shaping_gamma=config.guided_shaping, rft_min_reward=config.rft_min_reward)
 
     @property
     def policy_gradient(self) -> bool:
         return self.method in ("grpo", "opd")
+
+    @property
+    def min_group(self) -> int:
+        """Rollouts a group needs to count: grpo compares them, the other methods take each alone."""
+        return 2 if self.method == "grpo" else 1
 
     @property
     def needs_teacher_topk(self) -> bool:
@@ -138,7 +144,7 @@ class Learner:
 
     def train_step(self, batch: ScoredBatch, objective: Objective) -> dict[str, float]:
         started = time.perf_counter()
-        groups = [g for g in batch.groups if len(g) >= 2]
+        groups = [g for g in batch.groups if len(g) >= objective.min_group]
         rewards = [torch.tensor([r.reward for r in g]) for g in groups]
         rollouts = [r for g in groups for r in g]
         packed = pack(rollouts, self.pad_id)
@@ -150,7 +156,7 @@ class Learner:
         if objective.policy_gradient:
             term, metrics = self._policy_gradient(packed, logp, rewards, groups, objective)
             loss = loss + term
-        else:  # sft, rft
+        elif objective.method in ("sft", "rft"):
             all_rewards = torch.cat(rewards)
             chosen = all_rewards >= objective.rft_min_reward if objective.method == "rft" else torch.ones_like(
                 all_rewards, dtype=torch.bool)

@@ -90,7 +90,7 @@ class Sampled:
 async def sample_batch(coordinator: DualVLLMCoordinator, tasks: Sequence[Task], *, group_size: int,
                        max_tokens: int, temperature: float, fixed_alpha: float | None, seed: int,
                        spec: RewardSpec, executor: Executor, reward_timeout_s: float, on_policy: int = 0,
-                       record_topk: int = 0, max_alpha: float | None = None) -> Sampled:
+                       record_topk: int = 0, max_alpha: float | None = None, min_group: int = 2) -> Sampled:
     """`group_size` rollouts per task from q*, scored off the event loop.
 
     With `on_policy` = N > 0 the groups are pooled: each task's first N rollouts are sampled
@@ -98,7 +98,8 @@ async def sample_batch(coordinator: DualVLLMCoordinator, tasks: Sequence[Task], 
     `record_topk` keeps the teacher's top-k at every visited state (Rollout.teacher_topk);
     `max_alpha` caps alpha* of the q* rollouts (an alpha schedule).
     Failed rollouts and rollouts a reward scored None are dropped (logged), and so are
-    groups left with fewer than two rollouts: a lone rollout has no group to compare with.
+    groups left with fewer than `min_group` rollouts (2 for grpo: a lone rollout has no
+    group to compare with; 1 for methods that train on each rollout alone).
     """
     guided = group_size - on_policy
     calls = [coordinator.generate_batch([task.prompt for task in tasks for _ in range(guided)], max_tokens=max_tokens,
@@ -133,7 +134,7 @@ async def sample_batch(coordinator: DualVLLMCoordinator, tasks: Sequence[Task], 
                             if outputs[j].ok and scores.total[j] is not None))
     means = {name: _mean([v for o, v in zip(outputs, values) if o.ok and v is not None])
              for name, values in scores.by_name.items()}
-    kept = [i for i, g in enumerate(groups) if len(g) >= 2]
+    kept = [i for i, g in enumerate(groups) if len(g) >= min_group]
     return Sampled(groups=tuple(groups[i] for i in kept), reward_means=means, unscored=unscored,
                    group_tasks=tuple(kept))
 

@@ -14,12 +14,14 @@ from training.grpo import train_grpo  # noqa: E402
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.mark.parametrize("fields", [{}, {"method": "sft", "distill_coef": 1.0}, {"teacher": "self",
-                                                                               "teacher_template": "{answer} {prompt}"}],
-                         ids=["grpo", "sft-distill", "self-teacher"])
+@pytest.mark.parametrize("fields", [{}, {"method": "sft", "distill_coef": 1.0},
+                                    {"method": "distill", "fixed_alpha": 1.0, "group_size": 1, "prompts_per_step": 8},
+                                    {"teacher": "self", "teacher_template": "{answer} {prompt}"}],
+                         ids=["grpo", "sft-distill", "distill-teacher-states-one-per-prompt", "self-teacher"])
 async def test_the_recipe_trains_in_process_from_live_weights(tmp_path, fields):
-    config = TrainConfig(output_dir=tmp_path / "run", engine="transformers", steps=3, prompts_per_step=2,
-                         group_size=4, eval_every=3, eval_prompts=8, max_tokens=4, seed=0, **fields)
+    config = TrainConfig(**{"output_dir": tmp_path / "run", "engine": "transformers", "steps": 3,
+                            "prompts_per_step": 2, "group_size": 4, "eval_every": 3, "eval_prompts": 8,
+                            "max_tokens": 4, "seed": 0, **fields})
     report = await train_grpo(config, show_progress=False)
 
     records = [json.loads(line) for line in report.metrics_path.read_text().splitlines()]
@@ -28,6 +30,6 @@ async def test_the_recipe_trains_in_process_from_live_weights(tmp_path, fields):
     assert [r["policy_version"] for r in updates] == [1, 2, 3]  # every update is live at once
     assert all(math.isfinite(r["loss"]) and "push_max_abs_diff" not in r for r in updates)
     assert [r["step"] for r in records if r.get("event") == "eval"] == [0, 3]
-    if config.method == "sft":
+    if config.method in ("sft", "distill"):
         assert all(r["mean_alpha"] == 1.0 and r["distill_divergence"] > 0 for r in updates)
     assert (tmp_path / "run" / "checkpoints" / "step-000003").is_dir()
