@@ -2,6 +2,8 @@
 
     python benchmarks/train_compare.py --steps 150 --eval-every 50                  # the arithmetic task
     python benchmarks/train_compare.py --task hard --seeds 0 1 2 --steps 100 --eval-every 25
+    python benchmarks/train_compare.py --task hard-methods --engine transformers --steps 1000 --eval-every 100 \
+        --learning-rate 1e-3 --stop-at-accuracy 0.9 --arms distill-teacher distill-qstar grpo-on-policy ...
 
 Each arm is a full `dualvllm train` run (its own servers; same seed, prompts per step,
 group size, learning rate and held-out prompts) in OUTPUT/<task>/seed-<s>/<arm>/.
@@ -12,6 +14,13 @@ group size, learning rate and held-out prompts) in OUTPUT/<task>/seed-<s>/<arm>/
   the hard teacher was trained on them): on-policy; q* with the hard teacher; q* with a
   privileged-information teacher (the base itself shown the answer: `--teacher self
   --teacher-template "{answer} {prompt}"`, no teacher model); on-policy with `--curriculum`.
+
+- `--task hard-methods` (issue 24's comparison, the hard teacher in every arm, 64 rollouts per
+  update as 8 prompts x 8 or 64 x 1): on-policy GRPO, SFT on teacher samples, on-policy
+  distillation, q*-GRPO (no correction, + forward KL, + the OPD term, vespo, sequence IS,
+  pooled with LUFFY's shaping, an alpha schedule), forward KL on teacher / q* / base states,
+  rejection fine-tuning on q*. `--engine transformers` runs them in process (minutes per
+  1,000 updates); `--stop-at-accuracy 0.9` ends an arm at two evaluations in a row above 90%.
 
 At each evaluation: held-out greedy accuracy and pass@8 of the base, and over the
 updates since the last evaluation the fraction of groups with zero advantage (all
@@ -25,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -53,20 +63,59 @@ ARMS = {
         "on-policy + curriculum": ("on-policy-curriculum", {"fixed_alpha": 0.0, "curriculum": True}),
     },
 }
+# Issue 24's comparison on the hard task: every arm takes 64 rollouts per update, as 8 prompts
+# x 8 (grpo needs groups) or 64 x 1 (the methods that train on each rollout alone).
+WIDE = {"prompts_per_step": 64, "group_size": 1}
+ARMS["hard-methods"] = {
+    "on-policy GRPO (8x8)": ("grpo-on-policy", {"fixed_alpha": 0.0}),
+    "SFT on teacher samples (64x1)": ("sft-teacher", {"method": "sft", **WIDE}),
+    "on-policy distillation (64x1)": ("opd", {"method": "opd", **WIDE}),
+    "q*-GRPO, no correction (8x8)": ("qstar-grpo-none", {"correction": "none"}),
+    "q*-GRPO + forward KL (8x8)": ("qstar-grpo-kl", {"correction": "none", "distill_coef": 1.0}),
+    "q*-GRPO + OPD term (8x8)": ("qstar-grpo-opd", {"correction": "none", "opd_coef": 1.0}),
+    "forward KL, teacher states (64x1)": ("distill-teacher", {"method": "distill", "fixed_alpha": 1.0, **WIDE}),
+    "forward KL, q* states (64x1)": ("distill-qstar", {"method": "distill", **WIDE}),
+    "forward KL, base states (64x1)": ("distill-base", {"method": "distill", "fixed_alpha": 0.0, **WIDE}),
+    "forward KL, teacher states (8x8)": ("distill-teacher-8x8", {"method": "distill", "fixed_alpha": 1.0}),
+    "forward KL, q* states (8x8)": ("distill-qstar-8x8", {"method": "distill"}),
+    "RFT on q* (64x1)": ("rft-qstar", {"method": "rft", **WIDE}),
+    "q*-GRPO, vespo (8x8)": ("qstar-grpo-vespo", {"correction": "vespo"}),
+    "q*-GRPO, sequence IS (8x8)": ("qstar-grpo-sequence", {}),
+    "q* pooled 4+4, LUFFY (8x8)": ("qstar-pooled-luffy", {"correction": "none", "on_policy_rollouts": 4,
+                                                          "guided_shaping": 0.1}),
+    "q*-GRPO, alpha cap 1 -> 0 over 500 (8x8)": ("qstar-grpo-schedule", {"correction": "none",
+                                                                         "alpha_decay_steps": 500}),
+}
 TASKS = {  # TrainConfig fields of each task
     "arithmetic": {},
     "hard": {"dataset": HARD_TRAIN, "eval_dataset": HARD_TEST, "max_tokens": 5},
+    "hard-methods": {"dataset": HARD_TRAIN, "eval_dataset": HARD_TEST, "max_tokens": 5,
+                     "teacher": str(tinymodels.TEACHER_HARD_DIR)},
 }
-CURVES = ("held_out_accuracy", "held_out_pass@8", "zero_advantage_groups", "ess_ratio", "reward_mean")
+MILESTONES = (0.25, 0.5, 0.9)
+CURVES = ("held_out_accuracy", "held_out_pass@8", "zero_advantage_groups", "ess_ratio", "reward_mean",
+          "teacher_tokens")
 TRAINING_CURVES = ("zero_advantage_groups", "ess_ratio", "reward_mean")  # averaged over the updates between evals
 
 
-def curves(metrics_path: Path) -> dict[str, list[tuple[int, float]]]:
-    """Per metric, (step, value): evaluations as they are; training metrics averaged since the last evaluation."""
+def uses_teacher(config: TrainConfig) -> bool:
+    """Whether the arm needs the teacher's tokens: all but plain on-policy GRPO."""
+    return not (config.method == "grpo" and config.sampling_alpha == 0.0 and not config.teacher_advantage_coef
+                and not config.distillation_coef)
+
+
+def curves(metrics_path: Path, teacher: bool = True) -> dict[str, list[tuple[int, float]]]:
+    """Per metric, (step, value): evaluations as they are; training metrics averaged since the last
+    evaluation; teacher_tokens summed over every update so far (0 for an arm without a teacher)."""
     records = [json.loads(line) for line in metrics_path.read_text().splitlines()]
     out: dict[str, dict[int, float]] = {name: {} for name in CURVES}
     pending: dict[str, list[float]] = {name: [] for name in TRAINING_CURVES}
+    consumed = 0.0
     for record in records:
+        if teacher and "event" not in record:
+            consumed += record.get("rollout_tokens", 0)
+        if "held_out_accuracy" in record:
+            out["teacher_tokens"][record["step"]] = consumed
         for name in pending:
             if name in record:
                 pending[name].append(record[name])
@@ -84,21 +133,26 @@ def curves(metrics_path: Path) -> dict[str, list[tuple[int, float]]]:
 
 def run_arm(task: str, folder: str, fields: dict, args: argparse.Namespace, seed: int) -> dict:
     """One arm's curves: trained now, or read back from a finished run with the same settings."""
-    arm_dir = args.output / task / f"seed-{seed}" / folder
-    config = TrainConfig(output_dir=arm_dir, steps=args.steps, eval_every=args.eval_every,
-                         learning_rate=args.learning_rate, seed=seed, eval_prompts=args.eval_prompts,
-                         eval_samples=8, pass_k=(1, 8), **TASKS[task], **fields)
+    arm_dir = args.output / task / f"lr-{args.learning_rate:g}" / f"seed-{seed}" / folder
+    options = {"output_dir": arm_dir, "steps": args.steps, "eval_every": args.eval_every,
+               "learning_rate": args.learning_rate, "seed": seed, "eval_prompts": args.eval_prompts,
+               "eval_samples": 8, "pass_k": (1, 8), "engine": args.engine, **TASKS[task], **fields}
+    if args.stop_at_accuracy is not None:
+        options["stop_at_accuracy"] = args.stop_at_accuracy
+    config = TrainConfig(**options)
     if arm_dir.exists():
         # Runs take minutes each: seeds and arms added later reuse the finished ones.
         if finished_with(arm_dir, config):
             print(f"reusing {arm_dir} (finished, same settings)")
-            return {"fields": {k: str(v) for k, v in fields.items()}, "curves": curves(arm_dir / "metrics.jsonl"),
-                    "reused": True}
+            return {"fields": {k: str(v) for k, v in fields.items()},
+                    "curves": curves(arm_dir / "metrics.jsonl", uses_teacher(config)), "reused": True}
         raise SystemExit(f"{arm_dir} exists but is unfinished or was run with other settings; "
                          "remove it or pass another --output")
+    started = time.perf_counter()
     report = asyncio.run(train_grpo(config, show_progress=True))
-    return {"fields": {k: str(v) for k, v in fields.items()}, "curves": curves(report.metrics_path),
-            "dropped_stale_batches": report.dropped_stale_batches}
+    return {"fields": {k: str(v) for k, v in fields.items()}, "curves": curves(report.metrics_path, uses_teacher(config)),
+            "dropped_stale_batches": report.dropped_stale_batches, "steps_done": report.steps_done,
+            "wall_s": time.perf_counter() - started}
 
 
 def answer_logprob(arm_dir: Path, steps: int) -> float:
@@ -110,7 +164,10 @@ def answer_logprob(arm_dir: Path, steps: int) -> float:
     from tinymodels.build import HARD_MAX_LEN, answer_logprob as mean_answer_logprob
     from tinymodels.task import HARD_ROWS, hard_problems
 
-    checkpoint = arm_dir / "checkpoints" / f"step-{steps:06d}"
+    from training import checkpoint as checkpoints
+
+    checkpoint = checkpoints.latest(arm_dir)  # an arm that stopped early ends before `steps`
+    assert checkpoint is not None, f"{arm_dir} has no checkpoint"
     model = Qwen2ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     tokenizer = Qwen2Tokenizer.from_pretrained(checkpoint)
     return mean_answer_logprob(model, tokenizer, hard_problems("test", HARD_ROWS["test"]), HARD_MAX_LEN)
@@ -131,7 +188,7 @@ def finished_with(arm_dir: Path, config: TrainConfig) -> bool:
     wanted = json.loads(config.model_dump_json())
     # A field added since the run was made holds its default there.
     same = all(saved.get(key, wanted_default(key)) == value for key, value in wanted.items() if key != "output_dir")
-    return same and any(r.get("step") == config.steps and "held_out_accuracy" in r for r in records)
+    return same and (records[-1].get("event") == "eval" if records else False)  # the run's final evaluation
 
 
 def summary(runs: dict[str, dict[int, dict]], metric: str) -> dict[str, dict[int, tuple[float, float]]]:
@@ -144,6 +201,26 @@ def summary(runs: dict[str, dict[int, dict]], metric: str) -> dict[str, dict[int
                 steps.setdefault(step, []).append(value)
         table[arm] = {s: (float(np.mean(v)), float(np.ptp(v) / 2)) for s, v in sorted(steps.items())}
     return table
+
+
+def milestones(run: dict) -> dict[float, tuple[int, float] | None]:
+    """For each accuracy in MILESTONES, (updates, teacher tokens) at the first evaluation that
+    reached it, or None."""
+    accuracy = run["curves"]["held_out_accuracy"]
+    tokens = dict(run["curves"]["teacher_tokens"])
+    return {level: next(((step, tokens.get(step, 0.0)) for step, value in accuracy if value >= level), None)
+            for level in MILESTONES}
+
+
+def print_milestones(runs: dict[str, dict[int, dict]]) -> None:
+    print("\nupdates / teacher tokens to reach held-out greedy accuracy (per seed; - = never)")
+    for arm, by_seed in runs.items():
+        cells = []
+        for seed, run in sorted(by_seed.items()):
+            reached = milestones(run)
+            cells.append(f"seed {seed}: " + ", ".join(
+                f"{level:.0%} " + ("-" if hit is None else f"{hit[0]} / {hit[1] / 1e3:.0f}k") for level, hit in reached.items()))
+        print(f"{arm:>42}: " + "; ".join(cells))
 
 
 def print_table(table: dict[str, dict[int, tuple[float, float]]], title: str) -> None:
@@ -166,6 +243,10 @@ def main() -> None:
     parser.add_argument("--arms", nargs="+", help="Which arms to run, by output folder name (default: all).")
     parser.add_argument("--learning-rate", type=float, default=TrainConfig.model_fields["learning_rate"].default)
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/train_compare"))
+    parser.add_argument("--engine", choices=("vllm", "transformers"), default="vllm",
+                        help="transformers: every arm in process from the learner's live weights (fast sweeps)")
+    parser.add_argument("--stop-at-accuracy", type=float, default=None,
+                        help="stop an arm once held-out greedy accuracy reaches this at two evaluations in a row")
     args = parser.parse_args()
 
     runs: dict[str, dict[int, dict]] = {}
@@ -173,13 +254,14 @@ def main() -> None:
         for name, (folder, fields) in ARMS[args.task].items():
             if args.arms is None or folder in args.arms:
                 run = runs.setdefault(name, {})[seed] = run_arm(args.task, folder, fields, args, seed)
-                if args.task == "hard":
-                    run["answer_logprob_nats"] = answer_logprob(args.output / args.task / f"seed-{seed}" / folder,
-                                                                args.steps)
+                if args.task.startswith("hard"):
+                    run["answer_logprob_nats"] = answer_logprob(
+                        args.output / args.task / f"lr-{args.learning_rate:g}" / f"seed-{seed}" / folder, args.steps)
     tables = {metric: summary(runs, metric) for metric in CURVES}
     for metric, table in tables.items():
         print_table(table, f"{metric}, task {args.task}, seeds {args.seeds}, lr {args.learning_rate:g}")
-    if args.task == "hard":
+    print_milestones(runs)
+    if args.task.startswith("hard"):
         print(f"\nlog p(right answer) of the base at step {args.steps}, nats (bundled base: -26.8)")
         for arm, by_seed in runs.items():
             values = [run["answer_logprob_nats"] for run in by_seed.values()]

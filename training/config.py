@@ -28,7 +28,7 @@ SELF_TEACHERS = ("self", "self-frozen")
 GRPO_ONLY = ("correction", "is_cap", "share_cap", "normalization", "scale_advantages", "kl_coef",
              "max_staleness", "queue_size", "push_every", "keep_checkpoints", "eval_every", "curriculum",
              "opd_coef", "distill_coef", "distill_beta", "on_policy_rollouts", "guided_shaping", "rft_min_reward",
-             "alpha_decay_steps", "alpha_cap_start")
+             "alpha_decay_steps", "alpha_cap_start", "stop_at_accuracy")
 DPO_ONLY = ("dpo_beta", "dpo_epochs")
 # Among the streaming methods, options of the reward policy gradient (grpo) that sft, rft and
 # opd never read; and what each of those methods alone reads.
@@ -226,6 +226,9 @@ class TrainConfig(TaskConfig):
                                 "groups, with this gamma (0.1 in the paper), in place of their importance weight; "
                                 "None = off.")
     rft_min_reward: float = Field(1.0, description="--method rft: rollouts whose reward reaches this are trained on.")
+    stop_at_accuracy: float | None = Field(
+        None, gt=0, le=1, description="Stop early once held-out greedy accuracy reaches this at two evaluations in a "
+                                      "row (sweeps); None = run all --steps.")
     alpha_decay_steps: int | None = Field(
         None, ge=1, description="Alpha schedule: alpha* is capped at --alpha-cap-start x (1 - u / N) at update u, "
                                 "reaching 0 (on-policy) after N updates (Logit Fusion's decay, as a cap); None = no cap.")

@@ -177,6 +177,7 @@ class GRPORecipe:
         metrics.update({f"reward/{name}": mean for name, mean in batch.reward_means.items()})
         metrics.update(batch.curriculum_stats)
         metrics.update(step=step, staleness=staleness, policy_version=version, unscored=batch.unscored,
+                       rollout_tokens=batch.tokens,
                        mean_alpha=sum(alphas) / max(len(alphas), 1),
                        sample_tokens_per_s=batch.tokens / max(batch.sample_seconds, 1e-9),
                        step_seconds=time.perf_counter() - started)
@@ -191,6 +192,7 @@ class GRPORecipe:
         self._start_sampler(queue)
         assert self._sampler is not None
         final: dict[str, float] | None = None
+        reached = 0  # evaluations in a row at or above stop_at_accuracy
         with tqdm(total=config.steps, initial=self.state.step, desc=config.method, unit="step",
                   disable=not self.show_progress) as bar:
             while self.state.step < config.steps:
@@ -203,12 +205,18 @@ class GRPORecipe:
                 if step % config.eval_every == 0 or step == config.steps:
                     evaluation = await self.evaluate()
                     metrics.update(evaluation)
-                    if step == config.steps:
+                    target = config.stop_at_accuracy
+                    reached = reached + 1 if target is not None and evaluation["held_out_accuracy"] >= target else 0
+                    if step == config.steps or reached == 2:
                         final = evaluation
                 _log_metrics(self.metrics_path, metrics)
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}",
                                 held_out=f"{metrics.get('held_out_accuracy', float('nan')):.2f}")
+                if reached == 2:
+                    log.info("held-out greedy accuracy reached %.2f at two evaluations in a row; stopping at step %d",
+                             config.stop_at_accuracy, step)
+                    break
         await self._stop_sampler()
         after = final if final is not None else await self.evaluate()  # a resumed run that was done
         _log_metrics(self.metrics_path, {"step": self.state.step, "event": "eval", **after})
