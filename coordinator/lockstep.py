@@ -542,11 +542,12 @@ class LockstepScheduler:
         mode's next step would."""
         async with self._lock:
             self._pauses += 1
-            for live in list(self._live):
-                if not live.done:
-                    self._take_off(live)
-            await self._send_ready()
-        try:
+        try:  # from here on the pause is undone on every path: a cancel during the drain included
+            async with self._lock:
+                for live in list(self._live):
+                    if not live.done:
+                        self._take_off(live)
+                await self._send_ready()
             if self._requests:  # each ends at its server's next step: END is the answer now
                 await asyncio.wait(list(self._requests), timeout=DRAIN_S)
             yield

@@ -1049,3 +1049,28 @@ async def test_record_topk_keeps_both_servers_reported_best_entries(rig):
                 ids, logprobs = fake.model.topk(prompt(out.index) + out.generated_tokens[:position], 3)
                 assert out.topk_ids[position, model].tolist() == ids.tolist()
                 np.testing.assert_allclose(out.topk_logprobs[position, model], logprobs, rtol=1e-6)
+
+
+async def test_a_pause_cancelled_during_its_drain_does_not_hold_generation_forever(rig):
+    """The teacher holds its requests back, so the pause's drain waits (up to DRAIN_S) when its
+    caller is cancelled (Ctrl-C during a weight push): the pause must be undone, not left
+    counted, or nothing would start again."""
+    holding = {"on": True}
+    theta, t = rig.servers(t={"admit": lambda server, queued: [] if holding["on"] else queued})
+    cfg = config()
+    scheduler = rig.scheduler(theta, t, cfg)
+    scheduler.submit(make_sequences(2, max_tokens=5))
+    await eventually(lambda: len(t.queue) == 2, "the teacher holding both requests back")
+
+    async def push():
+        async with scheduler.paused():
+            raise AssertionError("the drain cannot end while the teacher holds its requests")
+    pausing = asyncio.create_task(push())
+    await eventually(lambda: scheduler._pauses == 1, "the pause")
+    pausing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await pausing
+    holding["on"] = False
+    following = make_sequences(2, max_tokens=5)
+    outputs = await generate(scheduler, following)
+    assert scheduler._pauses == 0 and all(out.ok for out in outputs)
