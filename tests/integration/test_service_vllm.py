@@ -17,6 +17,7 @@ import pytest
 from coordinator import CoordinatorConfig, DualVLLMCoordinator
 from service.app import serve
 from service.config import ServiceConfig
+from tests import processes
 from tinymodels.task import problems
 
 REPO = Path(__file__).resolve().parents[2]
@@ -124,7 +125,12 @@ async def test_lm_eval_scores_q_star_as_dualvllm_eval_does(vllm_pair, tmp_path):
             "--output_path", str(tmp_path / "lm_eval"),
             env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}, cwd=REPO,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-        log, _ = await asyncio.wait_for(process.communicate(), 600)
+        try:
+            log, _ = await asyncio.wait_for(process.communicate(), 600)
+        finally:  # ended on every path, a timeout included
+            if process.returncode is None:
+                processes.end_tree(process.pid)
+                await process.wait()
         assert process.returncode == 0, log.decode()[-3000:]
         with verifier_pool() as pool:
             base, qstar = await evaluate(coordinator, held_out.held_out, held_out.spec, pool, arms=config.arms,
