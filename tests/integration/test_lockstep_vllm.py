@@ -95,7 +95,6 @@ async def test_a_killed_coordinator_leaves_the_servers_serving(vllm_pair):
     script = textwrap.dedent(f"""
         import asyncio, sys
         from coordinator import CoordinatorConfig, DualVLLMCoordinator
-from tests import processes
         async def main():
             cfg = CoordinatorConfig(theta_url="{theta.url}", t_url="{t.url}", mode="lockstep", max_batch_size=8)
             async with DualVLLMCoordinator(cfg) as c:
