@@ -53,7 +53,9 @@ async def test_stop_never_swallows_the_callers_own_cancel():
     stubborn = asyncio.create_task(never_stops(release))
     await asyncio.sleep(0)
     stopper = asyncio.create_task(stop(stubborn, what="a stubborn task", timeout_s=60))
-    await asyncio.sleep(0.05)
+    for _ in range(5):  # a few loop iterations: the stopper has cancelled once and waits
+        await asyncio.sleep(0)
+    assert not stopper.done() and not stubborn.done()
     stopper.cancel()
     with pytest.raises(asyncio.CancelledError):
         await stopper

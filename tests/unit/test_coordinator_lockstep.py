@@ -1008,14 +1008,20 @@ async def cancel_while_paused(scheduler, theta, t, sequences):
         cancel(sequences)
 
 
-@pytest.mark.parametrize("when", [cancel_while_waiting_to_start, cancel_mid_step, cancel_while_the_gate_holds,
-                                  cancel_while_paused], ids=lambda f: f.__name__.removeprefix("cancel_"))
-async def test_a_call_cancelled_at_any_point_leaves_the_scheduler_serving_the_next(rig, when):
+# (interleaving, how long each fake front end takes to take a request in): the gate's
+# wait for the servers lasts that long, so that interleaving gets a window polls cannot miss.
+INTERLEAVINGS = [(cancel_while_waiting_to_start, 0.002), (cancel_mid_step, 0.002), (cancel_while_the_gate_holds, 0.2),
+                 (cancel_while_paused, 0.002)]
+
+
+@pytest.mark.parametrize("when, accept_delay_s", INTERLEAVINGS,
+                         ids=[when.__name__.removeprefix("cancel_") for when, _ in INTERLEAVINGS])
+async def test_a_call_cancelled_at_any_point_leaves_the_scheduler_serving_the_next(rig, when, accept_delay_s):
     """Issue 23's suspects, ruled out: sequences cancelled by their caller wherever they are
     (waiting to start, rows in flight, behind the admission gate, taken off by a pause)
     free their slots; a later call completes with the per-token tokens, close returns,
     and every server request was answered (none timed out, none left running)."""
-    theta, t = rig.servers(theta={"accept_delay_s": 0.002}, t={"accept_delay_s": 0.002})
+    theta, t = rig.servers(theta={"accept_delay_s": accept_delay_s}, t={"accept_delay_s": accept_delay_s})
     cfg = config(max_batch_size=4)
     scheduler = rig.scheduler(theta, t, cfg, capacity=4)
     cancelled = make_sequences(6, max_tokens=1000)
