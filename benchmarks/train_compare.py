@@ -66,9 +66,13 @@ ARMS = {
 # Issue 24's comparison on the hard task: every arm takes 64 rollouts per update, as 8 prompts
 # x 8 (grpo needs groups) or 64 x 1 (the methods that train on each rollout alone).
 WIDE = {"prompts_per_step": 64, "group_size": 1}
+# An arm's fields may start with a warm-up run: (its folder, its fields, its share of --steps); see run_arm.
+WARMUP = "warmup"
 ARMS["hard-methods"] = {
     "on-policy GRPO (8x8)": ("grpo-on-policy", {"fixed_alpha": 0.0}),
     "SFT on teacher samples (64x1)": ("sft-teacher", {"method": "sft", **WIDE}),
+    "SFT on teacher samples (64x1) for half the updates, then on-policy GRPO (8x8)": (
+        "sft-then-grpo", {"fixed_alpha": 0.0, WARMUP: ("sft-warmup", {"method": "sft", **WIDE}, 0.5)}),
     "on-policy distillation (64x1)": ("opd", {"method": "opd", **WIDE}),
     "q*-GRPO, no correction (8x8)": ("qstar-grpo-none", {"correction": "none"}),
     "q*-GRPO + forward KL (8x8)": ("qstar-grpo-kl", {"correction": "none", "distill_coef": 1.0}),
@@ -93,6 +97,7 @@ TASKS = {  # TrainConfig fields of each task
                      "teacher": str(tinymodels.TEACHER_HARD_DIR)},
 }
 MILESTONES = (0.25, 0.5, 0.9)
+STOP_RULES = ("stop_at_accuracy", "stop_without_signal")
 CURVES = ("held_out_accuracy", "held_out_pass@8", "zero_advantage_groups", "ess_ratio", "reward_mean",
           "teacher_tokens")
 TRAINING_CURVES = ("zero_advantage_groups", "ess_ratio", "reward_mean")  # averaged over the updates between evals
@@ -132,27 +137,70 @@ def curves(metrics_path: Path, teacher: bool = True) -> dict[str, list[tuple[int
 
 
 def run_arm(task: str, folder: str, fields: dict, args: argparse.Namespace, seed: int) -> dict:
-    """One arm's curves: trained now, or read back from a finished run with the same settings."""
-    arm_dir = args.output / task / f"lr-{args.learning_rate:g}" / f"seed-{seed}" / folder
-    options = {"output_dir": arm_dir, "steps": args.steps, "eval_every": args.eval_every,
+    """One arm's curves: trained now, or read back from a finished run with the same settings.
+
+    An arm with a warm-up (`WARMUP` in its fields: folder, fields, share of --steps) first runs the
+    warm-up arm for that share of the updates, then the arm itself from the warm-up's last
+    checkpoint for the rest of --steps (SFT-then-RL as it is done: two runs, the second starting
+    from the first's weights, a fresh optimizer); its curves are the two runs end to end."""
+    fields = dict(fields)
+    warmup = fields.pop(WARMUP, None)
+    seed_dir = args.output / task / f"lr-{args.learning_rate:g}" / f"seed-{seed}"
+    if warmup is None:
+        return train_or_reuse(seed_dir / folder, task, fields, args, seed, args.steps)
+    warm_folder, warm_fields, share = warmup
+    warm_steps = max(1, round(args.steps * share))
+    first = train_or_reuse(seed_dir / warm_folder, task, warm_fields, args, seed, warm_steps)
+    from training import checkpoint as checkpoints
+
+    start = checkpoints.latest(seed_dir / warm_folder)
+    assert start is not None, f"{seed_dir / warm_folder} has no checkpoint"
+    then = train_or_reuse(seed_dir / folder, task, {**fields, "base": str(start)}, args, seed,
+                          args.steps - first["steps_done"])
+    return {"fields": {**then["fields"], "warmup": f"{warm_folder} for {first['steps_done']} updates"},
+            "curves": joined(first["curves"], then["curves"], first["steps_done"]),
+            "steps_done": first["steps_done"] + then["steps_done"],
+            "wall_s": first["wall_s"] + then["wall_s"]}
+
+
+def train_or_reuse(arm_dir: Path, task: str, fields: dict, args: argparse.Namespace, seed: int, steps: int) -> dict:
+    """Train one run of `steps` updates into `arm_dir`, or read back a finished one with the same settings."""
+    options = {"output_dir": arm_dir, "steps": steps, "eval_every": args.eval_every,
                "learning_rate": args.learning_rate, "seed": seed, "eval_prompts": args.eval_prompts,
                "eval_samples": 8, "pass_k": (1, 8), "engine": args.engine, **TASKS[task], **fields}
     if args.stop_at_accuracy is not None:
         options["stop_at_accuracy"] = args.stop_at_accuracy
+    if args.stop_without_signal is not None and options.get("method", "grpo") == "grpo":
+        options["stop_without_signal"] = args.stop_without_signal
     config = TrainConfig(**options)
+    described = {k: str(v) for k, v in fields.items()}
     if arm_dir.exists():
         # Runs take minutes each: seeds and arms added later reuse the finished ones.
         if finished_with(arm_dir, config):
             print(f"reusing {arm_dir} (finished, same settings)")
-            return {"fields": {k: str(v) for k, v in fields.items()},
-                    "curves": curves(arm_dir / "metrics.jsonl", uses_teacher(config)), "reused": True}
+            metrics = arm_dir / "metrics.jsonl"
+            records = [json.loads(line) for line in metrics.read_text().splitlines()]
+            return {"fields": described, "curves": curves(metrics, uses_teacher(config)), "reused": True,
+                    "steps_done": records[-1]["step"], "wall_s": sum(r.get("step_seconds", 0.0) for r in records)}
         raise SystemExit(f"{arm_dir} exists but is unfinished or was run with other settings; "
                          "remove it or pass another --output")
     started = time.perf_counter()
     report = asyncio.run(train_grpo(config, show_progress=True))
-    return {"fields": {k: str(v) for k, v in fields.items()}, "curves": curves(report.metrics_path, uses_teacher(config)),
+    return {"fields": described, "curves": curves(report.metrics_path, uses_teacher(config)),
             "dropped_stale_batches": report.dropped_stale_batches, "steps_done": report.steps_done,
             "wall_s": time.perf_counter() - started}
+
+
+def joined(first: dict[str, list[tuple[int, float]]], then: dict[str, list[tuple[int, float]]],
+           offset: int) -> dict[str, list[tuple[int, float]]]:
+    """Two runs' curves end to end: the second's steps shifted by `offset` (its step 0 evaluation is
+    the first's last, so it is dropped), its teacher tokens added to the first's total."""
+    consumed = first["teacher_tokens"][-1][1] if first["teacher_tokens"] else 0.0
+    out = {}
+    for name, points in first.items():
+        shift = consumed if name == "teacher_tokens" else 0.0
+        out[name] = points + [(step + offset, value + shift) for step, value in then[name] if step > 0]
+    return out
 
 
 def answer_logprob(arm_dir: Path, steps: int) -> float:
@@ -186,8 +234,10 @@ def finished_with(arm_dir: Path, config: TrainConfig) -> bool:
     except (OSError, ValueError):
         return False
     wanted = json.loads(config.model_dump_json())
-    # A field added since the run was made holds its default there.
-    same = all(saved.get(key, wanted_default(key)) == value for key, value in wanted.items() if key != "output_dir")
+    # A field added since the run was made holds its default there. A run made without a stop
+    # rule ran on past where the rule would have stopped it: its curves hold the stopped run's.
+    same = all(saved.get(key, wanted_default(key)) in (value, *((None,) if key in STOP_RULES else ()))
+               for key, value in wanted.items() if key != "output_dir")
     return same and (records[-1].get("event") == "eval" if records else False)  # the run's final evaluation
 
 
@@ -247,6 +297,8 @@ def main() -> None:
                         help="transformers: every arm in process from the learner's live weights (fast sweeps)")
     parser.add_argument("--stop-at-accuracy", type=float, default=None,
                         help="stop an arm once held-out greedy accuracy reaches this at two evaluations in a row")
+    parser.add_argument("--stop-without-signal", type=int, default=None,
+                        help="stop a GRPO arm whose every group had zero advantage for its first N updates")
     args = parser.parse_args()
 
     runs: dict[str, dict[int, dict]] = {}

@@ -28,11 +28,12 @@ SELF_TEACHERS = ("self", "self-frozen")
 GRPO_ONLY = ("correction", "is_cap", "share_cap", "normalization", "scale_advantages", "kl_coef",
              "max_staleness", "queue_size", "push_every", "keep_checkpoints", "eval_every", "curriculum",
              "opd_coef", "distill_coef", "distill_beta", "on_policy_rollouts", "guided_shaping", "rft_min_reward",
-             "alpha_decay_steps", "alpha_cap_start", "stop_at_accuracy")
+             "alpha_decay_steps", "alpha_cap_start", "stop_at_accuracy", "stop_without_signal")
 DPO_ONLY = ("dpo_beta", "dpo_epochs")
 # Among the streaming methods, options of the reward policy gradient (grpo) that sft, rft and
 # opd never read; and what each of those methods alone reads.
-REWARD_PG_ONLY = ("correction", "share_cap", "scale_advantages", "on_policy_rollouts", "guided_shaping")
+REWARD_PG_ONLY = ("correction", "share_cap", "scale_advantages", "on_policy_rollouts", "guided_shaping",
+                  "stop_without_signal")
 _NO_PG = (*REWARD_PG_ONLY, "is_cap", "normalization", "kl_coef", "opd_coef")
 UNREAD_BY = {"opd": REWARD_PG_ONLY, "sft": _NO_PG, "rft": _NO_PG, "distill": _NO_PG}
 METHOD_ONLY = {"rft_min_reward": "rft"}
@@ -229,6 +230,9 @@ class TrainConfig(TaskConfig):
     stop_at_accuracy: float | None = Field(
         None, gt=0, le=1, description="Stop early once held-out greedy accuracy reaches this at two evaluations in a "
                                       "row (sweeps); None = run all --steps.")
+    stop_without_signal: int | None = Field(
+        None, ge=1, description="Stop at update N if every group so far had zero advantage (all its rollouts scored "
+                                "alike, so GRPO had nothing to learn from); None = never (sweeps).")
     alpha_decay_steps: int | None = Field(
         None, ge=1, description="Alpha schedule: alpha* is capped at --alpha-cap-start x (1 - u / N) at update u, "
                                 "reaching 0 (on-policy) after N updates (Logit Fusion's decay, as a cap); None = no cap.")

@@ -193,6 +193,7 @@ class GRPORecipe:
         assert self._sampler is not None
         final: dict[str, float] | None = None
         reached = 0  # evaluations in a row at or above stop_at_accuracy
+        signal = False  # whether any group so far had a nonzero advantage
         with tqdm(total=config.steps, initial=self.state.step, desc=config.method, unit="step",
                   disable=not self.show_progress) as bar:
             while self.state.step < config.steps:
@@ -200,14 +201,16 @@ class GRPORecipe:
                 if metrics is None:
                     continue
                 step = self.state.step
-                if step == config.steps:  # nothing more to sample: the last evaluation runs alone
+                signal = signal or metrics["zero_advantage_groups"] < 1.0
+                silent = step == config.stop_without_signal and not signal
+                if step == config.steps or silent:  # nothing more to sample: the last evaluation runs alone
                     await self._stop_sampler()
-                if step % config.eval_every == 0 or step == config.steps:
+                if step % config.eval_every == 0 or step == config.steps or silent:
                     evaluation = await self.evaluate()
                     metrics.update(evaluation)
                     target = config.stop_at_accuracy
                     reached = reached + 1 if target is not None and evaluation["held_out_accuracy"] >= target else 0
-                    if step == config.steps or reached == 2:
+                    if step == config.steps or reached == 2 or silent:
                         final = evaluation
                 _log_metrics(self.metrics_path, metrics)
                 bar.update(1)
@@ -216,6 +219,9 @@ class GRPORecipe:
                 if reached == 2:
                     log.info("held-out greedy accuracy reached %.2f at two evaluations in a row; stopping at step %d",
                              config.stop_at_accuracy, step)
+                    break
+                if silent:
+                    log.info("every group of the first %d updates had zero advantage: no signal; stopping", step)
                     break
         await self._stop_sampler()
         after = final if final is not None else await self.evaluate()  # a resumed run that was done

@@ -1,0 +1,40 @@
+"""benchmarks/train_compare.py's bookkeeping: warm-up arms' joined curves, which finished runs are reused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+from benchmarks.train_compare import finished_with, joined  # noqa: E402
+from training.config import TrainConfig  # noqa: E402
+
+
+def test_a_warm_up_and_its_arm_join_end_to_end():
+    first = {"held_out_accuracy": [(0, 0.0), (50, 0.1), (100, 0.2)], "teacher_tokens": [(0, 0.0), (50, 300.0), (100, 600.0)]}
+    then = {"held_out_accuracy": [(0, 0.2), (50, 0.4), (100, 0.7)], "teacher_tokens": [(0, 0.0), (50, 0.0), (100, 0.0)]}
+
+    out = joined(first, then, offset=100)
+
+    # The second run's step-0 evaluation is the first's last, so it appears once.
+    assert out["held_out_accuracy"] == [(0, 0.0), (50, 0.1), (100, 0.2), (150, 0.4), (200, 0.7)]
+    # On-policy after the warm-up: the teacher tokens stay at the warm-up's total.
+    assert out["teacher_tokens"] == [(0, 0.0), (50, 300.0), (100, 600.0), (150, 600.0), (200, 600.0)]
+
+
+def _finished_run(arm_dir, config: TrainConfig) -> None:
+    arm_dir.mkdir(parents=True)
+    (arm_dir / "config.json").write_text(config.model_dump_json())
+    (arm_dir / "metrics.jsonl").write_text(json.dumps({"step": config.steps, "event": "eval"}) + "\n")
+
+
+def test_a_run_without_a_stop_rule_is_reused_for_one_with_it_but_not_the_reverse(tmp_path):
+    plain = TrainConfig(output_dir=tmp_path / "a", steps=100)
+    stopping = TrainConfig(output_dir=tmp_path / "b", steps=100, stop_without_signal=20, stop_at_accuracy=0.9)
+    _finished_run(tmp_path / "a", plain)
+    _finished_run(tmp_path / "b", stopping)
+
+    assert finished_with(tmp_path / "a", stopping)  # it ran on past any stop: its curves hold the stopped run's
+    assert not finished_with(tmp_path / "b", plain)  # it may have stopped early
+    assert not finished_with(tmp_path / "a", TrainConfig(output_dir=tmp_path / "c", steps=100, learning_rate=1e-3))
