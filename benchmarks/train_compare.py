@@ -15,11 +15,12 @@ group size, learning rate and held-out prompts) in OUTPUT/<task>/seed-<s>/<arm>/
   privileged-information teacher (the base itself shown the answer: `--teacher self
   --teacher-template "{answer} {prompt}"`, no teacher model); on-policy with `--curriculum`.
 
-- `--task hard-methods` (issue 24's comparison, the hard teacher in every arm, 64 rollouts per
-  update as 8 prompts x 8 or 64 x 1): on-policy GRPO, SFT on teacher samples, on-policy
-  distillation, q*-GRPO (no correction, + forward KL, + the OPD term, vespo, sequence IS,
-  pooled with LUFFY's shaping, an alpha schedule), forward KL on teacher / q* / base states,
-  rejection fine-tuning on q*. `--engine transformers` runs them in process (minutes per
+- `--task hard-methods` (issue 24's comparison, 64 rollouts per update as 8 prompts x 8 or
+  64 x 1): with the hard teacher, on-policy GRPO, SFT on teacher samples (alone, and for half
+  the updates before on-policy GRPO), on-policy distillation, q*-GRPO (no correction, + forward
+  KL, + the OPD term, vespo, sequence IS, pooled with LUFFY's shaping, an alpha schedule),
+  forward KL on teacher / q* / base states, rejection fine-tuning on q*; and the hint-reading
+  base (tinymodels/base-hint) as its own privileged-information teacher. `--engine transformers` runs them in process (minutes per
   1,000 updates); `--stop-at-accuracy 0.9` ends an arm at two evaluations in a row above 90%.
 
 At each evaluation: held-out greedy accuracy and pass@8 of the base, and over the
@@ -40,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 import tinymodels
-from tinymodels.task import HARD_TEST, HARD_TRAIN
+from tinymodels.task import HARD_TEST, HARD_TRAIN, HINT_TEMPLATE
 from training.config import TrainConfig
 from training.grpo import train_grpo
 
@@ -89,6 +90,20 @@ ARMS["hard-methods"] = {
                                                           "guided_shaping": 0.1}),
     "q*-GRPO, alpha cap 1 -> 0 over 500 (8x8)": ("qstar-grpo-schedule", {"correction": "none",
                                                                          "alpha_decay_steps": 500}),
+}
+# The privileged-information self-teacher: the hint-reading base is both the student (asked the
+# question) and the teacher (asked with the answer in front), at its starting weights (self-frozen)
+# or its current ones (self). Its own start, not the bundled base: these arms compare among themselves.
+SELF = {"base": str(tinymodels.BASE_HINT_DIR), "teacher_template": HINT_TEMPLATE}
+ARMS["hard-methods"] |= {
+    "self-teacher q*-GRPO, no correction (8x8)": ("self-qstar-grpo", {**SELF, "teacher": "self", "correction": "none"}),
+    "self-teacher (frozen) q*-GRPO, no correction (8x8)": (
+        "self-frozen-qstar-grpo", {**SELF, "teacher": "self-frozen", "correction": "none"}),
+    "forward KL, self-teacher (frozen) q* states (64x1)": (
+        "self-frozen-distill-qstar", {**SELF, "teacher": "self-frozen", "method": "distill", **WIDE}),
+    "forward KL, self-teacher (frozen) states (64x1)": (
+        "self-frozen-distill-teacher", {**SELF, "teacher": "self-frozen", "method": "distill", "fixed_alpha": 1.0,
+                                        **WIDE}),
 }
 TASKS = {  # TrainConfig fields of each task
     "arithmetic": {},

@@ -6,6 +6,10 @@ task (reversed-digit two-digit addition) is in `tinymodels.task`. The teacher so
 the task; the base is deliberately weak, so sampling from q* has something to gain.
 `TEACHER_HARD_DIR` (`python -m tinymodels.build --hard-teacher`) also solves the hard
 task, the same with three-digit operands, which the base almost never solves.
+`BASE_HINT_DIR` (`python -m tinymodels.build --hint-base`) is the base trained further to
+read a hint: shown the answer in front of the question (`tinymodels.task.HINT_TEMPLATE`)
+it copies it, on either task; without one it is as weak as the base. It makes the base its
+own privileged-information teacher (`--teacher self --teacher-template`).
 Importing this package does not import torch.
 """
 
@@ -15,9 +19,10 @@ HERE = Path(__file__).resolve().parent
 BASE_DIR = HERE / "base"
 TEACHER_DIR = HERE / "teacher"
 TEACHER_HARD_DIR = HERE / "teacher-hard"
+BASE_HINT_DIR = HERE / "base-hint"
 BUILD_REPORT = HERE / "build_report.json"
 # vLLM's --dtype auto serves float32 checkpoints in bfloat16, whose logprobs differ from
 # the models' own by ~0.01 nats here; the tiny models are served as they were trained.
 SERVER_DTYPE = "float32"
 
-__all__ = ["BASE_DIR", "BUILD_REPORT", "SERVER_DTYPE", "TEACHER_DIR", "TEACHER_HARD_DIR"]
+__all__ = ["BASE_DIR", "BASE_HINT_DIR", "BUILD_REPORT", "SERVER_DTYPE", "TEACHER_DIR", "TEACHER_HARD_DIR"]

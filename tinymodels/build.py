@@ -3,6 +3,7 @@
     python -m tinymodels.build                 # writes tinymodels/{base,teacher}/, build_report.json
     python -m tinymodels.build --hard-teacher  # writes tinymodels/teacher-hard/, report "teacher_hard"
     python -m tinymodels.build --measure-hard  # measures the models on hard_test, report "hard_task"
+    python -m tinymodels.build --hint-base     # writes tinymodels/base-hint/, report "base_hint"
 
 Both models learn the task in `tinymodels.task` with a plain next-token loss over the
 whole sequence "AB+CD=<reversed sum><eos>". The teacher trains until it is (nearly)
@@ -19,7 +20,13 @@ teacher's weights: from a random start, 3,000 steps of the mix left it below 10%
 tasks, while from the teacher its three-digit accuracy stays near 2% for ~600 steps, then
 reaches 100% within a few hundred more. `--measure-hard` scores the checkpoints on hard_test greedily and at
 temperature 1, which shows that the base almost never solves the hard task while the hard
-teacher does. Each command merges its entries into build_report.json and leaves the
+teacher does.
+
+The hint-reading base starts from the base's weights and learns only prompts that carry
+their answer in front (`tinymodels.task.HINT_TEMPLATE`, "579 123+456="), two- and
+three-digit alike, half of each batch from each: it learns to copy the hint, and never
+sees a question without one, so without a hint it stays near the base on both tasks
+(measured into the report). Each command merges its entries into build_report.json and leaves the
 others as they are.
 
 The architecture respects what vLLM's CPU backend needs (head_dim 32) and unties the
@@ -44,7 +51,7 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
 import tinymodels
-from tinymodels.task import EOS_TEXT, HARD_ROWS, Problem, hard_problems, problems, score
+from tinymodels.task import EOS_TEXT, HARD_ROWS, Problem, hard_problems, hinted, problems, score
 
 PAD_TEXT = "<pad>"
 # The byte-level BPE alphabet spells these bytes as other characters (GPT-2's bytes_to_unicode).
@@ -55,6 +62,7 @@ PAD_ID, EOS_ID = 0, 1
 CHAT_TEMPLATE = "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['content'] }}{% endif %}{% endfor %}"
 MAX_LEN = 10  # "AB+CD=" + at most 3 digits + <eos>
 HARD_MAX_LEN = 13  # "ABC+DEF=" + at most 4 digits + <eos>
+HINT_MAX_LEN = 18  # a 4-digit hint and a space before the hard task
 BASE_TARGET_ACCURACY = 0.30  # the base stops at the first evaluation at or above this
 EVAL_EVERY_STEPS = 20
 EVAL_PROBLEMS = 300  # held-out slice of the train split used to stop the base
@@ -63,6 +71,8 @@ MEASURE_SAMPLES = 8
 # From the teacher's weights the hard task is learned by ~1,000 steps; the rest settles it.
 HARD_TEACHER_STEPS = 2000
 HARD_TEACHER_LR = 3e-3  # the teacher's own peak learning rate
+HINT_BASE_STEPS = 3000  # at most; it stops once it copies the held-out hints
+HINT_BASE_TARGET = 0.99
 
 
 @dataclass(frozen=True)
@@ -130,11 +140,14 @@ def complete(model: Qwen2ForCausalLM, tokenizer: Qwen2Tokenizer, batch: list[Pro
 
 def greedy_accuracy(model: Qwen2ForCausalLM, tokenizer: Qwen2Tokenizer, batch: list[Problem],
                     max_len: int = MAX_LEN) -> float:
-    """Exact-match accuracy of greedy completions (all prompts have the same length)."""
+    """Exact-match accuracy of greedy completions (`complete` runs each prompt length apart)."""
     model.eval()
-    texts = complete(model, tokenizer, batch, max_len)
+    lengths: dict[int, list[Problem]] = {}
+    for problem in batch:
+        lengths.setdefault(len(problem.prompt), []).append(problem)
+    right = sum(score(p, t) for group in lengths.values() for p, t in zip(group, complete(model, tokenizer, group, max_len)))
     model.train()
-    return sum(score(p, t) for p, t in zip(batch, texts)) / len(batch)
+    return right / len(batch)
 
 
 def sampled_accuracy(model: Qwen2ForCausalLM, tokenizer: Qwen2Tokenizer, batch: list[Problem], samples: int,
@@ -241,6 +254,27 @@ def build_hard_teacher(args: argparse.Namespace, tokenizer: Qwen2Tokenizer) -> d
     return record
 
 
+def build_hint_base(args: argparse.Namespace, tokenizer: Qwen2Tokenizer) -> dict:
+    """Writes base-hint/, the base trained to copy a hint on both tasks; returns its record."""
+    two_digit = hinted(problems("train", seed=0)[EVAL_PROBLEMS:])
+    hard_all = hinted(hard_problems("train", HARD_ROWS["train"]))
+    held_out, hard_train = hard_all[:EVAL_PROBLEMS], hard_all[EVAL_PROBLEMS:]
+    plan = TrainPlan("base-hint", seed=4, max_steps=args.hint_base_steps, stop_at_accuracy=HINT_BASE_TARGET,
+                     lr=HARD_TEACHER_LR, max_len=HINT_MAX_LEN, init=args.out / "base")
+    model, record = train(plan, tokenizer, [two_digit, hard_train], held_out, args.batch_size)
+    test_set, hard_test = problems("test"), hard_problems("test", HARD_ROWS["test"])
+    record |= {"init": plan.init.name, "lr": plan.lr, "batch_size": args.batch_size,
+               "test_greedy_accuracy": greedy_accuracy(model, tokenizer, test_set),
+               "test_greedy_accuracy_with_hint": greedy_accuracy(model, tokenizer, hinted(test_set), HINT_MAX_LEN),
+               "hard_test_greedy_accuracy": greedy_accuracy(model, tokenizer, hard_test, HARD_MAX_LEN),
+               "hard_test_greedy_accuracy_with_hint": greedy_accuracy(model, tokenizer, hinted(hard_test),
+                                                                      HINT_MAX_LEN),
+               "parameters": sum(p.numel() for p in model.parameters())}
+    save(model, tokenizer, args.out / plan.name)
+    print(f"{plan.name}: {record}")
+    return record
+
+
 def measure_hard(out: Path) -> dict:
     """Greedy accuracy, pass@1 and pass@MEASURE_SAMPLES at temperature 1, and the mean log-probability
     of the right answer, of the checkpoints in `out` on hard_test."""
@@ -269,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     only = parser.add_mutually_exclusive_group()
     only.add_argument("--hard-teacher", action="store_true",
                       help="build only teacher-hard/ (two- and three-digit task), recorded as teacher_hard")
+    only.add_argument("--hint-base", action="store_true",
+                      help="build only base-hint/ (the base taught to copy a hint), recorded as base_hint")
     only.add_argument("--measure-hard", action="store_true",
                       help="build nothing: score base/, teacher/, teacher-hard/ on hard_test, recorded as hard_task")
     parser.add_argument("--teacher-steps", type=int, default=2500)
@@ -276,12 +312,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hard-teacher-steps", type=int, default=HARD_TEACHER_STEPS, help="steps of --hard-teacher")
     parser.add_argument("--hard-teacher-lr", type=float, default=HARD_TEACHER_LR,
                         help="peak learning rate of --hard-teacher")
+    parser.add_argument("--hint-base-steps", type=int, default=HINT_BASE_STEPS, help="most steps of --hint-base")
     parser.add_argument("--batch-size", type=int, default=256)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # one thread: bitwise-reproducible float reductions
     command = ("python -m tinymodels.build " + shlex.join(argv if argv is not None else sys.argv[1:])).strip()
     if args.hard_teacher:
         entries = {"teacher_hard": {"command": command, **build_hard_teacher(args, build_tokenizer())}}
+    elif args.hint_base:
+        entries = {"base_hint": {"command": command, **build_hint_base(args, build_tokenizer())}}
     elif args.measure_hard:
         entries = {"hard_task": {"command": command, **measure_hard(args.out)}}
     else:

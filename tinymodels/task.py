@@ -36,6 +36,10 @@ HARD_OPERANDS = range(100, 1000)
 HARD_ROWS = {"train": 20_000, "test": 500}
 HARD_TRAIN = DATA_DIR / "hard_train.jsonl"
 HARD_TEST = DATA_DIR / "hard_test.jsonl"
+# The privileged-information prompt: the answer itself, then the question ("579 123+456=").
+# The hint-reading base (tinymodels/base-hint) learned to copy it; `--teacher self
+# --teacher-template` uses it to make that base its own teacher.
+HINT_TEMPLATE = "{answer} {prompt}"
 # Rejection sampling needs distinct pairs to stay plentiful: half the ~50,600 hard test pairs.
 HARD_MAX_SAMPLE = 25_000
 
@@ -54,9 +58,22 @@ class Problem:
         return str(self.a + self.b)[::-1]
 
 
+@dataclass(frozen=True)
+class HintedProblem(Problem):
+    """The same problem asked with its answer in front (HINT_TEMPLATE)."""
+
+    @property
+    def prompt(self) -> str:
+        return HINT_TEMPLATE.format(answer=self.answer, prompt=super().prompt)
+
+
+def hinted(batch: list[Problem]) -> list[HintedProblem]:
+    return [HintedProblem(p.a, p.b) for p in batch]
+
+
 def _split_of(problem: Problem) -> str:
     # A hash, not a seeded shuffle: the split of a pair never changes with the code around it.
-    digest = hashlib.blake2b(problem.prompt.encode(), digest_size=8).digest()
+    digest = hashlib.blake2b(f"{problem.a}+{problem.b}=".encode(), digest_size=8).digest()
     return "test" if int.from_bytes(digest, "big") % TEST_BUCKETS == 0 else "train"
 
 

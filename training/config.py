@@ -96,7 +96,10 @@ class TaskConfig(RaisesInvalidInput, BaseModel):
     t_urls: tuple[str, ...] = Field(
         (), description="Teacher servers already running (serving --teacher); needed with --theta-urls unless "
                         "--teacher self, which samples the teacher from the base servers.")
-    eval_prompts: int = Field(200, ge=1, description="Held-out problems per evaluation.")
+    eval_prompts: int = Field(200, ge=1, description="Held-out problems per evaluation (at most).")
+    eval_fraction: float = Field(
+        0.1, gt=0, lt=1, description="--dataset without --eval-dataset: the share of its rows held out, capped at "
+                                     "--eval-prompts (at least 1 row).")
     eval_samples: int = Field(
         0, ge=0, description="Samples per held-out problem for pass@k at --temperature; 0 = greedy accuracy only.")
     pass_k: tuple[int, ...] = Field((1, 4, 8), description="The k of pass@k (each at most --eval-samples).")

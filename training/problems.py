@@ -9,6 +9,7 @@ are tokenized once, here, with the base tokenizer, and sent to the servers as id
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,8 @@ from training.config import SELF_TEACHERS, TaskConfig
 from training.data import BUNDLED_TEST, BUNDLED_TRAIN, Example, build_examples, held_out_split, load_rows
 from training.rewards import RewardSpec, required_fields, reward_spec
 from training.rollouts import Task
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,12 @@ def load_problems(config: TaskConfig, tokenizer: Any) -> Problems:
     elif config.eval_dataset is not None:
         train, held_out = examples(config.dataset), examples(config.eval_dataset)
     else:
-        train, held_out = held_out_split(examples(config.dataset), config.eval_prompts, config.seed)
+        rows = examples(config.dataset)
+        n = min(config.eval_prompts, max(1, round(config.eval_fraction * len(rows))))
+        train, held_out = held_out_split(rows, n, config.seed)
+        log.info("held out %d of the %d rows of %s for evaluation (--eval-fraction %g, at most --eval-prompts %d); "
+                 "give --eval-dataset to evaluate on other data", n, len(rows), config.dataset, config.eval_fraction,
+                 config.eval_prompts)
     random.Random(config.seed).shuffle(train)
     random.Random(config.seed + 1).shuffle(held_out)
     held_out = held_out[:config.eval_prompts]

@@ -10,13 +10,21 @@ import sys
 import pytest
 
 import tinymodels
-from tinymodels.task import (HARD_MAX_SAMPLE, HARD_ROWS, HARD_TEST, HARD_TRAIN, Problem, hard_problems, problems,
-                             score, write_dataset)
+from tinymodels.task import (HARD_MAX_SAMPLE, HARD_ROWS, HARD_TEST, HARD_TRAIN, HINT_TEMPLATE, Problem, hard_problems,
+                             hinted, problems, score, write_dataset)
 
 
 def test_answers_are_reversed_sums():
     assert Problem(12, 34).prompt == "12+34=" and Problem(12, 34).answer == "64"
     assert Problem(57, 68).answer == "521" and Problem(10, 90).answer == "001"
+
+
+def test_a_hinted_problem_carries_its_answer_and_keeps_its_split():
+    problem = hinted([Problem(123, 456)])[0]
+    assert problem.prompt == "975 123+456=" == HINT_TEMPLATE.format(answer="975", prompt="123+456=")
+    assert problem.answer == "975" and score(problem, "975<eos>") == 1.0
+    assert set(hinted(problems("test"))).isdisjoint(hinted(problems("train")))
+    assert all(p in hinted(hard_problems("test", 50)) for p in hinted(hard_problems("test", 20)))
 
 
 def test_splits_are_disjoint_complete_and_stable():
@@ -158,3 +166,19 @@ def test_answer_logprob_of_a_uniform_model_is_answer_length_times_log_vocab():
     batch = [Problem(123, 456), Problem(999, 999)]  # answers "975" and "8991": 3 + 1 and 4 + 1 tokens with <eos>
     expected = -(4 + 5) / 2 * math.log(98)
     assert answer_logprob(Uniform(), build_tokenizer(), batch, HARD_MAX_LEN) == pytest.approx(expected, rel=1e-6)
+
+
+def test_the_hint_base_reads_a_hint_and_is_the_base_without_one():
+    pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tinymodels.build import HARD_MAX_LEN, HINT_MAX_LEN, greedy_accuracy
+
+    tokenizer = AutoTokenizer.from_pretrained(tinymodels.BASE_HINT_DIR)
+    assert tokenizer.get_vocab() == AutoTokenizer.from_pretrained(tinymodels.BASE_DIR).get_vocab()
+    model = AutoModelForCausalLM.from_pretrained(tinymodels.BASE_HINT_DIR)
+    hard = hard_problems("test", 40, seed=5)
+    assert greedy_accuracy(model, tokenizer, hinted(hard), HINT_MAX_LEN) >= 0.9
+    assert greedy_accuracy(model, tokenizer, hard, HARD_MAX_LEN) <= 0.1
+    report = json.loads(tinymodels.BUILD_REPORT.read_text())["base_hint"]
+    assert report["hard_test_greedy_accuracy_with_hint"] >= 0.95 and report["hard_test_greedy_accuracy"] <= 0.05

@@ -49,13 +49,23 @@ def gsm8k_file(tmp_path, n=12):
 
 def test_a_user_dataset_with_templates_and_a_held_out_split(tmp_path, tokenizer):
     loaded = load_problems(config(tmp_path, dataset=gsm8k_file(tmp_path), prompt_template="Q {question}",
-                                  teacher_template="{prompt}#{answer}|", reward=("gsm8k",), eval_prompts=4),
+                                  teacher_template="{prompt}#{answer}|", reward=("gsm8k",), eval_fraction=0.34),
                            tokenizer)
-    assert len(loaded.train) == 8 and len(loaded.held_out) == 4
+    assert len(loaded.train) == 8 and len(loaded.held_out) == 4  # round(0.34 x 12)
     task = loaded.train[0]
     teacher_text = tokenizer.decode(list(task.t_prompt_ids))
     assert task.prompt_text.startswith("Q ") and teacher_text.startswith(task.prompt_text + "#so it is")
     assert task.prompt == (list(task.prompt_ids), list(task.t_prompt_ids))
+
+
+@pytest.mark.parametrize("rows, fields, held", [(40, {}, 4), (4000, {}, 200), (4000, {"eval_prompts": 50}, 50),
+                                                 (3, {}, 1), (40, {"eval_fraction": 0.5}, 20)])
+def test_the_held_out_share_fits_the_dataset(tmp_path, tokenizer, caplog, rows, fields, held):
+    with caplog.at_level("INFO", logger="training.problems"):
+        loaded = load_problems(config(tmp_path, dataset=gsm8k_file(tmp_path, rows), prompt_template="{question}",
+                                      reward=("gsm8k",), **fields), tokenizer)
+    assert (len(loaded.train), len(loaded.held_out)) == (rows - held, held)
+    assert f"held out {held} of the {rows} rows" in caplog.text  # the run says what it held out
 
 
 def test_a_chat_template_file_renders_every_prompt_as_a_user_message(tmp_path, tokenizer):
