@@ -65,6 +65,7 @@ class DualVLLMCoordinator:
         self._state = "new"
         self._eos_ids: frozenset[int] = frozenset()
         self._infos: tuple[ModelInfo, ModelInfo] | None = None
+        self._vocab_size: int | None = None
         given_one = theta_engine is not None and theta_engine is t_engine
         self._self_teacher = given_one or (theta_engine is None and t_engine is None and self.config.self_teacher)
 
@@ -122,7 +123,7 @@ class DualVLLMCoordinator:
                  infos[0].name, infos[1].name, cfg.top_k, sorted(eos_ids), max_len)
         self._theta, self._t = theta, t
         self._infos = infos
-        vocab_size = min(vocab_sizes) if vocab_sizes else None
+        vocab_size = self._vocab_size = min(vocab_sizes) if vocab_sizes else None
         self._scheduler = await self._lockstep_scheduler(theta, t, eos_ids, max_len, vocab_size,
                                                          stop_token=lockstep_stop_token(infos, eos_ids))
         if self._scheduler is None:
@@ -375,6 +376,12 @@ class DualVLLMCoordinator:
     def max_model_len(self) -> int:
         """Prompt + generated tokens both servers accept (known once entered)."""
         return self._require_open().max_len
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Token ids both models accept (0 to vocab_size - 1), when their configs tell; None if not."""
+        self._require_open()
+        return self._vocab_size
 
     @property
     def model_names(self) -> tuple[str, str]:

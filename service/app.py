@@ -8,7 +8,7 @@
 
 Every request's sequences join the coordinator's one continuous batch, so concurrent
 clients share its steps. A request passes, in order: the key (401), JSON and the schema
-(400/422), the model name (404), what q* cannot do (400), prompt and context checks
+(400), the model name (404), what q* cannot do (400), prompt and context checks
 (400), the per-request token ceiling (400), and the queue (429 with Retry-After). A
 client that disconnects cancels its sequences (the handler is cancelled; its streams close).
 """
@@ -198,6 +198,9 @@ class QStarService:
             raise RequestError("dualvllm.t_prompt goes with one prompt; send one request per prompt",
                            param="dualvllm.t_prompt")
         t_prompt = body.dualvllm.t_prompt
+        self._check_ids(prompts, "prompt")
+        if t_prompt is not None:
+            self._check_ids([t_prompt], "dualvllm.t_prompt")
         encoded = await self.coordinator.encode([p if t_prompt is None else (p, t_prompt) for p in prompts])
         logprobs = body.logprobs
         job = self._job("completion", body, encoded, body.max_tokens or self.config.default_max_tokens,
@@ -226,6 +229,17 @@ class QStarService:
         if model != self.model:
             raise UnknownModelError(f"the model {model!r} does not exist here; this service serves {self.model!r} "
                                     "(GET /v1/models)")
+
+    def _check_ids(self, prompts: list[str | list[int]], param: str) -> None:
+        """Token ids outside the vocabulary refused here, not by a model server (which would be a 502)."""
+        vocab = self.coordinator.vocab_size
+        if vocab is None:
+            return
+        for i, prompt in enumerate(prompts):
+            bad = [t for t in prompt if not isinstance(t, str) and not 0 <= t < vocab]
+            if bad:
+                raise RequestError(f"{param} {i} has token id {bad[0]}, outside the vocabulary of {vocab} tokens "
+                                   f"(ids 0 to {vocab - 1})", code="invalid_token_id", param=param)
 
     def _job(self, kind: str, body: CompletionRequest | ChatCompletionRequest,
              prompts: list[tuple[list[int], list[int]]], max_tokens: int, *, top_logprobs: int,
@@ -339,7 +353,9 @@ async def _parse(request: web.Request, schema: type[CompletionRequest] | type[Ch
         first = exc.errors(include_url=False)[0]
         param = ".".join(str(part) for part in first["loc"]) or None
         problems = "; ".join(_describe(e) for e in exc.errors(include_url=False)[:5])
-        raise RequestError(problems, status=422, code=first["type"], param=param) from exc
+        # 400 as OpenAI and vLLM answer (not aiohttp's usual 422): the `openai` client raises
+        # BadRequestError for it, the exception its users catch.
+        raise RequestError(problems, code=first["type"], param=param) from exc
 
 
 def _describe(error: Any) -> str:

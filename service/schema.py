@@ -19,13 +19,36 @@ the `openai` package):
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 TokenIds = list[int]
-# OpenAI's four prompt forms: a string, strings, token ids, lists of token ids.
-PromptField = Union[str, list[str], TokenIds, list[TokenIds]]
+PROMPT_FORMS = "a string, a list of strings, a list of token ids (integers) or a list of such lists"
+
+
+def _is_ids(value: Any) -> bool:
+    # type() is int: JSON true/false are not token ids 1 and 0.
+    return isinstance(value, list) and all(type(v) is int for v in value)
+
+
+def _one_prompt(value: Any) -> Any:
+    if isinstance(value, str) or _is_ids(value):
+        return value
+    raise ValueError("must be a string or a list of token ids (integers; true/false are not ids)")
+
+
+def _prompts(value: Any) -> Any:
+    """OpenAI's four prompt forms, checked as a whole: one clear error instead of one per Union branch."""
+    if isinstance(value, str) or _is_ids(value):
+        return value
+    if isinstance(value, list) and (all(isinstance(v, str) for v in value) or all(_is_ids(v) for v in value)):
+        return value
+    raise ValueError(f"must be {PROMPT_FORMS} (true/false are not token ids)")
+
+
+PromptField = Annotated[Union[str, list[str], TokenIds, list[TokenIds]], BeforeValidator(_prompts)]
+OnePrompt = Annotated[Union[str, TokenIds], BeforeValidator(_one_prompt)]
 
 
 class _Strict(BaseModel):
@@ -55,7 +78,7 @@ class QStarOptions(_Strict):
     """The `dualvllm` object of a request (see the module docstring)."""
 
     fixed_alpha: float | None = Field(None, ge=0, le=1)
-    t_prompt: Union[str, TokenIds, None] = None
+    t_prompt: OnePrompt | None = None
     t_messages: list[ChatMessage] | None = Field(None, min_length=1)
     top_k: int | None = Field(None, ge=1)
     return_token_ids: bool = False

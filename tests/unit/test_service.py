@@ -14,7 +14,7 @@ from common.errors import InvalidInputError
 from coordinator import CoordinatorConfig, DualVLLMCoordinator
 from service.app import serve
 from service.config import ServiceConfig
-from tests.fake_vllm import EOS_ID, FakeModel, FakeVLLM, Failure, detokenize, tokenize
+from tests.fake_vllm import EOS_ID, VOCAB_SIZE, FakeModel, FakeVLLM, Failure, detokenize, tokenize
 
 MODEL = "fake-base+fake-teacher"
 
@@ -244,10 +244,13 @@ async def test_a_streamed_chat_opens_with_the_assistant_role(service):
 @pytest.mark.parametrize("body, status, param", [
     (b"{not json", 400, None),
     ([1, 2], 400, None),
-    ({"model": MODEL, "prompt": "abc", "max_tokens": "many"}, 422, "max_tokens"),
-    ({"model": MODEL, "prompt": "abc", "temprature": 0.5}, 422, "temprature"),
-    ({"model": MODEL, "prompt": "abc", "dualvllm": {"alpha": 0.5}}, 422, "dualvllm.alpha"),
-    ({"model": MODEL}, 422, "prompt"),
+    ({"model": MODEL, "prompt": "abc", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "abc", "temprature": 0.5}, 400, "temprature"),
+    ({"model": MODEL, "prompt": "abc", "dualvllm": {"alpha": 0.5}}, 400, "dualvllm.alpha"),
+    ({"model": MODEL}, 400, "prompt"),
+    ({"model": MODEL, "prompt": [True, False]}, 400, "prompt"),  # JSON booleans are not token ids
+    ({"model": MODEL, "prompt": [[5], ["a"]]}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "abc", "dualvllm": {"t_prompt": [False]}}, 400, "dualvllm.t_prompt"),
     ({"model": MODEL, "prompt": ""}, 400, None),
     ({"model": MODEL, "prompt": []}, 400, "prompt"),
     ({"model": MODEL, "prompt": "abc", "max_tokens": 100}, 400, "max_tokens"),
@@ -263,6 +266,25 @@ async def test_bad_requests_get_openai_error_objects(service, body, status, para
     error = answer["error"]
     assert error["message"] and error["type"] and error["param"] == param
     assert "Traceback" not in error["message"]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": [5, VOCAB_SIZE]}, "prompt"),
+    ({"prompt": [[5], [-1]]}, "prompt"),
+    ({"prompt": "abc", "dualvllm": {"t_prompt": [5, 99999]}}, "dualvllm.t_prompt"),
+])
+async def test_token_ids_outside_the_vocabulary_are_refused_before_any_server(tmp_path, fake_theta, fake_t, body,
+                                                                            param):
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": VOCAB_SIZE}))  # what the service reads it from
+    fake_theta.root = fake_t.root = str(tmp_path)
+    async with running(fake_theta, fake_t) as (url, coordinator):
+        assert coordinator.vocab_size == VOCAB_SIZE
+        served = len(fake_theta.calls["/v1/completions"])
+        status, answer = await post(url, "/v1/completions", {"model": MODEL, **body})
+        assert (status, answer["error"]["param"], answer["error"]["code"]) == (400, param, "invalid_token_id")
+        assert f"outside the vocabulary of {VOCAB_SIZE} tokens" in answer["error"]["message"]
+        assert len(fake_theta.calls["/v1/completions"]) == served  # no server saw it
+        assert (await post(url, "/v1/completions", {"model": MODEL, "prompt": [5, VOCAB_SIZE - 1], "max_tokens": 2}))[0] == 200
 
 
 async def test_a_context_too_long_names_the_limit(service):
@@ -382,3 +404,34 @@ async def test_a_stream_refuses_bad_options_before_it_starts_and_reports_failure
     found = await events(url, "/v1/completions", completion(stream=True))
     assert found[-1] == "[DONE]" and found[-2]["error"]["type"] == "upstream_error"
     assert "theta" in found[-2]["error"]["message"]
+
+
+# -- what the `openai` client raises for each kind of bad request ---------------------------
+
+@pytest.mark.parametrize("kwargs, error", [
+    ({"max_tokens": -1}, "BadRequestError"),
+    ({"n": 0}, "BadRequestError"),
+    ({"temperature": -1}, "BadRequestError"),
+    ({"extra_body": {"temperature": "hot"}}, "BadRequestError"),
+    ({"extra_body": {"dualvllm": {"fixed_alpha": 2}}}, "BadRequestError"),
+    ({"extra_body": {"temprature": 0.5}}, "BadRequestError"),  # an unknown field
+    ({"prompt": [True, False]}, "BadRequestError"),
+    ({"prompt": [5, 99999]}, "BadRequestError"),  # outside the vocabulary
+    ({"max_tokens": 100}, "BadRequestError"),  # beyond the context
+    ({"top_p": 0.5}, "BadRequestError"),  # what q* cannot do
+    ({"model": "gpt-4"}, "NotFoundError"),
+    ({"api_key": "wrong"}, "AuthenticationError"),
+])
+async def test_the_openai_client_raises_the_exception_its_users_catch(tmp_path, fake_theta, fake_t, kwargs, error):
+    openai = pytest.importorskip("openai")
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": VOCAB_SIZE}))
+    fake_theta.root = fake_t.root = str(tmp_path)
+    async with running(fake_theta, fake_t, api_key="sk-right") as (url, _):
+        request = {"model": MODEL, "prompt": "abc", "max_tokens": 4, **kwargs}
+        key = request.pop("api_key", "sk-right")
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0) as client:
+            with pytest.raises(getattr(openai, error)) as raised:
+                await client.completions.create(**request)
+        assert raised.value.body["message"] and "Traceback" not in raised.value.body["message"]
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="sk-right", max_retries=0) as client:
+            assert len((await client.completions.create(model=MODEL, prompt="abc", max_tokens=2)).choices) == 1
