@@ -74,6 +74,11 @@ ARMS["hard-methods"] = {
     "SFT on teacher samples (64x1)": ("sft-teacher", {"method": "sft", **WIDE}),
     "SFT on teacher samples (64x1) for half the updates, then on-policy GRPO (8x8)": (
         "sft-then-grpo", {"fixed_alpha": 0.0, WARMUP: ("sft-warmup", {"method": "sft", **WIDE}, 0.5)}),
+    # GRPO collapsed at the SFT arm's learning rate (1e-3 and 2e-3); as SFT-then-RL recipes do,
+    # the RL phase here runs at a tenth of it, whatever --learning-rate says.
+    "SFT (64x1) for half the updates, then on-policy GRPO at lr 2e-4 (8x8)": (
+        "sft-then-grpo-lr2e-4", {"fixed_alpha": 0.0, "learning_rate": 2e-4,
+                                 WARMUP: ("sft-warmup", {"method": "sft", **WIDE}, 0.5)}),
     "on-policy distillation (64x1)": ("opd", {"method": "opd", **WIDE}),
     "q*-GRPO, no correction (8x8)": ("qstar-grpo-none", {"correction": "none"}),
     "q*-GRPO + forward KL (8x8)": ("qstar-grpo-kl", {"correction": "none", "distill_coef": 1.0}),
