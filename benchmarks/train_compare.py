@@ -20,10 +20,7 @@ group size, learning rate and held-out prompts) in OUTPUT/<task>/seed-<s>/<arm>/
   the updates before on-policy GRPO), on-policy distillation, q*-GRPO (no correction, + forward
   KL, + the OPD term, vespo, sequence IS, pooled with LUFFY's shaping, an alpha schedule),
   forward KL on teacher / q* / base states, rejection fine-tuning on q*; and the hint-reading
-  base (tinymodels/base-hint) as its own privileged-information teacher.
-- `--task chain-methods` (tinymodels/data/chain_*.jsonl: seven two-digit numbers, every
-  partial sum written out, 23-character answers; the chain teacher): the core arms again,
-  where one early slip spoils the rest of an answer. `--engine transformers` runs them in process (minutes per
+  base (tinymodels/base-hint) as its own privileged-information teacher. `--engine transformers` runs them in process (minutes per
   1,000 updates); `--stop-at-accuracy 0.9` ends an arm at two evaluations in a row above 90%.
 
 At each evaluation: held-out greedy accuracy and pass@8 of the base, and over the
@@ -44,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 import tinymodels
-from tinymodels.task import CHAIN_TEST, CHAIN_TRAIN, HARD_TEST, HARD_TRAIN, HINT_TEMPLATE
+from tinymodels.task import HARD_TEST, HARD_TRAIN, HINT_TEMPLATE
 from training.config import TrainConfig
 from training.grpo import train_grpo
 
@@ -115,18 +112,11 @@ ARMS["hard-methods"] |= {
         "self-frozen-distill-teacher", {**SELF, "teacher": "self-frozen", "method": "distill", "fixed_alpha": 1.0,
                                         **WIDE}),
 }
-# The chain task (23-character answers, tinymodels.task.ChainProblem) with the chain teacher:
-# the core arms and the hard task's best, same shapes and learning rates.
-CHAIN_ARMS = ("grpo-on-policy", "sft-teacher", "sft-then-grpo-lr2e-4", "opd", "qstar-grpo-none", "qstar-grpo-kl",
-              "qstar-grpo-opd", "distill-teacher", "distill-qstar")
-ARMS["chain-methods"] = {name: arm for name, arm in ARMS["hard-methods"].items() if arm[0] in CHAIN_ARMS}
 TASKS = {  # TrainConfig fields of each task
     "arithmetic": {},
     "hard": {"dataset": HARD_TRAIN, "eval_dataset": HARD_TEST, "max_tokens": 5},
     "hard-methods": {"dataset": HARD_TRAIN, "eval_dataset": HARD_TEST, "max_tokens": 5,
                      "teacher": str(tinymodels.TEACHER_HARD_DIR)},
-    "chain-methods": {"dataset": CHAIN_TRAIN, "eval_dataset": CHAIN_TEST, "max_tokens": 26,
-                      "teacher": str(tinymodels.TEACHER_CHAIN_DIR)},
 }
 MILESTONES = (0.25, 0.5, 0.9)
 STOP_RULES = ("stop_at_accuracy", "stop_without_signal")
@@ -235,24 +225,21 @@ def joined(first: dict[str, list[tuple[int, float]]], then: dict[str, list[tuple
     return out
 
 
-def answer_logprob(arm_dir: Path, task: str) -> float:
-    """Mean log p(right answer + EOS | prompt) of the run's last checkpoint on the task's test
-    problems (hard: 500 three-digit sums, chain: 500 chains), in nats: moves long before greedy
-    accuracy does (the bundled base: -26.8 on the hard task)."""
+def answer_logprob(arm_dir: Path, steps: int) -> float:
+    """Mean log p(right answer + EOS | prompt) of the run's last checkpoint on the 500 hard test
+    problems, in nats: moves long before greedy accuracy does (the bundled base: -26.8)."""
     import torch
     from transformers import Qwen2ForCausalLM, Qwen2Tokenizer
 
-    from tinymodels.build import CHAIN_MAX_LEN, HARD_MAX_LEN, answer_logprob as mean_answer_logprob
-    from tinymodels.task import CHAIN_ROWS, HARD_ROWS, chain_problems, hard_problems
+    from tinymodels.build import HARD_MAX_LEN, answer_logprob as mean_answer_logprob
+    from tinymodels.task import HARD_ROWS, hard_problems
 
     from training import checkpoint as checkpoints
 
-    checkpoint = checkpoints.latest(arm_dir)  # an arm that stopped early ends before --steps
+    checkpoint = checkpoints.latest(arm_dir)  # an arm that stopped early ends before `steps`
     assert checkpoint is not None, f"{arm_dir} has no checkpoint"
     model = Qwen2ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     tokenizer = Qwen2Tokenizer.from_pretrained(checkpoint)
-    if task.startswith("chain"):
-        return mean_answer_logprob(model, tokenizer, chain_problems("test", CHAIN_ROWS["test"]), CHAIN_MAX_LEN)
     return mean_answer_logprob(model, tokenizer, hard_problems("test", HARD_ROWS["test"]), HARD_MAX_LEN)
 
 
@@ -341,15 +328,15 @@ def main() -> None:
         for name, (folder, fields) in ARMS[args.task].items():
             if args.arms is None or folder in args.arms:
                 run = runs.setdefault(name, {})[seed] = run_arm(args.task, folder, fields, args, seed)
-                if args.task != "arithmetic":
+                if args.task.startswith("hard"):
                     run["answer_logprob_nats"] = answer_logprob(
-                        args.output / args.task / f"lr-{args.learning_rate:g}" / f"seed-{seed}" / folder, args.task)
+                        args.output / args.task / f"lr-{args.learning_rate:g}" / f"seed-{seed}" / folder, args.steps)
     tables = {metric: summary(runs, metric) for metric in CURVES}
     for metric, table in tables.items():
         print_table(table, f"{metric}, task {args.task}, seeds {args.seeds}, lr {args.learning_rate:g}")
     print_milestones(runs)
-    if args.task != "arithmetic":
-        print(f"\nlog p(right answer) of the base at step {args.steps}, nats")
+    if args.task.startswith("hard"):
+        print(f"\nlog p(right answer) of the base at step {args.steps}, nats (bundled base: -26.8)")
         for arm, by_seed in runs.items():
             values = [run["answer_logprob_nats"] for run in by_seed.values()]
             print(f"{arm:>36}: " + ", ".join(f"{v:.2f}" for v in values))

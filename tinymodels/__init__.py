@@ -10,9 +10,6 @@ task, the same with three-digit operands, which the base almost never solves.
 read a hint: shown the answer in front of the question (`tinymodels.task.HINT_TEMPLATE`)
 it copies it, on either task; without one it is as weak as the base. It makes the base its
 own privileged-information teacher (`--teacher self --teacher-template`).
-`TEACHER_CHAIN_DIR` (`python -m tinymodels.build --chain-teacher`) is the teacher trained on
-the chain task (`tinymodels.task.ChainProblem`: seven two-digit numbers, every partial sum
-written out, 23-character answers), which the base never saw.
 Importing this package does not import torch.
 """
 
@@ -23,10 +20,9 @@ BASE_DIR = HERE / "base"
 TEACHER_DIR = HERE / "teacher"
 TEACHER_HARD_DIR = HERE / "teacher-hard"
 BASE_HINT_DIR = HERE / "base-hint"
-TEACHER_CHAIN_DIR = HERE / "teacher-chain"
 BUILD_REPORT = HERE / "build_report.json"
 # vLLM's --dtype auto serves float32 checkpoints in bfloat16, whose logprobs differ from
 # the models' own by ~0.01 nats here; the tiny models are served as they were trained.
 SERVER_DTYPE = "float32"
 
-__all__ = ["BASE_DIR", "BASE_HINT_DIR", "BUILD_REPORT", "SERVER_DTYPE", "TEACHER_DIR", "TEACHER_CHAIN_DIR", "TEACHER_HARD_DIR"]
+__all__ = ["BASE_DIR", "BASE_HINT_DIR", "BUILD_REPORT", "SERVER_DTYPE", "TEACHER_DIR", "TEACHER_HARD_DIR"]

@@ -4,7 +4,6 @@
     python -m tinymodels.build --hard-teacher  # writes tinymodels/teacher-hard/, report "teacher_hard"
     python -m tinymodels.build --measure-hard  # measures the models on hard_test, report "hard_task"
     python -m tinymodels.build --hint-base     # writes tinymodels/base-hint/, report "base_hint"
-    python -m tinymodels.build --chain-teacher # writes tinymodels/teacher-chain/, report "teacher_chain"
 
 Both models learn the task in `tinymodels.task` with a plain next-token loss over the
 whole sequence "AB+CD=<reversed sum><eos>". The teacher trains until it is (nearly)
@@ -52,8 +51,7 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
 import tinymodels
-from tinymodels.task import (CHAIN_ROWS, EOS_TEXT, HARD_ROWS, Problem, chain_problems, hard_problems, hinted, problems,
-                             score)
+from tinymodels.task import EOS_TEXT, HARD_ROWS, Problem, hard_problems, hinted, problems, score
 
 PAD_TEXT = "<pad>"
 # The byte-level BPE alphabet spells these bytes as other characters (GPT-2's bytes_to_unicode).
@@ -65,7 +63,6 @@ CHAT_TEMPLATE = "{% for message in messages %}{% if message['role'] != 'system' 
 MAX_LEN = 10  # "AB+CD=" + at most 3 digits + <eos>
 HARD_MAX_LEN = 13  # "ABC+DEF=" + at most 4 digits + <eos>
 HINT_MAX_LEN = 18  # a 4-digit hint and a space before the hard task
-CHAIN_MAX_LEN = 45  # 7 operands "AB+...=" (21) + 6 partial sums "CBA " (23) + <eos>
 BASE_TARGET_ACCURACY = 0.30  # the base stops at the first evaluation at or above this
 EVAL_EVERY_STEPS = 20
 EVAL_PROBLEMS = 300  # held-out slice of the train split used to stop the base
@@ -76,12 +73,6 @@ HARD_TEACHER_STEPS = 2000
 HARD_TEACHER_LR = 3e-3  # the teacher's own peak learning rate
 HINT_BASE_STEPS = 3000  # at most; it stops once it copies the held-out hints
 HINT_BASE_TARGET = 0.99
-CHAIN_TEACHER_STEPS = 4000  # at most; it stops once it solves the held-out chains
-CHAIN_TEACHER_TARGET = 0.98
-# Sequences 4.5x as long as the two-digit task's: smaller batches, rarer greedy evaluations.
-CHAIN_BATCH_SIZE = 128
-CHAIN_EVAL_EVERY = 100
-CHAIN_HELD_OUT = 200
 
 
 @dataclass(frozen=True)
@@ -93,7 +84,6 @@ class TrainPlan:
     lr: float = 3e-3  # peak of the one-cycle schedule
     max_len: int = MAX_LEN  # tokens per training sequence and per greedy evaluation
     init: Path | None = None  # checkpoint to start from; None = random weights drawn from `seed`
-    eval_every: int = EVAL_EVERY_STEPS
 
 
 def build_tokenizer() -> Qwen2Tokenizer:
@@ -186,7 +176,7 @@ def answer_logprob(model: Qwen2ForCausalLM, tokenizer: Qwen2Tokenizer, batch: li
 def train(plan: TrainPlan, tokenizer: Qwen2Tokenizer, pools: Sequence[list[Problem]],
           held_out: list[Problem], batch_size: int) -> tuple[Qwen2ForCausalLM, dict]:
     """A model trained on batches drawn equally from each of `pools`; `held_out` is evaluated
-    every `plan.eval_every` steps and may stop the plan early."""
+    every EVAL_EVERY_STEPS and may stop the plan early."""
     assert batch_size % len(pools) == 0, f"batch size {batch_size} does not split over {len(pools)} pools"
     torch.manual_seed(plan.seed)
     rng = random.Random(plan.seed)
@@ -210,7 +200,7 @@ def train(plan: TrainPlan, tokenizer: Qwen2Tokenizer, pools: Sequence[list[Probl
             optimizer.step()
             schedule.step()
             progress.update(1)
-            if step % plan.eval_every == 0 or step == plan.max_steps:
+            if step % EVAL_EVERY_STEPS == 0 or step == plan.max_steps:
                 accuracy = greedy_accuracy(model, tokenizer, held_out, plan.max_len)
                 progress.set_postfix(loss=f"{loss.item():.3f}", held_out_acc=f"{accuracy:.2f}")
                 if plan.stop_at_accuracy is not None and accuracy >= plan.stop_at_accuracy:
@@ -285,26 +275,6 @@ def build_hint_base(args: argparse.Namespace, tokenizer: Qwen2Tokenizer) -> dict
     return record
 
 
-def build_chain_teacher(args: argparse.Namespace, tokenizer: Qwen2Tokenizer) -> dict:
-    """Writes teacher-chain/, the teacher trained further on the chain task; returns its record,
-    with the base's accuracy on the chain test problems beside it."""
-    chain_all = chain_problems("train", CHAIN_ROWS["train"])
-    held_out, chain_train = chain_all[:EVAL_PROBLEMS], chain_all[EVAL_PROBLEMS:]
-    plan = TrainPlan("teacher-chain", seed=5, max_steps=args.chain_teacher_steps, stop_at_accuracy=CHAIN_TEACHER_TARGET,
-                     lr=HARD_TEACHER_LR, max_len=CHAIN_MAX_LEN, init=args.out / "teacher", eval_every=CHAIN_EVAL_EVERY)
-    model, record = train(plan, tokenizer, [chain_train], held_out[:CHAIN_HELD_OUT], CHAIN_BATCH_SIZE)
-    chain_test = chain_problems("test", CHAIN_ROWS["test"])
-    base = Qwen2ForCausalLM.from_pretrained(args.out / "base")
-    record |= {"init": plan.init.name, "lr": plan.lr, "batch_size": CHAIN_BATCH_SIZE,
-               "chain_test_problems": len(chain_test),
-               "chain_test_greedy_accuracy": greedy_accuracy(model, tokenizer, chain_test, CHAIN_MAX_LEN),
-               "base_chain_test_greedy_accuracy": greedy_accuracy(base, tokenizer, chain_test, CHAIN_MAX_LEN),
-               "parameters": sum(p.numel() for p in model.parameters())}
-    save(model, tokenizer, args.out / plan.name)
-    print(f"{plan.name}: {record}")
-    return record
-
-
 def measure_hard(out: Path) -> dict:
     """Greedy accuracy, pass@1 and pass@MEASURE_SAMPLES at temperature 1, and the mean log-probability
     of the right answer, of the checkpoints in `out` on hard_test."""
@@ -335,8 +305,6 @@ def main(argv: list[str] | None = None) -> int:
                       help="build only teacher-hard/ (two- and three-digit task), recorded as teacher_hard")
     only.add_argument("--hint-base", action="store_true",
                       help="build only base-hint/ (the base taught to copy a hint), recorded as base_hint")
-    only.add_argument("--chain-teacher", action="store_true",
-                      help="build only teacher-chain/ (the chain task, long answers), recorded as teacher_chain")
     only.add_argument("--measure-hard", action="store_true",
                       help="build nothing: score base/, teacher/, teacher-hard/ on hard_test, recorded as hard_task")
     parser.add_argument("--teacher-steps", type=int, default=2500)
@@ -345,8 +313,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hard-teacher-lr", type=float, default=HARD_TEACHER_LR,
                         help="peak learning rate of --hard-teacher")
     parser.add_argument("--hint-base-steps", type=int, default=HINT_BASE_STEPS, help="most steps of --hint-base")
-    parser.add_argument("--chain-teacher-steps", type=int, default=CHAIN_TEACHER_STEPS,
-                        help="most steps of --chain-teacher")
     parser.add_argument("--batch-size", type=int, default=256)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # one thread: bitwise-reproducible float reductions
@@ -355,8 +321,6 @@ def main(argv: list[str] | None = None) -> int:
         entries = {"teacher_hard": {"command": command, **build_hard_teacher(args, build_tokenizer())}}
     elif args.hint_base:
         entries = {"base_hint": {"command": command, **build_hint_base(args, build_tokenizer())}}
-    elif args.chain_teacher:
-        entries = {"teacher_chain": {"command": command, **build_chain_teacher(args, build_tokenizer())}}
     elif args.measure_hard:
         entries = {"hard_task": {"command": command, **measure_hard(args.out)}}
     else:

@@ -15,13 +15,6 @@ The hard task is the same with three-digit operands ("123+456=" -> "975"). Its 8
 pairs are too many to enumerate, so `hard_problems` draws a seeded sample of a split and
 the dataset files (hard_train.jsonl, hard_test.jsonl) hold HARD_ROWS of each. The bundled
 base never sees it; the hard teacher (tinymodels/teacher-hard) learns it.
-
-The chain task has long answers: CHAIN_OPERANDS two-digit numbers to add, and the answer
-writes out every partial sum, each as three digits reversed and zero-padded, separated by
-spaces ("12+34+56+...=" -> "640 201 ..."): 23 characters (+ EOS), where one early slip
-spoils everything after it. It is the regime where the states a model visits while
-sampling can differ from the teacher's, which 4-token answers cannot show. The base never
-sees it; the chain teacher (tinymodels/teacher-chain) learns it.
 """
 
 from __future__ import annotations
@@ -42,10 +35,6 @@ DATA_DIR = Path(__file__).resolve().parent / "data"
 HARD_OPERANDS = range(100, 1000)
 HARD_ROWS = {"train": 20_000, "test": 500}
 HARD_TRAIN = DATA_DIR / "hard_train.jsonl"
-CHAIN_OPERANDS = 7
-CHAIN_ROWS = {"train": 20_000, "test": 500}
-CHAIN_TRAIN = DATA_DIR / "chain_train.jsonl"
-CHAIN_TEST = DATA_DIR / "chain_test.jsonl"
 HARD_TEST = DATA_DIR / "hard_test.jsonl"
 # The privileged-information prompt: the answer itself, then the question ("579 123+456=").
 # The hint-reading base (tinymodels/base-hint) learned to copy it; `--teacher self
@@ -82,26 +71,9 @@ def hinted(batch: list[Problem]) -> list[HintedProblem]:
     return [HintedProblem(p.a, p.b) for p in batch]
 
 
-@dataclass(frozen=True)
-class ChainProblem:
-    """Two-digit numbers to add, answered with every partial sum written out."""
-
-    operands: tuple[int, ...]
-
-    @property
-    def prompt(self) -> str:
-        return "+".join(map(str, self.operands)) + "="
-
-    @property
-    def answer(self) -> str:
-        sums = [sum(self.operands[: i + 1]) for i in range(1, len(self.operands))]
-        return " ".join(f"{s:03d}"[::-1] for s in sums)
-
-
-def _split_of(problem: Problem | ChainProblem) -> str:
+def _split_of(problem: Problem) -> str:
     # A hash, not a seeded shuffle: the split of a pair never changes with the code around it.
-    question = problem.prompt if isinstance(problem, ChainProblem) else f"{problem.a}+{problem.b}="
-    digest = hashlib.blake2b(question.encode(), digest_size=8).digest()
+    digest = hashlib.blake2b(f"{problem.a}+{problem.b}=".encode(), digest_size=8).digest()
     return "test" if int.from_bytes(digest, "big") % TEST_BUCKETS == 0 else "train"
 
 
@@ -136,21 +108,7 @@ def hard_problems(split: str, n: int, seed: int = 0) -> list[Problem]:
     return chosen
 
 
-def chain_problems(split: str, n: int, seed: int = 0) -> list[ChainProblem]:
-    """The first `n` distinct chain problems of `split`, drawn in an order seeded by `seed`
-    (a smaller `n` gives a prefix of a larger one, as `hard_problems`)."""
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; use one of {SPLITS}")
-    rng, chosen, seen = random.Random(seed), [], set()
-    while len(chosen) < n:
-        problem = ChainProblem(tuple(rng.choice(OPERANDS) for _ in range(CHAIN_OPERANDS)))
-        if problem not in seen and _split_of(problem) == split:
-            seen.add(problem)
-            chosen.append(problem)
-    return chosen
-
-
-def score(problem: Problem | ChainProblem, completion: str) -> float:
+def score(problem: Problem, completion: str) -> float:
     """1.0 if the completion is exactly the answer (before any newline or EOS text), else 0.0."""
     if not isinstance(completion, str):
         return 0.0
@@ -158,17 +116,12 @@ def score(problem: Problem | ChainProblem, completion: str) -> float:
     return 1.0 if text == problem.answer else 0.0
 
 
-def write_dataset(split: str, path: Path, hard: bool = False, chain: bool = False) -> None:
+def write_dataset(split: str, path: Path, hard: bool = False) -> None:
     """`split` as a JSONL dataset: one {"prompt", "answer"} row per problem, in `problems(split)` order.
 
-    With `hard`, the rows are `hard_problems(split, HARD_ROWS[split])`, in that order; with
-    `chain`, `chain_problems(split, CHAIN_ROWS[split])`.
+    With `hard`, the rows are `hard_problems(split, HARD_ROWS[split])`, in that order.
     """
-    chosen: list[Problem] | list[ChainProblem]
-    if chain:
-        chosen = chain_problems(split, CHAIN_ROWS[split])
-    else:
-        chosen = hard_problems(split, HARD_ROWS[split]) if hard else problems(split)
+    chosen = hard_problems(split, HARD_ROWS[split]) if hard else problems(split)
     rows = (json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n" for p in chosen)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(rows), encoding="utf-8")
@@ -179,5 +132,3 @@ if __name__ == "__main__":
         write_dataset(name, DATA_DIR / f"{name}.jsonl")
     write_dataset("train", HARD_TRAIN, hard=True)
     write_dataset("test", HARD_TEST, hard=True)
-    write_dataset("train", CHAIN_TRAIN, chain=True)
-    write_dataset("test", CHAIN_TEST, chain=True)

@@ -10,9 +10,8 @@ import sys
 import pytest
 
 import tinymodels
-from tinymodels.task import (CHAIN_ROWS, CHAIN_TEST, CHAIN_TRAIN, HARD_MAX_SAMPLE, HARD_ROWS, HARD_TEST, HARD_TRAIN,
-                             HINT_TEMPLATE, ChainProblem, Problem, chain_problems, hard_problems, hinted, problems, score,
-                             write_dataset)
+from tinymodels.task import (HARD_MAX_SAMPLE, HARD_ROWS, HARD_TEST, HARD_TRAIN, HINT_TEMPLATE, Problem, hard_problems,
+                             hinted, problems, score, write_dataset)
 
 
 def test_answers_are_reversed_sums():
@@ -26,17 +25,6 @@ def test_a_hinted_problem_carries_its_answer_and_keeps_its_split():
     assert problem.answer == "975" and score(problem, "975<eos>") == 1.0
     assert set(hinted(problems("test"))).isdisjoint(hinted(problems("train")))
     assert all(p in hinted(hard_problems("test", 50)) for p in hinted(hard_problems("test", 20)))
-
-
-def test_a_chain_answer_writes_every_partial_sum_reversed_and_padded():
-    problem = ChainProblem((12, 34, 56, 99))
-    assert problem.prompt == "12+34+56+99="
-    assert problem.answer == "640 201 102"  # 46, 102, 201
-    assert score(problem, "640 201 102<eos>") == 1.0 and score(problem, "640 201 103") == 0.0
-    long = chain_problems("test", 20, seed=3)
-    assert all(len(p.prompt) == 21 and len(p.answer) == 23 for p in long)
-    assert chain_problems("test", 10, seed=3) == long[:10]
-    assert not set(chain_problems("train", 200)) & set(chain_problems("test", 200))
 
 
 def test_splits_are_disjoint_complete_and_stable():
@@ -82,19 +70,6 @@ def test_hard_dataset_files_are_what_the_generator_writes_with_right_answers(tmp
     for row in rows[:2000]:
         a, b = (int(x) for x in row["prompt"].removesuffix("=").split("+"))
         assert 100 <= a <= 999 and 100 <= b <= 999 and row["answer"] == str(a + b)[::-1], row
-
-
-@pytest.mark.parametrize(("split", "path"), [("train", CHAIN_TRAIN), ("test", CHAIN_TEST)])
-def test_chain_dataset_files_are_what_the_generator_writes_with_right_answers(tmp_path, split, path):
-    fresh = tmp_path / path.name
-    write_dataset(split, fresh, chain=True)
-    assert path.read_bytes() == fresh.read_bytes(), f"{path} drifted from tinymodels.task: python -m tinymodels.task"
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
-    assert len(rows) == CHAIN_ROWS[split] == len({row["prompt"] for row in rows})
-    for row in rows[:2000]:
-        operands = [int(x) for x in row["prompt"].removesuffix("=").split("+")]
-        sums = [int(part[::-1]) for part in row["answer"].split(" ")]
-        assert sums == [sum(operands[:i + 1]) for i in range(1, len(operands))], row
 
 
 def test_hard_train_and_test_files_share_no_prompt():
