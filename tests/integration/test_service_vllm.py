@@ -94,8 +94,12 @@ async def test_openai_errors_are_typed_by_the_client(vllm_pair):
         with pytest.raises(openai.BadRequestError, match="maximum context length") as caught:
             await openai_client.completions.create(model=MODEL, prompt="1+1=", max_tokens=500)
         assert caught.value.code == "context_length_exceeded"
-        with pytest.raises(openai.UnprocessableEntityError, match="unknown field"):
+        with pytest.raises(openai.BadRequestError, match="unknown field"):  # 400 as vLLM and OpenAI, not 422
             await openai_client.completions.create(model=MODEL, prompt="1+1=", extra_body={"alpha": 0.5})
+        # The vocabulary comes from the served model's config: refused here, not by vLLM (a 502 before).
+        with pytest.raises(openai.BadRequestError, match="outside the vocabulary") as caught:
+            await openai_client.completions.create(model=MODEL, prompt=[5, 99999], max_tokens=2)
+        assert caught.value.code == "invalid_token_id"
 
 
 LM_EVAL_TASK = REPO / "benchmarks" / "lm_eval_tasks"
