@@ -181,8 +181,7 @@ def run_arm(task: str, folder: str, fields: dict, args: argparse.Namespace, seed
                           args.steps - first["steps_done"])
     return {"fields": {**then["fields"], "warmup": f"{warm_folder} for {first['steps_done']} updates"},
             "curves": joined(first["curves"], then["curves"], first["steps_done"]),
-            "steps_done": first["steps_done"] + then["steps_done"],
-            "wall_s": first["wall_s"] + then["wall_s"]}
+            "steps_done": first["steps_done"] + then["steps_done"]}
 
 
 def train_or_reuse(arm_dir: Path, task: str, fields: dict, args: argparse.Namespace, seed: int, steps: int) -> dict:
@@ -202,8 +201,9 @@ def train_or_reuse(arm_dir: Path, task: str, fields: dict, args: argparse.Namesp
             print(f"reusing {arm_dir} (finished, same settings)")
             metrics = arm_dir / "metrics.jsonl"
             records = [json.loads(line) for line in metrics.read_text().splitlines()]
+            # The first run's wall time is not recorded; its updates' time is (evaluations left out).
             return {"fields": described, "curves": curves(metrics, uses_teacher(config)), "reused": True,
-                    "steps_done": records[-1]["step"], "wall_s": sum(r.get("step_seconds", 0.0) for r in records)}
+                    "steps_done": records[-1]["step"], "update_s": sum(r.get("step_seconds", 0.0) for r in records)}
         raise SystemExit(f"{arm_dir} exists but is unfinished or was run with other settings; "
                          "remove it or pass another --output")
     started = time.perf_counter()

@@ -236,7 +236,9 @@ class QStarService:
         if vocab is None:
             return
         for i, prompt in enumerate(prompts):
-            bad = [t for t in prompt if not isinstance(t, str) and not 0 <= t < vocab]
+            if isinstance(prompt, str):  # text: the tokenizer makes only ids it has
+                continue
+            bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
                 raise RequestError(f"{param} {i} has token id {bad[0]}, outside the vocabulary of {vocab} tokens "
                                    f"(ids 0 to {vocab - 1})", code="invalid_token_id", param=param)

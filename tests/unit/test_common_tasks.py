@@ -23,11 +23,13 @@ async def drops_one_cancel(release: asyncio.Event) -> str:
     return "released"
 
 
-async def never_stops(release: asyncio.Event) -> None:
+async def never_stops(release: asyncio.Event, cancelled: asyncio.Event | None = None) -> None:
     while not release.is_set():
         try:
             await release.wait()
         except asyncio.CancelledError:
+            if cancelled is not None:
+                cancelled.set()
             continue
 
 
@@ -49,12 +51,11 @@ async def test_stop_names_what_it_waited_for_when_the_bound_runs_out():
 
 
 async def test_stop_never_swallows_the_callers_own_cancel():
-    release = asyncio.Event()
-    stubborn = asyncio.create_task(never_stops(release))
+    release, cancelled = asyncio.Event(), asyncio.Event()
+    stubborn = asyncio.create_task(never_stops(release, cancelled))
     await asyncio.sleep(0)
     stopper = asyncio.create_task(stop(stubborn, what="a stubborn task", timeout_s=60))
-    for _ in range(5):  # a few loop iterations: the stopper has cancelled once and waits
-        await asyncio.sleep(0)
+    await asyncio.wait_for(cancelled.wait(), 5)  # the stopper has cancelled once and waits
     assert not stopper.done() and not stubborn.done()
     stopper.cancel()
     with pytest.raises(asyncio.CancelledError):
