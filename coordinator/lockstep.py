@@ -63,6 +63,7 @@ from common.tasks import bounded, stop
 from coordinator.admission import MAX_HOLD_S, AdmissionGate
 from coordinator.config import CoordinatorConfig
 from coordinator.delivery import Delivery
+from coordinator.lockstep_setup import refusal
 from coordinator.scheduler import record_rows, sample_rows
 from coordinator.sequence import SequenceState
 from coordinator.stats import Statistics, StepTiming
@@ -192,7 +193,7 @@ class LockstepScheduler:
         self._streams: dict[int, _Stream] = {}
         self._requests: set[asyncio.Task[str]] = set()
         self._blocked: dict[bytes, _Blocked] = {}
-        self._probes: dict[int, asyncio.Future[None]] = {}  # check_plugin's requests: done when reported
+        self._probes: dict[int, asyncio.Future[wire.Report]] = {}  # check_plugin's requests: their reports
         # Ids start at a random point: a plugin that still counts positions for a previous
         # coordinator on the same port must never mistake these streams for its old ones.
         self._ids = itertools.count(secrets.randbits(40) << 20)
@@ -251,9 +252,11 @@ class LockstepScheduler:
             live.engines[role] = best
 
     async def check_plugin(self, engine: VLLMClient) -> None:
-        """Raise LockstepUnavailableError unless `engine`'s plugin reports here: a replica
-        that rejoins its pool may have been restarted without it, and would then decode its
-        sequences natively (each ended on its own and resent, until it failed)."""
+        """Raise LockstepUnavailableError unless `engine`'s plugin reports here, and its report
+        passes the start-up probe's checks (chunked prefill off, room for the sequences this
+        coordinator places on a server): a replica that rejoins its pool may have been restarted
+        without the plugin, and would then decode its sequences natively (each ended on its own
+        and resent, until it failed), or with settings the coordinator was not sized for."""
         self._listen()
         probe_id = next(self._ids)
         reported = self._probes[probe_id] = asyncio.get_running_loop().create_future()
@@ -265,6 +268,12 @@ class LockstepScheduler:
             await asyncio.wait({request, reported}, timeout=self._config.request_timeout,
                                return_when=asyncio.FIRST_COMPLETED)
             if reported.done():
+                # The judgement the start-up probe makes (lockstep_setup.refusal), against what this
+                # coordinator places on each server: a replica restarted with other settings stays out.
+                roles = sum(engine.url in {e.url for e in replicas} for replicas in self._replicas)
+                reason = refusal(reported.result(), roles * min(self._per_server, self._config.max_batch_size))
+                if reason is not None:
+                    raise LockstepUnavailableError(f"{engine.name} server at {engine.url}: {reason}")
                 return
             if request.done():
                 request.result()  # a refusal raises its ServerError
@@ -629,7 +638,7 @@ class LockstepScheduler:
             if stream is None or stream.retired or stream.live.done or self._closing:
                 probe = self._probes.get(stream_id)
                 if probe is not None and not probe.done():
-                    probe.set_result(None)
+                    probe.set_result(report)
                 answers[i] = wire.END
                 continue
             live, seq = stream.live, stream.live.seq

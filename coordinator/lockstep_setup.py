@@ -96,7 +96,22 @@ async def _probe(channel: LockstepChannel, engine: VLLMClient, probe_ids: list[i
         return ("it has no dualvllm lockstep plugin (start it with `dualvllm serve --lockstep`, or add "
                 "--logits-processors engines.vllm_plugin.processor:LockstepProcessor "
                 "--no-enable-chunked-prefill)"), 0
+    return refusal(report), report.capacity
+
+
+def refusal(report: wire.Report, needed: int = 1) -> str | None:
+    """Why a server whose plugin sent `report` cannot take lockstep sequences, or None if it can.
+
+    The one judgement of a plugin's report, made at start-up and again when a replica rejoins
+    its pool (LockstepScheduler.check_plugin): a replica restarted with other settings must
+    meet what the running coordinator was sized for. `needed`: the requests the coordinator
+    may hold on this server at once (1 at start-up, where capacity is read, not checked)."""
     if report.flags & wire.FLAG_CHUNKED_PREFILL:
         return ("it runs with chunked prefill, which splits prompts over steps the plugin would count as "
-                "tokens; restart it with --no-enable-chunked-prefill (`dualvllm serve --lockstep` does)"), 0
-    return None, report.capacity
+                "tokens; restart it with --no-enable-chunked-prefill (`dualvllm serve --lockstep` does)")
+    if report.capacity < needed:
+        # Requests past its max_num_seqs would wait in its queue while their other halves
+        # decode: a park at every step.
+        return (f"it runs at most {report.capacity} sequences at once (max_num_seqs), fewer than the {needed} "
+                f"this coordinator places on each server; restart it with --max-num-seqs {needed} or more")
+    return None

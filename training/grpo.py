@@ -51,6 +51,9 @@ PUSH_PROBES = 4
 # A cancelled sampler stops at its next await, within milliseconds (its sequences are
 # cancelled, a reward being scored is left to its worker); the bound turns a bug into an error.
 SAMPLER_STOP_S = 30.0
+# A GRPO run whose groups have all scored alike this many updates is told, once, that it learns
+# nothing and what has worked instead (benchmarks/README.md, "From likelihood to accuracy").
+NO_SIGNAL_WARNING_STEPS = 20
 
 
 @dataclass(frozen=True)
@@ -203,6 +206,13 @@ class GRPORecipe:
                 step = self.state.step
                 signal = signal or metrics["zero_advantage_groups"] < 1.0
                 silent = step == config.stop_without_signal and not signal
+                if step == NO_SIGNAL_WARNING_STEPS and not signal and config.method == "grpo":
+                    log.warning(
+                        "every group of the first %d updates scored alike (zero advantage): GRPO has no signal "
+                        "here, the rollouts are never right or never wrong. If the base cannot solve these "
+                        "prompts, train on the teacher's distribution instead (--method distill: forward KL on "
+                        "q* states, or with --fixed-alpha 1 on the teacher's), or use --stop-without-signal N "
+                        "to end runs like this one", step)
                 if step == config.steps or silent:  # nothing more to sample: the last evaluation runs alone
                     await self._stop_sampler()
                 if step % config.eval_every == 0 or step == config.steps or silent:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from common.errors import LifecycleError
+from common.errors import LifecycleError, LockstepUnavailableError
 from coordinator.config import CoordinatorConfig
 from coordinator.core import sampling_params
 import coordinator.admission
@@ -975,6 +975,24 @@ async def test_the_plugin_check_passes_a_replica_that_reports(rig):
     replica = pools.replicas[0][1]
     await asyncio.wait_for(pools.scheduler.check_plugin(replica), OUTPUT_TIMEOUT_S)  # type: ignore[arg-type]
     assert len(replica.requests) == 1 and replica.steps >= 1  # its one step reported here
+
+
+@pytest.mark.parametrize(("setting", "refused_for"), [
+    ({"flags": wire.FLAG_CHUNKED_PREFILL}, "chunked prefill"),
+    ({"capacity": 8}, "at most 8 sequences at once"),
+])
+async def test_the_plugin_check_refuses_what_the_start_up_probe_refuses(rig, setting, refused_for):
+    """A replica restarted with chunked prefill, or with a smaller max_num_seqs than the coordinator
+    places on a server, reports through its plugin all the same: the rejoin check judges the report
+    as the start-up probe does, so it stays out of its pool."""
+    pools = PoolRig(rig)
+    replica = pools.replicas[0][1]
+    for name, value in setting.items():
+        setattr(replica, name, value)
+    with pytest.raises(LockstepUnavailableError, match=refused_for) as refused:
+        await asyncio.wait_for(pools.scheduler.check_plugin(replica), OUTPUT_TIMEOUT_S)  # type: ignore[arg-type]
+    assert str(refused.value).startswith(f"theta1 server at {replica.url}")
+    assert len(replica.requests) == 1 and replica.idle  # the probe's one request, ended
 
 
 # -- a caller that stops listening ------------------------------------------------------

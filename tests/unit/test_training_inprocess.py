@@ -35,9 +35,12 @@ async def test_the_recipe_trains_in_process_from_live_weights(tmp_path, fields):
     assert (tmp_path / "run" / "checkpoints" / "step-000003").is_dir()
 
 
-async def test_a_grpo_run_without_signal_stops_at_stop_without_signal(tmp_path):
+async def test_a_grpo_run_without_signal_stops_at_stop_without_signal(tmp_path, monkeypatch, caplog):
     """On the hard task the bundled base is never right, so on-policy groups all score 0: no signal."""
     from tinymodels.task import HARD_TEST, HARD_TRAIN
+    from training import grpo
+
+    monkeypatch.setattr(grpo, "NO_SIGNAL_WARNING_STEPS", 1)
 
     config = TrainConfig(output_dir=tmp_path / "run", engine="transformers", steps=10, prompts_per_step=2,
                          group_size=4, eval_every=5, eval_prompts=8, max_tokens=5, seed=0, fixed_alpha=0.0,
@@ -48,6 +51,8 @@ async def test_a_grpo_run_without_signal_stops_at_stop_without_signal(tmp_path):
     assert [r["zero_advantage_groups"] for r in records if "event" not in r] == [1.0, 1.0]
     assert report.steps_done == 2
     assert [r["step"] for r in records if r.get("event") == "eval"] == [0, 2]  # the last update is evaluated
+    warnings = [r.getMessage() for r in caplog.records if "zero advantage" in r.getMessage()]
+    assert len(warnings) == 1 and "--method distill" in warnings[0]  # told once, with what to do
 
 
 async def test_a_grpo_run_with_signal_goes_on_past_stop_without_signal(tmp_path):
