@@ -260,8 +260,7 @@ class LockstepScheduler:
         self._listen()
         probe_id = next(self._ids)
         reported = self._probes[probe_id] = asyncio.get_running_loop().create_future()
-        args = {wire.ARG_ADDRESS: self._channel.address, wire.ARG_ID: probe_id, wire.ARG_OFFSET: 0,
-                wire.ARG_TOP_K: 1, wire.ARG_STOP: self._stop_token}
+        args = wire.request_args(wire.Tagged(self._channel.address, probe_id, offset=0, top_k=1, stop=self._stop_token))
         request = asyncio.create_task(engine.forced_generation(
             [self._stop_token], max_tokens=2, stop_token=self._stop_token, lockstep_args=args))
         try:
@@ -436,8 +435,8 @@ class LockstepScheduler:
         self._streams[stream.id] = stream
         # One more than needed: the coordinator ends the request (END) before the server would.
         max_tokens = max(1, min(seq.params.max_tokens - agreed + 1, self._max_len - len(prompt)))
-        args = {wire.ARG_ADDRESS: self._channel.address, wire.ARG_ID: stream.id, wire.ARG_OFFSET: agreed,
-                wire.ARG_TOP_K: self._config.top_k, wire.ARG_STOP: self._stop_token}
+        args = wire.request_args(wire.Tagged(self._channel.address, stream.id, offset=agreed, top_k=self._config.top_k,
+                                             stop=self._stop_token))
         task = asyncio.create_task(stream.engine.forced_generation(
             prompt, max_tokens=max_tokens, stop_token=self._stop_token, lockstep_args=args,
             on_accepted=stream.accept))

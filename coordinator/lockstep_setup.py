@@ -72,8 +72,7 @@ async def probe_servers(channel: LockstepChannel, engines: list[VLLMClient], pro
 
 async def _probe(channel: LockstepChannel, engine: VLLMClient, probe_ids: list[int],
                  stop_token: int) -> tuple[str | None, int]:
-    args = {wire.ARG_ADDRESS: channel.address, wire.ARG_ID: secrets.randbits(62), wire.ARG_OFFSET: 0,
-            wire.ARG_TOP_K: 1, wire.ARG_STOP: stop_token}
+    args = wire.request_args(wire.Tagged(channel.address, secrets.randbits(62), offset=0, top_k=1, stop=stop_token))
     request = asyncio.create_task(engine.forced_generation(probe_ids, max_tokens=2, stop_token=stop_token,
                                                            lockstep_args=args))
     report: wire.Report | None = None

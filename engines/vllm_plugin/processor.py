@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -62,22 +61,7 @@ DEFAULT_TIMEOUT_S = 60.0
 MAX_REMEMBERED_POSITIONS = 100_000
 
 
-@dataclass(frozen=True)
-class Tagged:
-    """What a lockstep request's vllm_xargs say."""
-
-    address: str
-    id: int
-    offset: int
-    top_k: int
-    stop: int
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return self.address, self.id
-
-
-def tagged(params: SamplingParams | None) -> Tagged | None:
+def tagged(params: SamplingParams | None) -> wire.Tagged | None:
     """The request's lockstep arguments, or None for an ordinary request; ValueError if malformed."""
     args = (params.extra_args if params is not None else None) or {}
     present = [key for key in wire.ARGS if key in args]
@@ -93,7 +77,7 @@ def tagged(params: SamplingParams | None) -> Tagged | None:
         raise ValueError(f"lockstep vllm_xargs out of range: {numbers}")
     address = args[wire.ARG_ADDRESS]
     check_address(address)
-    return Tagged(address=address, id=numbers[wire.ARG_ID], offset=numbers[wire.ARG_OFFSET],
+    return wire.Tagged(address=address, id=numbers[wire.ARG_ID], offset=numbers[wire.ARG_OFFSET],
                   top_k=numbers[wire.ARG_TOP_K], stop=numbers[wire.ARG_STOP])
 
 
@@ -159,7 +143,7 @@ class LockstepProcessor(LogitsProcessor):
                              "stop_token_ids, or END would not end it")
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
-        self._rows: dict[int, Tagged] = {}  # batch row -> lockstep request
+        self._rows: dict[int, wire.Tagged] = {}  # batch row -> lockstep request
         self._next_position: dict[tuple[str, int], int] = {}  # (address, id) -> its next position
         self._channels: dict[str, _Channel] = {}
         self._context: zmq.Context | None = None
@@ -219,7 +203,7 @@ class LockstepProcessor(LogitsProcessor):
         self._force(logits, rows, requests, tokens)
         return logits
 
-    def _ask_coordinators(self, logits: torch.Tensor, rows: list[int], requests: list[Tagged]) -> list[int]:
+    def _ask_coordinators(self, logits: torch.Tensor, rows: list[int], requests: list[wire.Tagged]) -> list[int]:
         """The token (or wire.END) of every row, in `rows` order, from the rows' coordinators."""
         by_address: dict[str, list[int]] = {}
         for i, request in enumerate(requests):
@@ -252,7 +236,7 @@ class LockstepProcessor(LogitsProcessor):
                 tokens[i] = token if 0 <= token < vocab else wire.END
         return tokens
 
-    def _force(self, logits: torch.Tensor, rows: list[int], requests: list[Tagged], tokens: list[int]) -> None:
+    def _force(self, logits: torch.Tensor, rows: list[int], requests: list[wire.Tagged], tokens: list[int]) -> None:
         """Mask each row to its token (END -> the request's stop token); advance positions."""
         forced = []
         for request, token in zip(requests, tokens):
@@ -267,7 +251,7 @@ class LockstepProcessor(LogitsProcessor):
         logits.index_fill_(0, index, float("-inf"))
         logits[index, chosen] = 0.0
 
-    def _position(self, request: Tagged) -> int:
+    def _position(self, request: wire.Tagged) -> int:
         return self._next_position.setdefault(request.key, request.offset)
 
     def _channel(self, address: str) -> _Channel:

@@ -43,6 +43,28 @@ _REPORT_HEADER = struct.Struct("<IIIIII")
 _REPLY_HEADER = struct.Struct("<III")
 
 
+@dataclass(frozen=True)
+class Tagged:
+    """What a lockstep request's vllm_xargs say: built by `request_args`, read back by the plugin
+    (processor.tagged), so the two ends cannot spell a key differently."""
+
+    address: str
+    id: int
+    offset: int
+    top_k: int
+    stop: int
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.address, self.id
+
+
+def request_args(tag: Tagged) -> dict[str, str | int]:
+    """The vllm_xargs of a lockstep request (the coordinator's side of processor.tagged)."""
+    return {ARG_ADDRESS: tag.address, ARG_ID: tag.id, ARG_OFFSET: tag.offset, ARG_TOP_K: tag.top_k,
+            ARG_STOP: tag.stop}
+
+
 class WireError(ValueError):
     """A message that does not follow this format (another version, truncated frames)."""
 

@@ -22,8 +22,7 @@ STOP = 1
 
 
 def lockstep_params(address: str, stream_id: int, *, offset: int = 0, top_k: int = 3, **changes) -> SamplingParams:
-    args = {wire.ARG_ADDRESS: address, wire.ARG_ID: stream_id, wire.ARG_OFFSET: offset, wire.ARG_TOP_K: top_k,
-            wire.ARG_STOP: STOP, **changes}
+    args = {**wire.request_args(wire.Tagged(address, stream_id, offset=offset, top_k=top_k, stop=STOP)), **changes}
     return SamplingParams(temperature=0.0, stop_token_ids=[STOP], extra_args=args)
 
 
@@ -141,3 +140,9 @@ def test_end_forces_the_stop_token_and_a_silent_coordinator_ends_its_rows(monkey
     out = proc.apply(torch.randn(2, 10))
     assert out[0].argmax().item() == STOP and out[1].argmax().item() == STOP
     assert len(ends.reports) == 1 and len(silent.reports) == 1
+
+
+def test_the_coordinators_request_args_read_back_as_they_were_built():
+    tag = wire.Tagged("ipc:///tmp/coordinator", 2**61 + 5, offset=7, top_k=20, stop=STOP)
+    assert processor.tagged(SamplingParams(stop_token_ids=[STOP], extra_args=wire.request_args(tag))) == tag
+    assert set(wire.request_args(tag)) == set(wire.ARGS)  # every key the plugin requires, no other
