@@ -34,6 +34,7 @@ from engines.pool import ReplicaPool
 from engines.protocol import ModelInfo, TopKBatch
 from engines.vllm_plugin import wire
 from tests.fake_lockstep import EOS_ID, VOCAB_SIZE, FakeLockstepServer, FakeModel, FakeRequest
+from tests.waiting import eventually
 
 # A hang is a failure, not a 900 s wait.
 pytestmark = pytest.mark.timeout(60)
@@ -168,14 +169,6 @@ async def generate(scheduler: LockstepScheduler, sequences: list[SequenceState])
         return await collect(sequences)
     finally:
         await asyncio.wait_for(scheduler.close(), OUTPUT_TIMEOUT_S)
-
-
-async def eventually(condition, what: str) -> None:
-    for _ in range(int(OUTPUT_TIMEOUT_S / 0.005)):
-        if condition():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"never happened: {what}")
 
 
 def admit_second_step_only(k: int):
@@ -960,7 +953,9 @@ async def test_a_replica_restarted_without_the_plugin_stays_out_of_the_pool(rig,
         outputs = await generate(pools.scheduler, sequences)
         await restart
         await eventually(lambda: plain.requests[-1].finish == "length", "the plugin probe reached the replica")
-        await asyncio.sleep(0.2)  # several probe intervals
+        checked = len(plain.requests)
+        await eventually(lambda: len(plain.requests) >= checked + 2 and plain.requests[-1].finish == "length",
+                         "two more rejoin checks of the replica, each refused")
 
         pools.assert_lossless(outputs, sequences[0].params)
         assert pools.pools[0].healthy == [1] and pools.pools[0].counters.rejoins == 0

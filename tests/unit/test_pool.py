@@ -12,6 +12,7 @@ import pytest
 from common.errors import IncompatibleModelsError, InvalidInputError, WeightSyncError
 from coordinator import CoordinatorConfig, DualVLLMCoordinator
 from tests.fake_vllm import FakeModel, FakeVLLM, Failure, tokenize, write_fake_weights
+from tests.waiting import eventually
 from training.weight_sync import BasePusher
 
 PROMPTS = ["abc", "de", "fgh", "ij", "klm", "no", "ab", "cd"]
@@ -90,10 +91,7 @@ async def test_a_down_replica_rejoins_once_it_answers_with_the_same_weights():
             a.fail_next("/v1/completions", Failure(503))
             await c.generate_batch(PROMPTS, max_tokens=4, seed=1)
             assert c.get_statistics()["theta_replica_downs"] == 1
-            for _ in range(100):  # probed every 0.05 s
-                await asyncio.sleep(0.05)
-                if c.get_statistics()["theta_replicas_up"] == 2:
-                    break
+            await eventually(lambda: c.get_statistics()["theta_replicas_up"] == 2, "the replica rejoined")
             stats = c.get_statistics()
             before = len(a.calls["/v1/completions"])
             await c.generate_batch(PROMPTS, max_tokens=4, seed=2)

@@ -15,6 +15,7 @@ from coordinator import CoordinatorConfig, DualVLLMCoordinator
 from service.app import serve
 from service.config import ServiceConfig
 from tests.fake_vllm import EOS_ID, VOCAB_SIZE, FakeModel, FakeVLLM, Failure, detokenize, tokenize
+from tests.waiting import eventually
 
 MODEL = "fake-base+fake-teacher"
 
@@ -314,9 +315,12 @@ async def test_a_server_that_keeps_failing_is_a_502_and_the_service_goes_on(serv
 
 async def test_a_full_queue_answers_429_with_retry_after(fake_theta, fake_t):
     fake_theta.completion_delay_s = 0.05
+    fake_theta.model.eos_after = fake_t.model.eos_after = 60
     async with running(fake_theta, fake_t, {"max_batch_size": 2}, max_queued_sequences=1) as (url, _):
-        first = asyncio.create_task(post(url, "/v1/completions", completion(n=3, max_tokens=8)))
-        await asyncio.sleep(0.3)  # the first request holds all 3 places
+        before = len(fake_theta.calls["/v1/completions"])
+        first = asyncio.create_task(post(url, "/v1/completions", completion(n=3, max_tokens=24)))
+        # Once its first step is asked for, the first request holds all 3 places for 24 steps of 0.05 s.
+        await eventually(lambda: len(fake_theta.calls["/v1/completions"]) > before, "the first request's first step")
         async with aiohttp.ClientSession() as session:
             async with session.post(url + "/v1/completions", json=completion(n=1)) as response:
                 assert response.status == 429

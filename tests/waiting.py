@@ -1,0 +1,24 @@
+"""Waiting on events in tests: poll a condition until it holds, and fail loudly if it never does.
+
+A fixed sleep is either too short on a loaded machine (a flaky test) or too long on an idle
+one (a slow test); a wait on the condition itself is neither. The timeout is generous because
+it only matters when the condition never comes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Callable
+
+WAIT_S = 30.0
+POLL_S = 0.005
+
+
+async def eventually(condition: Callable[[], object], what: str, timeout_s: float = WAIT_S) -> None:
+    """Return once `condition()` is true; AssertionError naming `what` after `timeout_s` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never happened within {timeout_s:g} s: {what}")
+        await asyncio.sleep(POLL_S)
