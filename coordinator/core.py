@@ -27,9 +27,9 @@ from coordinator.lockstep import LockstepScheduler
 from coordinator.lockstep_setup import lockstep_stop_token, probe_servers
 from coordinator.outputs import GenerationOutput, Prompt
 from coordinator.prompts import encode_prompts
-from coordinator.scheduler import Scheduler
+from coordinator.scheduler import Scheduler, Scheduling
 from coordinator.sequence import SamplingParams, SequenceState, TokenListener
-from coordinator.speculative import SpeculativeScheduler, speculative_scheduler
+from coordinator.speculative import speculative_scheduler
 from coordinator.stats import Statistics, StepTiming
 from common.errors import InvalidInputError, LifecycleError, LockstepUnavailableError, TopKUnsupportedError
 from engines.lockstep_channel import LockstepChannel
@@ -58,7 +58,7 @@ class DualVLLMCoordinator:
         self._theta: Engine | None = None
         self._t: Engine | None = None
         self._stack = contextlib.AsyncExitStack()
-        self._scheduler: Scheduler | LockstepScheduler | None = None
+        self._scheduler: Scheduling | None = None
         self._stats = Statistics()
         self._sequence_keys = itertools.count()
         self._seed_source = np.random.default_rng(self.config.seed)
@@ -169,11 +169,7 @@ class DualVLLMCoordinator:
     @property
     def mode(self) -> str:
         """How tokens reach the servers: "lockstep", "speculative" or "per_token" (known once entered)."""
-        if isinstance(self._scheduler, LockstepScheduler):
-            return "lockstep"
-        if isinstance(self._scheduler, SpeculativeScheduler):
-            return "speculative"
-        return "per_token"
+        return self._scheduler.mode if self._scheduler is not None else "per_token"
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -394,7 +390,7 @@ class DualVLLMCoordinator:
     def capacity(self) -> int:
         """Sequences generated at once; more wait in the coordinator's queue."""
         scheduler = self._require_open()
-        return scheduler.capacity if isinstance(scheduler, LockstepScheduler) else self.config.max_batch_size
+        return scheduler.capacity
 
     def observe_server_calls(self, observer: CallObserver) -> None:
         """Call `observer(server, path, seconds, ok)` after every request to either server
@@ -419,11 +415,7 @@ class DualVLLMCoordinator:
         the new weights, as in per-token mode. Other modes send a request per step, which the
         server's /pause already fences: nothing to hold here. Streams stay open throughout.
         """
-        scheduler = self._require_open()
-        if isinstance(scheduler, LockstepScheduler):
-            async with scheduler.paused():
-                yield
-        else:
+        async with self._require_open().paused():
             yield
 
     def get_statistics(self) -> dict[str, float]:
@@ -443,11 +435,8 @@ class DualVLLMCoordinator:
             if isinstance(engine, ReplicaPool):
                 summary.update(engine.counters.summary(engine.name))
                 summary[f"{engine.name}_replicas_up"] = len(engine.healthy)
-        if isinstance(self._scheduler, SpeculativeScheduler):
-            summary.update(self._scheduler.acceptance.summary())
-        if isinstance(self._scheduler, LockstepScheduler):
-            summary.update(self._scheduler.counters.summary(self._stats.tokens))
-            summary.update(self._scheduler.gate.counters.summary())
+        if self._scheduler is not None:
+            summary.update(self._scheduler.statistics())
         return summary
 
     def recent_step_latencies_s(self) -> list[float]:
@@ -458,7 +447,7 @@ class DualVLLMCoordinator:
         """Where the most recent steps spent their time, phase by phase, oldest first."""
         return list(self._stats.step_timings)
 
-    def _require_open(self) -> Scheduler | LockstepScheduler:
+    def _require_open(self) -> Scheduling:
         if self._state != "open" or self._scheduler is None:
             raise LifecycleError(
                 "the coordinator is not open; use `async with DualVLLMCoordinator(config) as c:`")

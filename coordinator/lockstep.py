@@ -161,6 +161,8 @@ class LockstepCounters:
 
 
 class LockstepScheduler:
+    mode = "lockstep"
+
     def __init__(self, theta: VLLMClient | ReplicaPool, t: VLLMClient | ReplicaPool, *, config: CoordinatorConfig,
                  eos_ids: frozenset[int], max_len: int, stats: Statistics, channel: LockstepChannel,
                  stop_token: int, capacity: int | None = None, vocab_size: int | None = None) -> None:
@@ -215,6 +217,9 @@ class LockstepScheduler:
     def capacity(self) -> int:
         """Sequences in flight at once: max_batch_size, or fewer if the servers run fewer."""
         return self._max_live
+
+    def statistics(self) -> dict[str, float]:
+        return {**self.counters.summary(self._stats.tokens), **self.gate.counters.summary()}
 
     # -- placement on replicas ---------------------------------------------------------
 

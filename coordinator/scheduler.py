@@ -9,10 +9,11 @@ A request that fails after its retries fails only the sequences it carried.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
-from typing import Awaitable, TypeVar
+from typing import AsyncContextManager, AsyncIterator, Awaitable, Protocol, TypeVar
 
 import numpy as np
 
@@ -33,7 +34,38 @@ STOP_S = 30.0
 T = TypeVar("T")
 
 
+class Scheduling(Protocol):
+    """What the coordinator asks of a scheduler, whichever mode it runs (per-token, speculative,
+    lockstep): the coordinator never branches on the scheduler's type."""
+
+    mode: str  # "per_token", "speculative" or "lockstep"
+
+    @property
+    def max_len(self) -> int: ...
+
+    @property
+    def capacity(self) -> int:
+        """Sequences generated at once; more wait in the queue."""
+        ...
+
+    def submit(self, sequences: list[SequenceState]) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def paused(self) -> AsyncContextManager[None]:
+        """Hold generation while the caller changes a server (see DualVLLMCoordinator.paused)."""
+        ...
+
+    def statistics(self) -> dict[str, float]:
+        """The mode's own counters, merged into DualVLLMCoordinator.get_statistics."""
+        ...
+
+
 class Scheduler:
+    """Per-token mode: one batched request per server per step."""
+
+    mode = "per_token"
+
     def __init__(
         self,
         theta: Engine,
@@ -62,6 +94,18 @@ class Scheduler:
     @property
     def max_len(self) -> int:
         return self._max_len
+
+    @property
+    def capacity(self) -> int:
+        return self._config.max_batch_size
+
+    @contextlib.asynccontextmanager
+    async def paused(self) -> AsyncIterator[None]:
+        # Every step is its own request, which the server's /pause already fences: nothing to hold.
+        yield
+
+    def statistics(self) -> dict[str, float]:
+        return {}
 
     def submit(self, sequences: list[SequenceState]) -> None:
         self._waiting.extend(sequences)

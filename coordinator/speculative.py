@@ -109,12 +109,17 @@ def speculative_scheduler(theta: object, t: object) -> type[Scheduler]:
 class SpeculativeScheduler(Scheduler):
     """The continuous batch of `Scheduler`, advanced by speculative rounds instead of steps."""
 
+    mode = "speculative"
+
     def __init__(self, theta: SpeculativeEngine, t: SpeculativeEngine, **kwargs) -> None:
         super().__init__(theta, t, **kwargs)
         self._drafter_is_theta = self._config.speculative_drafter == "theta"
         self._drafter, self._scorer = (theta, t) if self._drafter_is_theta else (t, theta)
         self._argmax = self._config.speculative_proposal == "argmax"
         self.acceptance = AcceptanceStats()
+
+    def statistics(self) -> dict[str, float]:
+        return self.acceptance.summary()
 
     def _draft_context(self, seq: SequenceState) -> list[int]:
         return seq.theta_context() if self._drafter_is_theta else seq.t_context()
