@@ -247,14 +247,13 @@ class LockstepScheduler:
         for role in (THETA, T):
             loads = self._loads(role)
             engine = live.engines[role]
-            if engine is not None and loads.get(engine.url, self._per_server) < self._per_server:
-                continue
-            best = min(self._healthy(role), key=lambda e: loads[e.url])
-            pool = self._pools[role]
-            if engine is not None and pool is not None:
-                pool.counters.moves += 1  # the pool's take_out warned once for all of them
-                log.debug("lockstep: sequence %d moves from %s to %s", live.seq.index, engine.url, best.url)
-            live.engines[role] = best
+            pool, replicas = self._pools[role], self._replicas[role]
+            if pool is not None:  # the pool places, and counts the moves
+                by_index = {i: loads[e.url] for i, e in enumerate(replicas) if e.url in loads}
+                current = None if engine is None else replicas.index(engine)
+                live.engines[role] = replicas[pool.assign(current, by_index, room=self._per_server)]
+            elif engine is None:  # one server in this role
+                live.engines[role] = replicas[0]
 
     async def check_plugin(self, engine: VLLMClient) -> None:
         """Raise LockstepUnavailableError unless `engine`'s plugin reports here, and its report

@@ -179,8 +179,7 @@ class ReplicaPool:
                     raise answer
                 else:
                     answers[c] = answer
-            if orphans:
-                self.counters.moves += sum(1 for i in orphans if keys[i] >= 0)
+            if orphans:  # their replica is down now: `assign` moves (and counts) the kept ones
                 chunks.extend(self._route([keys[i] for i in orphans], orphans).items())
         return _reassemble(len(contexts), [(rows, answers[c]) for c, (_, rows) in enumerate(chunks)
                                            if answers[c] is not _EMPTY])
@@ -197,14 +196,27 @@ class ReplicaPool:
                 load[replica] += 1
         route: dict[int, list[int]] = {}
         for key, row in zip(keys, rows):
-            replica = self._assigned.get(key)
-            if replica is None or not self._up[replica]:
-                replica = min(healthy, key=load.__getitem__)
+            kept = self._assigned.get(key)
+            replica = self.assign(kept, load)
+            if replica != kept:
                 load[replica] += 1
                 if key >= 0:
                     self._assigned[key] = replica
             route.setdefault(replica, []).append(row)
         return route
+
+    def assign(self, current: int | None, loads: Mapping[int, int], room: int | None = None) -> int:
+        """The replica a sequence runs on: `current` while it is up (and, given `room`, holds fewer
+        than `room` in `loads`), else the healthy replica with the fewest in `loads`, which is a
+        move (counted here) when the sequence had a replica. Per-token routing and lockstep
+        placement both place through it; only the pool changes its counters."""
+        if current is not None and self._up[current] and (room is None or loads.get(current, 0) < room):
+            return current
+        best = min(self.healthy, key=lambda r: loads.get(r, 0))
+        if current is not None:
+            self.counters.moves += 1
+            log.debug("%s: a sequence moves from %s to %s", self.name, self.describe(current), self.describe(best))
+        return best
 
     def take_out(self, replica: int, reason: object) -> None:
         """Mark `replica` down: its sequences move at their next step, and it is probed until it passes."""

@@ -11,6 +11,7 @@ import pytest
 
 from common.errors import IncompatibleModelsError, InvalidInputError, WeightSyncError
 from coordinator import CoordinatorConfig, DualVLLMCoordinator
+from engines.pool import ReplicaPool
 from tests.fake_vllm import FakeModel, FakeVLLM, Failure, tokenize, write_fake_weights
 from tests.waiting import eventually
 from training.weight_sync import BasePusher
@@ -200,3 +201,12 @@ def test_serve_prints_pool_variables_and_stops_only_when_a_whole_role_is_gone(ca
     assert _role_lost(servers) is None
     servers[0].running = False  # every base replica
     assert _role_lost(servers) is servers[0]
+
+
+def test_assign_keeps_a_sequence_on_its_replica_until_it_is_down_or_full_and_counts_its_moves():
+    pool = ReplicaPool([object(), object(), object()], name="theta")  # type: ignore[list-item]
+    assert pool.assign(None, {0: 2, 1: 0, 2: 1}) == 1 and pool.counters.moves == 0  # a new one: the emptiest
+    assert pool.assign(0, {0: 2, 1: 0, 2: 1}) == 0  # kept while its replica is up
+    assert pool.assign(0, {0: 2, 1: 0, 2: 1}, room=2) == 1 and pool.counters.moves == 1  # its replica is full
+    pool.take_out(1, "connection reset")
+    assert pool.assign(1, {0: 2, 2: 1}) == 2 and pool.counters.moves == 2  # its replica is down
