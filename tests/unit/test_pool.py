@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from types import SimpleNamespace
 from typing import AsyncIterator
 
 import numpy as np
@@ -204,7 +205,8 @@ def test_serve_prints_pool_variables_and_stops_only_when_a_whole_role_is_gone(ca
 
 
 def test_assign_keeps_a_sequence_on_its_replica_until_it_is_down_or_full_and_counts_its_moves():
-    pool = ReplicaPool([object(), object(), object()], name="theta")  # type: ignore[list-item]
+    pool = ReplicaPool([SimpleNamespace(url=f"http://127.0.0.1:{8000 + i}") for i in range(3)],  # type: ignore[misc]
+                       name="theta")
     assert pool.assign(None, {0: 2, 1: 0, 2: 1}) == 1 and pool.counters.moves == 0  # a new one: the emptiest
     assert pool.assign(0, {0: 2, 1: 0, 2: 1}) == 0  # kept while its replica is up
     assert pool.assign(0, {0: 2, 1: 0, 2: 1}, room=2) == 1 and pool.counters.moves == 1  # its replica is full
