@@ -205,8 +205,8 @@ def test_serve_prints_pool_variables_and_stops_only_when_a_whole_role_is_gone(ca
 
 
 def test_assign_keeps_a_sequence_on_its_replica_until_it_is_down_or_full_and_counts_its_moves():
-    pool = ReplicaPool([SimpleNamespace(url=f"http://127.0.0.1:{8000 + i}") for i in range(3)],  # type: ignore[misc]
-                       name="theta")
+    replicas = [SimpleNamespace(name="theta", url=f"http://127.0.0.1:{8000 + i}") for i in range(3)]
+    pool = ReplicaPool(replicas, name="theta")  # type: ignore[arg-type]
     assert pool.assign(None, {0: 2, 1: 0, 2: 1}) == 1 and pool.counters.moves == 0  # a new one: the emptiest
     assert pool.assign(0, {0: 2, 1: 0, 2: 1}) == 0  # kept while its replica is up
     assert pool.assign(0, {0: 2, 1: 0, 2: 1}, room=2) == 1 and pool.counters.moves == 1  # its replica is full
