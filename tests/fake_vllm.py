@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,6 +115,8 @@ class FakeVLLM:
     failures: dict[str, deque[Failure]] = field(default_factory=lambda: defaultdict(deque))
     calls: dict[str, list[dict]] = field(default_factory=lambda: defaultdict(list))
     order: list[str] = field(default_factory=list)  # the path of every request, in arrival order
+    # When each call of `calls` arrived (time.monotonic), for tests of schedules (retry intervals).
+    call_times: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     running: asyncio.Event = field(default_factory=asyncio.Event)  # cleared between /pause and /resume
     server: TestServer | None = None
 
@@ -149,6 +152,7 @@ class FakeVLLM:
     async def _middleware(self, request: web.Request, handler):
         body = await request.json() if request.can_read_body else None
         self.calls[request.path].append(body)
+        self.call_times[request.path].append(time.monotonic())
         self.order.append(request.path)
         if request.path == "/v1/completions":
             await self.running.wait()  # like vLLM, generation waits while paused

@@ -8,17 +8,25 @@ it only matters when the condition never comes.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
-from typing import Callable
+from typing import Awaitable, Callable
 
 WAIT_S = 30.0
 POLL_S = 0.005
 
 
-async def eventually(condition: Callable[[], object], what: str, timeout_s: float = WAIT_S) -> None:
-    """Return once `condition()` is true; AssertionError naming `what` after `timeout_s` seconds."""
+async def eventually(condition: Callable[[], object | Awaitable[object]], what: str,
+                     timeout_s: float = WAIT_S) -> None:
+    """Return once `condition()` (a plain or an async callable) is true; AssertionError naming
+    `what` after `timeout_s` seconds."""
     deadline = time.monotonic() + timeout_s
-    while not condition():
+    while True:
+        held = condition()
+        if inspect.isawaitable(held):
+            held = await held
+        if held:
+            return
         if time.monotonic() > deadline:
             raise AssertionError(f"never happened within {timeout_s:g} s: {what}")
         await asyncio.sleep(POLL_S)

@@ -7,7 +7,10 @@ import json
 import pytest
 
 pytest.importorskip("torch")
-from benchmarks.train_compare import finished_with, joined  # noqa: E402
+import argparse  # noqa: E402
+
+import tinymodels  # noqa: E402
+from benchmarks.train_compare import ARMS, LONG_ARMS, TASKS, NotRun, finished_with, joined, run_arm  # noqa: E402
 from training.config import TrainConfig  # noqa: E402
 
 
@@ -38,3 +41,19 @@ def test_a_run_without_a_stop_rule_is_reused_for_one_with_it_but_not_the_reverse
     assert finished_with(tmp_path / "a", stopping)  # it ran on past any stop: its curves hold the stopped run's
     assert not finished_with(tmp_path / "b", plain)  # it may have stopped early
     assert not finished_with(tmp_path / "a", TrainConfig(output_dir=tmp_path / "c", steps=100, learning_rate=1e-3))
+
+
+def test_no_train_skips_a_missing_run_and_creates_nothing(tmp_path):
+    args = argparse.Namespace(output=tmp_path, learning_rate=1e-3, steps=10, eval_every=5, eval_prompts=4,
+                              engine="transformers", stop_at_accuracy=None, stop_without_signal=None, no_train=True)
+    folder, fields = ARMS["long-methods"]["SFT (64x1) for half the updates, then on-policy GRPO at lr 2e-4 (8x8)"]
+    with pytest.raises(NotRun, match="sft-warmup"):  # a warm-up arm stops at its missing warm-up
+        run_arm("long-methods", folder, fields, args, seed=0)
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_long_task_runs_its_core_arms_with_the_long_teacher():
+    assert sorted(folder for folder, _ in ARMS["long-methods"].values()) == sorted(LONG_ARMS)
+    task = TrainConfig(output_dir="x", **TASKS["long-methods"])
+    assert task.teacher == str(tinymodels.TEACHER_LONG_DIR)
+    assert task.max_tokens == 21  # 20 answer digits and <eos>

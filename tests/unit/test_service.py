@@ -330,12 +330,32 @@ async def test_a_full_queue_answers_429_with_retry_after(fake_theta, fake_t):
         assert (await post(url, "/v1/completions", completion(n=3)))[0] == 200  # room again
 
 
+async def metrics_text(url: str) -> str:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url + "/metrics") as response:
+            return await response.text()
+
+
+async def in_flight(url: str) -> float:
+    """Sequences the service holds, running or queued (its /metrics gauges)."""
+    text = await metrics_text(url)
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(("dualvllm_active_sequences ", "dualvllm_queued_sequences ")))
+
+
 async def test_concurrent_clients_share_the_coordinators_steps(fake_theta, fake_t):
-    fake_theta.completion_delay_s = 0.02
     async with running(fake_theta, fake_t) as (url, _):
         before = len(fake_theta.calls["/v1/completions"])
-        results = await asyncio.gather(*(post(url, "/v1/completions", completion(seed=i, max_tokens=8))
-                                         for i in range(6)))
+        fake_theta.running.clear()  # the base holds every step until all six requests are in
+        requests = [asyncio.create_task(post(url, "/v1/completions", completion(seed=i, max_tokens=8)))
+                    for i in range(6)]
+
+        async def all_in() -> bool:
+            return await in_flight(url) == 6
+
+        await eventually(all_in, "all six requests' sequences in the service")
+        fake_theta.running.set()
+        results = await asyncio.gather(*requests)
     assert all(status == 200 for status, _ in results)
     batches = [len(call["prompt"]) for call in fake_theta.calls["/v1/completions"][before:]]
     assert max(batches) >= 4, f"requests should share steps, got batches {batches}"
@@ -361,6 +381,10 @@ def test_binding_beyond_loopback_needs_a_key(monkeypatch):
     assert ServiceConfig(service_host="0.0.0.0", api_key="k").api_key is not None
 
 
+CANCELLED_4 = 'dualvllm_sequences_total{outcome="cancelled"} 4.0'
+ABANDONED_1 = 'dualvllm_requests_total{route="/v1/completions",status="499"} 1.0'
+
+
 async def test_a_client_that_disconnects_cancels_its_sequences(fake_theta, fake_t):
     fake_theta.model.eos_after = fake_t.model.eos_after = 60
     fake_theta.completion_delay_s = 0.05
@@ -369,15 +393,16 @@ async def test_a_client_that_disconnects_cancels_its_sequences(fake_theta, fake_
             with pytest.raises(asyncio.TimeoutError):
                 await session.post(url + "/v1/completions", json=completion(n=4, max_tokens=50),
                                    timeout=aiohttp.ClientTimeout(total=0.5))
-        await asyncio.sleep(0.5)
-        calls = len(fake_theta.calls["/v1/completions"])
-        await asyncio.sleep(0.5)
-        assert len(fake_theta.calls["/v1/completions"]) <= calls + 1, "steps went on for a client that left"
-        async with aiohttp.ClientSession() as session:
-            async with session.get(url + "/metrics") as response:
-                metrics = await response.text()
-    assert 'dualvllm_sequences_total{outcome="cancelled"} 4.0' in metrics
-    assert 'dualvllm_requests_total{route="/v1/completions",status="499"} 1.0' in metrics
+
+        async def let_go() -> bool:
+            text = await metrics_text(url)
+            return await in_flight(url) == 0 and CANCELLED_4 in text and ABANDONED_1 in text
+
+        # The service cancels the sequences and lets go of them: nothing is left to step.
+        await eventually(let_go, "the four sequences of the client that left, cancelled and gone")
+        metrics = await metrics_text(url)
+    assert CANCELLED_4 in metrics
+    assert ABANDONED_1 in metrics
     assert coordinator.get_statistics()["tokens"] < 4 * 50
 
 

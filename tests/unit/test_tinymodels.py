@@ -10,8 +10,9 @@ import sys
 import pytest
 
 import tinymodels
-from tinymodels.task import (HARD_MAX_SAMPLE, HARD_ROWS, HARD_TEST, HARD_TRAIN, HINT_TEMPLATE, Problem, hard_problems,
-                             hinted, problems, score, write_dataset)
+from tinymodels.task import (HARD_MAX_SAMPLE, HARD_ROWS, HARD_TEST, HARD_TRAIN, HINT_TEMPLATE, LONG_DIGITS, LONG_ROWS,
+                             LONG_TEST, LONG_TRAIN, LongProblem, Problem, hard_problems, hinted, long_problems, problems,
+                             score, write_dataset)
 
 
 def test_answers_are_reversed_sums():
@@ -78,6 +79,42 @@ def test_hard_train_and_test_files_share_no_prompt():
     assert not train & test
 
 
+def test_long_answers_are_padded_sums_written_least_significant_digit_first():
+    # 91 is 19 and 11 is 11 least-significant first: 19 + 11 = 30, padded to 030, written 030 reversed.
+    assert LongProblem("91", "11").prompt == "91+11=" and LongProblem("91", "11").answer == "030"
+    assert LongProblem("99", "99").answer == "891"  # 99 + 99 = 198
+    assert LongProblem("00", "00").answer == "000"
+    problem = LongProblem("9" * LONG_DIGITS, "1" + "0" * (LONG_DIGITS - 1))  # 10^19 - 1 + 1 = 10^19
+    assert problem.answer == "0" * LONG_DIGITS + "1" and score(problem, problem.answer + "<eos>") == 1.0
+    assert len(problem.prompt) + len(problem.answer) + 1 <= 64  # the models' positions
+
+
+def test_long_problems_are_seeded_split_by_a_fixed_hash_and_refuse_bad_arguments():
+    test = long_problems("test", 100, seed=3)
+    assert test == long_problems("test", 100, seed=3) != long_problems("test", 100, seed=4)
+    assert long_problems("test", 10, seed=3) == test[:10]
+    assert all(len(p.a) == len(p.b) == LONG_DIGITS and (p.a + p.b).isdigit() for p in test)
+    assert not set(test) & set(long_problems("train", 2000, seed=3))
+    with pytest.raises(ValueError, match="unknown split 'dev'"):
+        long_problems("dev", 1)
+    with pytest.raises(ValueError, match="n must be >= 0"):
+        long_problems("test", -1)
+    with pytest.raises(ValueError, match="one of hard and long"):
+        write_dataset("test", HARD_TEST, hard=True, long=True)
+
+
+@pytest.mark.parametrize(("split", "path"), [("train", LONG_TRAIN), ("test", LONG_TEST)])
+def test_long_dataset_files_are_what_the_generator_writes_with_right_answers(tmp_path, split, path):
+    fresh = tmp_path / path.name
+    write_dataset(split, fresh, long=True)
+    assert path.read_bytes() == fresh.read_bytes(), f"{path} drifted from tinymodels.task: python -m tinymodels.task"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == LONG_ROWS[split] == len({row["prompt"] for row in rows})
+    for row in rows[:2000]:
+        a, b = row["prompt"].removesuffix("=").split("+")
+        assert int(row["answer"][::-1]) == int(a[::-1]) + int(b[::-1]) and len(row["answer"]) == LONG_DIGITS + 1
+
+
 @pytest.mark.parametrize(("completion", "expected"), [
     ("64", 1.0), (" 64 ", 1.0), ("64<eos>", 1.0), ("64\n12+1", 1.0),
     ("46", 0.0), ("640", 0.0), ("", 0.0), (None, 0.0), ("6 4", 0.0),
@@ -91,8 +128,8 @@ def test_importing_the_package_and_task_does_not_import_torch():
     assert subprocess.check_output([sys.executable, "-c", code], text=True).strip() == "False"
 
 
-@pytest.mark.parametrize("model_dir", [tinymodels.BASE_DIR, tinymodels.TEACHER_DIR, tinymodels.TEACHER_HARD_DIR],
-                         ids=["base", "teacher", "teacher-hard"])
+@pytest.mark.parametrize("model_dir", [tinymodels.BASE_DIR, tinymodels.TEACHER_DIR, tinymodels.TEACHER_HARD_DIR,
+                                       tinymodels.TEACHER_LONG_DIR], ids=["base", "teacher", "teacher-hard", "teacher-long"])
 def test_checkpoints_suit_vllm_on_cpu(model_dir):
     config = json.loads((model_dir / "config.json").read_text())
     assert config["architectures"] == ["Qwen2ForCausalLM"]
@@ -146,6 +183,35 @@ def test_hard_teacher_solves_both_tasks_and_the_base_not_the_hard_one():
     assert report["teacher_hard"]["test_greedy_accuracy"] >= 0.95
     assert report["hard_task"]["base"]["pass_at_1"] <= 0.05
     assert report["hard_task"]["teacher_hard"]["pass_at_1"] >= 0.95
+
+
+def test_encode_leaves_the_prompt_out_of_the_loss_when_asked():
+    pytest.importorskip("torch")
+    from tinymodels.build import EOS_ID, build_tokenizer, encode
+
+    problem = LongProblem("91", "11")  # "91+11=" then "030" and <eos>
+    ids, labels = encode(build_tokenizer(), [problem], max_len=12, prompt_loss=False)
+    assert labels[0, :6].tolist() == [-100] * 6 and labels[0, 6:10].tolist() == ids[0, 6:10].tolist()
+    assert ids[0, 9] == EOS_ID and labels[0, 10:].tolist() == [-100, -100]  # padding
+    _, with_prompt = encode(build_tokenizer(), [problem], max_len=12)
+    assert with_prompt[0, :10].tolist() == ids[0, :10].tolist()
+
+
+def test_long_teacher_solves_the_long_task_and_the_base_does_not():
+    pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tinymodels.build import LONG_MAX_LEN, greedy_accuracy
+
+    tokenizer = AutoTokenizer.from_pretrained(tinymodels.TEACHER_LONG_DIR)
+    assert tokenizer.get_vocab() == AutoTokenizer.from_pretrained(tinymodels.BASE_DIR).get_vocab()
+    batch = long_problems("test", 20, seed=5)
+    teacher = AutoModelForCausalLM.from_pretrained(tinymodels.TEACHER_LONG_DIR)
+    assert greedy_accuracy(teacher, tokenizer, batch, LONG_MAX_LEN) >= 0.9
+    assert greedy_accuracy(AutoModelForCausalLM.from_pretrained(tinymodels.BASE_DIR), tokenizer, batch,
+                           LONG_MAX_LEN) == 0.0
+    record = json.loads(tinymodels.BUILD_REPORT.read_text())["teacher_long"]
+    assert record["long_test_greedy_accuracy"] >= 0.95 and record["base_long_test_greedy_accuracy"] == 0.0
 
 
 def test_answer_logprob_of_a_uniform_model_is_answer_length_times_log_vocab():
