@@ -307,7 +307,7 @@ def replica_configs(base_model: str | None = None, teacher_model: str | None = N
     Each of the 2 x replicas servers gets its own block of cores when the CPU build has
     enough (none are bound otherwise); logs go to theta-I.log and t-I.log. On GPUs, give
     each replica its own devices with CUDA_VISIBLE_DEVICES, or use vLLM's own data
-    parallelism behind one URL (README, "Replica pools").
+    parallelism behind one URL (docs/replica-pools.md).
     """
     import tinymodels
 
