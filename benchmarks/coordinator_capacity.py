@@ -1,0 +1,241 @@
+"""How many tokens per second one lockstep coordinator can decide, without model servers.
+
+    python benchmarks/coordinator_capacity.py                       # batch 1, 64, 256, 1024
+    python benchmarks/coordinator_capacity.py --batch 256 --tokens 64 --top-k 20
+
+The coordinator's side is the real one: `LockstepScheduler` (coordinator/lockstep.py) with
+its zmq channel, merge, alpha* and sampling. The servers are synthetic plugin clients, one
+process per role, that speak the plugin's real wire format (engines/vllm_plugin/wire.py): at
+every step each sends ONE report with a row of top-k per running request and waits for the
+reply, as engines/vllm_plugin/processor.py does inside vLLM, then applies the forced tokens.
+Their top-k rows come from a precomputed table, so a step costs them next to nothing and the
+figure is the coordinator's ceiling: what it would sustain beside servers that decode
+instantly. That figure carries over to GPU machines, where the servers' decode steps take
+10-30 ms and the coordinator has a core of its own.
+
+A request reaches a client over a control socket instead of HTTP (in production the HTTP
+request is sent once per sequence, not per token), and the client answers it with its
+finish reason when the sequence ends.
+
+Reported per batch size: tokens/s of the whole run (wall), the coordinator process's CPU time
+per token and per step (time.process_time over the run: the coordinator's event loop, zmq,
+numpy), and the clients' CPU per token. On a machine with fewer than three free cores the
+clients and the coordinator share cores, which lowers tokens/s but not CPU per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from coordinator.config import CoordinatorConfig
+from coordinator.core import sampling_params
+from coordinator.lockstep import LockstepScheduler
+from coordinator.sequence import SequenceState
+from coordinator.stats import Statistics
+from engines.lockstep_channel import LockstepChannel
+from engines.vllm_plugin import wire
+
+VOCAB = 4096
+PROMPT_LEN = 16
+STOP_TOKEN = 0  # never in a client's top-k, so only END stops a request
+TABLE_ROWS = 997  # distinct synthetic top-k rows per client; a row is picked by (id + position)
+
+
+# -- the synthetic plugin client (its own process) ------------------------------------------
+
+def client_main(control: str, seed: int, top_k: int, ready: multiprocessing.synchronize.Event) -> None:
+    """One synthetic server: takes requests on `control`, reports each step to the coordinator
+    address a request names, applies the reply, answers a request's finish reason when it ends."""
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.choice(np.arange(1, VOCAB), size=top_k, replace=False) for _ in range(TABLE_ROWS)])
+    logits = np.sort(rng.normal(scale=2.0, size=(TABLE_ROWS, top_k)), axis=1)[:, ::-1]
+    # Top-k of a distribution over VOCAB ids: the rest of the mass lies outside the top-k.
+    logprobs = (logits - np.logaddexp.reduce(logits, axis=1, keepdims=True) - 0.05).astype(np.float32)
+    ids = ids.astype(np.int32)
+    context = zmq.Context()
+    commands = context.socket(zmq.PAIR)
+    commands.connect(control)
+    dealers: dict[str, zmq.Socket] = {}
+    steps: dict[str, int] = {}
+    running: dict[int, list] = {}  # id -> [address, position, max_position]
+    ready.set()
+    while True:
+        if not running:
+            message = commands.recv_json()  # idle: block for work
+            if message.get("quit"):
+                break
+            _start(running, message)
+        while commands.poll(0):
+            message = commands.recv_json()
+            if message.get("quit"):
+                return
+            _start(running, message)
+        by_address: dict[str, list[int]] = {}
+        for request_id, (address, _, _) in running.items():
+            by_address.setdefault(address, []).append(request_id)
+        for address, members in by_address.items():
+            dealer = dealers.get(address)
+            if dealer is None:
+                dealer = dealers[address] = context.socket(zmq.DEALER)
+                dealer.setsockopt(zmq.LINGER, 0)
+                dealer.connect(address)
+            steps[address] = steps.get(address, 0) + 1
+            member_ids = np.array(members, dtype=np.int64)
+            positions = np.array([running[m][1] for m in members], dtype=np.int64)
+            rows = (member_ids + positions) % TABLE_ROWS
+            dealer.send_multipart(wire.encode_report(steps[address], 0, 1 << 20, member_ids, positions,
+                                                     ids[rows], logprobs[rows]), copy=False)
+            _, reply = wire.decode_reply(dealer.recv_multipart())
+            ended = []
+            for request_id, token in zip(members, reply.tolist()):
+                state = running[request_id]
+                state[1] += 1
+                if token == wire.END or token == STOP_TOKEN:
+                    ended.append((request_id, "stop"))
+                elif state[1] >= state[2]:
+                    ended.append((request_id, "length"))
+            for request_id, finish in ended:
+                del running[request_id]
+                commands.send_json({"id": request_id, "finish": finish})
+    context.destroy(linger=0)
+
+
+def _start(running: dict[int, list], message: dict) -> None:
+    args = message["args"]
+    running[args[wire.ARG_ID]] = [args[wire.ARG_ADDRESS], args[wire.ARG_OFFSET],
+                                  args[wire.ARG_OFFSET] + message["max_tokens"]]
+
+
+# -- the coordinator's view of a client ---------------------------------------------------
+
+class RemoteClient:
+    """What LockstepScheduler calls on a server (forced_generation, health, detokenize), sent
+    to a client process over its control socket."""
+
+    def __init__(self, name: str, control: str, context: zmq.asyncio.Context) -> None:
+        self.name, self.url = name, f"synthetic://{name}"
+        self._socket = context.socket(zmq.PAIR)
+        self._socket.bind(control)
+        self._waiting: dict[int, asyncio.Future[str]] = {}
+        self._reader: asyncio.Task[None] | None = None
+
+    async def forced_generation(self, prompt_ids: Sequence[int], *, max_tokens: int, stop_token: int,
+                                lockstep_args: dict[str, int | str],
+                                on_accepted: Callable[[], None] | None = None) -> str:
+        if self._reader is None:
+            self._reader = asyncio.create_task(self._read())
+        finished = self._waiting[int(lockstep_args[wire.ARG_ID])] = asyncio.get_running_loop().create_future()
+        await self._socket.send_json({"args": lockstep_args, "max_tokens": max_tokens})
+        if on_accepted is not None:
+            on_accepted()
+        return await finished
+
+    async def _read(self) -> None:
+        while True:
+            message = await self._socket.recv_json()
+            future = self._waiting.pop(message["id"], None)
+            if future is not None and not future.done():
+                future.set_result(message["finish"])
+
+    async def health(self) -> None:
+        return None
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        return ""
+
+    async def close(self) -> None:
+        await self._socket.send_json({"quit": True})
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        self._socket.close(linger=0)
+
+
+async def measure(batch: int, tokens: int, top_k: int, rounds: int) -> dict:
+    """One coordinator, two client processes, `rounds` batches of `batch` sequences of `tokens` tokens."""
+    spawn = multiprocessing.get_context("spawn")
+    context = zmq.asyncio.Context()
+    controls = [f"ipc:///tmp/dualvllm-capacity-{os.getpid()}-{role}" for role in ("theta", "t")]
+    clients = [RemoteClient(role, control, context) for role, control in zip(("theta", "t"), controls)]
+    readies = [spawn.Event() for _ in clients]
+    processes = [spawn.Process(target=client_main, args=(control, seed, top_k, ready), daemon=True)
+                 for control, seed, ready in zip(controls, (1, 2), readies)]
+    for process in processes:
+        process.start()
+    channel = LockstepChannel()
+    config = CoordinatorConfig(top_k=top_k, max_batch_size=max(batch, 1), lockstep_stall_timeout=60.0)
+    stats = Statistics()
+    scheduler = LockstepScheduler(clients[0], clients[1], config=config, eos_ids=frozenset({STOP_TOKEN}),  # type: ignore[arg-type]
+                                  max_len=PROMPT_LEN + tokens + 2, stats=stats, channel=channel,
+                                  stop_token=STOP_TOKEN, capacity=batch, vocab_size=VOCAB)
+    try:
+        for ready in readies:
+            if not ready.wait(60):
+                raise RuntimeError("a synthetic client did not start within 60 s")
+        params = sampling_params(tokens, ignore_eos=True)
+        results = []
+        for round_index in range(rounds + 1):  # round 0 warms up (imports, sockets, caches)
+            sink: asyncio.Queue = asyncio.Queue()
+            sequences = [SequenceState(index=i, prompt="", theta_prompt_ids=[1 + i % 7] * PROMPT_LEN,
+                                       t_prompt_ids=[1 + i % 5] * PROMPT_LEN, params=params,
+                                       rng=np.random.default_rng([round_index, i]), sink=sink) for i in range(batch)]
+            tokens_before, steps_before = stats.tokens, scheduler.counters.replies
+            wall, cpu = time.perf_counter(), time.process_time()
+            scheduler.submit(sequences)
+            outputs = [await asyncio.wait_for(sink.get(), 600) for _ in sequences]
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            failed = [o.error for o in outputs if not o.ok]
+            if failed:
+                raise RuntimeError(f"{len(failed)} sequences failed, e.g. {failed[0]}")
+            if round_index:
+                made = stats.tokens - tokens_before
+                # A step: one report of each server, paired and replied to.
+                results.append((made, (scheduler.counters.replies - steps_before) / 2, wall, cpu))
+    finally:
+        await asyncio.wait_for(scheduler.close(), 60)
+        for client in clients:
+            await client.close()
+        for process in processes:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+        channel.close()
+        context.destroy(linger=0)
+    made, steps, wall, cpu = (sum(r[i] for r in results) for i in range(4))
+    return {"batch": batch, "tokens": made, "steps": steps, "tokens_per_s": made / wall,
+            "coordinator_cpu_us_per_token": 1e6 * cpu / made, "coordinator_cpu_us_per_step": 1e6 * cpu / max(steps, 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256, 1024])
+    parser.add_argument("--tokens", type=int, default=64, help="tokens per sequence")
+    parser.add_argument("--top-k", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3, help="measured batches per size (after one warm-up)")
+    parser.add_argument("--output", type=Path, default=Path("benchmarks/results/coordinator_capacity.json"))
+    args = parser.parse_args()
+    rows = []
+    for batch in args.batch:
+        row = asyncio.run(measure(batch, args.tokens, args.top_k, args.rounds))
+        rows.append(row)
+        print(f"batch {batch:>5}: {row['tokens_per_s']:>9,.0f} tokens/s, coordinator CPU "
+              f"{row['coordinator_cpu_us_per_token']:>7.1f} µs/token, {row['coordinator_cpu_us_per_step']:>9.1f} µs/step "
+              f"({row['tokens']:,} tokens, {row['steps']:,} steps)", flush=True)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
