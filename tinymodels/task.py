@@ -32,6 +32,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, TypeVar
 
 OPERANDS = range(10, 100)
 EOS_TEXT = "<eos>"
@@ -96,6 +97,9 @@ class LongProblem:
         return str(int(self.a[::-1]) + int(self.b[::-1])).zfill(len(self.a) + 1)[::-1]
 
 
+P = TypeVar("P", Problem, LongProblem)
+
+
 def hinted(batch: list[Problem]) -> list[HintedProblem]:
     return [HintedProblem(p.a, p.b) for p in batch]
 
@@ -124,29 +128,27 @@ def hard_problems(split: str, n: int, seed: int = 0) -> list[Problem]:
     pairs are drawn uniformly and those of the other split or already drawn are skipped,
     so a smaller `n` with the same seed gives a prefix of a larger one.
     """
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; use one of {SPLITS}")
     if not 0 <= n <= HARD_MAX_SAMPLE:
         raise ValueError(f"n must be in [0, {HARD_MAX_SAMPLE}] for a sample of the hard task, got {n}")
-    rng, chosen, seen = random.Random(seed), [], set()
-    while len(chosen) < n:
-        problem = Problem(rng.choice(HARD_OPERANDS), rng.choice(HARD_OPERANDS))
-        if problem not in seen and _split_of(problem) == split:
-            seen.add(problem)
-            chosen.append(problem)
-    return chosen
+    return _draw(split, n, seed, lambda rng: Problem(rng.choice(HARD_OPERANDS), rng.choice(HARD_OPERANDS)))
 
 
 def long_problems(split: str, n: int, seed: int = 0) -> list[LongProblem]:
-    """The first `n` distinct long problems of `split` drawn in an order seeded by `seed`; a pair's split
-    is `_split_of`'s hash, so a smaller `n` with the same seed gives a prefix of a larger one."""
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; use one of {SPLITS}")
+    """The first `n` distinct long problems of `split` drawn in an order seeded by `seed`, as
+    `hard_problems` draws its own."""
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
+    return _draw(split, n, seed,
+                 lambda rng: LongProblem(*("".join(rng.choices("0123456789", k=LONG_DIGITS)) for _ in range(2))))
+
+
+def _draw(split: str, n: int, seed: int, draw: Callable[[random.Random], P]) -> list[P]:
+    """`n` distinct problems of `split`, each from `draw(rng)`, skipping the other split's."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; use one of {SPLITS}")
     rng, chosen, seen = random.Random(seed), [], set()
     while len(chosen) < n:
-        problem = LongProblem(*("".join(rng.choices("0123456789", k=LONG_DIGITS)) for _ in range(2)))
+        problem = draw(rng)
         if problem not in seen and _split_of(problem) == split:
             seen.add(problem)
             chosen.append(problem)
