@@ -24,8 +24,10 @@ are read back, not rerun, so a call naming every arm and seed only summarises.
   forward KL on teacher / q* / base states, rejection fine-tuning on q*; and the hint-reading
   base (tinymodels/base-hint) as its own privileged-information teacher.
 - `--task long-methods` (the long task: 20-digit answers, tinymodels/teacher-long): the core
-  arms of hard-methods and its two forward-KL arms (LONG_ARMS). `--engine transformers` runs them in process (minutes per
-  1,000 updates); `--stop-at-accuracy 0.9` ends an arm at two evaluations in a row above 90%.
+  arms of hard-methods and its two forward-KL arms (LONG_ARMS).
+
+`--engine transformers` runs the arms in process (minutes per 1,000 updates);
+`--stop-at-accuracy 0.9` ends an arm at two evaluations in a row above 90%.
 
 At each evaluation: held-out greedy accuracy and pass@8 of the base, and over the
 updates since the last evaluation the fraction of groups with zero advantage (all
