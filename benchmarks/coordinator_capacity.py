@@ -3,7 +3,7 @@
     python benchmarks/coordinator_capacity.py                       # batch 1, 64, 256, 1024
     python benchmarks/coordinator_capacity.py --batch 256 --tokens 64 --top-k 20
 
-The coordinator's side is the real one: `LockstepScheduler` (coordinator/lockstep.py) with
+The coordinator's side is the real one: `LockstepScheduler` (coordinator/lockstep/) with
 its zmq channel, merge, alpha* and sampling. The servers are synthetic plugin clients, one
 process per role, that speak the plugin's real wire format (engines/vllm_plugin/wire.py): at
 every step each sends ONE report with a row of top-k per running request and waits for the

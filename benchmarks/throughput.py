@@ -7,7 +7,7 @@ Arms run back to back on the same two servers in every repeat, so their ratios c
 from one run of this noisy shared machine:
 - `coordinator`: DualVLLMCoordinator.generate_batch in per-token mode (one batched
   request per server per step, both servers at once), temperature 1, ignore_eos;
-- `lockstep`: the same call in lockstep mode (coordinator/lockstep.py: one long request
+- `lockstep`: the same call in lockstep mode (coordinator/lockstep/: one long request
   per sequence per server, the servers' plugin asks the coordinator for every token);
   when this script starts the servers it starts them with the plugin, and per-token
   requests to them pay nothing for it;

@@ -20,7 +20,7 @@ with a miss doubles the wait (up to MAX_DELAY_S); a round without shrinks it (do
 MIN_DELAY_S). Steps are counted from the gate on each server, so a scheduler that plans
 a step ahead (vLLM's async scheduling on GPUs) delays both servers alike and is no miss.
 A miss costs speed only: misaligned sequences are still decided correctly
-(coordinator/lockstep.py).
+(coordinator/lockstep/).
 
 Idle servers have no blocked step to hold, so the first sequence starts alone (a *pilot*)
 and the gate opens once both servers have reported it.

@@ -49,7 +49,7 @@ class CoordinatorConfig(RaisesInvalidInput, BaseSettings):
     max_prompts_per_request: int = Field(
         1024, ge=1, description="Most prompts one request to a server may carry (vLLM refuses more than its VLLM_MAX_COMPLETION_PROMPTS, 1024 by default): a per-token step sends one per sequence, speculative scoring one per drafted token, split into requests of at most this many.")
     mode: Literal["auto", "lockstep", "per_token"] = Field(
-        "auto", description="How tokens reach the servers: lockstep = each server decodes every sequence in one long request while its dualvllm plugin asks the coordinator for each token (servers started with --lockstep; coordinator/lockstep.py); per_token = one batched request per server per token; auto = lockstep when both servers carry the plugin, else per-token.")
+        "auto", description="How tokens reach the servers: lockstep = each server decodes every sequence in one long request while its dualvllm plugin asks the coordinator for each token (servers started with --lockstep; coordinator/lockstep/); per_token = one batched request per server per token; auto = lockstep when both servers carry the plugin, else per-token.")
     lockstep_host: str = Field(
         "127.0.0.1", description="Interface the coordinator's lockstep socket binds, which the servers' plugins dial; another host than loopback must be listed in the servers' DUALVLLM_LOCKSTEP_ALLOWED_HOSTS.")
     lockstep_stall_timeout: float = Field(

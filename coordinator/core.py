@@ -24,7 +24,7 @@ from coordinator.checks import (TOKENIZER_PROBES, check_health, check_tokenizers
                                 resolve_eos)
 from coordinator.config import CoordinatorConfig
 from coordinator.lockstep import LockstepScheduler
-from coordinator.lockstep_setup import lockstep_stop_token, probe_servers
+from coordinator.lockstep.probe import lockstep_stop_token, probe_servers
 from coordinator.outputs import GenerationOutput, Prompt
 from coordinator.prompts import encode_prompts
 from coordinator.scheduler import Scheduler, Scheduling

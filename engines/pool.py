@@ -19,7 +19,7 @@ same weights can continue a sequence from its recorded tokens. The pool:
 
 Every move, down and rejoin is logged and counted (`PoolCounters`).
 
-In lockstep mode requests are not per token: the lockstep scheduler (coordinator/lockstep.py)
+In lockstep mode requests are not per token: the lockstep scheduler (coordinator/lockstep/)
 places each sequence on a replica itself and uses the pool for the rest: which replicas
 are up, `take_out` when one breaks, the prober and its hook for rejoins, the counters.
 """
@@ -150,6 +150,11 @@ class ReplicaPool:
 
     async def eos_token_ids(self) -> frozenset[int]:
         return await self._any(lambda r: r.eos_token_ids())
+
+    async def prompt_topk(self, prompts: Sequence[Sequence[int]], k: int) -> list[TopKBatch]:
+        """Prompt logprobs (engines.protocol.PromptScoringEngine) from any healthy replica: they
+        hold the same weights (checked at start-up)."""
+        return await self._any(lambda r: r.prompt_topk(prompts, k))  # type: ignore[attr-defined]
 
     async def next_token_topk(self, contexts: Sequence[Sequence[int]], k: int,
                               keys: Sequence[int] | None = None) -> TopKBatch:

@@ -84,7 +84,7 @@ class TaskConfig(RaisesInvalidInput, BaseModel):
     top_k: int = Field(20, ge=1, description="Top-k the coordinator merges per token.")
     lockstep: bool = Field(
         False, description="Start the servers with the lockstep plugin, so rollouts are decoded natively in lockstep "
-                           "(coordinator/lockstep.py); a weight push takes the sequences in flight off the servers and "
+                           "(coordinator/lockstep/); a weight push takes the sequences in flight off the servers and "
                            "resumes them after it, on the new weights.")
     replicas: int = Field(
         1, ge=1, le=64, description="(base, teacher) server pairs this run starts, pooled per role: a replica that "

@@ -1,4 +1,4 @@
-"""The lockstep state machine (coordinator/lockstep.py) against fake lockstep servers.
+"""The lockstep state machine (coordinator/lockstep/scheduler.py) against fake lockstep servers.
 
 Each test drives a real LockstepScheduler and its real zmq LockstepChannel with two
 FakeLockstepServer (tests/fake_lockstep.py): in-process fakes of vLLM servers running the
@@ -21,10 +21,11 @@ from common.errors import LifecycleError, LockstepUnavailableError
 from coordinator.config import CoordinatorConfig
 from coordinator.core import sampling_params
 import coordinator.admission
-import coordinator.lockstep
+import coordinator.lockstep.scheduler
 from coordinator.admission import AdmissionGate
-from coordinator.lockstep import MAX_REQUEST_FAILURES, LockstepScheduler
-from coordinator.lockstep_setup import lockstep_stop_token, probe_servers
+from coordinator.lockstep import LockstepScheduler
+from coordinator.lockstep.scheduler import MAX_REQUEST_FAILURES
+from coordinator.lockstep.probe import lockstep_stop_token, probe_servers
 from coordinator.outputs import GenerationOutput
 from coordinator.sequence import SamplingParams, SequenceState
 from coordinator.stats import Statistics
@@ -632,7 +633,7 @@ async def test_parks_do_not_count_as_requests_the_server_ended(rig, monkeypatch)
     park per step, more than MAX_RESUBMISSIONS in all. A single early end by the server
     afterwards must be resubmitted, not taken for a server that keeps ending requests."""
     limit = 4  # MAX_RESUBMISSIONS, lowered so that the test needs a dozen steps, not 70
-    monkeypatch.setattr(coordinator.lockstep, "MAX_RESUBMISSIONS", limit)
+    monkeypatch.setattr(coordinator.lockstep.scheduler, "MAX_RESUBMISSIONS", limit)
 
     def one_running(server, queued):
         return queued[:1] if not server.running else []
@@ -920,13 +921,14 @@ async def test_two_servers_deadlocked_apart_from_the_others_are_parked_while_the
     # theta0 and t0 go on decoding their sequences. Only those two servers are deadlocked.
     pools = PoolRig(rig, theta=[{}, {"admit": admit_only_once(3)}], t=[{}, {"admit": admit_only_once(5)}])
     others_steps: list[int] = []  # theta0's decode steps when each park happened
-    park = pools.scheduler._park
+    table = pools.scheduler._table
+    park = table._park
 
     def watched_park(blocked):
         others_steps.append(pools.replicas[0][0].steps)
         park(blocked)
 
-    pools.scheduler._park = watched_park  # type: ignore[method-assign]
+    table._park = watched_park  # type: ignore[method-assign]
     sequences = make_sequences(6, max_tokens=12)
     outputs = await generate(pools.scheduler, sequences)
 
@@ -959,7 +961,7 @@ async def test_a_replica_restarted_without_the_plugin_stays_out_of_the_pool(rig,
 
         pools.assert_lossless(outputs, sequences[0].params)
         assert pools.pools[0].healthy == [1] and pools.pools[0].counters.rejoins == 0
-        refusals = [r for r in caplog.records if "without the dualvllm lockstep plugin" in r.getMessage()]
+        refusals = [r for r in caplog.records if "no dualvllm lockstep plugin" in r.getMessage()]
         assert len(refusals) == 1 and plain.url in refusals[0].getMessage()
     finally:
         await pools.pools[0].close()
@@ -1010,7 +1012,7 @@ async def cancel_mid_step(scheduler, theta, t, sequences):
 
 async def cancel_while_the_gate_holds(scheduler, theta, t, sequences):
     await eventually(lambda: scheduler.gate.counters.rounds >= 1 and any(not s.accepted.done()
-                                                                        for s in scheduler._streams.values()),
+                                                                        for s in scheduler._requests.values()),
                      "a gate waiting for the servers to take its requests in")
     cancel(sequences)
 

@@ -1,0 +1,361 @@
+"""The lockstep table: lockstep mode's state machine, without I/O (sans-IO, as h11 under httpx).
+
+Reports in; decisions to make, replies, resubmissions and finished sequences out, as data.
+No sockets, no clock (callers pass `now`), no tasks: every rule here is tested synchronously
+(tests/unit/test_lockstep_table.py), and the asyncio shell (coordinator/lockstep/scheduler.py)
+only moves messages between it and the servers.
+
+The rules, per plugin report (one per server decode step):
+- each row is (stream, position). A row at the sequence's next position waits until the
+  other role's row for the same position has arrived; the pair is then *ready*, the shell
+  decides its token (coordinator/step.py) and `decided` answers both rows with it, or END
+  when that token finished the sequence. Rows of finished, failed or unknown streams get
+  END; a row at a position already decided (a preempted request come back) gets the same
+  token; a row past the agreed tokens, or a second row of a stream still waiting, is a
+  divergence and fails its sequence only.
+- a report is answered when all of its rows are decided: the server waits for all of them
+  anyway, so one server may run a step ahead of the other on some sequences.
+- deadlock: every server in a set waits here on a row that must come from a server in the
+  set, so nothing else will arrive (exact). The report with the fewest undecidable rows
+  has them *parked*: answered END, and their sequences resent from their agreed tokens.
+  A report left waiting past the stall limit on a server that is not waiting is parked
+  the same way.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import numpy as np
+
+from coordinator.sequence import SequenceState
+from engines.protocol import TopKBatch
+from engines.vllm_plugin import wire
+
+UNSET = -2  # a report row not decided yet
+THETA, T = 0, 1
+ROLES = (THETA, T)
+
+
+@dataclass(eq=False)
+class Blocked:
+    """A server's report, waiting for its reply."""
+
+    identity: bytes
+    report: wire.Report
+    answers: np.ndarray  # int64 [n], UNSET until decided
+    arrived: float
+    server: str | None  # the server the rows belong to (None: no known rows)
+    # The other server's reports whose rows were paired with these: more than one means that
+    # server reported these sequences over several of its steps (one server ran ahead).
+    partners: set["Blocked"] = field(default_factory=set)
+
+    def undecided(self) -> np.ndarray:
+        return np.flatnonzero(self.answers == UNSET)
+
+
+@dataclass(eq=False)
+class Live:
+    """A sequence placed on one server per role: its two streams and their waiting rows."""
+
+    seq: SequenceState
+    # The server of each role it runs on (the shell's client: anything with a `.url`).
+    engines: list[Any] = field(default_factory=lambda: [None, None])
+    streams: list["Stream | None"] = field(default_factory=lambda: [None, None])
+    rows: list[tuple[Blocked, int] | None] = field(default_factory=lambda: [None, None])
+    resubmissions: int = 0  # requests the servers ended on their own (parks are not counted)
+    request_failures: int = 0  # requests that broke and were resent
+    done: bool = False  # finished, failed or cancelled, and handed to the caller
+    placed: bool = False  # counted in the table's loads (on its servers, not suspended)
+
+
+@dataclass(eq=False)
+class Stream:
+    """One lockstep request on one server."""
+
+    id: int
+    live: Live
+    role: int
+    engine: Any
+    offset: int
+    retired: bool = False  # parked, ended or replaced: its rows get END, its end is expected
+
+
+@dataclass
+class LockstepCounters:
+    reports: int = 0
+    parks: int = 0  # rows parked to break a deadlock or a stall
+    resubmissions: int = 0  # requests resent from their agreed tokens (parks, early ends)
+    split_reports: int = 0  # replied reports whose rows the other server sent over 2+ of its steps
+    suspensions: int = 0  # sequences taken off both servers (a broken request, a pause) and restarted
+    wait_s: float = 0.0  # summed time reports waited here for their reply
+    replies: int = 0
+
+    def summary(self, tokens: int) -> dict[str, float]:
+        per_1k = 1000.0 / tokens if tokens else float("nan")
+        return {
+            "lockstep_reports": self.reports,
+            "lockstep_parks": self.parks,
+            "lockstep_suspensions": self.suspensions,
+            "lockstep_resubmissions_per_1k_tokens": self.resubmissions * per_1k,
+            "lockstep_split_report_share": self.split_reports / self.replies if self.replies else float("nan"),
+            "lockstep_server_wait_ms_mean": 1e3 * self.wait_s / self.replies if self.replies else float("nan"),
+        }
+
+
+@dataclass
+class Outbox:
+    """What the table decided that the shell must carry out; the shell empties it after each call."""
+
+    finished: list[SequenceState] = field(default_factory=list)  # over (a finish reason set): to the caller
+    resubmit: list[tuple[Live, int]] = field(default_factory=list)  # (sequence, role) to resend from its agreed tokens
+    unknown: list[tuple[int, wire.Report]] = field(default_factory=list)  # rows of ids not in the table (probes)
+
+
+class LockstepTable:
+    """Pairs rows, answers reports, finds deadlocks and stalls; see the module docstring."""
+
+    def __init__(self) -> None:
+        self._live: dict[Live, None] = {}  # placed and not done, in the order they started
+        self.streams: dict[int, Stream] = {}
+        self.blocked: dict[bytes, Blocked] = {}
+        self.loads: Counter[str] = Counter()  # placed sequences per server url
+        self.counters = LockstepCounters()
+        self.out = Outbox()
+        self.closing = False  # every row gets END from now on
+
+    @property
+    def live(self) -> list[Live]:
+        return list(self._live)
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    # -- sequences and streams -----------------------------------------------------------
+
+    def add(self, live: Live) -> None:
+        """`live` starts on its placed engines (one per role)."""
+        assert all(engine is not None for engine in live.engines), "a sequence starts only once placed"
+        self._live[live] = None
+        live.placed = True
+        self.loads.update(engine.url for engine in live.engines)
+
+    def open_stream(self, live: Live, role: int, stream_id: int, offset: int) -> Stream:
+        stream = Stream(id=stream_id, live=live, role=role, engine=live.engines[role], offset=offset)
+        live.streams[role] = stream
+        self.streams[stream_id] = stream
+        return stream
+
+    def stream_ended(self, stream: Stream) -> bool:
+        """The server request of `stream` ended. True when that was unexpected and its sequence
+        must go on (the shell resends, suspends or fails it); False when it was retired."""
+        self.streams.pop(stream.id, None)
+        if stream.retired or self.closing:
+            return False
+        stream.retired = True
+        live = stream.live
+        live.streams[stream.role] = None
+        if live.done:
+            return False
+        row = live.rows[stream.role]
+        if row is not None:
+            # A row of this stream still waits here although its request ended: the plugin
+            # gave up waiting (its timeout ended the row there, and its next report comes
+            # from a new socket, so `_forget` never sees it). Drop the row, or the resent
+            # stream's first report would be taken for a divergence.
+            row[0].answers[row[1]] = wire.END
+            live.rows[stream.role] = None
+        return True
+
+    def finish(self, live: Live) -> None:
+        """`live`'s sequence is over: END its waiting rows (its streams get END when they report
+        next) and hand it to its caller."""
+        if live.done:
+            return
+        live.done = True
+        self._release(live)
+        if live.seq.finish_reason is None:
+            live.seq.fail("the sequence ended without a finish reason")  # never expected
+        self.out.finished.append(live.seq)
+
+    def fail(self, live: Live, reason: str) -> None:
+        if not live.done:
+            live.seq.fail(reason)
+            self.finish(live)
+
+    def fail_all(self, reason: str) -> None:
+        for live in self.live:
+            self.fail(live, reason)
+
+    def take_off(self, live: Live) -> list[Stream]:
+        """End `live`'s streams (each at its next report) and its waiting rows, to start it again
+        later from its agreed tokens -> the streams retired."""
+        retired = [stream for stream in live.streams if stream is not None]
+        self._release(live)
+        self.counters.suspensions += 1
+        return retired
+
+    def _release(self, live: Live) -> None:
+        for row in live.rows:
+            if row is not None:
+                row[0].answers[row[1]] = wire.END
+        for stream in live.streams:
+            if stream is not None:
+                stream.retired = True
+        live.rows, live.streams = [None, None], [None, None]
+        if live.placed:
+            live.placed = False
+            self.loads.subtract(engine.url for engine in live.engines)
+            self._live.pop(live, None)
+
+    # -- reports -------------------------------------------------------------------------
+
+    def report(self, identity: bytes, report: wire.Report, now: float) -> tuple[Blocked, list[Live]]:
+        """Take in one server's step -> (its waiting report, the sequences now ready to decide)."""
+        self.counters.reports += 1
+        blocked = Blocked(identity, report, np.full(len(report.ids), UNSET, dtype=np.int64), now, server=None)
+        stale = self.blocked.pop(identity, None)
+        if stale is not None:  # the plugin gave up on it (timeout): its rows were ended there
+            self._forget(stale)
+        self.blocked[identity] = blocked
+        ready: list[Live] = []
+        answers = blocked.answers
+        for i, (stream_id, position) in enumerate(zip(report.ids.tolist(), report.positions.tolist())):
+            stream = self.streams.get(stream_id)
+            if stream is None or stream.retired or stream.live.done or self.closing:
+                if stream is None:
+                    self.out.unknown.append((stream_id, report))
+                answers[i] = wire.END
+                continue
+            live, seq = stream.live, stream.live.seq
+            blocked.server = stream.engine.url
+            agreed = len(seq.tokens)
+            if seq.cancelled:
+                self.fail(live, "cancelled by the caller")
+                answers[i] = wire.END
+            elif position < agreed:  # a preempted request come back: decided already
+                answers[i] = seq.tokens[position]
+            elif position > agreed or live.rows[stream.role] is not None:
+                self.fail(live, f"{stream.engine.name} server reported position {position} of a sequence agreed "
+                                f"up to {agreed} tokens: the two servers diverged")
+                answers[i] = wire.END
+            else:
+                live.rows[stream.role] = (blocked, i)
+                if live.rows[1 - stream.role] is not None:
+                    ready.append(live)
+        return blocked, [live for live in ready if not live.done]
+
+    def topk(self, ready: list[Live], role: int) -> TopKBatch:
+        """The waiting rows of `role` of the ready sequences, in their order."""
+        rows = [live.rows[role] for live in ready]
+        ids = np.stack([blocked.report.token_ids[i] for blocked, i in rows]).astype(np.int64)  # type: ignore[misc]
+        logprobs = np.stack([blocked.report.logprobs[i] for blocked, i in rows]).astype(np.float64)  # type: ignore[misc]
+        return TopKBatch(token_ids=ids, logprobs=logprobs)
+
+    def decided(self, ready: list[Live], tokens: list[int]) -> None:
+        """Answer both rows of each ready sequence with its token (END if the token finished it)."""
+        for live, token in zip(ready, tokens):
+            theta_row, t_row = live.rows
+            assert theta_row is not None and t_row is not None, "only ready sequences are decided"
+            answer = token if live.seq.finish_reason is None else wire.END
+            theta_row[0].partners.add(t_row[0])
+            t_row[0].partners.add(theta_row[0])
+            for blocked, i in (theta_row, t_row):
+                blocked.answers[i] = answer
+            live.rows = [None, None]
+            if live.seq.finish_reason is not None:
+                self.finish(live)
+
+    def end_undecided(self) -> None:
+        """END every undecided row (after an internal error, so no server waits on it)."""
+        for blocked in self.blocked.values():
+            blocked.answers[blocked.answers == UNSET] = wire.END
+
+    def replies(self, now: float) -> list[tuple[bytes, int, np.ndarray]]:
+        """(identity, step, answers) of every report whose rows are all decided; they leave the table."""
+        out = []
+        for identity, blocked in list(self.blocked.items()):
+            if (blocked.answers == UNSET).any():
+                continue
+            del self.blocked[identity]
+            self.counters.replies += 1
+            self.counters.split_reports += len(blocked.partners) > 1
+            self.counters.wait_s += now - blocked.arrived
+            out.append((identity, blocked.report.step, blocked.answers))
+        return out
+
+    def _forget(self, blocked: Blocked) -> None:
+        for live in self._live:
+            for role in ROLES:
+                row = live.rows[role]
+                if row is not None and row[0] is blocked:
+                    live.rows[role] = None
+
+    # -- who waits on whom ---------------------------------------------------------------
+
+    def blocked_servers(self) -> set[str]:
+        return {blocked.server for blocked in self.blocked.values() if blocked.server is not None}
+
+    def busy_servers(self) -> set[str]:
+        """Servers running a stream of this coordinator."""
+        return {stream.engine.url for stream in self.streams.values() if not stream.retired}
+
+    def deadlocked(self) -> set[str]:
+        """Servers waiting here that nothing will free: each waits on a row that must come
+        from a server that is itself waiting here, and so cannot report it before it is
+        answered. Exact. With one server per role: both servers wait with undecided rows."""
+        waits_on: dict[str, set[str | None]] = {}  # waiting server -> servers its undecided rows need
+        for blocked in self.blocked.values():
+            undecided = blocked.undecided()
+            if blocked.server is None or undecided.size == 0:
+                continue
+            needed = waits_on.setdefault(blocked.server, set())
+            for i in undecided.tolist():
+                stream = self.streams.get(int(blocked.report.ids[i]))
+                other = stream.live.streams[1 - stream.role] if stream is not None else None
+                needed.add(other.engine.url if other is not None and not other.retired else None)
+        stuck = set(waits_on)
+        while True:  # free every server all of whose needed rows come from servers not stuck
+            free = {server for server in stuck if not waits_on[server] & stuck}
+            if not free:
+                return stuck
+            stuck -= free
+
+    def break_deadlock(self) -> bool:
+        """Park the report with the fewest undecidable rows among deadlocked servers -> whether
+        there was a deadlock."""
+        stuck = self.deadlocked()
+        if not stuck:
+            return False
+        undecided = {identity: b.undecided().size for identity, b in self.blocked.items() if b.server in stuck}
+        identity = min((i for i in undecided if undecided[i]), key=undecided.__getitem__)
+        self._park(self.blocked[identity])
+        return True
+
+    def park_stalled(self, now: float, limit_s: float) -> list[float]:
+        """Park every report waiting longer than `limit_s` on undecided rows -> how long each waited."""
+        stalled = [b for b in self.blocked.values() if now - b.arrived > limit_s and b.undecided().size]
+        for blocked in stalled:
+            self._park(blocked)
+        return [now - blocked.arrived for blocked in stalled]
+
+    def _park(self, blocked: Blocked) -> None:
+        """END the undecided rows of `blocked` and resend their sequences from the agreed tokens."""
+        for i in blocked.undecided().tolist():
+            blocked.answers[i] = wire.END
+            stream = self.streams.get(int(blocked.report.ids[i]))
+            if stream is None:
+                continue
+            stream.retired = True
+            live = stream.live
+            live.rows[stream.role] = None
+            self.counters.parks += 1
+            if not live.done:
+                self.out.resubmit.append((live, stream.role))
+
+    def on_servers(self, urls: Iterable[str]) -> list[Live]:
+        """The placed sequences running on any of `urls`."""
+        urls = set(urls)
+        return [live for live in self._live if any(e.url in urls for e in live.engines)]

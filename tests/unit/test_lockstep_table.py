@@ -1,0 +1,209 @@
+"""The lockstep table (coordinator/lockstep/table.py), driven synchronously: no zmq, no servers,
+no clock, no event loop. Each test feeds reports in and reads what the table decided."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from coordinator.core import sampling_params
+from coordinator.lockstep.table import THETA, T, UNSET, Live, LockstepTable
+from coordinator.sequence import SequenceState
+from engines.vllm_plugin import wire
+
+K = 2  # top-k width of the synthetic rows
+
+
+@dataclass(frozen=True)
+class Server:
+    name: str
+    url: str
+
+
+BASE, TEACHER = Server("theta", "http://base"), Server("t", "http://teacher")
+
+
+def sequence(i: int, max_tokens: int = 8) -> SequenceState:
+    return SequenceState(index=i, prompt="", theta_prompt_ids=[1], t_prompt_ids=[1],
+                         params=sampling_params(max_tokens), rng=np.random.default_rng(i), sink=None)  # type: ignore[arg-type]
+
+
+class Rig:
+    """A table with `n` sequences started on one server per role, stream ids 100 + 2i (+1 for the teacher)."""
+
+    def __init__(self, n: int, servers: tuple[tuple[Server, Server], ...] = ((BASE, TEACHER),)) -> None:
+        self.table = LockstepTable()
+        self.lives: list[Live] = []
+        for i in range(n):
+            live = Live(sequence(i), engines=list(servers[i % len(servers)]))
+            self.table.add(live)
+            for role in (THETA, T):
+                self.table.open_stream(live, role, self.stream_id(i, role), offset=0)
+            self.lives.append(live)
+
+    @staticmethod
+    def stream_id(i: int, role: int) -> int:
+        return 100 + 2 * i + role
+
+    def report(self, server: bytes, role: int, rows: list[tuple[int, int]], now: float = 0.0):
+        """`server` reports rows (sequence, position) of `role`'s streams."""
+        ids = np.array([self.stream_id(i, role) for i, _ in rows], dtype=np.int64)
+        return self.report_ids(server, ids, np.array([p for _, p in rows], dtype=np.int64), now)
+
+    def report_ids(self, server: bytes, ids: np.ndarray, positions: np.ndarray, now: float = 0.0):
+        n = len(ids)
+        report = wire.Report(step=7, flags=0, capacity=64, ids=ids, positions=positions,
+                             token_ids=np.tile(np.arange(K, dtype=np.int32), (n, 1)),
+                             logprobs=np.full((n, K), np.log(0.5), dtype=np.float32))
+        return self.table.report(server, report, now)
+
+    def decide(self, ready: list[Live], token: int = 5) -> None:
+        """Record `token` for each ready sequence, as the shell's step would, and answer it."""
+        for live in ready:
+            live.seq.append(token, 0.5, -1.0, -1.0, -1.0, {}, frozenset({0}), 4096)
+        self.table.decided(ready, [token] * len(ready))
+
+
+def test_a_row_waits_for_the_other_role_and_both_get_the_token():
+    rig = Rig(2)
+    blocked, ready = rig.report(b"theta", THETA, [(0, 0), (1, 0)])
+    assert ready == [] and list(blocked.answers) == [UNSET, UNSET] and rig.table.replies(1.0) == []
+    _, ready = rig.report(b"t", T, [(1, 0), (0, 0)])
+    assert ready == [rig.lives[1], rig.lives[0]]  # in the order the second report pairs them
+    rig.decide(ready, token=5)
+    replies = {identity: answers.tolist() for identity, _, answers in rig.table.replies(1.0)}
+    assert replies == {b"theta": [5, 5], b"t": [5, 5]}
+    assert rig.table.blocked == {} and rig.table.counters.replies == 2
+
+
+def test_a_report_is_answered_only_once_all_its_rows_are_decided():
+    rig = Rig(2)
+    rig.report(b"theta", THETA, [(0, 0), (1, 0)])
+    _, ready = rig.report(b"t", T, [(0, 0)])  # the teacher has not admitted sequence 1 yet
+    rig.decide(ready)
+    assert [identity for identity, _, _ in rig.table.replies(1.0)] == [b"t"]
+    _, ready = rig.report(b"t", T, [(0, 1), (1, 0)])
+    assert ready == [rig.lives[1]]  # sequence 0's next row waits for the base's next step
+    rig.decide(ready)
+    assert [identity for identity, _, _ in rig.table.replies(2.0)] == [b"theta"]
+    assert rig.table.counters.split_reports == 1  # the base's report was paired over two teacher steps
+
+
+def test_a_preempted_request_come_back_gets_the_agreed_tokens_without_waiting():
+    rig = Rig(1)
+    rig.report(b"theta", THETA, [(0, 0)])
+    rig.decide(rig.report(b"t", T, [(0, 0)])[1], token=9)
+    rig.table.replies(1.0)
+    blocked, ready = rig.report(b"theta", THETA, [(0, 0)])  # position 0 again: recomputed after preemption
+    assert ready == [] and blocked.answers.tolist() == [9]
+
+
+def test_a_row_past_the_agreed_tokens_fails_its_sequence_only():
+    rig = Rig(2)
+    blocked, ready = rig.report(b"theta", THETA, [(0, 3), (1, 0)])
+    assert blocked.answers.tolist() == [wire.END, UNSET]
+    assert rig.lives[0].done and "diverged" in (rig.lives[0].seq.error or "")
+    assert rig.table.out.finished == [rig.lives[0].seq] and not rig.lives[1].done
+    assert len(rig.table) == 1 and rig.table.loads[BASE.url] == 1
+
+
+def test_a_second_row_of_a_waiting_stream_is_a_divergence():
+    rig = Rig(1)
+    rig.report(b"theta", THETA, [(0, 0)])
+    blocked, _ = rig.report(b"theta-other-socket", THETA, [(0, 0)])
+    assert blocked.answers.tolist() == [wire.END] and rig.lives[0].done
+
+
+def test_a_finishing_token_answers_end_and_hands_the_sequence_over():
+    rig = Rig(1)
+    rig.report(b"theta", THETA, [(0, 0)])
+    _, ready = rig.report(b"t", T, [(0, 0)])
+    rig.decide(ready, token=0)  # EOS
+    assert {identity: answers.tolist() for identity, _, answers in rig.table.replies(1.0)} == {
+        b"theta": [wire.END], b"t": [wire.END]}
+    assert rig.table.out.finished == [rig.lives[0].seq] and rig.lives[0].seq.finish_reason == "eos"
+    assert len(rig.table) == 0 and rig.table.loads[BASE.url] == 0 and rig.table.loads[TEACHER.url] == 0
+
+
+def test_rows_of_unknown_ids_get_end_and_are_handed_out_for_the_probes():
+    rig = Rig(1)
+    blocked, _ = rig.report_ids(b"theta", np.array([424242]), np.array([0]))
+    assert blocked.answers.tolist() == [wire.END] and blocked.server is None
+    assert [stream_id for stream_id, _ in rig.table.out.unknown] == [424242]
+    assert [identity for identity, _, _ in rig.table.replies(0.0)] == [b"theta"]
+
+
+def test_a_cancelled_sequence_gets_end_at_its_next_row():
+    rig = Rig(1)
+    rig.lives[0].seq.cancelled = True
+    blocked, _ = rig.report(b"theta", THETA, [(0, 0)])
+    assert blocked.answers.tolist() == [wire.END] and rig.lives[0].seq.error == "cancelled by the caller"
+
+
+def test_crossed_admission_is_a_deadlock_and_the_smaller_report_is_parked():
+    """The base admitted sequences 0 and 1, the teacher 2 only: neither can be answered."""
+    rig = Rig(3)
+    rig.report(b"theta", THETA, [(0, 0), (1, 0)])
+    rig.report(b"t", T, [(2, 0)])
+    assert rig.table.deadlocked() == {BASE.url, TEACHER.url}
+    assert rig.table.break_deadlock()
+    assert rig.table.out.resubmit == [(rig.lives[2], T)]  # the teacher's one row, not the base's two
+    assert rig.lives[2].streams[T] is not None and rig.lives[2].streams[T].retired
+    assert rig.table.counters.parks == 1
+    assert [identity for identity, _, answers in rig.table.replies(1.0)] == [b"t"]
+    assert rig.table.deadlocked() == set()  # the teacher runs again: not stuck
+
+
+def test_a_server_that_has_not_reported_is_not_deadlocked():
+    rig = Rig(2)
+    rig.report(b"theta", THETA, [(0, 0), (1, 0)])  # the teacher is still decoding its step
+    assert rig.table.deadlocked() == set() and not rig.table.break_deadlock()
+
+
+def test_only_the_deadlocked_pair_of_replicas_is_stuck():
+    other_base, other_teacher = Server("theta1", "http://base1"), Server("t1", "http://teacher1")
+    rig = Rig(4, servers=((BASE, TEACHER), (other_base, other_teacher)))  # 0, 2 on the first pair; 1, 3 on the second
+    rig.report(b"theta1", THETA, [(1, 0)])
+    rig.report(b"t1", T, [(3, 0)])
+    rig.report(b"theta", THETA, [(0, 0), (2, 0)])  # the first pair's teacher is still decoding
+    assert rig.table.deadlocked() == {other_base.url, other_teacher.url}
+
+
+def test_a_report_waiting_past_the_stall_limit_is_parked():
+    rig = Rig(2)
+    rig.report(b"theta", THETA, [(0, 0), (1, 0)], now=10.0)
+    _, ready = rig.report(b"t", T, [(0, 0)], now=10.5)
+    rig.decide(ready)
+    assert rig.table.park_stalled(now=11.0, limit_s=2.0) == []
+    assert rig.table.park_stalled(now=12.5, limit_s=2.0) == [2.5]
+    assert rig.table.out.resubmit == [(rig.lives[1], THETA)]
+    assert rig.table.replies(12.5)[0][2].tolist() == [5, wire.END]
+
+
+def test_a_stream_that_ended_on_its_own_drops_its_waiting_row():
+    rig = Rig(1)
+    blocked, _ = rig.report(b"theta", THETA, [(0, 0)])
+    stream = rig.lives[0].streams[THETA]
+    assert rig.table.stream_ended(stream)  # the sequence must go on
+    assert blocked.answers.tolist() == [wire.END] and rig.lives[0].rows[THETA] is None
+    assert not rig.table.stream_ended(stream)  # retired now: a second end is expected
+
+
+def test_a_new_report_on_the_same_socket_replaces_the_stale_one():
+    """A plugin that timed out waiting ended its rows itself; its next report must not pair with them."""
+    rig = Rig(1)
+    rig.report(b"theta", THETA, [(0, 0)])
+    _, ready = rig.report(b"theta", THETA, [(0, 0)])
+    assert ready == [] and rig.lives[0].rows[THETA] is not None and not rig.lives[0].done
+    assert len(rig.table.blocked) == 1
+
+
+def test_a_sequence_taken_off_ends_its_rows_and_leaves_the_loads():
+    rig = Rig(2)
+    rig.report(b"theta", THETA, [(0, 0), (1, 0)])
+    retired = rig.table.take_off(rig.lives[0])
+    assert [s.id for s in retired] == [Rig.stream_id(0, THETA), Rig.stream_id(0, T)] and all(s.retired for s in retired)
+    assert rig.table.loads[BASE.url] == 1 and rig.table.live == [rig.lives[1]]
+    assert rig.table.blocked[b"theta"].answers.tolist() == [wire.END, UNSET]
+    assert rig.table.counters.suspensions == 1
