@@ -144,6 +144,20 @@ class Learner:
 
     def train_step(self, batch: ScoredBatch, objective: Objective) -> dict[str, float]:
         started = time.perf_counter()
+        loss, metrics = self.loss(batch, objective)
+        self.optimizer.zero_grad()
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        return {"loss": float(loss.detach()), **metrics, "grad_norm": float(grad_norm),
+                "train_tokens_per_s": metrics["train_tokens"] / (time.perf_counter() - started)}
+
+    def loss(self, batch: ScoredBatch, objective: Objective) -> tuple[torch.Tensor, dict[str, float]]:
+        """The update's loss on `batch` (with its graph, nothing stepped) and its metrics.
+
+        Apart from `train_step` so that another trainer's loss can be checked against it
+        (tests/unit/test_training_trl.py compares TRL's path with this one).
+        """
         groups = [g for g in batch.groups if len(g) >= objective.min_group]
         rewards = [torch.tensor([r.reward for r in g]) for g in groups]
         rollouts = [r for g in groups for r in g]
@@ -171,26 +185,19 @@ class Learner:
             distill = normalize(divergence, mask, "dapo")
             loss = loss + objective.distill_coef * distill
             metrics["distill_divergence"] = float(distill.detach())
-        self.optimizer.zero_grad()
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.optimizer.step()
         with torch.no_grad():
             entropy_proxy = -(logp * mask).sum() / mask.sum()
             if bool(packed.logp_teacher.any()):  # how far the learner is from the teacher on its tokens
                 metrics["teacher_log_ratio"] = float(normalize((logp - packed.logp_teacher.float()), mask, "dapo"))
         all_rewards = torch.cat(rewards)
-        tokens = int(mask.sum())
-        return {
-            "loss": float(loss.detach()),
+        return loss, {
             "reward_mean": float(all_rewards.mean()),
             "reward_std": float(all_rewards.std()) if len(all_rewards) > 1 else 0.0,
             "accuracy": float((all_rewards >= 1.0).float().mean()),
             # Groups whose rollouts all scored alike: no advantage, so no learning signal from them.
             "zero_advantage_groups": sum(bool((r == r[0]).all()) for r in rewards) / len(rewards),
-            "grad_norm": float(grad_norm),
             "neg_logp_per_token": float(entropy_proxy),
-            "train_tokens_per_s": tokens / (time.perf_counter() - started),
+            "train_tokens": float(mask.sum()),
             **metrics,
         }
 
