@@ -145,6 +145,20 @@ class SpeculativeEngine(Engine, Protocol):
         ...
 
 
+@runtime_checkable
+class PromptScoringEngine(Engine, Protocol):
+    """An engine that can also score a given text: the top-k before every token of a prompt."""
+
+    async def prompt_topk(self, prompts: Sequence[Sequence[int]], k: int) -> list[TopKBatch]:
+        """Top-k before every token of each prompt but its first, in one batched call.
+
+        Answer i has len(prompts[i]) - 1 rows; row j is the distribution prompts[i][j + 1] was
+        drawn from (raw logprobs), and always holds that token's own logprob, as a (k+1)-th
+        entry when it is outside the top k.
+        """
+        ...
+
+
 async def score_by_prefixes(engine: Engine, contexts: Sequence[Sequence[int]],
                             continuations: Sequence[Sequence[int]], k: int) -> list[TopKBatch]:
     """SpeculativeEngine.score_continuations as one next_token_topk call over every prefix

@@ -333,6 +333,45 @@ class VLLMClient:
         answer = await self._completions(payload, k, decode=_decode_completion)
         return self._parse_topk(answer, len(contexts), k)
 
+    async def prompt_topk(self, prompts: Sequence[Sequence[int]], k: int) -> list[TopKBatch]:
+        """The top-k before every token of each prompt but its first, in one batched request:
+        vLLM's prompt logprobs (`echo` with `max_tokens: 0` and `logprobs: k`).
+
+        Answer i has len(prompts[i]) - 1 rows; row j holds the raw logprobs of the distribution
+        prompts[i][j + 1] was drawn from, with that token's own logprob always among them:
+        vLLM adds it as a (k+1)-th entry when it is outside the top k. Not for decoding: a
+        prompt-logprobs request bypasses the prefix cache, so its cost grows with the prompt.
+        """
+        info = await self.model_info()
+        payload = {
+            "model": info.name, "prompt": [list(p) for p in prompts], "max_tokens": 0, "echo": True,
+            "logprobs": k, "temperature": 0.0, "return_tokens_as_token_ids": True,
+        }
+        body = await self._completions(payload, k)
+        choices = body.get("choices") if isinstance(body, dict) else None
+        expect(isinstance(choices, list) and len(choices) == len(prompts), self.name, self.url,
+               f"expected {len(prompts)} choices")
+        answers: list[TopKBatch | None] = [None] * len(prompts)
+        for choice in choices:
+            index = choice.get("index")
+            expect(isinstance(index, int) and 0 <= index < len(prompts) and answers[index] is None,
+                   self.name, self.url, f"choice index {index!r} is not one of 0..{len(prompts) - 1}, once each")
+            answers[index] = self._prompt_rows(choice.get("logprobs") or {}, prompts[index], k)
+        return answers  # type: ignore[return-value]
+
+    def _prompt_rows(self, logprobs: dict[str, Any], prompt: Sequence[int], k: int) -> TopKBatch:
+        """One echoed prompt's top-k rows (positions 1..), checked against the prompt sent."""
+        tokens, top = logprobs.get("tokens") or [], logprobs.get("top_logprobs") or []
+        expect(len(tokens) == len(top) == len(prompt), self.name, self.url,
+               f"an echo answer has {len(tokens)} tokens and {len(top)} top_logprobs for a prompt of "
+               f"{len(prompt)} tokens; was `logprobs` dropped by a proxy?")
+        expect(self._parse_token_ids(tokens, len(tokens)).tolist() == list(prompt), self.name, self.url,
+               "the echoed tokens are not the prompt's")
+        rows = top[1:]  # position 0 has no distribution (None)
+        expect(all(isinstance(row, dict) and key in row for row, key in zip(rows, tokens[1:])), self.name,
+               self.url, "a prompt position without its own token's logprob")
+        return self._pad_rows(rows, k + 1)
+
     async def _completions(self, payload: dict[str, Any], k: int,
                            decode: Callable[[bytes], Any] = json.loads) -> Any:
         """POST /v1/completions; a refused logprob count becomes TopKUnsupportedError."""

@@ -7,7 +7,8 @@
     GET  /metrics               Prometheus text (service.metrics)
 
 Every request's sequences join the coordinator's one continuous batch, so concurrent
-clients share its steps. A request passes, in order: the key (401), JSON and the schema
+clients share its steps. A completion with `echo` and `logprobs` also scores its prompt
+under q* (service.scoring), with one prompt-logprobs request per server. A request passes, in order: the key (401), JSON and the schema
 (400), the model name (404), what q* cannot do (400), prompt and context checks
 (400), the per-request token ceiling (400), and the queue (429 with Retry-After). A
 client that disconnects cancels its sequences (the handler is cancelled; its streams close).
@@ -32,11 +33,13 @@ from pydantic import ValidationError
 from common.errors import GenerationFailedError, LifecycleError, ServiceBusyError, UnknownModelError
 from coordinator.core import DualVLLMCoordinator
 from coordinator.outputs import GenerationOutput
+from engines.protocol import Engine
 from service import responses
 from service.config import ServiceConfig
 from service.errors import RequestError, error_of
 from service.metrics import ServiceMetrics
 from service.schema import ChatCompletionRequest, CompletionRequest, QStarOptions
+from service.scoring import PromptScores, ScoringSettings, score_prompts
 from service.streaming import stream_choices
 from service.tokens import TokenTexts
 
@@ -44,6 +47,9 @@ log = logging.getLogger("dualvllm.service")
 # Retry-After bounds: sooner is a busy loop for clients, later leaves the service idle.
 RETRY_AFTER_MIN_S = 1
 RETRY_AFTER_MAX_S = 60
+# "<served name>@alpha=0.25" names the pair with dualvllm.fixed_alpha 0.25: how clients that
+# send no extra body fields (lm-eval's loglikelihood requests) choose the base or the teacher.
+ALPHA_SUFFIX = "@alpha="
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -54,9 +60,10 @@ class Job:
     kind: str  # "completion" or "chat"
     request: CompletionRequest | ChatCompletionRequest
     prompts: list[tuple[list[int], list[int]]]  # (base ids, teacher ids) per prompt
-    max_tokens: int
+    max_tokens: int  # 0: echo only, nothing generated
     top_logprobs: int
     want_logprobs: bool
+    echo: bool = False  # completions: the prompt comes first in each choice, scored when want_logprobs
 
     @property
     def options(self) -> QStarOptions:
@@ -181,16 +188,20 @@ class QStarService:
                 "max_model_len": self.coordinator.max_model_len,
                 "dualvllm": {"base": theta, "teacher": t, "mode": self.coordinator.mode,
                              "top_k": self.coordinator.config.top_k}}
-        return web.json_response({"object": "list", "data": [card]})
+        aliases = [{**card, "id": f"{self.model}{ALPHA_SUFFIX}{alpha:g}", "dualvllm": {**card["dualvllm"], "fixed_alpha": alpha}}
+                   for alpha in (0.0, 1.0)]  # the base alone, the teacher alone; any alpha in [0, 1] works
+        return web.json_response({"object": "list", "data": [card, *aliases]})
 
     async def prometheus(self, request: web.Request) -> web.Response:
         body, content_type = self.metrics.render()
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await _parse(request, CompletionRequest)
-        self._check_model(body.model)
+        body = self._with_model(await _parse(request, CompletionRequest))
         _refuse(body.unsupported())
+        if body.max_tokens == 0 and not body.echo:
+            raise RequestError("max_tokens=0 generates nothing; it goes with echo=true (score the prompt), else "
+                               "ask for at least 1 token", param="max_tokens")
         prompts = body.prompts()
         if not prompts:
             raise RequestError("prompt is empty; give a string, token ids, or a list of them", param="prompt")
@@ -203,13 +214,13 @@ class QStarService:
             self._check_ids([t_prompt], "dualvllm.t_prompt")
         encoded = await self.coordinator.encode([p if t_prompt is None else (p, t_prompt) for p in prompts])
         logprobs = body.logprobs
-        job = self._job("completion", body, encoded, body.max_tokens or self.config.default_max_tokens,
-                        top_logprobs=logprobs or 0, want_logprobs=logprobs is not None)
+        max_tokens = self.config.default_max_tokens if body.max_tokens is None else body.max_tokens
+        job = self._job("completion", body, encoded, max_tokens, top_logprobs=logprobs or 0,
+                        want_logprobs=logprobs is not None, echo=body.echo)
         return await self._run(request, job)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body = await _parse(request, ChatCompletionRequest)
-        self._check_model(body.model)
+        body = self._with_model(await _parse(request, ChatCompletionRequest))
         _refuse(body.unsupported())
         theta_ids = await self.coordinator.render_chat([m.rendered() for m in body.messages], "theta")
         t_messages = body.dualvllm.t_messages
@@ -225,10 +236,27 @@ class QStarService:
 
     # -- generation ---------------------------------------------------------------------
 
-    def _check_model(self, model: str) -> None:
-        if model != self.model:
+    def _with_model(self, body: Any) -> Any:
+        """The request, checked against the served name; "<name>@alpha=A" sets dualvllm.fixed_alpha A."""
+        model = body.model
+        if model == self.model:
+            return body
+        if not model.startswith(self.model + ALPHA_SUFFIX):
             raise UnknownModelError(f"the model {model!r} does not exist here; this service serves {self.model!r} "
-                                    "(GET /v1/models)")
+                                    f"and {self.model}{ALPHA_SUFFIX}A for a fixed alpha A in [0, 1] (GET /v1/models)")
+        try:
+            alpha = float(model[len(self.model + ALPHA_SUFFIX):])
+        except ValueError:
+            alpha = math.nan
+        if not 0.0 <= alpha <= 1.0:  # NaN fails too
+            raise RequestError(f"the model {model!r} asks for alpha {model[len(self.model + ALPHA_SUFFIX):]!r}; give "
+                               f"a number in [0, 1], e.g. {self.model}{ALPHA_SUFFIX}0 for the base alone",
+                               code="model_not_found", param="model")
+        fixed = body.dualvllm.fixed_alpha
+        if fixed is not None and fixed != alpha:
+            raise RequestError(f"the model {model!r} fixes alpha at {alpha:g} and dualvllm.fixed_alpha is {fixed:g}; "
+                               "give one of them", param="dualvllm.fixed_alpha")
+        return body.model_copy(update={"dualvllm": body.dualvllm.model_copy(update={"fixed_alpha": alpha})})
 
     def _check_ids(self, prompts: list[str | list[int]], param: str) -> None:
         """Token ids outside the vocabulary refused here, not by a model server (which would be a 502)."""
@@ -245,7 +273,7 @@ class QStarService:
 
     def _job(self, kind: str, body: CompletionRequest | ChatCompletionRequest,
              prompts: list[tuple[list[int], list[int]]], max_tokens: int, *, top_logprobs: int,
-             want_logprobs: bool) -> Job:
+             want_logprobs: bool, echo: bool = False) -> Job:
         limit = self.coordinator.max_model_len
         for i, (theta_ids, t_ids) in enumerate(prompts):
             if not theta_ids or not t_ids:
@@ -256,7 +284,7 @@ class QStarService:
                     f"this model's maximum context length is {limit} tokens; prompt {i} has {longest} tokens and "
                     f"max_tokens is {max_tokens} ({longest + max_tokens} in all). Shorten the prompt or lower "
                     "max_tokens", code="context_length_exceeded", param="max_tokens")
-        job = Job(kind, body, prompts, max_tokens, top_logprobs, want_logprobs)
+        job = Job(kind, body, prompts, max_tokens, top_logprobs, want_logprobs, echo)
         if job.sequences * max_tokens > self.config.max_request_tokens:
             raise RequestError(
                 f"this request asks for up to {job.sequences * max_tokens} tokens ({len(prompts)} prompts x n="
@@ -267,7 +295,8 @@ class QStarService:
     def _check(self, job: Job) -> None:
         """What the coordinator would refuse, refused now: before a stream's first byte."""
         body, options = job.request, job.options
-        self.coordinator.check_call(job.max_tokens, temperature=body.temperature, stop=body.stop_strings() or None,
+        # An echo-only job (max_tokens 0) is checked as a one-token call: the same settings shape its q*.
+        self.coordinator.check_call(max(job.max_tokens, 1), temperature=body.temperature, stop=body.stop_strings() or None,
                                     fixed_alpha=options.fixed_alpha, return_diagnostics=options.return_diagnostics,
                                     ignore_eos=options.ignore_eos, top_k=options.top_k,
                                     top_logprobs=job.top_logprobs)
@@ -278,8 +307,13 @@ class QStarService:
                                  lambda: self.coordinator.get_statistics()["tokens_per_s"]):
             if job.request.stream:
                 return await stream_choices(request, self, job)
-            async with self.generate(job) as outputs:
-                ordered = await _collect(outputs, job.sequences)
+            scores = await self.score(job) if job.echo and job.want_logprobs else None
+            ordered: list[GenerationOutput] = []
+            if job.max_tokens:
+                async with self.generate(job) as outputs:
+                    ordered = await _collect(outputs, job.sequences)
+            if job.echo:
+                return web.json_response(await self.echo_response(job, ordered, scores), dumps=_dumps)
             return web.json_response(await self.response(job, ordered), dumps=_dumps)
 
     @contextlib.asynccontextmanager
@@ -324,12 +358,56 @@ class QStarService:
         return responses.envelope(kind, responses.request_id(job.kind), int(time.time()), self.model, choices,
                                   responses.usage(job.prompt_tokens, outputs))
 
-    async def logprob_texts(self, job: Job, outputs: Sequence[GenerationOutput]) -> dict[int, str]:
+    async def echo_response(self, job: Job, outputs: Sequence[GenerationOutput],
+                            scores: list[PromptScores] | None) -> dict[str, Any]:
+        """A completion whose choices start with their prompt (echo): its text and, with `scores`,
+        each prompt token's log q* before the generated tokens' (`outputs`: none for max_tokens 0)."""
+        body = job.request
+        texts = await self.logprob_texts(job, outputs, scores)
+        prompt_texts = [p if isinstance(p, str) else await self.coordinator.detokenize(p)
+                        for p in body.prompts()]  # type: ignore[union-attr]
+        choices = []
+        for index in range(job.sequences):
+            prompt = index // body.n  # choice index = prompt x n + j, as the coordinator numbers outputs
+            choices.append(responses.echo_choice(index, prompt_texts[prompt], None if scores is None else scores[prompt],
+                                                 outputs[index] if outputs else None, job.options, texts))
+        return responses.envelope("text_completion", responses.request_id(job.kind), int(time.time()), self.model,
+                                  choices, responses.usage(job.prompt_tokens, outputs))
+
+    async def score(self, job: Job) -> list[PromptScores]:
+        """Every prompt token's log q* (service.scoring), once per prompt whatever n is."""
+        config, options = self.coordinator.config, job.options
+        prompts = []
+        for i, (theta_ids, t_ids) in enumerate(job.prompts):
+            if theta_ids != t_ids:  # the start-up check makes this rare: the tokenizers are the same
+                raise RequestError(f"the base and the teacher tokenize prompt {i} differently; echo scores one "
+                                   "token sequence under both, so give the prompt as token ids", param="prompt")
+            prompts.append(theta_ids)
+        settings = ScoringSettings(top_k=options.top_k or config.top_k, fill=config.fill_rule,
+                                   vocab_size=self.coordinator.vocab_size, alpha_tol=config.alpha_tol,
+                                   alpha_max_iter=config.alpha_max_iter, fixed_alpha=options.fixed_alpha,
+                                   top_n=job.top_logprobs)
+        return await score_prompts(*_engines(self.coordinator), prompts, settings)
+
+    async def logprob_texts(self, job: Job, outputs: Sequence[GenerationOutput],
+                            scores: Sequence[PromptScores] | None = None) -> dict[int, str]:
         if not job.want_logprobs:
             return {}
         ids = {t for o in outputs for t in o.generated_tokens}
         ids.update(i for o in outputs for row in (o.top_logprobs or []) for i in row)
+        for prompt in scores or []:
+            ids.update(prompt.token_ids)
+            ids.update(i for row in prompt.top if row is not None for i in row)
         return await self.texts.get(ids)
+
+
+def _engines(coordinator: DualVLLMCoordinator) -> tuple[Engine, Engine]:
+    """The base's and the teacher's engines, for prompt scoring.
+
+    DualVLLMCoordinator exposes only `base_engine`; until it has a public accessor for the
+    teacher's too, this one line reads its attribute (the coordinator is not this package's).
+    """
+    return coordinator.base_engine, coordinator._t  # type: ignore[return-value]  # noqa: SLF001
 
 
 async def _collect(outputs: AsyncIterator[GenerationOutput], count: int) -> list[GenerationOutput]:

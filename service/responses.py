@@ -3,7 +3,9 @@
 A choice's `dualvllm` object carries what q* adds (see service.schema): always the mean
 alpha and the coordinator's own finish reason; with `return_token_ids` the per-token
 token ids, alpha, log q*, log pi_theta and log pi_t (what a trainer needs for importance
-weights); with `return_diagnostics` the diagnostics summaries.
+weights); with `return_diagnostics` the diagnostics summaries. A choice that echoes a
+scored prompt also has `prompt`: the prompt's token ids, and per position alpha, log q*,
+log pi_theta and log pi_t (None at position 0, as OpenAI's echoed logprobs).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any, Mapping, Sequence
 
 from coordinator.outputs import GenerationOutput
 from service.schema import QStarOptions
+from service.scoring import PromptScores
 
 # The coordinator's finish reasons, in OpenAI's words.
 FINISH_REASONS = {
@@ -48,15 +51,51 @@ def usage(prompt_tokens: int, outputs: Sequence[GenerationOutput]) -> dict[str, 
 def completion_logprobs(output: GenerationOutput, texts: Mapping[int, str]) -> dict[str, Any]:
     """OpenAI's legacy completion logprobs: log q* of each generated token, and of q*'s top
     candidates when asked for; `texts` maps every token id involved to its text."""
-    tokens = [texts[t] for t in output.generated_tokens]
+    top = None
+    if output.top_logprobs is not None:
+        top = [{texts[i]: v for i, v in row.items()} for row in output.top_logprobs]
+    return _legacy_logprobs([texts[t] for t in output.generated_tokens], output.logprobs_q, top)
+
+
+def echo_logprobs(scores: PromptScores, output: GenerationOutput | None, texts: Mapping[int, str]) -> dict[str, Any]:
+    """Legacy logprobs of an echoed prompt and its completion (`output`; None for max_tokens 0).
+
+    As vLLM answers echo: position 0 has None; every other position's top_logprobs holds q*'s
+    top candidates and the token itself, whether or not it is among them.
+    """
+    ids, values, rows = list(scores.token_ids), list(scores.logprob_q), list(scores.top)
+    if output is not None:
+        ids += output.generated_tokens
+        values += output.logprobs_q
+        rows += output.top_logprobs or [{} for _ in output.generated_tokens]  # logprobs 0: the token alone
+    top = [None if row is None else {texts[i]: v for i, v in {**row, token: value}.items()}
+           for token, value, row in zip(ids, values, rows)]
+    return _legacy_logprobs([texts[t] for t in ids], values, top)
+
+
+def _legacy_logprobs(tokens: list[str], values: Sequence[float | None],
+                     top: list[dict[str, float] | None] | None) -> dict[str, Any]:
     offsets, at = [], 0
     for token in tokens:
         offsets.append(at)
         at += len(token)
-    top = None
-    if output.top_logprobs is not None:
-        top = [{texts[i]: v for i, v in row.items()} for row in output.top_logprobs]
-    return {"tokens": tokens, "token_logprobs": output.logprobs_q, "top_logprobs": top, "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": list(values), "top_logprobs": top, "text_offset": offsets}
+
+
+def echo_choice(index: int, prompt_text: str, scores: PromptScores | None, output: GenerationOutput | None,
+                options: QStarOptions, texts: Mapping[int, str]) -> dict[str, Any]:
+    """A completion choice that starts with its prompt; `scores` when logprobs were asked for,
+    `output` unless max_tokens was 0 (then the finish reason is "length", as vLLM gives)."""
+    if output is None:
+        text, reason, record = prompt_text, "length", {"mean_alpha": None, "finish_reason": "max_tokens"}
+    else:
+        text, reason, record = prompt_text + output.generated_text, finish_reason(output), qstar_record(output, options)
+    logprobs = None
+    if scores is not None:
+        logprobs = echo_logprobs(scores, output, texts)
+        record["prompt"] = {"token_ids": scores.token_ids, "alpha": scores.alpha, "logprobs_q": scores.logprob_q,
+                            "logprobs_theta": scores.logprob_theta, "logprobs_t": scores.logprob_t}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason, "dualvllm": record}
 
 
 def chat_logprobs(output: GenerationOutput, texts: Mapping[int, str]) -> dict[str, Any]:

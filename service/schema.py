@@ -1,7 +1,7 @@
 """What the q* endpoint accepts: OpenAI's completion and chat requests, plus a `dualvllm` object.
 
 The OpenAI fields keep OpenAI's names, types and defaults. Fields OpenAI has and q*
-sampling cannot honour (top_p, penalties, logit_bias, echo, best_of, suffix) are accepted
+sampling cannot honour (top_p, penalties, logit_bias, best_of, suffix) are accepted
 only at their neutral values, so a client that sends its defaults works, and one that
 asks for more hears why not (`unsupported`). Any other field is refused: a misspelt
 option fails loudly instead of being ignored.
@@ -124,9 +124,9 @@ class _Sampling(_Strict):
 
 class CompletionRequest(_Sampling):
     prompt: PromptField
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: score the prompt, generate nothing
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    echo: bool = False  # the prompt before the completion; with logprobs, each prompt token's log q*
     best_of: int | None = None
     suffix: str | None = None
 
@@ -137,8 +137,11 @@ class CompletionRequest(_Sampling):
         return self
 
     def unsupported(self) -> str | None:
-        if self.echo:
-            return "echo is not supported: q* scores only tokens it samples, not a given prompt"
+        if self.echo and self.stream:
+            return "echo is not streamed; send stream=false (the prompt's logprobs come in one answer)"
+        if self.echo and self.dualvllm.t_prompt is not None:
+            return ("echo scores the prompt under both models, so both must see it; leave out "
+                    "dualvllm.t_prompt (the teacher's own prompt would not match the prompt's positions)")
         if self.best_of is not None and self.best_of != self.n:
             return "best_of is not supported; ask for n completions and rank them yourself"
         if self.suffix:

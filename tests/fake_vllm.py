@@ -245,6 +245,11 @@ class FakeVLLM:
         # Like vLLM: logprob keys are the token's text unless ids were asked for.
         key = (lambda t: f"token_id:{t}") if body.get("return_tokens_as_token_ids") else token_text
         max_tokens = body.get("max_tokens", 1)
+        if body.get("echo"):
+            if max_tokens != 0:
+                return web.Response(status=400, text="the fake echoes prompts only with max_tokens 0")
+            return web.json_response({"choices": [self._echo(index, prompt, k, key)
+                                                  for index, prompt in enumerate(prompts)]})
         choices = []
         for index, context in enumerate(prompts):
             if len(context) + max_tokens > self.model.max_model_len:
@@ -272,6 +277,19 @@ class FakeVLLM:
             await response.write_eof()
             return response
         return web.json_response({"choices": choices})
+
+    def _echo(self, index: int, prompt: list[int], k: int, key) -> dict:
+        """vLLM's prompt logprobs (echo, max_tokens 0): None at position 0, then the top k before
+        each prompt token and that token's own logprob (a (k+1)-th entry outside the top k)."""
+        tops: list[dict | None] = [None]
+        for j in range(1, len(prompt)):
+            logprobs = self.model.logprobs(prompt[:j])
+            entries = {key(int(t)): float(logprobs[t]) for t in np.argsort(-logprobs)[:k]}
+            entries.setdefault(key(prompt[j]), float(logprobs[prompt[j]]))
+            tops.append(entries)
+        return {"index": index, "text": detokenize(prompt), "finish_reason": "length",
+                "logprobs": {"tokens": [key(t) for t in prompt], "token_logprobs": [None] + [
+                    row[key(t)] for row, t in zip(tops[1:], prompt[1:])], "top_logprobs": tops} if k else None}
 
     def _sample(self, logprobs: np.ndarray, body: dict, rng: np.random.Generator) -> int:
         """vLLM's sampler: argmax at temperature 0, else softmax(lp/T) over the top_k (0 = all)."""

@@ -24,7 +24,7 @@ MODEL = "fake-base+fake-teacher"
 async def running(theta: FakeVLLM, t: FakeVLLM, coordinator: dict[str, Any] | None = None,
                   **service: Any) -> AsyncIterator[tuple[str, DualVLLMCoordinator]]:
     """(base URL, coordinator) of a q* service started by service.app.serve on a free port."""
-    options = dict(retry_delay=0.0, top_k=8, mode="per_token", max_retries=1, **(coordinator or {}))
+    options = {**dict(retry_delay=0.0, top_k=8, mode="per_token", max_retries=1), **(coordinator or {})}
     async with DualVLLMCoordinator(CoordinatorConfig(theta_url=theta.url, t_url=t.url, **options)) as c:
         listening: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         task = asyncio.create_task(serve(c, ServiceConfig(service_port=0, **service),
@@ -256,7 +256,7 @@ async def test_a_streamed_chat_opens_with_the_assistant_role(service):
     ({"model": MODEL, "prompt": []}, 400, "prompt"),
     ({"model": MODEL, "prompt": "abc", "max_tokens": 100}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "abc", "top_p": 0.9}, 400, None),
-    ({"model": MODEL, "prompt": "abc", "echo": True}, 400, None),
+    ({"model": MODEL, "prompt": "abc", "echo": True, "stream": True}, 400, None),
     ({"model": MODEL, "prompt": "abc", "n": 2000, "max_tokens": 40}, 400, "n"),
     ({"model": "gpt-4", "prompt": "abc"}, 404, "model"),
 ])
