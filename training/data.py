@@ -136,6 +136,13 @@ def build_examples(rows: Iterable[tuple[int, Row]], *, source: str, prompt_templ
     return examples
 
 
+def format_template(text: str, name: str, values: Mapping[str, Any], *, source: str, line: int) -> str:
+    """`text`, a `str.format` template over `values` (a row's fields), checked as build_examples checks
+    its templates: InvalidInputError for a malformed template, InputFormatError(source, line) for a row
+    it cannot format. For callers that build prompts outside build_examples (training.trl_rollouts)."""
+    return _Template.parse(text, name).format(values, functools.partial(InputFormatError, source, line))
+
+
 def held_out_split(examples: Sequence[Example], n: int, seed: int) -> tuple[list[Example], list[Example]]:
     """(train, held_out): `n` examples chosen by `seed` are held out; both keep the given order."""
     if not 1 <= n < len(examples):
