@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +41,7 @@ from training.recipe import held_out, prepare
 from training.rollouts import Sampled, ScoredBatch, Task, produce, sample_batch
 from training.serving import serving
 from training.verifiers import verifier_pool
-from training.weight_sync import BasePusher
+from training.weight_sync import BasePusher, new_push_dir, prune_pushed
 
 log = logging.getLogger("dualvllm.training")
 
@@ -124,7 +123,7 @@ class GRPORecipe:
         probes = [list(t.prompt_ids) for t in self.problems.held_out[:PUSH_PROBES]]
         self.pusher = BasePusher(self.coordinator.base_engine, probes)
         if config.theta_urls:  # servers started elsewhere serve whatever they were given: make it ours
-            await self.pusher.push(self.learner.model, self.tokenizer, _push_dir(self.out, self.state.step))
+            await self.pusher.push(self.learner.model, self.tokenizer, new_push_dir(self.out, self.state.step))
 
     async def evaluate(self) -> dict[str, float]:
         return await held_out(self.coordinator, self.config, self.problems, self.pool)
@@ -167,11 +166,11 @@ class GRPORecipe:
             version += 1
         elif step % config.push_every == 0 or step == config.steps:
             async with self.coordinator.paused():  # lockstep sequences resume on the new weights
-                push = await self.pusher.push(self.learner.model, self.tokenizer, _push_dir(self.out, step))
+                push = await self.pusher.push(self.learner.model, self.tokenizer, new_push_dir(self.out, step))
             version += 1
             metrics.update(push_max_abs_diff=push.max_abs_diff, push_replicas=push.replicas,
                            push_replicas_dropped=len(push.dropped))
-            _prune_pushed(self.out)
+            prune_pushed(self.out)
         self.state = RunState(step=step, data_position=batch.data_position, policy_version=version,
                               curriculum=batch.curriculum_state)
         await asyncio.to_thread(checkpoint.save, self.out, self.learner.model, self.tokenizer,
@@ -246,7 +245,7 @@ class GRPORecipe:
             await self._stop_sampler()
         finally:
             await self._stack.aclose()
-            _prune_pushed(self.out)
+            prune_pushed(self.out)
 
 
 def _curriculum(config: TrainConfig, state: RunState, n_tasks: int) -> Curriculum | None:
@@ -276,15 +275,3 @@ async def _next_batch(queue: asyncio.Queue[ScoredBatch], sampler: asyncio.Task[N
 def _log_metrics(path: Path, record: dict[str, Any]) -> None:
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
-
-
-def _push_dir(out: Path, step: int) -> Path:
-    """A new directory per push (reloading an overwritten one can serve stale weights)."""
-    return out / "pushed" / f"step-{step:06d}-{time.time_ns()}"
-
-
-def _prune_pushed(out: Path, keep: int = 1) -> None:
-    """Pushed weight directories are only needed while the server loads them."""
-    pushed = sorted((out / "pushed").glob("step-*")) if (out / "pushed").is_dir() else []
-    for old in pushed[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -326,3 +328,15 @@ def _save(model: Any, tokenizer: Any, out_dir: Path) -> None:
     lora.save_full(model, out_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
+
+
+def new_push_dir(out: Path, step: int) -> Path:
+    """A new directory per push (reloading an overwritten one can serve stale weights)."""
+    return out / "pushed" / f"step-{step:06d}-{time.time_ns()}"
+
+
+def prune_pushed(out: Path, keep: int = 1) -> None:
+    """Pushed weight directories are only needed while the server loads them."""
+    pushed = sorted((out / "pushed").glob("step-*")) if (out / "pushed").is_dir() else []
+    for old in pushed[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,138 @@
+"""Push a TRL trainer's policy into the base servers, verified: a TrainerCallback.
+
+    every sync_every optimizer steps (and once before the first, so the servers sample
+    the trainer's weights from the start):
+      every rank   accelerator.get_state_dict(model)   the full weights; a collective under
+                                                       FSDP and ZeRO-3, so all ranks call it
+      main only    save to a new directory -> the learner's logprobs on probe prompts
+                   -> inside coordinator.paused(): reload into every base replica and
+                   verify each (training.weight_sync.BasePusher)
+      every rank   accelerator.wait_for_everyone()     no rank samples before the push is done
+
+Each rank owns its QStarRollouts (its own coordinator over the same servers); only the
+main process's pushes. Under FSDP or ZeRO-3 the main process holds only a shard, so the
+logprobs to verify against are computed from the saved checkpoint, loaded on the CPU
+(one more copy of the model in memory for the length of a push); otherwise from the live
+model. The push is the one `dualvllm train` makes, so its failures are the same
+WeightSyncErrors and it needs the servers in dev mode (VLLM_SERVER_DEV_MODE=1, loopback).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from transformers import TrainerCallback
+
+from common.errors import InvalidInputError
+from training import lora
+from training.trl_rollouts import QStarRollouts
+from training.weight_sync import BasePusher, PushReport, learner_logprobs, new_push_dir, prune_pushed
+
+# A push of the bundled models takes well under a second; a large model's save and reload take
+# minutes, and a replica that restarts gets BasePusher's own health wait on top.
+PUSH_TIMEOUT_S = 1800.0
+PROBES = 4
+
+
+class QStarWeightSync(TrainerCallback):
+    """Keeps the base servers on the trainer's weights: `trainer.add_callback(QStarWeightSync(trainer, rollouts))`.
+
+    `probes` are prompt token ids to verify pushes on (default: the first `PROBES` prompts of the
+    trainer's train_dataset, rendered as the rollouts render them). `reports` holds each push's
+    PushReport (main process only). Pushed directories go under `push_dir` (default
+    `<output_dir>/pushed`); the newest is kept.
+    """
+
+    def __init__(self, trainer: Any, rollouts: QStarRollouts, *, sync_every: int = 1,
+                 probes: Sequence[Sequence[int]] | None = None, push_dir: Path | None = None,
+                 tolerance: float = 1e-3, push_timeout_s: float = PUSH_TIMEOUT_S, sync_at_start: bool = True) -> None:
+        if sync_every < 1:
+            raise InvalidInputError(f"sync_every={sync_every}; push every N >= 1 optimizer steps")
+        self.trainer, self.rollouts = trainer, rollouts
+        self.sync_every, self.tolerance = sync_every, tolerance
+        self.push_timeout_s, self.sync_at_start = push_timeout_s, sync_at_start
+        self.out = Path(push_dir) if push_dir is not None else Path(trainer.args.output_dir)
+        self._probes = [list(p) for p in probes] if probes is not None else None
+        self._pusher: BasePusher | None = None
+        self.reports: list[PushReport] = []
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.sync_at_start:
+            self.sync(state.global_step)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step % self.sync_every == 0:
+            self.sync(state.global_step)
+
+    def sync(self, step: int) -> None:
+        """One push at optimizer step `step`; every rank must call it (see the module docstring)."""
+        accelerator = self.trainer.accelerator
+        state_dict = accelerator.get_state_dict(self.trainer.model_wrapped) if _sharded(accelerator) else None
+        if accelerator.is_main_process:
+            report = self._push(step, state_dict)
+            self.reports.append(report)
+            # GRPOTrainer averages its metric buffer into the next log line (Trainer.log would flush it early).
+            metrics = getattr(self.trainer, "_metrics", {}).get("train")
+            if metrics is not None:
+                metrics["push/max_abs_diff"].append(report.max_abs_diff)
+                metrics["push/replicas"].append(float(report.replicas))
+                metrics["push/replicas_dropped"].append(float(len(report.dropped)))
+        accelerator.wait_for_everyone()
+
+    def _push(self, step: int, state_dict: dict[str, Any] | None) -> PushReport:
+        trainer = self.trainer
+        model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+        out_dir = new_push_dir(self.out, step)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        probes = self._probe_ids()
+        if state_dict is None:  # the whole model is here: save it (merged if LoRA) and probe it live
+            lora.save_full(model, out_dir)
+            expected = learner_logprobs(model, probes)
+        else:
+            if lora.is_lora(model):
+                raise InvalidInputError("pushing a LoRA model trained under FSDP or ZeRO-3 is not supported: merge "
+                                        "the adapter, or train without sharding")
+            model.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
+            expected = _checkpoint_logprobs(out_dir, probes)
+        trainer.processing_class.save_pretrained(out_dir)
+        if self._pusher is None:
+            self._pusher = BasePusher(self.rollouts.coordinator.base_engine, probes, tolerance=self.tolerance)
+        report = self.rollouts.run(self._reload(out_dir, expected), timeout_s=self.push_timeout_s,
+                                   what=f"pushing the weights of step {step}")
+        prune_pushed(self.out)
+        return report
+
+    async def _reload(self, out_dir: Path, expected: Any) -> PushReport:
+        assert self._pusher is not None
+        async with self.rollouts.coordinator.paused():  # lockstep sequences resume on the new weights
+            return await self._pusher.push_saved(out_dir, expected)
+
+    def _probe_ids(self) -> list[list[int]]:
+        if self._probes is None:
+            dataset = self.trainer.train_dataset
+            prompts = [dataset[i]["prompt"] for i in range(min(PROBES, len(dataset)))]
+            self._probes = self.rollouts.render(prompts, self.trainer)
+        return self._probes
+
+
+def _sharded(accelerator: Any) -> bool:
+    """Whether each rank holds only a shard of the weights (FSDP, or DeepSpeed ZeRO stage 3)."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return True
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return accelerator.distributed_type == DistributedType.DEEPSPEED and plugin is not None and plugin.zero_stage == 3
+
+
+def _checkpoint_logprobs(out_dir: Path, probes: list[list[int]]) -> Any:
+    """The saved checkpoint's own logprobs on the probes, from a CPU copy (the live model is sharded)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    copy = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
+    try:
+        return learner_logprobs(copy, probes)
+    finally:
+        del copy
