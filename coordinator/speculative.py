@@ -45,11 +45,11 @@ import numpy as np
 
 from coordinator.scheduler import Scheduler
 from coordinator.sequence import SequenceState
+from coordinator import kernel
 from coordinator.step import Target, solve_target
 from common.errors import DualVLLMError, InvalidInputError
 from engines.protocol import Draft, SpeculativeEngine, TopKBatch
 from theory.diagnostics import token_diagnostics
-from theory.merge import merge_topk
 from theory.speculative import (
     NOT_A_CANDIDATE,
     RoundDecision,
@@ -196,8 +196,8 @@ class SpeculativeScheduler(Scheduler):
         temperature = np.repeat([p.temperature for p in params], lengths)  # [R]
         fixed = np.repeat([np.nan if p.fixed_alpha is None else p.fixed_alpha for p in params], lengths)
         cfg = self._config
-        merged = merge_topk(theta.token_ids, theta.logprobs, t.token_ids, t.logprobs,
-                            fill=cfg.fill_rule, vocab_size=self._vocab_size)
+        merged = kernel.merge(theta.token_ids, theta.logprobs, t.token_ids, t.logprobs,
+                              fill=cfg.fill_rule, vocab_size=self._vocab_size)
         target = solve_target(merged, temperature, fixed, alpha_tol=cfg.alpha_tol, alpha_max_iter=cfg.alpha_max_iter)
         tokens = np.concatenate([d.token_ids for d in drafts])  # [R]
         hit = merged.token_ids == tokens[:, None]  # [R, n]

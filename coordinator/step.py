@@ -1,7 +1,8 @@
 """One coordinator step's math: merge both top-k lists, solve alpha*, sample from q*.
 
-Pure and vectorized over the active batch; no I/O, so it is tested without servers and
-benchmarked on its own.
+Pure, no I/O, so it is tested without servers and benchmarked on its own. The three phases
+run compiled (coordinator/kernel.py, equal to theory/'s numpy reference); every scheduler
+(per-token, lockstep, speculative) goes through here, so all sample from the same q*.
 """
 
 from __future__ import annotations
@@ -12,10 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from engines.protocol import PAD_TOKEN_ID, TopKBatch
-from theory.alpha import solve_alpha
+from coordinator import kernel
 from theory.diagnostics import token_diagnostics
-from theory.merge import FillRule, MergedTopK, merge_topk
-from theory.mixture import apply_temperature, greedy_indices, mixture_logprobs, sample_indices
+from theory.merge import FillRule, MergedTopK
 
 
 @dataclass(frozen=True)
@@ -55,20 +55,9 @@ def solve_target(merged: MergedTopK, temperature: np.ndarray, fixed_alpha: np.nd
     use temperature 1. Shared by the per-token step and speculative rounds, so both sample
     from the very same q*.
     """
-    mask = merged.mask
-    temps = np.where(temperature == 0.0, 1.0, temperature)
-    logp_theta = apply_temperature(merged.logp_theta, temps, mask)  # [B, n]
-    logp_t = apply_temperature(merged.logp_t, temps, mask)  # [B, n]
-    alpha = fixed_alpha.copy()
-    solve = np.isnan(alpha)
-    if solve.all():  # the usual case: no row copies
-        alpha = solve_alpha(logp_theta, logp_t, mask, tol=alpha_tol, max_iter=alpha_max_iter)
-    elif solve.any():
-        alpha[solve] = solve_alpha(logp_theta[solve], logp_t[solve], mask[solve],
-                                   tol=alpha_tol, max_iter=alpha_max_iter)
-    if max_alpha is not None:  # an alpha schedule: q* leans on the teacher at most this much
-        alpha = np.where(solve, np.minimum(alpha, max_alpha), alpha)
-    return Target(merged, logp_theta, logp_t, alpha, mixture_logprobs(logp_theta, logp_t, alpha, mask))
+    logp_theta, logp_t, alpha, logq = kernel.target(merged, temperature, fixed_alpha, max_alpha,
+                                                     tol=alpha_tol, max_iter=alpha_max_iter)
+    return Target(merged, logp_theta, logp_t, alpha, logq)
 
 
 def mix_and_sample(
@@ -86,18 +75,14 @@ def mix_and_sample(
     max_alpha: np.ndarray | None = None,  # float64 [B]: cap on alpha* (1 = none); None = no cap anywhere
 ) -> StepResult:
     started = time.perf_counter()
-    merged = merge_topk(theta.token_ids, theta.logprobs, t.token_ids, t.logprobs,
-                        fill=fill, vocab_size=vocab_size)
+    merged = kernel.merge(theta.token_ids, theta.logprobs, t.token_ids, t.logprobs, fill=fill, vocab_size=vocab_size)
     mask = merged.mask
     merged_at = time.perf_counter()
     target = solve_target(merged, temperature, fixed_alpha, alpha_tol=alpha_tol, alpha_max_iter=alpha_max_iter,
                           max_alpha=max_alpha)
     solved_at = time.perf_counter()
     logq = target.logq  # [B, n]
-    index = sample_indices(logq, mask, uniforms)  # [B]
-    greedy = temperature == 0.0
-    if greedy.any():
-        index = np.where(greedy, greedy_indices(logq, mask), index)
+    index = kernel.sample(logq, mask, uniforms, greedy=temperature == 0.0)  # [B]
     rows = np.arange(index.shape[0])
     diagnostics = None
     if with_diagnostics:

@@ -31,7 +31,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from coordinator.sequence import SequenceState
-from engines.protocol import TopKBatch
+from engines.protocol import PAD_TOKEN_ID, TopKBatch
 from engines.vllm_plugin import wire
 
 UNSET = -2  # a report row not decided yet
@@ -248,10 +248,27 @@ class LockstepTable:
         return blocked, [live for live in ready if not live.done]
 
     def topk(self, ready: list[Live], role: int) -> TopKBatch:
-        """The waiting rows of `role` of the ready sequences, in their order."""
-        rows = [live.rows[role] for live in ready]
-        ids = np.stack([blocked.report.token_ids[i] for blocked, i in rows]).astype(np.int64)  # type: ignore[misc]
-        logprobs = np.stack([blocked.report.logprobs[i] for blocked, i in rows]).astype(np.float64)  # type: ignore[misc]
+        """The waiting rows of `role` of the ready sequences, in their order: one gather per report
+        they came in (usually one)."""
+        pairs = [live.rows[role] for live in ready]
+        first = pairs[0][0]  # type: ignore[index]
+        if all(pair[0] is first for pair in pairs):  # type: ignore[index]
+            rows = [pair[1] for pair in pairs]  # type: ignore[index]
+            return TopKBatch(token_ids=first.report.token_ids[rows].astype(np.int64),
+                             logprobs=first.report.logprobs[rows].astype(np.float64))
+        groups: dict[Blocked, tuple[list[int], list[int]]] = {}  # report -> (places in `ready`, its rows)
+        for place, live in enumerate(ready):
+            blocked, i = live.rows[role]  # type: ignore[misc]
+            places, rows = groups.setdefault(blocked, ([], []))
+            places.append(place)
+            rows.append(i)
+        width = max(blocked.report.token_ids.shape[1] for blocked in groups)
+        ids = np.full((len(ready), width), PAD_TOKEN_ID, dtype=np.int64)
+        logprobs = np.full((len(ready), width), -np.inf)
+        for blocked, (places, rows) in groups.items():
+            k = blocked.report.token_ids.shape[1]
+            ids[places, :k] = blocked.report.token_ids[rows]
+            logprobs[places, :k] = blocked.report.logprobs[rows]
         return TopKBatch(token_ids=ids, logprobs=logprobs)
 
     def decided(self, ready: list[Live], tokens: list[int]) -> None:

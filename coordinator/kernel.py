@@ -1,0 +1,280 @@
+"""The coordinator's step, compiled: merge both top-k lists, solve alpha*, sample from q*.
+
+theory/ holds the reference math, vectorized numpy over the batch, written to be read and
+checked against the papers. At a few hundred rows of 20-40 candidates that form spends most
+of its time in numpy's per-call overhead (dozens of calls per step on tiny arrays, and the
+alpha* search repeats them per iteration): 30-50 µs of coordinator CPU per token in lockstep
+(benchmarks/coordinator_capacity.py). Here the same math runs row by row in one compiled
+pass per phase (numba), each row's loops over its own candidates only.
+
+Every function computes exactly what its reference does, in the same order where it
+matters for sampling (the cumulative sum the inverse-CDF draw reads is summed left to
+right in both); tests/unit/test_step_kernel.py holds them equal on random and adversarial
+rows. Values may differ from the reference in the last bits of a logsumexp (numpy sums
+pairwise); a draw would differ only if its uniform fell within that of a CDF boundary.
+
+All functions write into arrays the caller allocates; nothing here allocates per row.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+from theory.merge import DEFAULT_FLOOR, FILL_RULES, FillRule, MergedTopK
+
+# theory/merge.py's rules, as the integer the compiled code branches on.
+FILL_CODES = {"min": 0, "floor": 1, "spread": 2}
+PAD = -1  # padding id of a top-k row (engines.protocol.PAD_TOKEN_ID, theory.merge.PAD_ID)
+IDENTICAL_ATOL = 1e-12  # theory.alpha.IDENTICAL_ATOL: rows closer than this are one distribution
+
+# error_model="numpy": a zero derivative gives inf/nan (then a bisection step), as in the
+# reference, instead of raising ZeroDivisionError. cache=True: compiled once per machine.
+_jit = numba.njit(cache=True, nogil=True, error_model="numpy")
+
+
+@_jit
+def merge_rows(ids_theta, lp_theta, ids_t, lp_t, fill, floor, vocab_size,
+               token_ids, raw_theta, raw_t, rep_theta, rep_t, counts, cov_theta, cov_t):
+    """theory.merge.merge_topk row by row. Inputs [B, w1] / [B, w2] (PAD padding); outputs
+    [B, w1 + w2], candidates sorted by id in the first counts[b] slots of each row;
+    `vocab_size` < 0: unknown."""
+    batch, w1 = ids_theta.shape
+    w2 = ids_t.shape[1]
+    keys = np.empty(w1 + w2, np.int64)  # id * 2 + model (0 base, 1 teacher): one sort pairs them
+    vals = np.empty(w1 + w2, np.float64)
+    for b in range(batch):
+        m = 0
+        mass_theta, smallest_theta, reported_theta = 0.0, np.inf, 0
+        for j in range(w1):
+            if ids_theta[b, j] != PAD:
+                keys[m], vals[m] = ids_theta[b, j] * 2, lp_theta[b, j]
+                m += 1
+                mass_theta += math.exp(lp_theta[b, j])
+                smallest_theta = min(smallest_theta, lp_theta[b, j])
+                reported_theta += 1
+        mass_t, smallest_t, reported_t = 0.0, np.inf, 0
+        for j in range(w2):
+            if ids_t[b, j] != PAD:
+                keys[m], vals[m] = ids_t[b, j] * 2 + 1, lp_t[b, j]
+                m += 1
+                mass_t += math.exp(lp_t[b, j])
+                smallest_t = min(smallest_t, lp_t[b, j])
+                reported_t += 1
+        _sort_pairs(keys, vals, m)
+        n, i = 0, 0
+        while i < m:
+            key = keys[i]
+            token_ids[b, n] = key >> 1
+            if key & 1 == 0:  # the base reported it; the teacher too if the next key has its id
+                raw_theta[b, n], rep_theta[b, n] = vals[i], True
+                if i + 1 < m and keys[i + 1] >> 1 == key >> 1:
+                    raw_t[b, n], rep_t[b, n] = vals[i + 1], True
+                    i += 1
+                else:
+                    rep_t[b, n] = False
+            else:
+                raw_t[b, n], rep_t[b, n], rep_theta[b, n] = vals[i], True, False
+            i += 1
+            n += 1
+        counts[b] = n
+        cov_theta[b], cov_t[b] = min(mass_theta, 1.0), min(mass_t, 1.0)
+        missing_theta = vocab_size - reported_theta if vocab_size >= 0 else n - reported_theta
+        missing_t = vocab_size - reported_t if vocab_size >= 0 else n - reported_t
+        value_theta = _fill_value(fill, floor, smallest_theta, cov_theta[b], missing_theta)
+        value_t = _fill_value(fill, floor, smallest_t, cov_t[b], missing_t)
+        for j in range(n):
+            if not rep_theta[b, j]:
+                raw_theta[b, j] = value_theta
+            if not rep_t[b, j]:
+                raw_t[b, j] = value_t
+        for j in range(n, token_ids.shape[1]):
+            token_ids[b, j], raw_theta[b, j], raw_t[b, j] = PAD, -np.inf, -np.inf
+            rep_theta[b, j], rep_t[b, j] = False, False
+
+
+@_jit
+def _sort_pairs(keys, vals, m):
+    """Sort keys[:m] ascending, carrying vals along. Insertion sort: a row holds at most 2k
+    entries (k ~ 20), where it beats a general sort's set-up several times over."""
+    for i in range(1, m):
+        key, val = keys[i], vals[i]
+        j = i - 1
+        while j >= 0 and keys[j] > key:
+            keys[j + 1], vals[j + 1] = keys[j], vals[j]
+            j -= 1
+        keys[j + 1], vals[j + 1] = key, val
+
+
+@_jit
+def _fill_value(fill, floor, smallest, coverage, missing):
+    """theory.merge._fill's value for an unreported candidate."""
+    upper = smallest if math.isfinite(smallest) else floor
+    if fill == 0:
+        return upper
+    if fill == 1:
+        return min(floor, upper)
+    spread = np.log(max(1.0 - coverage, 0.0)) - np.log(max(missing, 1))
+    return min(max(spread, floor), upper)
+
+
+@_jit
+def _log_normalize(values, n, temperature, out):
+    """out[:n] = values[:n] / T - logsumexp(values[:n] / T); -inf past n. (Divided, not
+    multiplied by 1/T: the reference divides, and the two round differently.)"""
+    top = -np.inf
+    for j in range(n):
+        top = max(top, values[j] / temperature)
+    shift = top if math.isfinite(top) else 0.0
+    total = 0.0
+    for j in range(n):
+        total += math.exp(values[j] / temperature - shift)
+    lse = np.log(total) + shift
+    for j in range(n):
+        out[j] = values[j] / temperature - lse
+    for j in range(n, out.shape[0]):
+        out[j] = -np.inf
+
+
+@_jit
+def target_rows(raw_theta, raw_t, counts, temperature, fixed_alpha, max_alpha, tol, max_iter,
+                lp_theta, lp_t, alpha, logq):
+    """coordinator.step.solve_target row by row: temperature (0 = greedy rows use 1), alpha*
+    where fixed_alpha is NaN (capped at max_alpha), and log q* over the candidates."""
+    mixed = np.empty(raw_theta.shape[1], np.float64)
+    for b in range(raw_theta.shape[0]):
+        n = counts[b]
+        temp = 1.0 if temperature[b] == 0.0 else temperature[b]
+        _log_normalize(raw_theta[b], n, temp, lp_theta[b])
+        _log_normalize(raw_t[b], n, temp, lp_t[b])
+        a = fixed_alpha[b]
+        if math.isnan(a):
+            a = min(_solve_alpha(lp_theta[b], lp_t[b], n, tol, max_iter), max_alpha[b])
+        alpha[b] = a
+        for j in range(n):
+            mixed[j] = (1.0 - a) * lp_theta[b, j] + a * lp_t[b, j]
+        _log_normalize(mixed, n, 1.0, logq[b])
+
+
+@_jit
+def _solve_alpha(lp, lt, n, tol, max_iter):
+    """theory.alpha.solve_alpha for one row of normalized log-probabilities: rtsafe, Newton
+    steps on f(a) = E_qa[l] (f' = Var_qa(l)) inside a bisection bracket."""
+    l = np.empty(n, np.float64)
+    largest = 0.0
+    for j in range(n):
+        l[j] = lt[j] - lp[j]
+        largest = max(largest, abs(l[j]))
+    if largest <= IDENTICAL_ATOL:
+        return 0.5
+    a, lo, hi, step_before, step = 0.5, 0.0, 1.0, 1.0, 1.0
+    q = np.empty(n, np.float64)
+    for _ in range(max_iter):
+        top = -np.inf
+        for j in range(n):
+            q[j] = lp[j] + a * l[j]
+            top = max(top, q[j])
+        total, first = 0.0, 0.0
+        for j in range(n):
+            q[j] = math.exp(q[j] - top)
+            total += q[j]
+            first += q[j] * l[j]
+        f = first / total
+        second = 0.0
+        for j in range(n):
+            second += q[j] * (l[j] - f) ** 2
+        df = second / total
+        if f < 0:
+            lo = a
+        if f > 0:
+            hi = a
+        newton = a - f / df
+        bisect = (not math.isfinite(newton) or newton <= lo or newton >= hi
+                  or abs(2.0 * f) > abs(step_before * df))
+        new = 0.5 * (lo + hi) if bisect else newton
+        step_before, step = step, abs(new - a)
+        done = f == 0 or hi - lo < tol or step < tol
+        if f != 0:
+            a = new
+        if done:
+            break
+    return min(max(a, 0.0), 1.0)
+
+
+@_jit
+def sample_rows(logq, counts, uniforms, greedy, index):
+    """theory.mixture.sample_indices (inverse CDF: the first j with cdf[j] > u * total) and, on
+    greedy rows, greedy_indices (the first most likely candidate)."""
+    cdf = np.empty(logq.shape[1], np.float64)
+    for b in range(logq.shape[0]):
+        n = counts[b]
+        if greedy[b]:
+            best = 0
+            for j in range(1, n):
+                if logq[b, j] > logq[b, best]:
+                    best = j
+            index[b] = best
+            continue
+        total = 0.0
+        for j in range(n):
+            total += math.exp(logq[b, j])
+            cdf[j] = total
+        threshold = uniforms[b] * total
+        chosen = 0
+        for j in range(n):
+            chosen += cdf[j] <= threshold
+        index[b] = chosen
+
+
+# -- the array-level calls (allocate the outputs, check the inputs) ---------------------------
+
+def merge(ids_theta: np.ndarray, logp_theta: np.ndarray, ids_t: np.ndarray, logp_t: np.ndarray, *,
+          fill: FillRule = "min", floor: float = DEFAULT_FLOOR, vocab_size: int | None = None) -> MergedTopK:
+    """theory.merge.merge_topk, compiled: the same arguments and result."""
+    if fill not in FILL_RULES:
+        raise ValueError(f"unknown fill rule {fill!r}; choose one of {FILL_RULES}")
+    ids_theta, ids_t = np.ascontiguousarray(ids_theta, np.int64), np.ascontiguousarray(ids_t, np.int64)
+    logp_theta, logp_t = np.ascontiguousarray(logp_theta, np.float64), np.ascontiguousarray(logp_t, np.float64)
+    batch, w_theta = ids_theta.shape
+    if ids_t.shape[0] != batch or logp_theta.shape != ids_theta.shape or logp_t.shape != ids_t.shape:
+        raise ValueError(f"merge shapes disagree: ids_theta {ids_theta.shape}, logp_theta {logp_theta.shape}, "
+                         f"ids_t {ids_t.shape}, logp_t {logp_t.shape}")
+    width = w_theta + ids_t.shape[1]
+    token_ids = np.empty((batch, width), np.int64)
+    raw_theta, raw_t = np.empty((batch, width)), np.empty((batch, width))
+    rep_theta, rep_t = np.empty((batch, width), np.bool_), np.empty((batch, width), np.bool_)
+    counts = np.empty(batch, np.int64)
+    coverage_theta, coverage_t = np.empty(batch), np.empty(batch)
+    merge_rows(ids_theta, logp_theta, ids_t, logp_t, FILL_CODES[fill], float(floor),
+               -1 if vocab_size is None else int(vocab_size),
+               token_ids, raw_theta, raw_t, rep_theta, rep_t, counts, coverage_theta, coverage_t)
+    n = max(int(counts.max(initial=0)), 1)
+    mask = np.arange(n) < counts[:, None]  # [B, n]
+    return MergedTopK(token_ids[:, :n], raw_theta[:, :n], raw_t[:, :n], mask, rep_theta[:, :n], rep_t[:, :n],
+                      coverage_theta, coverage_t)
+
+
+def target(merged: MergedTopK, temperature: np.ndarray, fixed_alpha: np.ndarray, max_alpha: np.ndarray | None, *,
+           tol: float, max_iter: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(tempered logp_theta, logp_t [B, n], alpha [B], log q* [B, n]) of merged rows; see target_rows."""
+    counts = merged.mask.sum(axis=1)
+    if counts.size and counts.min() == 0:
+        raise ValueError("a row has no candidates: both servers reported an empty top-k")
+    shape = merged.token_ids.shape
+    lp_theta, lp_t, logq = np.empty(shape), np.empty(shape), np.empty(shape)
+    alpha = np.empty(shape[0])
+    caps = np.ones(shape[0]) if max_alpha is None else np.ascontiguousarray(max_alpha, np.float64)
+    target_rows(np.ascontiguousarray(merged.logp_theta), np.ascontiguousarray(merged.logp_t), counts,
+                np.ascontiguousarray(temperature, np.float64), np.ascontiguousarray(fixed_alpha, np.float64), caps,
+                float(tol), int(max_iter), lp_theta, lp_t, alpha, logq)
+    return lp_theta, lp_t, alpha, logq
+
+
+def sample(logq: np.ndarray, mask: np.ndarray, uniforms: np.ndarray, greedy: np.ndarray) -> np.ndarray:
+    """One candidate index per row -> int64 [B]; see sample_rows."""
+    index = np.empty(logq.shape[0], np.int64)
+    sample_rows(np.ascontiguousarray(logq), mask.sum(axis=1), np.ascontiguousarray(uniforms, np.float64),
+                np.ascontiguousarray(greedy, np.bool_), index)
+    return index
