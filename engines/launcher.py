@@ -70,7 +70,7 @@ class ServerConfig(RaisesInvalidInput, BaseModel):
     skip_tokenizer_init: bool = Field(
         False, description="--skip-tokenizer-init: the server takes token ids only and detokenizes nothing (faster per request); clients must tokenize themselves (CoordinatorConfig.local_tokenizers).")
     lockstep: bool = Field(
-        False, description="Load dualvllm's lockstep plugin (engines/vllm_plugin) and turn chunked prefill off, so a coordinator can pick every token of a long request (CoordinatorConfig.mode).")
+        True, description="Load dualvllm's lockstep plugin (engines/vllm_plugin) and turn chunked prefill off, so a coordinator can pick every token of a long request (CoordinatorConfig.mode): faster than per-token mode at every batch size measured (benchmarks/README.md). False (--no-lockstep): plain vLLM, decoded per token.")
     lockstep_timeout_s: float = Field(
         60.0, gt=0, lt=300, description="With lockstep: seconds the plugin waits for a silent coordinator before it ends that coordinator's sequences and serves on (below vLLM's 300 s step timeout, past which the engine dies).")
     extra_args: tuple[str, ...] = Field((), description="More vLLM CLI arguments, passed verbatim.")

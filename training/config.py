@@ -83,7 +83,7 @@ class TaskConfig(RaisesInvalidInput, BaseModel):
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of the rollouts.")
     top_k: int = Field(20, ge=1, description="Top-k the coordinator merges per token.")
     lockstep: bool = Field(
-        False, description="Start the servers with the lockstep plugin, so rollouts are decoded natively in lockstep "
+        True, description="Start the servers with the lockstep plugin, so rollouts are decoded natively in lockstep "
                            "(coordinator/lockstep/); a weight push takes the sequences in flight off the servers and "
                            "resumes them after it, on the new weights.")
     replicas: int = Field(

@@ -148,7 +148,7 @@ async def test_servers_without_tokenizers_generate_what_servers_with_them_genera
     async with DualVLLMCoordinator(config(vllm_pair, top_k=20)) as c:
         assert c.mode == "lockstep"  # the shared servers carry the plugin
         expected = await c.generate_batch(prompts, **kw)
-    async with launch_pair(*pair_configs(log_dir=tmp_path, max_logprobs=20, skip_tokenizer_init=True)) as bare:
+    async with launch_pair(*pair_configs(log_dir=tmp_path, max_logprobs=20, skip_tokenizer_init=True, lockstep=False)) as bare:
         async with VLLMClient(bare[0].url) as client:  # the flag took effect: no tokenizer on the server
             with pytest.raises(ServerStatusError):
                 await client.tokenize("12+34=")
