@@ -25,7 +25,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import PurePath
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 from aiohttp import web
 from pydantic import ValidationError
@@ -51,6 +51,8 @@ RETRY_AFTER_MAX_S = 60
 # send no extra body fields (lm-eval's loglikelihood requests) choose the base or the teacher.
 ALPHA_SUFFIX = "@alpha="
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+A = TypeVar("A")
+B = TypeVar("B")
 
 
 @dataclass(frozen=True)
@@ -307,14 +309,22 @@ class QStarService:
                                  lambda: self.coordinator.get_statistics()["tokens_per_s"]):
             if job.request.stream:
                 return await stream_choices(request, self, job)
-            scores = await self.score(job) if job.echo and job.want_logprobs else None
-            ordered: list[GenerationOutput] = []
-            if job.max_tokens:
+            if not job.echo:
                 async with self.generate(job) as outputs:
                     ordered = await _collect(outputs, job.sequences)
-            if job.echo:
-                return web.json_response(await self.echo_response(job, ordered, scores), dumps=_dumps)
-            return web.json_response(await self.response(job, ordered), dumps=_dumps)
+                return web.json_response(await self.response(job, ordered), dumps=_dumps)
+            # The prompt is scored while the completion is generated: both wait on the servers.
+            ordered, scores = await _both(self._generated(job), self._scored(job))
+            return web.json_response(await self.echo_response(job, ordered, scores), dumps=_dumps)
+
+    async def _generated(self, job: Job) -> list[GenerationOutput]:
+        if not job.max_tokens:
+            return []
+        async with self.generate(job) as outputs:
+            return await _collect(outputs, job.sequences)
+
+    async def _scored(self, job: Job) -> list[PromptScores] | None:
+        return await self.score(job) if job.want_logprobs else None
 
     @contextlib.asynccontextmanager
     async def generate(self, job: Job, on_tokens: Any = None) -> AsyncIterator[AsyncIterator[GenerationOutput]]:
@@ -418,6 +428,17 @@ async def _collect(outputs: AsyncIterator[GenerationOutput], count: int) -> list
             raise GenerationFailedError(f"choice {output.index}: {output.error}")
         ordered[output.index] = output
     return ordered  # type: ignore[return-value]
+
+
+async def _both(first: Awaitable[A], second: Awaitable[B]) -> tuple[A, B]:
+    """Both results, computed at once; the first failure cancels the other and is raised as
+    itself (not as the ExceptionGroup a TaskGroup raises), so the error middleware maps it."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            one, two = group.create_task(first), group.create_task(second)  # type: ignore[arg-type]
+    except BaseExceptionGroup as failed:
+        raise failed.exceptions[0] from None
+    return one.result(), two.result()
 
 
 async def _parse(request: web.Request, schema: type[CompletionRequest] | type[ChatCompletionRequest]) -> Any:

@@ -145,3 +145,77 @@ async def test_lm_eval_scores_q_star_as_dualvllm_eval_does(vllm_pair, tmp_path):
     assert results["dualvllm_arithmetic"]["exact_match,none"] == pytest.approx(qstar.greedy_accuracy)
     assert results["dualvllm_arithmetic_base"]["exact_match,none"] == pytest.approx(base.greedy_accuracy)
     assert base.greedy_accuracy < 0.5 < qstar.greedy_accuracy  # q* leans on the teacher, which solves the task
+
+
+# -- q* loglikelihoods (echo) ------------------------------------------------------------
+
+async def test_echoed_log_q_star_matches_the_exact_full_vocabulary_q_star(vllm_pair):
+    """Each prompt token's log q* and alpha* from the service (both servers' top-20 prompt
+    logprobs) against the exact q* over the whole vocabulary (tests/exact_q.py on the
+    in-process transformers engines' full distributions), on whole problem lines. The bound
+    is the top-k error docs/topk-accuracy.md states for the bundled models at k = 20: mean
+    |alpha error| 0.0051 (the target is 0.01) and mean TV(q*) 0.0021, so a token's q* moves
+    by at most 2 TV."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    import tinymodels
+    from engines.transformers_engine import TransformersEngine
+    from tests.exact_q import exact_q_star
+
+    tokenizer = AutoTokenizer.from_pretrained(tinymodels.BASE_DIR)
+    lines = [tokenizer(p.prompt + p.answer + "<eos>", add_special_tokens=False).input_ids
+             for p in problems("test", n=24, seed=5)]
+    async with running_service(vllm_pair) as (url, _), client(url) as openai_client:
+        answers = {name: await openai_client.completions.create(
+            model=name, prompt=lines, max_tokens=0, echo=True, logprobs=0)
+            for name in (MODEL, f"{MODEL}@alpha=0", f"{MODEL}@alpha=1")}
+    async with TransformersEngine(tinymodels.BASE_DIR) as base, TransformersEngine(tinymodels.TEACHER_DIR) as teacher:
+        contexts = [line[:j] for line in lines for j in range(1, len(line))]
+        full_base, full_teacher = await base.next_token_logprobs(contexts), await teacher.next_token_logprobs(contexts)
+    tokens = np.array([t for line in lines for t in line[1:]])
+    rows = np.arange(len(tokens))
+    exact = [exact_q_star(b, t) for b, t in zip(full_base, full_teacher)]
+    want_q = np.array([q[y] for (q, _), y in zip(exact, tokens)])
+    want_alpha = np.array([alpha for _, alpha in exact])
+
+    def served(name: str, field: str) -> np.ndarray:
+        choices = answers[name].choices
+        if field == "logprobs_q":
+            return np.array([v for c in choices for v in c.logprobs.token_logprobs[1:]])
+        return np.array([v for c in choices for v in c.model_extra["dualvllm"]["prompt"][field][1:]])
+
+    assert [c.logprobs.token_logprobs[0] for c in answers[MODEL].choices] == [None] * len(lines)
+    q_error = np.abs(np.exp(served(MODEL, "logprobs_q")) - want_q)
+    alpha_error = np.abs(served(MODEL, "alpha") - want_alpha)
+    assert q_error.mean() <= 2 * 0.0021 and alpha_error.mean() <= 0.01, (q_error.mean(), alpha_error.mean())
+    # The servers' raw logprobs of each token are the models' own (vLLM's kernels against transformers').
+    assert served(MODEL, "logprobs_theta") == pytest.approx(full_base[rows, tokens], abs=1e-3)
+    assert served(MODEL, "logprobs_t") == pytest.approx(full_teacher[rows, tokens], abs=1e-3)
+    # A fixed alpha scores with one model, renormalized over the candidates: within 2 TV too.
+    for name, full in ((f"{MODEL}@alpha=0", full_base), (f"{MODEL}@alpha=1", full_teacher)):
+        assert set(served(name, "alpha")) == {float(name[-1])}
+        assert np.abs(np.exp(served(name, "logprobs_q")) - np.exp(full[rows, tokens])).mean() <= 2 * 0.0021
+
+
+async def test_lm_eval_multiple_choice_puts_q_star_between_the_base_and_the_teacher(vllm_pair, tmp_path):
+    """benchmarks/lm_eval_loglikelihood.py: lm-eval's local-completions model scores the
+    multiple-choice task (and the loglikelihood_rolling one) three times through one endpoint,
+    as q* and, by model name, with alpha fixed at 0 and 1."""
+    results = tmp_path / "results.json"
+    async with running_service(vllm_pair) as (url, _):
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, str(REPO / "benchmarks" / "lm_eval_loglikelihood.py"), "--url", url, "--limit", "24",
+            "--output", str(results), cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        try:
+            log, _ = await asyncio.wait_for(process.communicate(), 600)
+        finally:  # ended on every path, a timeout included, with the lm-eval runs it started
+            if process.returncode is None:
+                processes.end_tree(process.pid)
+                await process.wait()
+    assert process.returncode == 0, log.decode()[-3000:]
+    arms = json.loads(results.read_text())["arms"]
+    assert [arms[a]["model"] for a in ("base", "q*", "teacher")] == [f"{MODEL}@alpha=0", MODEL, f"{MODEL}@alpha=1"]
+    accuracy = {arm: row["mc_accuracy"] for arm, row in arms.items()}
+    assert accuracy["base"] < accuracy["q*"] <= accuracy["teacher"], accuracy
+    assert all(0 < row["bits_per_byte"] < 10 for row in arms.values()), arms

@@ -1,0 +1,92 @@
+"""q*, the base and the teacher scored on lm-eval loglikelihood tasks through one q* endpoint.
+
+Start the endpoint, then run lm-eval's `local-completions` model three times against it:
+the pair's own name (q*, alpha* per token) and "<name>@alpha=0" / "@alpha=1" (the base
+alone, the teacher alone; lm-eval sends no extra body fields with loglikelihood requests, so
+the model name carries the fixed alpha). Tasks: benchmarks/lm_eval_tasks/
+dualvllm_arithmetic_mc (multiple choice: the reversed sum against three near misses) and
+dualvllm_arithmetic_ppl (loglikelihood_rolling over each whole problem line).
+
+    .venv/bin/dualvllm serve --lockstep &          # q* endpoint: http://127.0.0.1:8100/v1
+    .venv/bin/python benchmarks/lm_eval_loglikelihood.py --url http://127.0.0.1:8100/v1 \\
+        --output benchmarks/results/lm_eval_loglikelihood.json
+
+Each arm runs `python -m lm_eval` in its own process (lm-eval's API model runs its own event
+loop); prints one row per arm and writes the JSON (accuracy, perplexities, seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import tinymodels
+
+REPO = Path(__file__).resolve().parents[1]
+TASKS = REPO / "benchmarks" / "lm_eval_tasks"
+MC_TASK, PPL_TASK = "dualvllm_arithmetic_mc", "dualvllm_arithmetic_ppl"
+ARMS = {"base": "@alpha=0", "q*": "", "teacher": "@alpha=1"}  # model-name suffix of each arm
+# Requests lm-eval keeps in flight: enough to fill the coordinator's batch on 2 cores.
+CONCURRENT_REQUESTS = 16
+RUN_TIMEOUT_S = 1800
+
+
+def served_name(url: str) -> str:
+    """The pair's name: the first model GET /v1/models lists."""
+    with urllib.request.urlopen(f"{url}/models", timeout=30) as answer:
+        return json.load(answer)["data"][0]["id"]
+
+
+def run_arm(url: str, model: str, *, limit: int | None, tokenizer: str) -> dict[str, float]:
+    """One lm-eval run of both tasks for `model` -> its metrics and wall time."""
+    with tempfile.TemporaryDirectory() as out:
+        command = [
+            sys.executable, "-m", "lm_eval", "--model", "local-completions",
+            "--model_args", f"model={model},base_url={url}/completions,tokenizer_backend=huggingface,"
+                            f"tokenizer={tokenizer},num_concurrent={CONCURRENT_REQUESTS},max_retries=1",
+            "--include_path", str(TASKS), "--tasks", f"{MC_TASK},{PPL_TASK}", "--output_path", out,
+            *(["--limit", str(limit)] if limit else []),
+        ]
+        started = time.perf_counter()
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+                              env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
+        seconds = time.perf_counter() - started
+        if done.returncode != 0:
+            raise SystemExit(f"lm_eval failed for {model}:\n{(done.stdout + done.stderr)[-3000:]}")
+        results = json.loads(next(Path(out).rglob("results_*.json")).read_text())["results"]
+    return {"mc_accuracy": results[MC_TASK]["acc,none"], "mc_accuracy_stderr": results[MC_TASK]["acc_stderr,none"],
+            "word_perplexity": results[PPL_TASK]["word_perplexity,none"],
+            "bits_per_byte": results[PPL_TASK]["bits_per_byte,none"], "wall_s": seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", default="http://127.0.0.1:8100/v1", help="the q* endpoint's /v1 URL")
+    parser.add_argument("--model", default=None, help="the pair's served name; default: the first GET /v1/models lists")
+    parser.add_argument("--limit", type=int, default=None, help="problems per task (default: all 484)")
+    parser.add_argument("--tokenizer", default=str(tinymodels.BASE_DIR),
+                        help="the models' tokenizer, for lm-eval's context lengths (default: the bundled base's)")
+    parser.add_argument("--output", type=Path, default=None, help="write the results here as JSON")
+    args = parser.parse_args()
+    name = args.model or served_name(args.url)
+    rows = {}
+    print(f"{'arm':<8} {'model':<28} {'mc acc':>8} {'word ppl':>9} {'bits/byte':>9} {'wall s':>7}")
+    for arm, suffix in ARMS.items():
+        row = rows[arm] = {"model": name + suffix, **run_arm(args.url, name + suffix, limit=args.limit,
+                                                              tokenizer=args.tokenizer)}
+        print(f"{arm:<8} {row['model']:<28} {row['mc_accuracy']:>8.4f} {row['word_perplexity']:>9.4f} "
+              f"{row['bits_per_byte']:>9.4f} {row['wall_s']:>7.1f}", flush=True)
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps({"url": args.url, "limit": args.limit, "arms": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
