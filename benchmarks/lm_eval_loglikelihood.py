@@ -13,11 +13,16 @@ dualvllm_arithmetic_ppl (loglikelihood_rolling over each whole problem line).
 
 Each arm runs `python -m lm_eval` in its own process (lm-eval's API model runs its own event
 loop); prints one row per arm and writes the JSON (accuracy, perplexities, seconds).
+First, `echo_error` measures the echoed values against the exact q* over the whole
+vocabulary (the in-process transformers engines' full distributions; alpha* solved over all
+98 tokens, as benchmarks/topk_error.py does) on --exact-lines whole problem lines: the
+top-k error of q* loglikelihoods.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import subprocess
@@ -26,8 +31,14 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
 
 import tinymodels
+from theory import mixture_logprobs, solve_alpha
+from tinymodels.task import problems
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = REPO / "benchmarks" / "lm_eval_tasks"
@@ -66,6 +77,47 @@ def run_arm(url: str, model: str, *, limit: int | None, tokenizer: str) -> dict[
             "bits_per_byte": results[PPL_TASK]["bits_per_byte,none"], "wall_s": seconds}
 
 
+async def echo_error(url: str, model: str, lines: int) -> dict[str, Any]:
+    """Echoed log q*, alpha* and fixed-alpha values of `lines` test problem lines ("AB+CD=<answer><eos>")
+    against the exact q* over the whole vocabulary -> errors per position (mean, max)."""
+    from transformers import AutoTokenizer
+
+    from engines.transformers_engine import TransformersEngine
+
+    tokenizer = AutoTokenizer.from_pretrained(tinymodels.BASE_DIR)
+    ids = [tokenizer(p.prompt + p.answer + "<eos>", add_special_tokens=False).input_ids
+           for p in problems("test", n=lines, seed=5)]
+    served = {}
+    async with aiohttp.ClientSession() as session:
+        for arm, suffix in ARMS.items():
+            body = {"model": model + suffix, "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 0}
+            async with session.post(f"{url}/completions", json=body) as answer:
+                choices = (await answer.json())["choices"]
+            served[arm] = {field: np.array([v for c in choices for v in c["dualvllm"]["prompt"][field][1:]])
+                           for field in ("alpha", "logprobs_q", "logprobs_theta", "logprobs_t")}
+    async with TransformersEngine(tinymodels.BASE_DIR) as base, TransformersEngine(tinymodels.TEACHER_DIR) as teacher:
+        contexts = [line[:j] for line in ids for j in range(1, len(line))]
+        full_base, full_teacher = await base.next_token_logprobs(contexts), await teacher.next_token_logprobs(contexts)
+    tokens = np.array([t for line in ids for t in line[1:]])
+    rows = np.arange(len(tokens))
+    alpha = solve_alpha(full_base, full_teacher, tol=1e-10, max_iter=100)  # [R], over the whole vocabulary
+    want_logq = mixture_logprobs(full_base, full_teacher, alpha, np.ones(full_base.shape, bool))[rows, tokens]
+    q_star, errors = served["q*"], {}
+    for name, got, want in (
+            ("alpha", q_star["alpha"], alpha),
+            ("q", np.exp(q_star["logprobs_q"]), np.exp(want_logq)),  # |q*(y) - exact q*(y)|, probabilities
+            ("log_q", q_star["logprobs_q"], want_logq),
+            ("base_q", np.exp(served["base"]["logprobs_q"]), np.exp(full_base[rows, tokens])),
+            ("teacher_q", np.exp(served["teacher"]["logprobs_q"]), np.exp(full_teacher[rows, tokens])),
+            ("raw_logprob_theta", q_star["logprobs_theta"], full_base[rows, tokens]),
+            ("raw_logprob_t", q_star["logprobs_t"], full_teacher[rows, tokens])):
+        gap = np.abs(got - want)
+        errors[name] = {"mean": float(gap.mean()), "max": float(gap.max())}
+    return {"lines": lines, "positions": int(len(tokens)),
+            "fixed_alpha_values": sorted({*served["base"]["alpha"].tolist(), *served["teacher"]["alpha"].tolist()}),
+            "errors": errors}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default="http://127.0.0.1:8100/v1", help="the q* endpoint's /v1 URL")
@@ -73,9 +125,16 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=None, help="problems per task (default: all 484)")
     parser.add_argument("--tokenizer", default=str(tinymodels.BASE_DIR),
                         help="the models' tokenizer, for lm-eval's context lengths (default: the bundled base's)")
+    parser.add_argument("--exact-lines", type=int, default=64,
+                        help="problem lines whose echoed values are compared with the exact q* (0 = skip)")
     parser.add_argument("--output", type=Path, default=None, help="write the results here as JSON")
     args = parser.parse_args()
     name = args.model or served_name(args.url)
+    exact = None
+    if args.exact_lines:
+        exact = asyncio.run(echo_error(args.url, name, args.exact_lines))
+        print(f"echo against the exact q* ({exact['positions']} positions): "
+              + ", ".join(f"|{k}| mean {v['mean']:.2e} max {v['max']:.2e}" for k, v in exact["errors"].items()))
     rows = {}
     print(f"{'arm':<8} {'model':<28} {'mc acc':>8} {'word ppl':>9} {'bits/byte':>9} {'wall s':>7}")
     for arm, suffix in ARMS.items():
@@ -85,7 +144,8 @@ def main() -> None:
               f"{row['bits_per_byte']:>9.4f} {row['wall_s']:>7.1f}", flush=True)
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps({"url": args.url, "limit": args.limit, "arms": rows}, indent=2))
+        args.output.write_text(json.dumps({"url": args.url, "limit": args.limit, "exact": exact, "arms": rows},
+                                          indent=2))
 
 
 if __name__ == "__main__":
