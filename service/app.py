@@ -8,10 +8,11 @@
 
 Every request's sequences join the coordinator's one continuous batch, so concurrent
 clients share its steps. A completion with `echo` and `logprobs` also scores its prompt
-under q* (service.scoring), with one prompt-logprobs request per server. A request passes, in order: the key (401), JSON and the schema
-(400), the model name (404), what q* cannot do (400), prompt and context checks
-(400), the per-request token ceiling (400), and the queue (429 with Retry-After). A
-client that disconnects cancels its sequences (the handler is cancelled; its streams close).
+under q* (service.scoring), with one prompt-logprobs request per server. A request passes,
+in order: the key (401), JSON and the schema (400), the model name (404; "<name>@alpha=A"
+fixes alpha), what q* cannot do (400), prompt and context checks (400), the per-request
+token ceiling (400), and the queue (429 with Retry-After). A client that disconnects
+cancels its sequences (the handler is cancelled; its streams close).
 """
 
 from __future__ import annotations
@@ -190,8 +191,9 @@ class QStarService:
                 "max_model_len": self.coordinator.max_model_len,
                 "dualvllm": {"base": theta, "teacher": t, "mode": self.coordinator.mode,
                              "top_k": self.coordinator.config.top_k}}
-        aliases = [{**card, "id": f"{self.model}{ALPHA_SUFFIX}{alpha:g}", "dualvllm": {**card["dualvllm"], "fixed_alpha": alpha}}
-                   for alpha in (0.0, 1.0)]  # the base alone, the teacher alone; any alpha in [0, 1] works
+        # The base alone and the teacher alone; any alpha in [0, 1] works, these two are listed.
+        aliases = [{**card, "id": f"{self.model}{ALPHA_SUFFIX}{alpha:g}",
+                    "dualvllm": {**card["dualvllm"], "fixed_alpha": alpha}} for alpha in (0.0, 1.0)]
         return web.json_response({"object": "list", "data": [card, *aliases]})
 
     async def prometheus(self, request: web.Request) -> web.Response:
@@ -246,14 +248,14 @@ class QStarService:
         if not model.startswith(self.model + ALPHA_SUFFIX):
             raise UnknownModelError(f"the model {model!r} does not exist here; this service serves {self.model!r} "
                                     f"and {self.model}{ALPHA_SUFFIX}A for a fixed alpha A in [0, 1] (GET /v1/models)")
+        given = model[len(self.model + ALPHA_SUFFIX):]
         try:
-            alpha = float(model[len(self.model + ALPHA_SUFFIX):])
+            alpha = float(given)
         except ValueError:
             alpha = math.nan
         if not 0.0 <= alpha <= 1.0:  # NaN fails too
-            raise RequestError(f"the model {model!r} asks for alpha {model[len(self.model + ALPHA_SUFFIX):]!r}; give "
-                               f"a number in [0, 1], e.g. {self.model}{ALPHA_SUFFIX}0 for the base alone",
-                               code="model_not_found", param="model")
+            raise RequestError(f"the model {model!r} asks for alpha {given!r}; give a number in [0, 1], e.g. "
+                               f"{self.model}{ALPHA_SUFFIX}0 for the base alone", param="model")
         fixed = body.dualvllm.fixed_alpha
         if fixed is not None and fixed != alpha:
             raise RequestError(f"the model {model!r} fixes alpha at {alpha:g} and dualvllm.fixed_alpha is {fixed:g}; "
@@ -298,7 +300,8 @@ class QStarService:
         """What the coordinator would refuse, refused now: before a stream's first byte."""
         body, options = job.request, job.options
         # An echo-only job (max_tokens 0) is checked as a one-token call: the same settings shape its q*.
-        self.coordinator.check_call(max(job.max_tokens, 1), temperature=body.temperature, stop=body.stop_strings() or None,
+        self.coordinator.check_call(max(job.max_tokens, 1), temperature=body.temperature,
+                                    stop=body.stop_strings() or None,
                                     fixed_alpha=options.fixed_alpha, return_diagnostics=options.return_diagnostics,
                                     ignore_eos=options.ignore_eos, top_k=options.top_k,
                                     top_logprobs=job.top_logprobs)
@@ -379,7 +382,8 @@ class QStarService:
         choices = []
         for index in range(job.sequences):
             prompt = index // body.n  # choice index = prompt x n + j, as the coordinator numbers outputs
-            choices.append(responses.echo_choice(index, prompt_texts[prompt], None if scores is None else scores[prompt],
+            scored = None if scores is None else scores[prompt]
+            choices.append(responses.echo_choice(index, prompt_texts[prompt], scored,
                                                  outputs[index] if outputs else None, job.options, texts))
         return responses.envelope("text_completion", responses.request_id(job.kind), int(time.time()), self.model,
                                   choices, responses.usage(job.prompt_tokens, outputs))
