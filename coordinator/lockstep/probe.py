@@ -59,10 +59,16 @@ def refusal(report: wire.Report, needed: int = 1) -> str | None:
 
 
 async def probe_plugin(engine: VLLMClient, *, address: str, probe_id: int, reported: asyncio.Future[wire.Report],
-                       prompt_ids: Sequence[int], stop_token: int, timeout_s: float, needed: int = 1) -> wire.Report:
+                       prompt_ids: Sequence[int], stop_token: int, timeout_s: float, needed: int = 1,
+                       until_ended: bool = False) -> wire.Report:
     """Send `engine` a probe tagged `probe_id` and judge its plugin's first report, which whoever
     reads the channel at `address` sets on `reported` -> the report. Raises LockstepUnavailableError
-    ("<role> server at <url>: why") when the server cannot run lockstep sequences."""
+    ("<role> server at <url>: why") when the server cannot run lockstep sequences.
+
+    `until_ended`: wait (up to `timeout_s`) for the request to end on its own after the report,
+    as it does when the reader answers END at once (start-up), so that the server sees a
+    finished request rather than a dropped connection. A running scheduler may hold its
+    replies behind an admission gate, so on rejoin the request is dropped instead."""
     args = wire.request_args(wire.Tagged(address, probe_id, offset=0, top_k=1, stop=stop_token))
     request = asyncio.create_task(engine.forced_generation(list(prompt_ids), max_tokens=2, stop_token=stop_token,
                                                            lockstep_args=args))
@@ -70,9 +76,8 @@ async def probe_plugin(engine: VLLMClient, *, address: str, probe_id: int, repor
     try:
         await asyncio.wait({request, reported}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         if reported.done():
-            # Told END, the request ends at the server's next step: let it, so that the server
-            # sees a finished request rather than a dropped connection.
-            await asyncio.wait({request}, timeout=timeout_s)
+            if until_ended:  # told END, the request ends at the server's next step
+                await asyncio.wait({request}, timeout=timeout_s)
             reason = refusal(reported.result(), needed)
             if reason is not None:
                 raise LockstepUnavailableError(f"{where}: {reason}")
@@ -117,7 +122,8 @@ async def probe_servers(channel: LockstepChannel, engines: list[VLLMClient], pro
         reader = asyncio.create_task(_answer_end(channel, probe_id, reported))
         try:
             report = await probe_plugin(engine, address=channel.address, probe_id=probe_id, reported=reported,
-                                        prompt_ids=prompt_ids, stop_token=stop_token, timeout_s=timeout_s)
+                                        prompt_ids=prompt_ids, stop_token=stop_token, timeout_s=timeout_s,
+                                        until_ended=True)
         except LockstepUnavailableError as err:
             return Probe(str(err), 0)
         finally:

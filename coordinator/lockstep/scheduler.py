@@ -178,6 +178,8 @@ class LockstepScheduler:
         start-up probe's checks (coordinator/lockstep/probe.py) against what this coordinator
         places on a server: a replica that rejoins its pool may have been restarted without
         the plugin, or with settings the coordinator was not sized for."""
+        if self._closing:  # nobody reads the channel: every server would look like one without the plugin
+            raise LifecycleError("the coordinator is closing: it checks no replica's plugin")
         self._listen()
         probe_id = next(self._ids)
         reported = self._probes[probe_id] = asyncio.get_running_loop().create_future()

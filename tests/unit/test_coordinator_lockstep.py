@@ -938,32 +938,43 @@ async def test_two_servers_deadlocked_apart_from_the_others_are_parked_while_the
     assert others_steps and others_steps[0] < 12  # parked while the other pair was still decoding
 
 
-async def test_a_replica_restarted_without_the_plugin_stays_out_of_the_pool(rig, caplog):
+@pytest.mark.parametrize(("restarted_with", "refused_for"), [
+    ({"plugin": False}, "no dualvllm lockstep plugin"),
+    ({"flags": wire.FLAG_CHUNKED_PREFILL}, "chunked prefill"),
+    ({"capacity": 2}, "at most 2 sequences at once"),
+])
+async def test_a_replica_restarted_with_other_settings_stays_out_of_the_pool(rig, caplog, restarted_with, refused_for):
+    """The rejoin check is the start-up probe: a replica restarted without the plugin, with chunked
+    prefill, or with a smaller max_num_seqs than this coordinator places on it stays out."""
     pools = PoolRig(rig)
     pools.pools[0].rejoin_checks.append(pools.scheduler.check_plugin)
     pools.pools[0].start_probing()
     try:
         plain = pools.replicas[0][0]
 
-        async def restart_without_plugin() -> None:
+        async def restart_with_other_settings() -> None:
             await crash_during(plain, after_steps=3, down_s=None)
-            plain.plugin = False
+            for name, value in restarted_with.items():
+                setattr(plain, name, value)
             plain.down = False
 
-        restart = asyncio.create_task(restart_without_plugin())
+        restart = asyncio.create_task(restart_with_other_settings())
         sequences = make_sequences(4, max_tokens=8)
-        outputs = await generate(pools.scheduler, sequences)
+        pools.scheduler.submit(sequences)
+        outputs = await collect(sequences)
         await restart
-        await eventually(lambda: plain.requests[-1].finish == "length", "the plugin probe reached the replica")
+        # The checks run against the open scheduler (a closed one reads no reports, and refuses to check).
+        await eventually(lambda: not plain.down and plain.requests and plain.idle, "the plugin probe reached the replica")
         checked = len(plain.requests)
-        await eventually(lambda: len(plain.requests) >= checked + 2 and plain.requests[-1].finish == "length",
+        await eventually(lambda: len(plain.requests) >= checked + 2 and plain.idle,
                          "two more rejoin checks of the replica, each refused")
 
         pools.assert_lossless(outputs, sequences[0].params)
         assert pools.pools[0].healthy == [1] and pools.pools[0].counters.rejoins == 0
-        refusals = [r for r in caplog.records if "no dualvllm lockstep plugin" in r.getMessage()]
+        refusals = [r for r in caplog.records if refused_for in r.getMessage()]
         assert len(refusals) == 1 and plain.url in refusals[0].getMessage()
     finally:
+        await asyncio.wait_for(pools.scheduler.close(), OUTPUT_TIMEOUT_S)
         await pools.pools[0].close()
 
 
