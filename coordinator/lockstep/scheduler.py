@@ -129,8 +129,11 @@ class LockstepScheduler:
         self._watchdog: asyncio.Task[None] | None = None
         self._closing = False
         self._last_decision: float | None = None
-        # Every change of state (reports, stalls, ended requests) runs under this lock: a
-        # decision awaits detokenization for stop strings, and nothing may move under it.
+        # Admission rounds whose hold has not ended: replies wait (coordinator/admission.py).
+        self._held_rounds = 0
+        # Every change of state (reports, stalls, ended requests) runs under this lock; it is
+        # never held across a server call or a sleep (detokenization and the gate's hold run
+        # outside it, in tasks that take it again to apply their result).
         self._lock = asyncio.Lock()
         self._background: set[asyncio.Task[None]] = set()
         self.gate = AdmissionGate()
@@ -282,9 +285,8 @@ class LockstepScheduler:
         self._suspended.clear()
 
     async def _open_gate(self, *, force: bool = False) -> None:
-        """Start the waiting sequences if both servers are blocked here (or `force`), then hold
-        the servers until both have taken every new request in, and a moment more for the
-        requests to reach their engines."""
+        """Start the waiting sequences if both servers are blocked here (or `force`), and hold
+        the servers' replies (`_hold`)."""
         if not self.gate.armed or not (force or self._servers() <= self._table.blocked_servers()):
             return
         started = []
@@ -294,10 +296,22 @@ class LockstepScheduler:
         hold_s = self.gate.opened([tuple((s.engine.url, s.id) for s in live.streams if s is not None)
                                    for live in started])  # type: ignore[misc]
         if streams:
+            self._held_rounds += 1
+            self._spawn(self._hold(streams, hold_s))
+
+    async def _hold(self, streams: list[Stream], hold_s: float) -> None:
+        """Keep the servers waiting (their replies held) until both have taken every new request
+        in, and `hold_s` more for the requests to reach their engines; then answer them."""
+        try:
             sent = time.perf_counter()
-            await asyncio.wait([self._requests[stream.id].accepted for stream in streams], timeout=MAX_HOLD_S)
+            await asyncio.wait([self._requests[s.id].accepted for s in streams if s.id in self._requests],
+                               timeout=MAX_HOLD_S)
             self.gate.counters.accept_s += time.perf_counter() - sent
             await asyncio.sleep(hold_s)
+        finally:
+            async with self._lock:
+                self._held_rounds -= 1
+                await self._settle()
 
     async def _open_gate_after(self, delay_s: float, armed_at: float | None) -> None:
         """A server that does not block here within `delay_s` (its batch busy with other work)
@@ -491,8 +505,9 @@ class LockstepScheduler:
         await self._settle()
 
     async def _settle(self) -> None:
-        """After any change: break a deadlock, start what can start, answer what is decided."""
-        if self._table.break_deadlock():
+        """After any change: break a deadlock, start what can start, answer what is decided.
+        While an admission round holds the servers they wait on us, not on each other."""
+        if not self._held_rounds and self._table.break_deadlock():
             self._resubmit_parked()
         self._admit()
         await self._open_gate()
@@ -505,8 +520,11 @@ class LockstepScheduler:
         sequences = [live.seq for live in ready]
         step = sample_rows(sequences, theta, t, self._config, self._vocab_size)
         record_rows(sequences, step, self._eos_ids, self._max_len, theta, t)
-        await self._delivery.check_stop_strings([seq for seq in sequences if seq.params.stop and seq.error is None])
         self._table.decided(ready, step.token_ids.tolist())
+        checking = [live for live in ready if live.seq.params.stop and not live.done]
+        if checking:  # the servers have the token already; the sequence's next one waits for the check
+            self._table.hold(checking)
+            self._spawn(self._check_stop_strings(checking))
         now = time.perf_counter()
         merge_s, alpha_s, sample_s = step.phase_s
         # A "step" here is the time between two decisions: about one server decode step.
@@ -517,6 +535,23 @@ class LockstepScheduler:
                             bookkeeping_s=(now - started) - (merge_s + alpha_s + sample_s), total_s=interval)
         self._stats.record_step(len(ready), float(step.alpha.sum()), interval, float(step.coverage_theta.sum()),
                                 float(step.coverage_t.sum()), timing)
+
+    async def _check_stop_strings(self, lives: list[Live]) -> None:
+        """Detokenize (a server call, outside the lock), then finish the sequences whose text
+        reached a stop string (their streams get END at their next report) and decide the
+        next token of the others."""
+        try:  # a server's failure fails the sequence it was asked for (Delivery.text)
+            await self._delivery.check_stop_strings([live.seq for live in lives if live.seq.error is None])
+        except Exception as exc:  # a bug must not strand the sequences: fail them, loudly
+            log.exception("lockstep: checking stop strings failed")
+            for live in lives:
+                live.seq.fail(f"internal error in the lockstep coordinator: {exc!r}")
+        finally:
+            async with self._lock:
+                ready = self._table.release(lives)
+                if ready:
+                    await self._decide(ready)
+                await self._settle()
 
     def _resubmit_parked(self) -> None:
         parked, self._table.out.resubmit = self._table.out.resubmit, []
@@ -532,7 +567,7 @@ class LockstepScheduler:
         """Hand finished sequences to their callers, and reply to every report whose rows are
         all decided, unless the admission gate holds them."""
         self._deliver_finished()
-        if self.gate.armed and not self._closing:
+        if (self.gate.armed or self._held_rounds) and not self._closing:
             return
         for identity, step, answers in self._table.replies(time.perf_counter()):
             await self._channel.reply(identity, step, answers)

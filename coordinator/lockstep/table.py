@@ -68,6 +68,8 @@ class Live:
     resubmissions: int = 0  # requests the servers ended on their own (parks are not counted)
     request_failures: int = 0  # requests that broke and were resent
     done: bool = False  # finished, failed or cancelled, and handed to the caller
+    # Its last token's stop strings are being checked (a detokenization): its next pair waits.
+    checking: bool = False
     placed: bool = False  # counted in the table's loads (on its servers, not suspended)
 
 
@@ -243,7 +245,7 @@ class LockstepTable:
                 answers[i] = wire.END
             else:
                 live.rows[stream.role] = (blocked, i)
-                if live.rows[1 - stream.role] is not None:
+                if live.rows[1 - stream.role] is not None and not live.checking:
                     ready.append(live)
         return blocked, [live for live in ready if not live.done]
 
@@ -284,6 +286,24 @@ class LockstepTable:
             live.rows = [None, None]
             if live.seq.finish_reason is not None:
                 self.finish(live)
+
+    def hold(self, lives: list[Live]) -> None:
+        """Their stop strings are being checked: their next pair is not ready until `release`."""
+        for live in lives:
+            live.checking = True
+
+    def release(self, lives: list[Live]) -> list[Live]:
+        """Their stop strings were checked: finish those that stopped -> those now ready."""
+        ready = []
+        for live in lives:
+            live.checking = False
+            if live.done:
+                continue
+            if live.seq.finish_reason is not None:
+                self.finish(live)
+            elif live.rows[THETA] is not None and live.rows[T] is not None:
+                ready.append(live)
+        return ready
 
     def end_undecided(self) -> None:
         """END every undecided row (after an internal error, so no server waits on it)."""
@@ -331,6 +351,8 @@ class LockstepTable:
             needed = waits_on.setdefault(blocked.server, set())
             for i in undecided.tolist():
                 stream = self.streams.get(int(blocked.report.ids[i]))
+                if stream is not None and stream.live.checking:  # decided once its check ends, by no server
+                    continue
                 other = stream.live.streams[1 - stream.role] if stream is not None else None
                 needed.add(other.engine.url if other is not None and not other.retired else None)
         stuck = set(waits_on)

@@ -846,6 +846,41 @@ class PoolRig:
                 assert_servers_followed(fake, [o for o in outputs if fake.requests_of(key(o.index))], prompt)
 
 
+async def test_a_stop_string_check_holds_only_its_servers_and_stops_where_per_token_mode_would(rig):
+    """Detokenizing for stop strings is a server call, made outside the scheduler's lock: while
+    the first check is held, the sequence on the other pair of replicas runs to its end (a
+    server's step waits for all its rows, so the checked sequence's pair waits); the checked
+    sequence's next token waits for the check, so it stops at the token per-token mode stops at."""
+    pools = PoolRig(rig)
+    cfg = pools.scheduler._config
+    sequences = make_sequences(2, max_tokens=12)
+    tokens, _ = replay(*pools.models, 0, sequences[0].params, cfg)
+    stop = str(tokens[3])
+    cut = next(n for n in range(1, len(tokens) + 1) if stop in " ".join(map(str, tokens[:n])))
+    sequences[0].params = sampling_params(12, stop=[stop])
+    release, calls = asyncio.Event(), []
+    for replica in pools.replicas[0]:
+        def held(ids, detokenize=replica.detokenize):
+            calls.append(list(ids))
+            return _after(release if len(calls) == 1 else None, detokenize(ids))
+        replica.detokenize = held  # type: ignore[method-assign]
+    pools.scheduler.submit(sequences)
+    other = await asyncio.wait_for(sequences[0].sink.get(), OUTPUT_TIMEOUT_S)
+    assert other.index == 1 and other.finish_reason == "max_tokens" and len(other.generated_tokens) == 12
+    assert calls[0] == tokens[:1]  # the held check: the stop sequence's first token, still its only one
+    release.set()
+    stopped = await asyncio.wait_for(sequences[0].sink.get(), OUTPUT_TIMEOUT_S)
+    assert stopped.finish_reason == "stop_string" and stopped.generated_tokens == tokens[:cut]
+    assert stop not in stopped.generated_text
+    assert pools.placement([other, stopped]) == {1: ({"theta1"}, {"t1"}), 0: ({"theta0"}, {"t0"})}
+
+
+async def _after(event: asyncio.Event | None, call):
+    if event is not None:
+        await event.wait()
+    return await call
+
+
 async def test_a_pool_spreads_sequences_over_replicas_and_keeps_each_on_its_own(rig):
     pools = PoolRig(rig)
     sequences = make_sequences(8, max_tokens=6)

@@ -207,3 +207,24 @@ def test_a_sequence_taken_off_ends_its_rows_and_leaves_the_loads():
     assert rig.table.loads[BASE.url] == 1 and rig.table.live == [rig.lives[1]]
     assert rig.table.blocked[b"theta"].answers.tolist() == [wire.END, UNSET]
     assert rig.table.counters.suspensions == 1
+
+
+def test_a_sequence_whose_stop_strings_are_checked_waits_and_is_no_deadlock():
+    rig = Rig(2)
+    rig.table.hold([rig.lives[0]])
+    rig.report(b"theta", THETA, [(0, 0), (1, 0)])
+    _, ready = rig.report(b"t", T, [(0, 0), (1, 0)])
+    assert ready == [rig.lives[1]]  # both rows of sequence 0 are in, but it waits for its check
+    rig.decide(ready)
+    assert rig.table.deadlocked() == set()  # the check will decide it, not a server
+    assert rig.table.release([rig.lives[0]]) == [rig.lives[0]]
+
+
+def test_a_checked_sequence_that_reached_its_stop_string_finishes_on_release():
+    rig = Rig(1)
+    rig.table.hold(rig.lives)
+    rig.report(b"theta", THETA, [(0, 0)])
+    rig.lives[0].seq.finish_reason = "stop_string"
+    assert rig.table.release(rig.lives) == []
+    assert rig.lives[0].done and rig.table.out.finished == [rig.lives[0].seq]
+    assert rig.table.blocked[b"theta"].answers.tolist() == [wire.END]
