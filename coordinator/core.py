@@ -369,6 +369,14 @@ class DualVLLMCoordinator:
         return self._theta
 
     @property
+    def teacher_engine(self) -> Engine:
+        """The teacher role's engine (a client or a ReplicaPool), as `base_engine`: the q* service
+        scores prompts through both."""
+        self._require_open()
+        assert self._t is not None
+        return self._t
+
+    @property
     def max_model_len(self) -> int:
         """Prompt + generated tokens both servers accept (known once entered)."""
         return self._require_open().max_len

@@ -416,12 +416,8 @@ class QStarService:
 
 
 def _engines(coordinator: DualVLLMCoordinator) -> tuple[Engine, Engine]:
-    """The base's and the teacher's engines, for prompt scoring.
-
-    DualVLLMCoordinator exposes only `base_engine`; until it has a public accessor for the
-    teacher's too, this one line reads its attribute (the coordinator is not this package's).
-    """
-    return coordinator.base_engine, coordinator._t  # type: ignore[return-value]  # noqa: SLF001
+    """The base's and the teacher's engines, for prompt scoring."""
+    return coordinator.base_engine, coordinator.teacher_engine  # type: ignore[return-value]
 
 
 async def _collect(outputs: AsyncIterator[GenerationOutput], count: int) -> list[GenerationOutput]:
