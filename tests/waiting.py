@@ -17,9 +17,12 @@ POLL_S = 0.005
 
 
 async def eventually(condition: Callable[[], object | Awaitable[object]], what: str,
-                     timeout_s: float = WAIT_S) -> None:
+                     timeout_s: float = WAIT_S, poll_s: float = POLL_S) -> None:
     """Return once `condition()` (a plain or an async callable) is true; AssertionError naming
-    `what` after `timeout_s` seconds."""
+    `what` after `timeout_s` seconds. An exception `condition` raises (e.g. an assertion that
+    a process is still alive) ends the wait at once. Give a longer `poll_s` to a condition that
+    costs the system under test (an HTTP scrape of a real server, a file read). A synchronous
+    test waits with `asyncio.run(eventually(...))`."""
     deadline = time.monotonic() + timeout_s
     while True:
         held = condition()
@@ -29,4 +32,4 @@ async def eventually(condition: Callable[[], object | Awaitable[object]], what: 
             return
         if time.monotonic() > deadline:
             raise AssertionError(f"never happened within {timeout_s:g} s: {what}")
-        await asyncio.sleep(POLL_S)
+        await asyncio.sleep(poll_s)

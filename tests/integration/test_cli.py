@@ -8,16 +8,18 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 
 from tests import processes
+from tests.waiting import eventually
 from tinymodels.task import problems
 
 REPO = Path(__file__).resolve().parents[2]
+# How often a wait reads the files of a run in progress: often enough, without taking CPU from it.
+FILE_POLL_S = 0.05
 
 
 def dualvllm(*args: str, **kw) -> subprocess.Popen:
@@ -29,12 +31,13 @@ def dualvllm(*args: str, **kw) -> subprocess.Popen:
 
 
 def wait_for(condition, process: subprocess.Popen, what: str, timeout_s: float = 600) -> None:
-    """Poll until `condition()` holds; fail at once if `process` exits first (with its stderr)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
+    """Wait (tests/waiting.py) until `condition()` holds; fail at once if `process` exits first
+    (with its stderr)."""
+    def holds() -> bool:
         assert process.poll() is None, f"exited before {what}: {process.stderr.read()[-3000:]}"
-        assert time.monotonic() < deadline, f"no {what} after {timeout_s:.0f} s"
-        time.sleep(0.05)
+        return bool(condition())
+
+    asyncio.run(eventually(holds, what, timeout_s=timeout_s, poll_s=FILE_POLL_S))
 
 
 def assert_all_exit(processes: list[psutil.Process], timeout_s: float = 120) -> None:

@@ -29,6 +29,7 @@ from coordinator import CoordinatorConfig, DualVLLMCoordinator
 from engines.launcher import VLLMServer, pair_configs
 from engines.vllm_client import VLLMClient
 from tests.integration.pairs import running_pair
+from tests.waiting import eventually
 from tinymodels.task import problems
 from training.weight_sync import push_weights
 
@@ -38,6 +39,8 @@ BLOCK_SIZE = 32
 BLOCKS = 24
 SEQUENCES = 16
 MAX_TOKENS = 40
+# A wait for the run's progress: the run itself ends sooner (then the wait fails at once).
+RUN_WAIT_S = 300
 
 
 @pytest.fixture(scope="module")
@@ -83,9 +86,11 @@ async def test_preempted_sequences_resume_with_the_per_token_tokens(tiny_cache_p
 
 
 async def _wait_for_tokens(c: DualVLLMCoordinator, run: asyncio.Task, tokens: int) -> None:
-    while c.get_statistics()["tokens"] < tokens:
+    def reached() -> bool:
         assert not run.done(), "the run ended before the disruption"
-        await asyncio.sleep(0.05)
+        return c.get_statistics()["tokens"] >= tokens
+
+    await eventually(reached, f"{tokens} tokens sampled", timeout_s=RUN_WAIT_S)
 
 
 async def test_a_weight_push_mid_run_resumes_every_sequence(tiny_cache_pair, tmp_path):

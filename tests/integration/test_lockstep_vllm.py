@@ -16,9 +16,12 @@ import pytest
 
 from coordinator import CoordinatorConfig, DualVLLMCoordinator
 from tests import processes
+from tests.waiting import eventually
 from tinymodels.task import problems
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# How often a wait scrapes the servers' /metrics: each scrape takes CPU the servers share.
+SCRAPE_POLL_S = 0.1
 
 
 def config(pair, **kw) -> CoordinatorConfig:
@@ -64,12 +67,8 @@ async def test_a_batch_cancelled_mid_flight_leaves_the_coordinator_serving_the_n
     prompts = [p.prompt for p in problems("test", n=16, seed=9)]
     async with DualVLLMCoordinator(config(vllm_pair, mode="lockstep", max_batch_size=16)) as c:
         cancelled = asyncio.create_task(c.generate_batch(prompts, max_tokens=40, ignore_eos=True, seed=1))
-        for _ in range(3000):
-            if c.get_statistics()["tokens"] >= 4 * len(prompts):
-                break
-            await asyncio.sleep(0.01)
-        else:
-            pytest.fail("the first batch made no progress within 30 s")
+        await eventually(lambda: c.get_statistics()["tokens"] >= 4 * len(prompts),
+                         "the first batch's first 4 tokens per sequence", timeout_s=30)
         cancelled.cancel()
         with pytest.raises(asyncio.CancelledError):
             await cancelled
@@ -107,25 +106,23 @@ async def test_a_killed_coordinator_leaves_the_servers_serving(vllm_pair):
                               stderr=subprocess.PIPE, text=True)
     try:
         # Kill it once both servers hold its requests.
-        for _ in range(600):
-            if await _running_requests(theta.url) > 0 and await _running_requests(t.url) > 0:
-                break
+        async def both_hold_its_requests() -> bool:
             assert process.poll() is None, process.stderr.read()
-            await asyncio.sleep(0.1)
-        else:
-            pytest.fail("the lockstep run never reached the servers")
+            return await _running_requests(theta.url) > 0 and await _running_requests(t.url) > 0
+
+        await eventually(both_hold_its_requests, "the lockstep run's requests on both servers", timeout_s=60,
+                         poll_s=SCRAPE_POLL_S)
         process.send_signal(signal.SIGKILL)
         process.wait()
         # Another client is served (per-token requests wait at most for the plugin's timeout).
         async with DualVLLMCoordinator(config(vllm_pair, mode="per_token")) as c:
             [out] = await c.generate_batch(["40+2="], max_tokens=3, seed=0)
         assert out.ok, out.error
-        for _ in range(600):
-            if await _running_requests(theta.url) == 0 and await _running_requests(t.url) == 0:
-                break
-            await asyncio.sleep(0.1)
-        else:
-            pytest.fail("the dead coordinator's requests were never ended")
+        async def both_idle() -> bool:
+            return await _running_requests(theta.url) == 0 and await _running_requests(t.url) == 0
+
+        await eventually(both_idle, "the dead coordinator's requests ended on both servers", timeout_s=60,
+                         poll_s=SCRAPE_POLL_S)
         # And lockstep works again for a new coordinator.
         outputs, _ = await generate_in("lockstep", vllm_pair, ["12+34=", "56+7="], max_tokens=4, seed=1)
         assert all(o.ok for o in outputs)

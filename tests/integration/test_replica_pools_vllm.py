@@ -21,7 +21,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 
 import pytest
 import transformers
@@ -30,7 +29,8 @@ import tinymodels
 from coordinator import CoordinatorConfig, DualVLLMCoordinator
 from engines.launcher import VLLMServer, replica_configs
 from tests.integration.pairs import running_servers
-from tests.integration.test_cli import dualvllm
+from tests.integration.test_cli import FILE_POLL_S, dualvllm
+from tests.waiting import eventually
 from tinymodels.task import problems
 from training.weight_sync import BasePusher
 
@@ -67,13 +67,6 @@ def restarted(server: VLLMServer, log_dir) -> VLLMServer:
                       name=server.name)
 
 
-async def until(condition, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout_s:.0f} s"
-        await asyncio.sleep(0.1)
-
-
 def assert_lost_nothing(outputs, reference, stats: dict, role: str, atol: float) -> None:
     """No sequence failed, each has the reference run's tokens and log q*, and the killed
     replica of `role` was marked down with its sequences moved."""
@@ -92,7 +85,8 @@ async def test_a_killed_base_replica_loses_no_token_and_rejoins_after_a_restart(
         reference = await c.generate_batch(prompts, max_tokens=MAX_TOKENS, seed=4, ignore_eos=True)
         before = c.get_statistics()
         run = asyncio.create_task(c.generate_batch(prompts, max_tokens=MAX_TOKENS, seed=4, ignore_eos=True))
-        await until(lambda: c.get_statistics()["tokens"] >= before["tokens"] + SEQUENCES * MAX_TOKENS // 4, 300)
+        await eventually(lambda: c.get_statistics()["tokens"] >= before["tokens"] + SEQUENCES * MAX_TOKENS // 4,
+                         "a quarter of the run's tokens", timeout_s=300)
         assert not run.done(), "the run ended before the kill"
         kill(pools[2])
         outputs = await run
@@ -100,7 +94,8 @@ async def test_a_killed_base_replica_loses_no_token_and_rejoins_after_a_restart(
 
         await theta1.start()  # same port, same model
         pools[2] = theta1  # the fixture stops it
-        await until(lambda: c.get_statistics()["theta_replicas_up"] == 2, 60)
+        await eventually(lambda: c.get_statistics()["theta_replicas_up"] == 2, "the restarted base replica up",
+                         timeout_s=60)
 
         # Both base replicas take a push of other weights (the teacher's), each verified.
         tokenizer = transformers.AutoTokenizer.from_pretrained(tinymodels.TEACHER_DIR)
@@ -121,7 +116,8 @@ async def test_a_killed_teacher_replica_in_lockstep_mode_loses_no_token_and_rejo
     t1 = restarted(pools[3], tmp_path)
     async with DualVLLMCoordinator(pool_config(pools, mode="lockstep")) as c:
         run = asyncio.create_task(c.generate_batch(prompts, max_tokens=MAX_TOKENS, seed=5, ignore_eos=True))
-        await until(lambda: c.get_statistics()["tokens"] >= SEQUENCES * MAX_TOKENS // 4, 300)
+        await eventually(lambda: c.get_statistics()["tokens"] >= SEQUENCES * MAX_TOKENS // 4,
+                         "a quarter of the run's tokens", timeout_s=300)
         assert not run.done(), "the run ended before the kill"
         kill(pools[3])
         outputs = await run
@@ -129,7 +125,8 @@ async def test_a_killed_teacher_replica_in_lockstep_mode_loses_no_token_and_rejo
         # Back with the plugin: it passes /health, the plugin check and the weights probe.
         await t1.start()
         pools[3] = t1  # the fixture stops it
-        await until(lambda: c.get_statistics()["t_replicas_up"] == 2, 60)
+        await eventually(lambda: c.get_statistics()["t_replicas_up"] == 2, "the restarted teacher replica up",
+                         timeout_s=60)
         again = await c.generate_batch(prompts, max_tokens=4, seed=5, ignore_eos=True)
 
     assert_lost_nothing(outputs, reference, stats, "t", atol=1e-5)
@@ -145,11 +142,12 @@ def test_training_goes_on_pushing_verified_weights_when_a_base_replica_dies(pool
                        stdout=subprocess.DEVNULL, stderr=stderr)
     try:
         metrics = out / "metrics.jsonl"
-        deadline = time.monotonic() + 600
-        while not (metrics.is_file() and '"step": 1,' in metrics.read_text()):
+
+        def first_step() -> bool:
             assert run.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "no training step within 600 s"
-            time.sleep(0.2)
+            return metrics.is_file() and '"step": 1,' in metrics.read_text()
+
+        asyncio.run(eventually(first_step, "the first training step", timeout_s=600, poll_s=FILE_POLL_S))
         kill(pools[2])  # after the first update's push, before the second's
         run.wait(timeout=600)
     finally:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 import sys
 import textwrap
-import time
 
 import pytest
 
 from common.errors import InvalidInputError, LifecycleError, ServerStartupError
 from engines.launcher import ServerConfig, VLLMServer, split_cores
+from tests.waiting import eventually
 
 
 def test_command_has_the_flags_vllm_needs(tmp_path):
@@ -83,14 +83,9 @@ def fake_server(tmp_path, delay_s: float, **config) -> tuple[VLLMServer, object]
     return server, pid_file
 
 
-def gone_soon(pid: int, timeout_s: float = 10.0) -> bool:
-    """True once `pid` has exited: SIGKILL lands asynchronously, so allow a moment."""
-    deadline = time.monotonic() + timeout_s
-    while alive(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+async def gone(pid: int) -> None:
+    """Once `pid` has exited (SIGKILL lands asynchronously); fails if it never does."""
+    await eventually(lambda: not alive(pid), f"process {pid} gone")
 
 
 def alive(pid: int) -> bool:
@@ -108,7 +103,8 @@ async def test_start_waits_for_health_and_stop_kills_the_whole_group(tmp_path):
         assert server.running
         child = int(pid_file.read_text())
         assert alive(child)
-    assert not server.running and gone_soon(child)
+    assert not server.running
+    await gone(child)
     with pytest.raises(LifecycleError, match="already started"):
         await server.start()
 
@@ -121,4 +117,4 @@ async def test_start_up_timeout_reports_the_log_and_cleans_up(tmp_path):
     # On a loaded machine the timeout can fire before the child wrote its pid: then it was
     # stopped before it started anything, and there is no grandchild to look for.
     if pid_file.exists():
-        assert gone_soon(int(pid_file.read_text()))
+        await gone(int(pid_file.read_text()))

@@ -314,18 +314,18 @@ async def test_a_server_that_keeps_failing_is_a_502_and_the_service_goes_on(serv
 # -- limits, auth, sharing ---------------------------------------------------------------
 
 async def test_a_full_queue_answers_429_with_retry_after(fake_theta, fake_t):
-    fake_theta.completion_delay_s = 0.05
     fake_theta.model.eos_after = fake_t.model.eos_after = 60
     async with running(fake_theta, fake_t, {"max_batch_size": 2}, max_queued_sequences=1) as (url, _):
         before = len(fake_theta.calls["/v1/completions"])
+        fake_theta.running.clear()  # the base holds the first request's first step until the 429 is seen
         first = asyncio.create_task(post(url, "/v1/completions", completion(n=3, max_tokens=24)))
-        # Once its first step is asked for, the first request holds all 3 places for 24 steps of 0.05 s.
         await eventually(lambda: len(fake_theta.calls["/v1/completions"]) > before, "the first request's first step")
         async with aiohttp.ClientSession() as session:
             async with session.post(url + "/v1/completions", json=completion(n=1)) as response:
                 assert response.status == 429
                 assert 1 <= int(response.headers["Retry-After"]) <= 60
                 assert (await response.json())["error"]["code"] == "queue_full"
+        fake_theta.running.set()
         assert (await first)[0] == 200
         assert (await post(url, "/v1/completions", completion(n=3)))[0] == 200  # room again
 
@@ -389,10 +389,14 @@ async def test_a_client_that_disconnects_cancels_its_sequences(fake_theta, fake_
     fake_theta.model.eos_after = fake_t.model.eos_after = 60
     fake_theta.completion_delay_s = 0.05
     async with running(fake_theta, fake_t) as (url, coordinator):
+        before = len(fake_theta.calls["/v1/completions"])
         async with aiohttp.ClientSession() as session:
-            with pytest.raises(asyncio.TimeoutError):
-                await session.post(url + "/v1/completions", json=completion(n=4, max_tokens=50),
-                                   timeout=aiohttp.ClientTimeout(total=0.5))
+            leaving = asyncio.create_task(session.post(url + "/v1/completions", json=completion(n=4, max_tokens=50)))
+            # The client leaves once its sequences are generating (their first step asked for).
+            await eventually(lambda: len(fake_theta.calls["/v1/completions"]) > before, "the request's first step")
+            leaving.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await leaving
 
         async def let_go() -> bool:
             text = await metrics_text(url)
