@@ -21,7 +21,7 @@ import itertools
 import json
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
 import aiohttp
 import msgspec
@@ -35,6 +35,7 @@ from common.errors import (
     ServerRejectedError,
     TopKUnsupportedError,
     UnknownModelError,
+    WeightSyncError,
 )
 from engines.http import (
     CONNECT_TIMEOUT_S,
@@ -53,6 +54,14 @@ from engines.protocol import Draft, ModelInfo, TopKBatch, score_by_prefixes
 # observer(server name, path, seconds, ok): one finished call, retries included.
 CallObserver = Callable[[str, str, float, bool], None]
 TOKEN_ID_PREFIX = "token_id:"  # key format with return_tokens_as_token_ids
+# vLLM refuses a prefix-cache reset (`success: false`) while running requests hold blocks;
+# inside a /pause fence they drain within a few decode steps (~25 ms each on CPU), so 50
+# tries 0.1 s apart outlast them, and a server that still refuses is reported.
+RESET_ATTEMPTS = 50
+RESET_RETRY_DELAY_S = 0.1
+# What /pause does with requests in flight (vLLM 0.32's `mode`): wait for them to finish,
+# abort them, or keep them queued until /resume.
+PauseMode = Literal["wait", "abort", "keep"]
 
 
 class _TopLogprobs(msgspec.Struct):
@@ -220,6 +229,78 @@ class VLLMClient:
                 if loop.time() >= deadline:
                     raise
             await asyncio.sleep(poll_s)
+
+    # -- admin: weight pushes (training.weight_sync); the reload needs a dev-mode server ---
+    #
+    #   call                   sent again after a timeout, 5xx or lost connection?
+    #   pause, resume          yes: each sets a state, and a second send sets the same one
+    #   reset_prefix_cache     yes: emptying an empty cache changes nothing; a refusal
+    #                          (`success: false`) is asked again, up to RESET_ATTEMPTS
+    #   reload_weights         no, only when nothing was sent: a reload that may have run
+    #                          is the caller's to check (it probes the weights served)
+    #
+    # 4xx answers are never resent (engines.http's table).
+
+    async def pause(self, mode: PauseMode = "wait") -> bool:
+        """Stop the server from scheduling new requests (`mode`: what happens to those running).
+
+        True once paused; False if the server has no /pause route (an older vLLM), so the
+        caller knows its reload is not fenced.
+        """
+        try:
+            await self.call("POST", f"/pause?mode={mode}", idempotent=True)
+        except ServerRejectedError as err:
+            if err.status == 404:
+                return False
+            raise
+        return True
+
+    async def resume(self) -> None:
+        """Let the server schedule requests again after `pause`."""
+        await self.call("POST", "/resume", idempotent=True)
+
+    async def reload_weights(self, weights_path: Path | str, *, timeout_s: float | None = None) -> None:
+        """Load the HF-format checkpoint in `weights_path` into the running server, in place.
+
+        Sent at most once unless the connection never opened (see the table above): a
+        timeout, 5xx or lost connection raises its ServerError, and the server may or may
+        not serve the new weights. `timeout_s` replaces the request timeout for this call
+        (a large model's reload takes longer than a decode step). A server started without
+        dev mode has no /collective_rpc: WeightSyncError says how to restart it.
+        """
+        timeout = None if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s,
+                                                                         connect=self._timeout.connect)
+        try:
+            await self.call("POST", "/collective_rpc",
+                            {"method": "reload_weights", "kwargs": {"weights_path": str(weights_path)}},
+                            idempotent=False, timeout=timeout)
+        except ServerRejectedError as err:
+            if err.status == 404:
+                raise WeightSyncError(
+                    f"{self.name} server at {self.url} has no /collective_rpc: it was started without dev "
+                    "mode. Restart it with VLLM_SERVER_DEV_MODE=1 (ServerConfig(dev_mode=True), or `dualvllm "
+                    "serve --dev-mode`), on a loopback host only") from err
+            raise
+
+    async def reset_prefix_cache(self, *, attempts: int = RESET_ATTEMPTS,
+                                 retry_delay_s: float = RESET_RETRY_DELAY_S) -> None:
+        """Drop every cached KV block, so that none computed with old weights is reused.
+
+        vLLM answers `success: false` while running requests hold blocks: asked again up to
+        `attempts` times, `retry_delay_s` apart; then WeightSyncError (call it inside `pause`).
+        """
+        for attempt in range(attempts):
+            answer = await self.call("POST", "/reset_prefix_cache", idempotent=True)
+            expect(isinstance(answer, dict) and "success" in answer, self.name, self.url,
+                   f"/reset_prefix_cache answered {answer!r}, not {{'success': bool}}")
+            if answer["success"]:
+                return
+            if attempt + 1 < attempts:
+                await asyncio.sleep(retry_delay_s)
+        raise WeightSyncError(
+            f"{self.name} server at {self.url} refused to reset its prefix cache {attempts} times, and stale KV "
+            "blocks would give wrong logprobs; running requests hold blocks: reset inside pause(), and check "
+            "that the server honours /pause")
 
     # -- Engine protocol -------------------------------------------------------------
 

@@ -16,8 +16,9 @@ reloaded in place into logprobs that matched neither the old nor the new checkpo
 while the same model with untied embeddings matched a freshly started server exactly.
 Only a logprob comparison notices.
 
-A reload changes state, so it is never resent blindly: engines.http does not retry it
-once it may have reached the server. What happens after each outcome:
+A reload changes state, so it is never resent blindly: VLLMClient.reload_weights is not
+retried once it may have reached the server (the client's pause, resume and prefix-cache
+reset are, like reads). What happens after each outcome:
 
     reload answered                -> probe; other weights raise WeightSyncError (a resend
                                       of the same reload cannot help)
@@ -39,16 +40,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from common.errors import ServerError, ServerRejectedError, WeightSyncError
+from common.errors import ServerError, WeightSyncError
 from engines.pool import ReplicaPool
 from engines.protocol import Engine, TopKBatch
 from engines.vllm_client import VLLMClient
 
 log = logging.getLogger("dualvllm.training")
 
-# The prefix-cache reset fails while blocks are held by running requests: retry briefly.
-RESET_ATTEMPTS = 50
-RESET_RETRY_DELAY_S = 0.1
 # The first send, plus one deliberate resend when the probe shows that a send which failed
 # without a clear answer did not take.
 RELOAD_SENDS = 2
@@ -252,28 +250,24 @@ async def _fenced_reload(client: VLLMClient, weights_dir: Path, health_wait_s: f
     not have acted on (timeout, 5xx, connection lost), once the server is healthy again.
     """
     # Fence the reload: requests in flight finish on the old weights, new ones wait.
-    fenced = await _pause(client)
+    fenced = await client.pause(mode="wait")
+    if not fenced:
+        log.warning("%s server has no /pause endpoint; reloading weights without fencing requests", client.name)
     try:
         failure = None
         try:
-            await client.call("POST", "/collective_rpc",
-                              {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}})
+            await client.reload_weights(weights_dir)
         except ServerError as err:
-            if isinstance(err, ServerRejectedError) and err.status == 404:
-                raise WeightSyncError(
-                    f"{client.name} server at {client.url} has no /collective_rpc: it was started without dev "
-                    "mode. Restart it with VLLM_SERVER_DEV_MODE=1 (ServerConfig(dev_mode=True), or `dualvllm "
-                    "serve --dev-mode`), on a loopback host only") from err
             if not err.retryable:  # a 4xx refusal (a resend is refused too) or a malformed 2xx
                 raise
             failure = err
             await _wait_healthy(client, weights_dir, failure, health_wait_s)
         # Inside the fence, where no request holds KV blocks: the reset is refused otherwise.
-        await reset_prefix_cache(client)
+        await client.reset_prefix_cache()
         return failure
     finally:
         if fenced:
-            await client.call("POST", "/resume")
+            await client.resume()
 
 
 async def _wait_healthy(client: VLLMClient, weights_dir: Path, failure: ServerError, wait_s: float) -> None:
@@ -295,30 +289,6 @@ def _mismatch_message(client: VLLMClient, diff: ProbeDiff, tolerance: float, fai
                     "check the server's log.")
     return message + (" If the model ties its input and output embeddings, untie them: vLLM's in-place "
                       "reload mishandles tied weights on some builds.")
-
-
-async def _pause(client: VLLMClient) -> bool:
-    """Pause generation until in-flight requests are done; False if the server has no /pause."""
-    try:
-        await client.call("POST", "/pause?mode=wait")
-    except ServerRejectedError as err:
-        if err.status != 404:
-            raise
-        log.warning("%s server has no /pause endpoint; reloading weights without fencing requests", client.name)
-        return False
-    return True
-
-
-async def reset_prefix_cache(client: VLLMClient) -> None:
-    """Drop KV blocks computed with the old weights (they would be reused otherwise)."""
-    for _ in range(RESET_ATTEMPTS):
-        answer = await client.call("POST", "/reset_prefix_cache")
-        if isinstance(answer, dict) and answer.get("success"):
-            return
-        await asyncio.sleep(RESET_RETRY_DELAY_S)
-    raise WeightSyncError(f"{client.name} server at {client.url} kept refusing to reset its prefix cache "
-                          f"({RESET_ATTEMPTS} tries), and stale KV blocks would give wrong logprobs; requests "
-                          "running during the push hold blocks: check that the server honours /pause")
 
 
 def _save(model: Any, tokenizer: Any, out_dir: Path) -> None:
