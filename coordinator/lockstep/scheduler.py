@@ -32,13 +32,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import itertools
 import logging
-import secrets
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import AsyncIterator
 
 from common.errors import LifecycleError, ServerError
@@ -46,7 +42,9 @@ from common.tasks import bounded, stop
 from coordinator.admission import MAX_HOLD_S, AdmissionGate
 from coordinator.config import CoordinatorConfig
 from coordinator.delivery import Delivery
+from coordinator.lockstep.placement import Placement
 from coordinator.lockstep.probe import probe_plugin
+from coordinator.lockstep.requests import Requests
 from coordinator.lockstep.table import ROLES, THETA, T, Live, LockstepTable, Stream
 from coordinator.scheduler import record_rows, sample_rows
 from coordinator.sequence import SequenceState
@@ -73,21 +71,6 @@ DRAIN_S = 5.0
 CLOSE_STEP_S = 60.0
 
 
-@dataclass(eq=False)
-class _Request:
-    """A stream's server request: its task, and when the server took it in."""
-
-    stream: Stream
-    task: asyncio.Task[str]
-    # Done when the server has taken the request in (its answer started) or the request ended.
-    accepted: asyncio.Future[None]
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
 class LockstepScheduler:
     mode = "lockstep"
 
@@ -97,9 +80,6 @@ class LockstepScheduler:
         """`theta`/`t`: a server's client, or a ReplicaPool of its replicas' clients;
         `stop_token`: the token a stream's plugin forces to end it (an EOS id of both models);
         `capacity`: the most sequences one server runs at once (None: no limit but max_batch_size)."""
-        self._pools = tuple(e if isinstance(e, ReplicaPool) else None for e in (theta, t))
-        self._replicas: tuple[list[VLLMClient], list[VLLMClient]] = tuple(  # type: ignore[assignment]
-            list(e.replicas) if isinstance(e, ReplicaPool) else [e] for e in (theta, t))
         self._config = config
         self._eos_ids = eos_ids
         self._max_len = max_len
@@ -107,24 +87,21 @@ class LockstepScheduler:
         self._channel = channel
         self._stop_token = stop_token
         self._vocab_size = vocab_size
-        # More sequences than a server runs at once would wait in its queue while the other
-        # server runs them: a park at every step.
-        self._per_server = capacity or config.max_batch_size
-        fewest = min(len(replicas) for replicas in self._replicas)
-        self._max_live = min(config.max_batch_size, self._per_server * fewest)
         self._delivery = Delivery(theta, stats)
         self._table = LockstepTable()
         self.counters = self._table.counters
+        # More sequences than a server runs at once would wait in its queue while the other
+        # server runs them: a park at every step.
+        self._placement = Placement(theta, t, per_server=capacity or config.max_batch_size, loads=self._table.loads)
+        self._max_live = min(config.max_batch_size, self._placement.per_server * self._placement.fewest_replicas)
+        self._requests = Requests(self._table, address=channel.address, top_k=config.top_k, stop_token=stop_token,
+                                  max_len=max_len, on_end=self._stream_ended)
         self._waiting: deque[SequenceState] = deque()
         self._suspended: deque[Live] = deque()  # taken off a server that broke; first to start again
         self._recovering: set[str] = set()  # servers whose requests broke, until /health answers
         self._dead: dict[str, str] = {}  # servers that did not come back: why
         self._pauses = 0  # callers inside paused()
-        self._requests: dict[int, _Request] = {}  # by stream id, until the request's task ends
         self._probes: dict[int, asyncio.Future[wire.Report]] = {}  # check_plugin's requests: their reports
-        # Ids start at a random point: a plugin that still counts positions for a previous
-        # coordinator on the same port must never mistake these streams for its old ones.
-        self._ids = itertools.count(secrets.randbits(40) << 20)
         self._loop_task: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._closing = False
@@ -150,31 +127,7 @@ class LockstepScheduler:
     def statistics(self) -> dict[str, float]:
         return {**self.counters.summary(self._stats.tokens), **self.gate.counters.summary()}
 
-    # -- placement on replicas ---------------------------------------------------------
-
-    def _healthy(self, role: int) -> list[VLLMClient]:
-        pool = self._pools[role]
-        replicas = self._replicas[role]
-        return replicas if pool is None else [replicas[i] for i in pool.healthy]
-
-    def _has_slot(self) -> bool:
-        loads = self._table.loads
-        return all(min((loads[e.url] for e in self._healthy(role)), default=self._per_server) < self._per_server
-                   for role in ROLES)
-
-    def _place(self, live: Live) -> None:
-        """Keep `live` on its servers while they are healthy and have room; else the healthy
-        replica of the role with the fewest sequences (its old one went down: a move)."""
-        for role in ROLES:
-            engine = live.engines[role]
-            pool, replicas = self._pools[role], self._replicas[role]
-            if pool is not None:  # the pool places, and counts the moves
-                healthy = set(pool.healthy)
-                loads = {i: self._table.loads[e.url] for i, e in enumerate(replicas) if i in healthy}
-                current = None if engine is None else replicas.index(engine)
-                live.engines[role] = replicas[pool.assign(current, loads, room=self._per_server)]
-            elif engine is None:  # one server in this role
-                live.engines[role] = replicas[0]
+    # -- replicas ----------------------------------------------------------------------
 
     async def check_plugin(self, engine: VLLMClient) -> None:
         """Raise LockstepUnavailableError unless `engine`'s plugin reports here and passes the
@@ -184,20 +137,16 @@ class LockstepScheduler:
         if self._closing:  # nobody reads the channel: every server would look like one without the plugin
             raise LifecycleError("the coordinator is closing: it checks no replica's plugin")
         self._listen()
-        probe_id = next(self._ids)
+        probe_id = self._requests.new_id()
         reported = self._probes[probe_id] = asyncio.get_running_loop().create_future()
-        roles = sum(engine.url in {e.url for e in replicas} for replicas in self._replicas)
+        roles = self._placement.roles_on(engine)
         try:
             await probe_plugin(engine, address=self._channel.address, probe_id=probe_id, reported=reported,
                                prompt_ids=[self._stop_token], stop_token=self._stop_token,
                                timeout_s=self._config.request_timeout,
-                               needed=roles * min(self._per_server, self._config.max_batch_size))
+                               needed=roles * min(self._placement.per_server, self._config.max_batch_size))
         finally:
             del self._probes[probe_id]
-
-    def _servers(self) -> set[str]:
-        """The healthy servers, where new sequences may start."""
-        return {engine.url for role in ROLES for engine in self._healthy(role)}
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -225,12 +174,9 @@ class LockstepScheduler:
             await self._send_ready()
         finally:
             self._lock.release()
-        # The servers end their requests at their next report, answered END here.
-        tasks = [request.task for request in self._requests.values()]
-        if tasks:
-            await asyncio.wait(tasks, timeout=DRAIN_S)
+        await self._requests.drain(DRAIN_S)  # each ends at its server's next report, answered END here
         try:
-            await stop(self._watchdog, self._loop_task, *tasks, *self._background,
+            await stop(self._watchdog, self._loop_task, *self._requests.tasks(), *self._background,
                        what="the lockstep scheduler's tasks", timeout_s=CLOSE_STEP_S)
         finally:
             self._channel.close()
@@ -251,7 +197,7 @@ class LockstepScheduler:
             while self._room():
                 self._start(self._next_waiting())
             return
-        targets = self._servers()
+        targets = self._placement.servers()
         if not targets <= self._table.blocked_servers() | self._table.busy_servers():  # one would never block here
             self._start(self._next_waiting())
         if self._room() and not self.gate.armed:
@@ -263,17 +209,17 @@ class LockstepScheduler:
             self._waiting.popleft()
         while self._suspended and self._suspended[0].seq.cancelled:
             self._suspended.popleft().done = True
-        return bool(self._waiting or self._suspended) and len(self._table) < self._max_live and self._has_slot()
+        return bool(self._waiting or self._suspended) and len(self._table) < self._max_live and self._placement.has_slot()
 
     def _next_waiting(self) -> Live:
         """A suspended sequence first (it has waited longest), else a new one."""
         return self._suspended.popleft() if self._suspended else Live(self._waiting.popleft())
 
     def _start(self, live: Live) -> Live:
-        self._place(live)
+        self._placement.place(live)
         self._table.add(live)
         for role in ROLES:
-            self._start_stream(live, role)
+            self._requests.start(live, role)
         return live
 
     def _fail_waiting(self, reason: str) -> None:
@@ -287,7 +233,7 @@ class LockstepScheduler:
     async def _open_gate(self, *, force: bool = False) -> None:
         """Start the waiting sequences if both servers are blocked here (or `force`), and hold
         the servers' replies (`_hold`)."""
-        if not self.gate.armed or not (force or self._servers() <= self._table.blocked_servers()):
+        if not self.gate.armed or not (force or self._placement.servers() <= self._table.blocked_servers()):
             return
         started = []
         while self._room() and not self._holding:
@@ -304,8 +250,7 @@ class LockstepScheduler:
         in, and `hold_s` more for the requests to reach their engines; then answer them."""
         try:
             sent = time.perf_counter()
-            await asyncio.wait([self._requests[s.id].accepted for s in streams if s.id in self._requests],
-                               timeout=MAX_HOLD_S)
+            await asyncio.wait(self._requests.accepted(streams), timeout=MAX_HOLD_S)
             self.gate.counters.accept_s += time.perf_counter() - sent
             await asyncio.sleep(hold_s)
         finally:
@@ -330,31 +275,8 @@ class LockstepScheduler:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _start_stream(self, live: Live, role: int) -> None:
-        """Send `live`'s request to the role's server, continuing from its agreed tokens."""
-        seq = live.seq
-        prompt = seq.theta_context() if role == THETA else seq.t_context()
-        agreed = len(seq.tokens)
-        stream = self._table.open_stream(live, role, next(self._ids), offset=agreed)
-        # One more than needed: the coordinator ends the request (END) before the server would.
-        max_tokens = max(1, min(seq.params.max_tokens - agreed + 1, self._max_len - len(prompt)))
-        args = wire.request_args(wire.Tagged(self._channel.address, stream.id, offset=agreed, top_k=self._config.top_k,
-                                             stop=self._stop_token))
-        accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        task = asyncio.create_task(stream.engine.forced_generation(
-            prompt, max_tokens=max_tokens, stop_token=self._stop_token, lockstep_args=args,
-            on_accepted=functools.partial(_resolve, accepted)))
-        request = self._requests[stream.id] = _Request(stream, task, accepted)
-        task.add_done_callback(functools.partial(self._stream_ended, request))
-
-    def _stream_ended(self, request: _Request, task: asyncio.Task[str]) -> None:
-        self._requests.pop(request.stream.id, None)
-        _resolve(request.accepted)
-        if task.cancelled():
-            self._table.streams.pop(request.stream.id, None)
-            return
-        task.exception()  # retrieved here: a retired stream's break (a dead server) is expected
-        self._spawn(self._on_stream_end(request.stream, task))
+    def _stream_ended(self, stream: Stream, task: asyncio.Task[str]) -> None:
+        self._spawn(self._on_stream_end(stream, task))
 
     async def _on_stream_end(self, stream: Stream, task: asyncio.Task[str]) -> None:
         """A server request finished: expected (retired), or the sequence must go on."""
@@ -397,9 +319,7 @@ class LockstepScheduler:
         the role has another healthy replica, take `engine` out of its pool and move its
         sequences there."""
         self._take_off(live)
-        pool = self._pools[role]
-        if pool is not None and any(e is not engine for e in self._healthy(role)):
-            pool.take_out(self._replicas[role].index(engine), error)
+        if self._placement.take_out(role, engine, error):
             for other in self._table.on_servers([engine.url]):
                 self._take_off(other)
             return
@@ -433,9 +353,7 @@ class LockstepScheduler:
                 for live in self._table.live:
                     self._take_off(live)
                 await self._send_ready()
-            tasks = [request.task for request in self._requests.values()]
-            if tasks:  # each ends at its server's next step: END is the answer now
-                await asyncio.wait(tasks, timeout=DRAIN_S)
+            await self._requests.drain(DRAIN_S)  # each ends at its server's next step: END is the answer now
             yield
         finally:
             async with self._lock:
@@ -471,7 +389,7 @@ class LockstepScheduler:
 
     def _resubmit(self, live: Live, role: int) -> None:
         self.counters.resubmissions += 1
-        self._start_stream(live, role)
+        self._requests.start(live, role)
 
     # -- reports -----------------------------------------------------------------------
 

@@ -1057,8 +1057,7 @@ async def cancel_mid_step(scheduler, theta, t, sequences):
 
 
 async def cancel_while_the_gate_holds(scheduler, theta, t, sequences):
-    await eventually(lambda: scheduler.gate.counters.rounds >= 1 and any(not s.accepted.done()
-                                                                        for s in scheduler._requests.values()),
+    await eventually(lambda: scheduler.gate.counters.rounds >= 1 and scheduler._held_rounds > 0,
                      "a gate waiting for the servers to take its requests in")
     cancel(sequences)
 
