@@ -19,6 +19,7 @@ All functions write into arrays the caller allocates; nothing here allocates per
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numba
 import numpy as np
@@ -228,6 +229,28 @@ def sample_rows(logq, counts, uniforms, greedy, index):
         index[b] = chosen
 
 
+@_jit
+def step_rows(ids_theta, lp_theta, ids_t, lp_t, fill, floor, vocab_size, temperature, fixed_alpha, max_alpha,
+              uniforms, greedy, tol, max_iter,
+              token_ids, raw_theta, raw_t, rep_theta, rep_t, counts, cov_theta, cov_t, lp_tempered_theta,
+              lp_tempered_t, alpha, logq, index, chosen):
+    """The three phases in one call (one dispatch instead of three: at batch 1 the calls cost more
+    than the math), and the chosen candidate's token id, log q*, raw logprobs -> chosen [4, B]."""
+    merge_rows(ids_theta, lp_theta, ids_t, lp_t, fill, floor, vocab_size,
+               token_ids, raw_theta, raw_t, rep_theta, rep_t, counts, cov_theta, cov_t)
+    for b in range(counts.shape[0]):
+        if counts[b] == 0:
+            return False
+    target_rows(raw_theta, raw_t, counts, temperature, fixed_alpha, max_alpha, tol, max_iter,
+                lp_tempered_theta, lp_tempered_t, alpha, logq)
+    sample_rows(logq, counts, uniforms, greedy, index)
+    for b in range(counts.shape[0]):
+        j = index[b]
+        chosen[0, b], chosen[1, b] = token_ids[b, j], logq[b, j]
+        chosen[2, b], chosen[3, b] = raw_theta[b, j], raw_t[b, j]
+    return True
+
+
 # -- the array-level calls (allocate the outputs, check the inputs) ---------------------------
 
 def merge(ids_theta: np.ndarray, logp_theta: np.ndarray, ids_t: np.ndarray, logp_t: np.ndarray, *,
@@ -278,3 +301,49 @@ def sample(logq: np.ndarray, mask: np.ndarray, uniforms: np.ndarray, greedy: np.
     sample_rows(np.ascontiguousarray(logq), mask.sum(axis=1), np.ascontiguousarray(uniforms, np.float64),
                 np.ascontiguousarray(greedy, np.bool_), index)
     return index
+
+
+class Step(NamedTuple):
+    token_ids: np.ndarray  # int64 [B]
+    alpha: np.ndarray  # float64 [B]
+    logprob_q: np.ndarray  # float64 [B]
+    logprob_theta: np.ndarray  # float64 [B], raw (or filled) logprob of the token
+    logprob_t: np.ndarray  # float64 [B]
+    coverage_theta: np.ndarray  # float64 [B]
+    coverage_t: np.ndarray  # float64 [B]
+    candidates: np.ndarray  # int64 [B, n]
+    candidate_logq: np.ndarray  # float64 [B, n]
+
+
+def step(ids_theta: np.ndarray, logp_theta: np.ndarray, ids_t: np.ndarray, logp_t: np.ndarray, *,
+         temperature: np.ndarray, fixed_alpha: np.ndarray, max_alpha: np.ndarray | None, uniforms: np.ndarray,
+         fill: FillRule, vocab_size: int | None, tol: float, max_iter: int,
+         floor: float = DEFAULT_FLOOR) -> Step:
+    """merge, target and sample in one compiled call: what they return, for a step's records."""
+    if fill not in FILL_RULES:
+        raise ValueError(f"unknown fill rule {fill!r}; choose one of {FILL_RULES}")
+    ids_theta, ids_t = np.ascontiguousarray(ids_theta, np.int64), np.ascontiguousarray(ids_t, np.int64)
+    logp_theta, logp_t = np.ascontiguousarray(logp_theta, np.float64), np.ascontiguousarray(logp_t, np.float64)
+    batch = ids_theta.shape[0]
+    if ids_t.shape[0] != batch or logp_theta.shape != ids_theta.shape or logp_t.shape != ids_t.shape:
+        raise ValueError(f"merge shapes disagree: ids_theta {ids_theta.shape}, logp_theta {logp_theta.shape}, "
+                         f"ids_t {ids_t.shape}, logp_t {logp_t.shape}")
+    shape = (batch, ids_theta.shape[1] + ids_t.shape[1])
+    token_ids = np.empty(shape, np.int64)
+    raw_theta, raw_t, lp_theta, lp_t, logq = (np.empty(shape) for _ in range(5))
+    rep_theta, rep_t = np.empty(shape, np.bool_), np.empty(shape, np.bool_)
+    counts, index = np.empty(batch, np.int64), np.empty(batch, np.int64)
+    coverage_theta, coverage_t, alpha = np.empty(batch), np.empty(batch), np.empty(batch)
+    chosen = np.empty((4, batch))
+    complete = step_rows(
+        ids_theta, logp_theta, ids_t, logp_t, FILL_CODES[fill], float(floor), -1 if vocab_size is None else int(vocab_size),
+        np.ascontiguousarray(temperature, np.float64), np.ascontiguousarray(fixed_alpha, np.float64),
+        np.ones(batch) if max_alpha is None else np.ascontiguousarray(max_alpha, np.float64),
+        np.ascontiguousarray(uniforms, np.float64), np.ascontiguousarray(temperature == 0.0), float(tol), int(max_iter),
+        token_ids, raw_theta, raw_t, rep_theta, rep_t, counts, coverage_theta, coverage_t, lp_theta, lp_t, alpha, logq,
+        index, chosen)
+    if not complete:
+        raise ValueError("a row has no candidates: both servers reported an empty top-k")
+    n = max(int(counts.max(initial=0)), 1)
+    return Step(chosen[0].astype(np.int64), alpha, chosen[1], chosen[2], chosen[3], coverage_theta, coverage_t,
+                token_ids[:, :n], logq[:, :n])

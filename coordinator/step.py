@@ -75,6 +75,14 @@ def mix_and_sample(
     max_alpha: np.ndarray | None = None,  # float64 [B]: cap on alpha* (1 = none); None = no cap anywhere
 ) -> StepResult:
     started = time.perf_counter()
+    if not with_diagnostics:  # the usual case: one compiled call (coordinator/kernel.py)
+        out = kernel.step(theta.token_ids, theta.logprobs, t.token_ids, t.logprobs, temperature=temperature,
+                          fixed_alpha=fixed_alpha, max_alpha=max_alpha, uniforms=uniforms, fill=fill,
+                          vocab_size=vocab_size, tol=alpha_tol, max_iter=alpha_max_iter)
+        return StepResult(token_ids=out.token_ids, alpha=out.alpha, logprob_q=out.logprob_q,
+                          logprob_theta=out.logprob_theta, logprob_t=out.logprob_t, coverage_theta=out.coverage_theta,
+                          coverage_t=out.coverage_t, diagnostics=None, candidates=out.candidates,
+                          candidate_logq=out.candidate_logq, phase_s=(0.0, time.perf_counter() - started, 0.0))
     merged = kernel.merge(theta.token_ids, theta.logprobs, t.token_ids, t.logprobs, fill=fill, vocab_size=vocab_size)
     mask = merged.mask
     merged_at = time.perf_counter()
@@ -84,10 +92,8 @@ def mix_and_sample(
     logq = target.logq  # [B, n]
     index = kernel.sample(logq, mask, uniforms, greedy=temperature == 0.0)  # [B]
     rows = np.arange(index.shape[0])
-    diagnostics = None
-    if with_diagnostics:
-        diagnostics = token_diagnostics(target.logp_theta, target.logp_t, logq, mask,
-                                        merged.coverage_theta, merged.coverage_t)
+    diagnostics = token_diagnostics(target.logp_theta, target.logp_t, logq, mask,
+                                    merged.coverage_theta, merged.coverage_t)
     return StepResult(
         token_ids=merged.token_ids[rows, index],
         alpha=target.alpha,

@@ -105,3 +105,21 @@ def test_a_row_without_candidates_is_refused():
     merged = kernel.merge(np.array([[-1]]), np.array([[-np.inf]]), np.array([[-1]]), np.array([[-np.inf]]))
     with pytest.raises(ValueError, match="no candidates"):
         kernel.target(merged, np.ones(1), np.full(1, np.nan), None, tol=1e-6, max_iter=20)
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps())
+def test_the_fused_step_equals_its_three_phases(case):
+    lists, rule, temperature, fixed, caps, uniforms = case
+    merged = kernel.merge(*lists, fill=rule, vocab_size=1000)
+    _, _, alpha, logq = kernel.target(merged, temperature, fixed, caps, tol=1e-6, max_iter=20)
+    index = kernel.sample(logq, merged.mask, uniforms, temperature == 0.0)
+    out = kernel.step(*lists, temperature=temperature, fixed_alpha=fixed, max_alpha=caps, uniforms=uniforms,
+                      fill=rule, vocab_size=1000, tol=1e-6, max_iter=20)
+    rows = np.arange(len(index))
+    np.testing.assert_array_equal(out.candidates, merged.token_ids)
+    np.testing.assert_array_equal(out.token_ids, merged.token_ids[rows, index])
+    for have, want in ((out.alpha, alpha), (out.candidate_logq, logq), (out.logprob_q, logq[rows, index]),
+                       (out.logprob_theta, merged.logp_theta[rows, index]), (out.logprob_t, merged.logp_t[rows, index]),
+                       (out.coverage_theta, merged.coverage_theta), (out.coverage_t, merged.coverage_t)):
+        np.testing.assert_array_equal(have, want)  # the same compiled code: bit for bit
