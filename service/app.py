@@ -24,9 +24,8 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass
 from pathlib import PurePath
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Sequence, TypeVar
 
 from aiohttp import web
 from pydantic import ValidationError
@@ -38,16 +37,15 @@ from engines.protocol import Engine
 from service import responses
 from service.config import ServiceConfig
 from service.errors import RequestError, error_of
+from service.formats import CHAT, COMPLETION, Format, TokenLogprobs
+from service.jobs import Admission, Job
 from service.metrics import ServiceMetrics
-from service.schema import ChatCompletionRequest, CompletionRequest, QStarOptions
+from service.schema import ChatCompletionRequest, CompletionRequest
 from service.scoring import PromptScores, ScoringSettings, score_prompts
-from service.streaming import stream_choices
+from service.streaming import TokenListener, stream_choices
 from service.tokens import TokenTexts
 
 log = logging.getLogger("dualvllm.service")
-# Retry-After bounds: sooner is a busy loop for clients, later leaves the service idle.
-RETRY_AFTER_MIN_S = 1
-RETRY_AFTER_MAX_S = 60
 # "<served name>@alpha=0.25" names the pair with dualvllm.fixed_alpha 0.25: how clients that
 # send no extra body fields (lm-eval's loglikelihood requests) choose the base or the teacher.
 ALPHA_SUFFIX = "@alpha="
@@ -56,71 +54,14 @@ A = TypeVar("A")
 B = TypeVar("B")
 
 
-@dataclass(frozen=True)
-class Job:
-    """One validated request, ready for the coordinator."""
-
-    kind: str  # "completion" or "chat"
-    request: CompletionRequest | ChatCompletionRequest
-    prompts: list[tuple[list[int], list[int]]]  # (base ids, teacher ids) per prompt
-    max_tokens: int  # 0: echo only, nothing generated
-    top_logprobs: int
-    want_logprobs: bool
-    echo: bool = False  # completions: the prompt comes first in each choice, scored when want_logprobs
-
-    @property
-    def options(self) -> QStarOptions:
-        return self.request.dualvllm
-
-    @property
-    def sequences(self) -> int:
-        return len(self.prompts) * self.request.n
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(len(theta) for theta, _ in self.prompts)
-
-
-class Admission:
-    """The service's bounded queue: sequences admitted and not yet finished."""
-
-    def __init__(self, capacity: int, max_queued: int) -> None:
-        self.capacity = capacity  # the coordinator's running batch
-        self.max_queued = max_queued
-        self.sequences = 0
-        self.tokens = 0  # the admitted sequences' max_tokens, summed
-
-    @contextlib.contextmanager
-    def hold(self, sequences: int, tokens: int, tokens_per_s: Callable[[], float]) -> Any:
-        """Admit a request's sequences for the block, or raise ServiceBusyError; `tokens_per_s`
-        (the coordinator's recent speed) is asked only then."""
-        if self.sequences + sequences > self.capacity + self.max_queued:
-            # Time until the work already admitted is done, at the recent speed.
-            wait_s = (self.tokens + tokens) / max(tokens_per_s(), 1.0)
-            retry = min(max(math.ceil(wait_s), RETRY_AFTER_MIN_S), RETRY_AFTER_MAX_S)
-            raise ServiceBusyError(
-                f"the service is full: {self.sequences} sequences admitted, room for "
-                f"{self.capacity + self.max_queued} ({self.capacity} running, {self.max_queued} queued); "
-                f"this request needs {sequences}. Retry after {retry} s, or raise max_queued_sequences",
-                retry_after_s=retry)
-        self.sequences += sequences
-        self.tokens += tokens
-        try:
-            yield
-        finally:
-            self.sequences -= sequences
-            self.tokens -= tokens
-
-
 class QStarService:
     def __init__(self, coordinator: DualVLLMCoordinator, config: ServiceConfig) -> None:
         self.coordinator = coordinator
         self.config = config
         theta, t = coordinator.model_names
         self.model = config.served_model_name or f"{_short(theta)}+{_short(t)}"
-        self.metrics = ServiceMetrics(coordinator)
         self.admission = Admission(coordinator.capacity, config.max_queued_sequences)
-        self.metrics.watch_admission(self.admission)
+        self.metrics = ServiceMetrics(coordinator, self.admission)
         self.texts = TokenTexts(coordinator)
         self.created = int(time.time())
 
@@ -219,7 +160,7 @@ class QStarService:
         encoded = await self.coordinator.encode([p if t_prompt is None else (p, t_prompt) for p in prompts])
         logprobs = body.logprobs
         max_tokens = self.config.default_max_tokens if body.max_tokens is None else body.max_tokens
-        job = self._job("completion", body, encoded, max_tokens, top_logprobs=logprobs or 0,
+        job = self._job(COMPLETION, body, encoded, max_tokens, top_logprobs=logprobs or 0,
                         want_logprobs=logprobs is not None, echo=body.echo)
         return await self._run(request, job)
 
@@ -234,7 +175,7 @@ class QStarService:
         if budget is None:  # OpenAI's chat default: the rest of the context, within the ceiling
             room = self.coordinator.max_model_len - max(len(theta_ids), len(t_ids))
             budget = max(1, min(room, self.config.max_request_tokens // body.n))
-        job = self._job("chat", body, [(theta_ids, t_ids)], budget, top_logprobs=body.top_logprobs or 0,
+        job = self._job(CHAT, body, [(theta_ids, t_ids)], budget, top_logprobs=body.top_logprobs or 0,
                         want_logprobs=body.logprobs)
         return await self._run(request, job)
 
@@ -275,7 +216,7 @@ class QStarService:
                 raise RequestError(f"{param} {i} has token id {bad[0]}, outside the vocabulary of {vocab} tokens "
                                    f"(ids 0 to {vocab - 1})", code="invalid_token_id", param=param)
 
-    def _job(self, kind: str, body: CompletionRequest | ChatCompletionRequest,
+    def _job(self, form: Format, body: CompletionRequest | ChatCompletionRequest,
              prompts: list[tuple[list[int], list[int]]], max_tokens: int, *, top_logprobs: int,
              want_logprobs: bool, echo: bool = False) -> Job:
         limit = self.coordinator.max_model_len
@@ -288,7 +229,7 @@ class QStarService:
                     f"this model's maximum context length is {limit} tokens; prompt {i} has {longest} tokens and "
                     f"max_tokens is {max_tokens} ({longest + max_tokens} in all). Shorten the prompt or lower "
                     "max_tokens", code="context_length_exceeded", param="max_tokens")
-        job = Job(kind, body, prompts, max_tokens, top_logprobs, want_logprobs, echo)
+        job = Job(form, body, prompts, max_tokens, top_logprobs, want_logprobs, echo)
         if job.sequences * max_tokens > self.config.max_request_tokens:
             raise RequestError(
                 f"this request asks for up to {job.sequences * max_tokens} tokens ({len(prompts)} prompts x n="
@@ -330,7 +271,8 @@ class QStarService:
         return await self.score(job) if job.want_logprobs else None
 
     @contextlib.asynccontextmanager
-    async def generate(self, job: Job, on_tokens: Any = None) -> AsyncIterator[AsyncIterator[GenerationOutput]]:
+    async def generate(self, job: Job, on_tokens: TokenListener | None = None
+                       ) -> AsyncIterator[AsyncIterator[GenerationOutput]]:
         """The coordinator's stream of the job's sequences (choice index = prompt x n + j);
         closing it (a disconnect cancels the handler) cancels the sequences still running."""
         body = job.request
@@ -359,16 +301,11 @@ class QStarService:
     async def response(self, job: Job, outputs: Sequence[GenerationOutput]) -> dict[str, Any]:
         """The whole (non-streamed) response of a job whose outputs are all in."""
         texts = await self.logprob_texts(job, outputs)
-        chat = job.kind == "chat"
-        choices = []
-        for output in outputs:
-            logprobs = None
-            if job.want_logprobs:
-                logprobs = (responses.chat_logprobs if chat else responses.completion_logprobs)(output, texts)
-            choice = responses.chat_choice if chat else responses.completion_choice
-            choices.append(choice(output.index, output, job.options, logprobs))
-        kind = "chat.completion" if chat else "text_completion"
-        return responses.envelope(kind, responses.request_id(job.kind), int(time.time()), self.model, choices,
+        form = job.format
+        choices = [form.choice(o.index, o, job.options,
+                               form.logprobs(TokenLogprobs.of(o), texts, 0) if job.want_logprobs else None)
+                   for o in outputs]
+        return responses.envelope(form.whole, form.request_id(), int(time.time()), self.model, choices,
                                   responses.usage(job.prompt_tokens, outputs))
 
     async def echo_response(self, job: Job, outputs: Sequence[GenerationOutput],
@@ -385,7 +322,7 @@ class QStarService:
             scored = None if scores is None else scores[prompt]
             choices.append(responses.echo_choice(index, prompt_texts[prompt], scored,
                                                  outputs[index] if outputs else None, job.options, texts))
-        return responses.envelope("text_completion", responses.request_id(job.kind), int(time.time()), self.model,
+        return responses.envelope(job.format.whole, job.format.request_id(), int(time.time()), self.model,
                                   choices, responses.usage(job.prompt_tokens, outputs))
 
     async def score(self, job: Job) -> list[PromptScores]:
@@ -407,12 +344,23 @@ class QStarService:
                             scores: Sequence[PromptScores] | None = None) -> dict[int, str]:
         if not job.want_logprobs:
             return {}
-        ids = {t for o in outputs for t in o.generated_tokens}
-        ids.update(i for o in outputs for row in (o.top_logprobs or []) for i in row)
+        ids = {i for o in outputs for i in TokenLogprobs.of(o).token_ids()}
         for prompt in scores or []:
             ids.update(prompt.token_ids)
             ids.update(i for row in prompt.top if row is not None for i in row)
         return await self.texts.get(ids)
+
+    # -- what a stream asks (service.streaming.Generation) -------------------------------
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.coordinator.eos_token_ids
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        return await self.coordinator.detokenize(token_ids)
+
+    async def token_texts(self, token_ids: Iterable[int]) -> dict[int, str]:
+        return await self.texts.get(token_ids)
 
 
 def _engines(coordinator: DualVLLMCoordinator) -> tuple[Engine, Engine]:

@@ -8,7 +8,7 @@ percentiles, active and queued sequences.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -16,9 +16,7 @@ from prometheus_client.registry import Collector
 
 from coordinator.core import DualVLLMCoordinator
 from coordinator.outputs import GenerationOutput
-
-if TYPE_CHECKING:
-    from service.app import Admission
+from service.jobs import Admission
 
 # Request latency buckets (s): a q* request runs from a few ms (one token) to minutes.
 REQUEST_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -27,7 +25,7 @@ SERVER_CALL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 
 
 class ServiceMetrics:
-    def __init__(self, coordinator: DualVLLMCoordinator) -> None:
+    def __init__(self, coordinator: DualVLLMCoordinator, admission: Admission) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self._requests = Counter("dualvllm_requests", "HTTP requests answered, by route and status",
@@ -42,11 +40,7 @@ class ServiceMetrics:
                                    buckets=SERVER_CALL_BUCKETS_S, registry=r)
         self._server_failures = Counter("dualvllm_server_call_failures", "Requests to the model servers that "
                                         "failed after their retries", ("server", "route"), registry=r)
-        self._coordinator_view = _CoordinatorCollector(coordinator)
-        r.register(self._coordinator_view)
-
-    def watch_admission(self, admission: Admission) -> None:
-        self._coordinator_view.admission = admission
+        r.register(_CoordinatorCollector(coordinator, admission))
 
     def request_done(self, route: str, status: int, seconds: float) -> None:
         route = route if route.startswith(("/v1/", "/health", "/metrics")) else "other"  # bounded labels
@@ -75,11 +69,11 @@ class ServiceMetrics:
 
 
 class _CoordinatorCollector(Collector):
-    """Gauges read from the coordinator at scrape time."""
+    """Gauges read from the coordinator and the service's queue at scrape time."""
 
-    def __init__(self, coordinator: DualVLLMCoordinator) -> None:
+    def __init__(self, coordinator: DualVLLMCoordinator, admission: Admission) -> None:
         self._coordinator = coordinator
-        self.admission: Admission | None = None
+        self._admission = admission
 
     def collect(self) -> Iterator[Any]:
         stats = self._coordinator.get_statistics()
@@ -94,11 +88,9 @@ class _CoordinatorCollector(Collector):
             "dualvllm_coordinator_sequences_failed": ("Sequences the coordinator failed (every caller)",
                                                       stats["sequences_failed"]),
             "dualvllm_server_retries": ("Requests to the model servers that were retried", stats["retries"]),
+            "dualvllm_active_sequences": ("Sequences in the running batch", self._admission.running),
+            "dualvllm_queued_sequences": ("Sequences waiting for the running batch",
+                                          self._admission.sequences - self._admission.running),
         }
-        if self.admission is not None:
-            running = min(self.admission.sequences, self.admission.capacity)
-            gauges["dualvllm_active_sequences"] = ("Sequences in the running batch", running)
-            gauges["dualvllm_queued_sequences"] = ("Sequences waiting for the running batch",
-                                                   self.admission.sequences - running)
         for name, (text, value) in gauges.items():
             yield GaugeMetricFamily(name, text, value=value)

@@ -1,4 +1,6 @@
-"""OpenAI response objects built from the coordinator's GenerationOutputs (pure functions).
+"""OpenAI response objects built from the coordinator's GenerationOutputs (pure functions):
+the parts completions and chat share, and echo's (completions only). Where the two differ,
+service.formats decides.
 
 A choice's `dualvllm` object carries what q* adds (see service.schema): always the mean
 alpha and the coordinator's own finish reason; with `return_token_ids` the per-token
@@ -10,7 +12,6 @@ log pi_theta and log pi_t (None at position 0, as OpenAI's echoed logprobs).
 
 from __future__ import annotations
 
-import uuid
 from typing import Any, Mapping, Sequence
 
 from coordinator.outputs import GenerationOutput
@@ -48,15 +49,6 @@ def usage(prompt_tokens: int, outputs: Sequence[GenerationOutput]) -> dict[str, 
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
 
 
-def completion_logprobs(output: GenerationOutput, texts: Mapping[int, str]) -> dict[str, Any]:
-    """OpenAI's legacy completion logprobs: log q* of each generated token, and of q*'s top
-    candidates when asked for; `texts` maps every token id involved to its text."""
-    top = None
-    if output.top_logprobs is not None:
-        top = [{texts[i]: v for i, v in row.items()} for row in output.top_logprobs]
-    return _legacy_logprobs([texts[t] for t in output.generated_tokens], output.logprobs_q, top)
-
-
 def echo_logprobs(scores: PromptScores, output: GenerationOutput | None, texts: Mapping[int, str]) -> dict[str, Any]:
     """Legacy logprobs of an echoed prompt and its completion (`output`; None for max_tokens 0).
 
@@ -70,12 +62,14 @@ def echo_logprobs(scores: PromptScores, output: GenerationOutput | None, texts: 
         rows += output.top_logprobs or [{} for _ in output.generated_tokens]  # logprobs 0: the token alone
     top = [None if row is None else {texts[i]: v for i, v in {**row, token: value}.items()}
            for token, value, row in zip(ids, values, rows)]
-    return _legacy_logprobs([texts[t] for t in ids], values, top)
+    return legacy_logprobs([texts[t] for t in ids], values, top)
 
 
-def _legacy_logprobs(tokens: list[str], values: Sequence[float | None],
-                     top: list[dict[str, float] | None] | None) -> dict[str, Any]:
-    offsets, at = [], 0
+def legacy_logprobs(tokens: list[str], values: Sequence[float | None], top: list[dict[str, float] | None] | None,
+                    offset: int = 0) -> dict[str, Any]:
+    """OpenAI's completion logprobs of tokens with these texts; the first starts at `offset` in the
+    choice's text (a stream chunk's tokens follow the earlier chunks')."""
+    offsets, at = [], offset
     for token in tokens:
         offsets.append(at)
         at += len(token)
@@ -98,29 +92,6 @@ def echo_choice(index: int, prompt_text: str, scores: PromptScores | None, outpu
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason, "dualvllm": record}
 
 
-def chat_logprobs(output: GenerationOutput, texts: Mapping[int, str]) -> dict[str, Any]:
-    """OpenAI's chat logprobs: one entry per generated token, with q*'s top candidates."""
-    rows = output.top_logprobs or [{} for _ in output.generated_tokens]
-    content = []
-    for token, logprob, top in zip(output.generated_tokens, output.logprobs_q, rows):
-        entry = _chat_token(texts[token], logprob)
-        entry["top_logprobs"] = [_chat_token(texts[i], v) for i, v in top.items()]
-        content.append(entry)
-    return {"content": content}
-
-
-def completion_choice(index: int, output: GenerationOutput, options: QStarOptions,
-                      logprobs: dict[str, Any] | None) -> dict[str, Any]:
-    return {"index": index, "text": output.generated_text, "logprobs": logprobs,
-            "finish_reason": finish_reason(output), "dualvllm": qstar_record(output, options)}
-
-
-def chat_choice(index: int, output: GenerationOutput, options: QStarOptions,
-                logprobs: dict[str, Any] | None) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": output.generated_text},
-            "logprobs": logprobs, "finish_reason": finish_reason(output), "dualvllm": qstar_record(output, options)}
-
-
 def envelope(kind: str, request_id: str, created: int, model: str, choices: list[dict[str, Any]],
              usage_: dict[str, int] | None) -> dict[str, Any]:
     """A whole response ("text_completion" / "chat.completion") or one stream chunk
@@ -131,18 +102,9 @@ def envelope(kind: str, request_id: str, created: int, model: str, choices: list
     return body
 
 
-def request_id(kind: str) -> str:
-    """A response id: "chatcmpl-..." for chat, "cmpl-..." for completions."""
-    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-
-
 def error_body(message: str, kind: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
     """OpenAI's error object."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def _chat_token(text: str, logprob: float) -> dict[str, Any]:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
 def _finite(value: float) -> float | None:

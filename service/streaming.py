@@ -9,8 +9,14 @@ Text is shown only once it is final:
 - with stop strings, the text is cut at a stop string, and the last (longest stop - 1)
   characters wait, since they may start one;
 - a trailing EOS token is not text.
-The last chunk of a choice carries the rest of its final text, its finish_reason, its
-`dualvllm` record and, when asked for, the logprobs of all its tokens.
+Logprobs are not held back: with `logprobs`, each chunk carries the logprobs of the tokens
+decided since the choice's previous chunk (a chunk goes out for new tokens even when its
+text must wait), as vLLM streams them; the chunks' logprobs put together are the whole
+answer's. The last chunk of a choice carries the rest of its final text, the logprobs of
+its tokens not sent yet, its finish_reason and its `dualvllm` record.
+
+Streaming is written against `Generation`, the little it needs of the service; chat and
+completion differ only through the job's format (service.formats).
 """
 
 from __future__ import annotations
@@ -19,8 +25,9 @@ import asyncio
 import json
 import logging
 import time
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable, Iterable, Mapping, Protocol, Sequence
 
 from aiohttp import web
 
@@ -28,11 +35,41 @@ from common.errors import GenerationFailedError
 from coordinator.outputs import GenerationOutput
 from service import responses
 from service.errors import error_of
-
-if TYPE_CHECKING:
-    from service.app import Job, QStarService
+from service.formats import TokenLogprobs
+from service.jobs import Job
 
 log = logging.getLogger("dualvllm.service")
+TokenListener = Callable[..., None]
+
+
+class Generation(Protocol):
+    """What a stream needs of the service."""
+
+    model: str  # the served name, as chunks give it
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+
+    def generate(self, job: Job, on_tokens: TokenListener) -> AbstractAsyncContextManager[
+            AsyncIterator[GenerationOutput]]:
+        """The job's outputs as they finish; `on_tokens` hears each choice's tokens as decided."""
+        ...
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str: ...
+
+    async def token_texts(self, token_ids: Iterable[int]) -> dict[int, str]:
+        """The text of each single token (for logprobs)."""
+        ...
+
+
+@dataclass
+class Decided:
+    """Tokens a step decided for one choice, with their log q* and q*'s top candidates when the
+    coordinator reports them (else empty: their logprobs come with the choice's last chunk)."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    top: list[Mapping[int, float]]
 
 
 @dataclass
@@ -42,8 +79,17 @@ class ChoiceText:
     hold: int  # characters kept back: the longest stop string - 1
     stops: tuple[str, ...]
     tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # of the first len(logprobs) tokens
+    top: list[Mapping[int, float]] = field(default_factory=list)
     sent: str = ""
     opened: bool = False  # the first chunk (chat: with the role) went out
+    logged: int = 0  # tokens whose logprobs went out
+    offset: int = 0  # where the next logged token's text starts (the logged tokens' texts, summed)
+
+    def add(self, decided: Decided) -> None:
+        self.tokens.extend(decided.tokens)
+        self.logprobs.extend(decided.logprobs)
+        self.top.extend(decided.top)
 
     def visible_tokens(self, eos_ids: frozenset[int]) -> list[int]:
         if self.tokens and self.tokens[-1] in eos_ids:
@@ -64,6 +110,12 @@ class ChoiceText:
             return ""
         return self._advance(text)
 
+    def unlogged(self, with_top: bool) -> TokenLogprobs:
+        """The tokens whose log q* is known and not sent yet."""
+        end = len(self.logprobs)
+        return TokenLogprobs(self.tokens[self.logged:end], self.logprobs[self.logged:end],
+                             self.top[self.logged:end] if with_top else None)
+
     def _advance(self, safe: str) -> str:
         if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
             return ""
@@ -71,23 +123,26 @@ class ChoiceText:
         return piece
 
 
-async def stream_choices(request: web.Request, service: QStarService, job: Job) -> web.StreamResponse:
+async def stream_choices(request: web.Request, source: Generation, job: Job) -> web.StreamResponse:
     """Answer `job` as server-sent events; "data: [DONE]" ends a complete stream."""
-    events: asyncio.Queue[tuple[int, list[int] | GenerationOutput | BaseException]] = asyncio.Queue()
+    events: asyncio.Queue[tuple[int, Decided | GenerationOutput | BaseException]] = asyncio.Queue()
 
-    def on_tokens(index: int, tokens: Any) -> None:
-        events.put_nowait((index, list(tokens)))
+    # The coordinator's listener (coordinator.sequence.TokenListener): each token's log q* and
+    # top candidates come with it when the coordinator passes them.
+    def on_tokens(index: int, tokens: Sequence[int], logprobs: Sequence[float] = (),
+                  top: Sequence[Mapping[int, float]] = ()) -> None:
+        events.put_nowait((index, Decided(list(tokens), list(logprobs), list(top))))
 
     stops = tuple(job.request.stop_strings())
     choices = [ChoiceText(hold=max((len(s) for s in stops), default=1) - 1, stops=stops)
                for _ in range(job.sequences)]
-    writer = _Writer(service, job)
+    chunks = _Chunks(source, job)
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
-    async with service.generate(job, on_tokens) as outputs:
+    async with source.generate(job, on_tokens) as outputs:
         pump = asyncio.create_task(_pump(outputs, events))
         try:
-            await _relay(response, writer, job, choices, events)
+            await _relay(response, source, chunks, choices, events)
         except ConnectionError:  # the client is gone: nobody to tell
             raise
         except Exception as exc:  # noqa: BLE001 - headers are sent: the error goes in the stream
@@ -99,12 +154,12 @@ async def stream_choices(request: web.Request, service: QStarService, job: Job) 
     return response
 
 
-async def _relay(response: web.StreamResponse, writer: _Writer, job: Job, choices: list[ChoiceText],
+async def _relay(response: web.StreamResponse, source: Generation, chunks: _Chunks, choices: list[ChoiceText],
                  events: asyncio.Queue[Any]) -> None:
     """Chunks until every choice finished (and the usage chunk if asked for); raises what
     failed, a failed choice included."""
     finished: list[GenerationOutput] = []
-    while len(finished) < job.sequences:
+    while len(finished) < len(choices):
         batch = [await events.get()]
         while not events.empty():
             batch.append(events.get_nowait())
@@ -118,72 +173,79 @@ async def _relay(response: web.StreamResponse, writer: _Writer, job: Job, choice
                     raise GenerationFailedError(f"choice {item.index}: {item.error}")
                 done.append(item)
             else:
-                choices[index].tokens.extend(item)
+                choices[index].add(item)
                 grown.add(index)
-        await _send_deltas(response, writer, choices, sorted(grown - {o.index for o in done}))
+        await _send_deltas(response, source, chunks, choices, sorted(grown - {o.index for o in done}))
         for output in done:
-            await _send(response, await writer.last_chunk(choices[output.index], output))
+            await _send(response, await chunks.last(choices[output.index], output))
         finished.extend(done)
-    if job.request.stream_options is not None and job.request.stream_options.include_usage:
-        await _send(response, writer.usage_chunk(finished))
+    if chunks.job.request.stream_options is not None and chunks.job.request.stream_options.include_usage:
+        await _send(response, chunks.usage(finished))
 
 
 async def _pump(outputs: AsyncIterator[GenerationOutput], events: asyncio.Queue[Any]) -> None:
     try:
         async for output in outputs:
             events.put_nowait((output.index, output))
-    except Exception as exc:  # noqa: BLE001 - handed to the writer, which answers with it
+    except Exception as exc:  # noqa: BLE001 - handed to the relay, which answers with it
         events.put_nowait((-1, exc))
 
 
-async def _send_deltas(response: web.StreamResponse, writer: _Writer, choices: list[ChoiceText],
-                       moved: list[int]) -> None:
-    """A chunk for each of the `moved` choices (unfinished, with new tokens) whose final text grew."""
-    eos_ids = writer.service.coordinator.eos_token_ids
-    texts = await asyncio.gather(*(writer.service.coordinator.detokenize(choices[i].visible_tokens(eos_ids))
-                                   for i in moved))
+async def _send_deltas(response: web.StreamResponse, source: Generation, chunks: _Chunks,
+                       choices: list[ChoiceText], moved: list[int]) -> None:
+    """A chunk for each of the `moved` choices (unfinished, with new tokens) whose final text
+    grew or, with logprobs, that has tokens to report."""
+    eos_ids = source.eos_token_ids
+    texts = await asyncio.gather(*(source.detokenize(choices[i].visible_tokens(eos_ids)) for i in moved))
     for i, text in zip(moved, texts):
-        piece = choices[i].delta(text)
-        if piece:
-            await _send(response, writer.chunk(choices[i], i, piece))
+        chunk = await chunks.delta(choices[i], i, choices[i].delta(text))
+        if chunk is not None:
+            await _send(response, chunk)
 
 
 async def _send(response: web.StreamResponse, body: dict[str, Any]) -> None:
     await response.write(b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n")
 
 
-class _Writer:
+class _Chunks:
     """The chunks of one streamed job."""
 
-    def __init__(self, service: QStarService, job: Job) -> None:
-        self.service, self.job = service, job
-        self.chat = job.kind == "chat"
-        self.id = responses.request_id(job.kind)
+    def __init__(self, source: Generation, job: Job) -> None:
+        self.source, self.job, self.format = source, job, job.format
+        self.id = self.format.request_id()
         self.created = int(time.time())
 
-    def chunk(self, choice: ChoiceText, index: int, piece: str, finish: GenerationOutput | None = None,
-              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        entry: dict[str, Any] = {"index": index, "logprobs": logprobs,
+    async def delta(self, choice: ChoiceText, index: int, piece: str) -> dict[str, Any] | None:
+        """The chunk of an unfinished choice, or None when it has nothing new to show."""
+        tokens = choice.unlogged(with_top=self.job.top_logprobs > 0)
+        if not piece and not (self.job.want_logprobs and tokens.ids):
+            return None
+        return self._chunk(choice, index, piece, await self._logprobs(choice, tokens))
+
+    async def last(self, choice: ChoiceText, output: GenerationOutput) -> dict[str, Any]:
+        logprobs = await self._logprobs(choice, TokenLogprobs.of(output, choice.logged))
+        return self._chunk(choice, output.index, choice.last(output.generated_text), logprobs, output)
+
+    def usage(self, outputs: list[GenerationOutput]) -> dict[str, Any]:
+        return responses.envelope(self.format.chunk, self.id, self.created, self.source.model, [],
+                                  responses.usage(self.job.prompt_tokens, outputs))
+
+    async def _logprobs(self, choice: ChoiceText, tokens: TokenLogprobs) -> dict[str, Any] | None:
+        """The logprobs of `tokens` (the choice's next ones), now counted as sent; None when not asked for."""
+        if not self.job.want_logprobs:
+            return None
+        texts = await self.source.token_texts(tokens.token_ids())
+        logprobs = self.format.logprobs(tokens, texts, choice.offset)
+        choice.logged += len(tokens.ids)
+        choice.offset += sum(len(texts[t]) for t in tokens.ids)
+        return logprobs
+
+    def _chunk(self, choice: ChoiceText, index: int, piece: str, logprobs: dict[str, Any] | None,
+               finish: GenerationOutput | None = None) -> dict[str, Any]:
+        entry: dict[str, Any] = {"index": index, **self.format.delta(piece, first=not choice.opened),
+                                 "logprobs": logprobs,
                                  "finish_reason": None if finish is None else responses.finish_reason(finish)}
-        if self.chat:
-            entry["delta"] = {"content": piece} if choice.opened else {"role": "assistant", "content": piece}
-        else:
-            entry["text"] = piece
         choice.opened = True
         if finish is not None:
             entry["dualvllm"] = responses.qstar_record(finish, self.job.options)
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return responses.envelope(kind, self.id, self.created, self.service.model, [entry], None)
-
-    async def last_chunk(self, choice: ChoiceText, output: GenerationOutput) -> dict[str, Any]:
-        logprobs = None
-        if self.job.want_logprobs:
-            texts = await self.service.logprob_texts(self.job, [output])
-            logprobs = (responses.chat_logprobs if self.chat else responses.completion_logprobs)(output, texts)
-        return self.chunk(choice, output.index, choice.last(output.generated_text), output, logprobs)
-
-    def usage_chunk(self, outputs: list[GenerationOutput]) -> dict[str, Any]:
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return responses.envelope(kind, self.id, self.created, self.service.model, [],
-                                  responses.usage(self.job.prompt_tokens, outputs))
-
+        return responses.envelope(self.format.chunk, self.id, self.created, self.source.model, [entry], None)

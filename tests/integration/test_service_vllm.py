@@ -69,7 +69,8 @@ async def test_openai_completions_match_the_python_api(vllm_pair):
 async def test_openai_chat_renders_the_bundled_template_and_streams(vllm_pair):
     question = prompts(1)[0]
     async with running_service(vllm_pair) as (url, _), client(url) as openai_client:
-        plain = await openai_client.completions.create(model=MODEL, prompt=question, max_tokens=6, temperature=0)
+        plain = await openai_client.completions.create(model=MODEL, prompt=question, max_tokens=6, temperature=0,
+                                                       logprobs=1)
         chat = await openai_client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=6, temperature=0)
         pieces = []
@@ -77,13 +78,15 @@ async def test_openai_chat_renders_the_bundled_template_and_streams(vllm_pair):
             model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=6, temperature=0, stream=True)
         async for chunk in stream:
             pieces.append(chunk.choices[0].delta.content or "")
-        streamed = []
+        streamed, streamed_logprobs = [], []
         stream = await openai_client.completions.create(model=MODEL, prompt=question, max_tokens=6, temperature=0,
-                                                 stream=True, seed=1)
+                                                 stream=True, seed=1, logprobs=1)
         async for chunk in stream:
             streamed.append(chunk.choices[0].text)
+            streamed_logprobs += chunk.choices[0].logprobs.token_logprobs
     # the bundled chat template renders a user message as its text
     assert chat.choices[0].message.content == plain.choices[0].text == "".join(pieces) == "".join(streamed)
+    assert streamed_logprobs == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-5)
     assert chat.choices[0].message.role == "assistant"
 
 
