@@ -1,19 +1,27 @@
 """TRL's GRPOTrainer on q* rollouts from real vLLM servers, its policy pushed back into the base server.
 
-Its own pair (the shared one is not in dev mode, so it takes no pushes): the bundled base in
-dev mode and the teacher, with the lockstep plugin. Two optimizer steps, a push before the
-first and after each, every push verified by logprobs.
+One pair for the module (the shared one is not in dev mode, so it takes no pushes): the
+bundled base in dev mode and the teacher, with the lockstep plugin. In this process: two
+optimizer steps, a push before the first and after each, every push verified by logprobs.
+Then `accelerate launch --multi_gpu --num_processes 2` runs examples/trl_grpo.py against the
+same pair for three steps: two processes, DDP on gloo (the script trains with use_cpu=True;
+accelerate 1.15's `--cpu --num_processes 2` would start one process).
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
 import tinymodels
 from coordinator import CoordinatorConfig
 from engines.launcher import pair_configs
+from tests import processes
 from tests.integration.pairs import running_pair
 
 datasets = pytest.importorskip("datasets")
@@ -25,6 +33,11 @@ from training.trl_trainer import QStarGRPOConfig, QStarGRPOTrainer  # noqa: E402
 ROWS = [{"prompt": "57+44=", "answer": "101"}, {"prompt": "85+10=", "answer": "59"},
         {"prompt": "45+27=", "answer": "27"}, {"prompt": "90+61=", "answer": "151"}]
 STEPS = 2
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "trl_grpo.py"
+DDP_STEPS = 3
+# Two trainer processes start (imports, model, coordinator: ~30 s each on a shared core) and
+# take three steps of 8 rollouts each; ten minutes is a hung collective, not a slow machine.
+LAUNCH_TIMEOUT_S = 600.0
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +83,38 @@ def test_trl_trains_on_qstar_rollouts_and_pushes_every_step(dev_pair, tmp_path):
     start = learner_logprobs(AutoModelForCausalLM.from_pretrained(tinymodels.BASE_DIR), probes)
     trained = learner_logprobs(trainer.model, probes)
     assert abs(trained - start).max() > 1e-2
+
+
+def test_accelerate_runs_two_processes_that_sample_their_own_prompts_and_one_pushes(dev_pair, tmp_path):
+    theta, t = dev_pair
+    log = tmp_path / "launch.log"
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "--main_process_port", "0", str(EXAMPLE),
+               "--output-dir", str(tmp_path / "run"), "--theta-url", theta.url, "--t-url", t.url,
+               "--max-steps", str(DDP_STEPS), "--batch-size", "8", "--num-generations", "4"]
+    with log.open("w") as out:
+        # Ended with its children at the test's teardown on every path (tests/processes.py).
+        launch = processes.start(command, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            code = launch.wait(timeout=LAUNCH_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"accelerate launch did not finish within {LAUNCH_TIMEOUT_S:g} s; its log:\n"
+                        + log.read_text()[-4000:])
+    assert code == 0, log.read_text()[-4000:]
+    main, other = (json.loads((tmp_path / "run" / f"rank-{i}.json").read_text()) for i in (0, 1))
+    for rank in (main, other):
+        assert (rank["world_size"], rank["distributed_type"], rank["backend"], rank["wrapped_model"]) == (
+            2, "DistributedType.MULTI_CPU", "gloo", "DistributedDataParallel")
+    # Trained on different prompts, the two replicas hold the same weights: DDP averaged the gradients.
+    assert main["weights_sha256"] == other["weights_sha256"]
+    # Every step hands each process 8 rollouts of its own 2 prompts (x 4 generations).
+    assert main["rollouts"] == other["rollouts"] == DDP_STEPS * 8
+    assert not set(main["prompts_sampled"]) & set(other["prompts_sampled"])
+    assert len(main["prompts_sampled"]) == len(other["prompts_sampled"]) == DDP_STEPS * 2
+    # Only the main process pushed: before the first step and after each, every push verified.
+    assert other["pushes"] == [] and len(main["pushes"]) == DDP_STEPS + 1
+    assert all(p["max_abs_diff"] <= 1e-3 and p["replicas"] == 1 for p in main["pushes"])
+    logged = [e for e in main["log_history"] if "push/max_abs_diff" in e]
+    assert [e["step"] for e in logged] == list(range(1, DDP_STEPS + 1))
+    assert all("reward" in e and "loss" in e and e["push/max_abs_diff"] <= 1e-3 for e in logged)
