@@ -40,6 +40,7 @@ HEALTH_POLL_INTERVAL_S = 0.5
 STOP_GRACE_S = 20.0
 LOG_TAIL_LINES = 40
 LOCKSTEP_PROCESSOR = "engines.vllm_plugin.processor:LockstepProcessor"
+LOCKSTEP_PROCESSOR_V2 = "engines.vllm_plugin.processor_v2:LockstepProcessorV2"  # Model Runner V2 (GPU builds)
 
 
 class ServerConfig(RaisesInvalidInput, BaseModel):
@@ -162,7 +163,8 @@ class VLLMServer:
             cmd += ["--max-model-len", str(c.max_model_len)]
         if c.lockstep:
             # Chunked prefill would show the plugin rows of half-computed prompts as steps.
-            cmd += ["--logits-processors", LOCKSTEP_PROCESSOR, "--no-enable-chunked-prefill"]
+            processor = LOCKSTEP_PROCESSOR_V2 if self._model_runner_v2() else LOCKSTEP_PROCESSOR
+            cmd += ["--logits-processors", processor, "--no-enable-chunked-prefill"]
         if self._on_cpu():
             # CUDA-graph capture is what makes CPU start-up slow (~100 s vs ~35 s) and
             # buys nothing for per-token requests.
@@ -183,13 +185,18 @@ class VLLMServer:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         if c.lockstep:
             env["DUALVLLM_LOCKSTEP_TIMEOUT_S"] = f"{c.lockstep_timeout_s:g}"
-        if c.lockstep and not self._on_cpu():
-            # GPU builds default to Model Runner V2, whose logits processors have another
-            # interface; the plugin implements V1's (what the CPU build runs).
+        if c.lockstep and not self._on_cpu() and not self._model_runner_v2():
+            # GPU builds default to Model Runner V2, whose processors have another interface.
+            # Its plugin (processor_v2.py) is tested only directly here (V2 needs Triton, which
+            # the CPU build lacks), so lockstep servers run V1's unless the user asks for V2.
             env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         # Models are local: never wait on a hub that cannot be reached.
         env.setdefault("HF_HUB_OFFLINE", "1")
         return env
+
+    def _model_runner_v2(self) -> bool:
+        """The user chose Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1) on a GPU build."""
+        return not self._on_cpu() and os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1"
 
     def _on_cpu(self) -> bool:
         return self.config.device == "cpu" or (self.config.device == "auto" and is_cpu_build())

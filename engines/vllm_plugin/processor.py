@@ -32,7 +32,9 @@ otherwise any client of the server could make it connect anywhere.
 Tensor parallelism (untested here, no GPUs): every rank runs its own processor; rank 0
 talks to the coordinators and broadcasts the chosen tokens to the others, so every rank
 applies the same tokens. Model Runner V2 (the GPU default in vLLM 0.32) has another
-processor interface; the launcher sets VLLM_USE_V2_MODEL_RUNNER=0 for lockstep servers.
+processor interface: processor_v2.py runs the same `LockstepSteps` behind it. The launcher
+starts lockstep servers on GPUs with V1 (VLLM_USE_V2_MODEL_RUNNER=0) unless the user sets
+VLLM_USE_V2_MODEL_RUNNER=1, then with LockstepProcessorV2.
 """
 
 from __future__ import annotations
@@ -133,17 +135,12 @@ class _Channel:
         return None
 
 
-class LockstepProcessor(LogitsProcessor):
-    @classmethod
-    def validate_params(cls, sampling_params: SamplingParams) -> None:
-        """Refuse malformed lockstep arguments at admission (HTTP 400), not in the engine loop."""
-        request = tagged(sampling_params)
-        if request is not None and request.stop not in (sampling_params.stop_token_ids or ()):
-            raise ValueError(f"lockstep request: its stop token {request.stop} ({wire.ARG_STOP}) must be in "
-                             "stop_token_ids, or END would not end it")
+class LockstepSteps:
+    """What the plugin does at each decode step, whichever runner calls it: report the lockstep
+    rows' top-k to their coordinators, wait for the tokens, force them; count each request's
+    positions from the offset its coordinator gave."""
 
-    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
-        self._rows: dict[int, wire.Tagged] = {}  # batch row -> lockstep request
+    def __init__(self, vllm_config) -> None:
         self._next_position: dict[tuple[str, int], int] = {}  # (address, id) -> its next position
         self._channels: dict[str, _Channel] = {}
         self._context: zmq.Context | None = None
@@ -159,49 +156,23 @@ class LockstepProcessor(LogitsProcessor):
 
             self._rank = get_tensor_model_parallel_rank()
 
-    def is_argmax_invariant(self) -> bool:
-        return False  # it decides the argmax
+    def admit(self, request: wire.Tagged) -> None:
+        """A request entered the batch (new, or back after preemption: its count stands)."""
+        self._next_position.setdefault(request.key, request.offset)
 
-    def update_state(self, batch_update: BatchUpdate | None) -> None:
-        if batch_update is None:
-            return
-        for index in batch_update.removed:
-            self._rows.pop(index, None)
-        for index, params, _prompt, _output in batch_update.added:
-            try:
-                request = tagged(params)
-            except ValueError:  # validate_params refused it at admission; never expected here
-                request = None
-            if request is None:
-                self._rows.pop(index, None)
-                continue
-            self._rows[index] = request
-            self._next_position.setdefault(request.key, request.offset)
-        for a, b, direction in batch_update.moved:
-            row_a, row_b = self._rows.pop(a, None), self._rows.pop(b, None)
-            if row_a is not None:
-                self._rows[b] = row_a
-            if row_b is not None and direction == MoveDirectionality.SWAP:
-                self._rows[a] = row_b
+    def forget_all_but(self, live: set[tuple[str, int]]) -> None:
+        """Bound the memory of requests removed without being ended (aborted by their client)."""
         if len(self._next_position) > MAX_REMEMBERED_POSITIONS:
-            live = {request.key for request in self._rows.values()}
             self._next_position = {k: v for k, v in self._next_position.items() if k in live}
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        if not self._rows:
-            return logits
-        rows = sorted(self._rows)
-        requests = [self._rows[r] for r in rows]
-        if self._rank == 0:
-            tokens = self._ask_coordinators(logits, rows, requests)
-        else:
-            tokens = None
+    def step(self, logits: torch.Tensor, rows: list[int], requests: list[wire.Tagged]) -> None:
+        """Decide `rows` of `logits` (the rows of `requests`, in that order) in place."""
+        tokens = self._ask_coordinators(logits, rows, requests) if self._rank == 0 else None
         if self._tp_size > 1:
             from vllm.distributed import get_tp_group
 
             tokens = get_tp_group().broadcast_object(tokens, src=0)
-        self._force(logits, rows, requests, tokens)
-        return logits
+        self._force(logits, rows, requests, tokens)  # type: ignore[arg-type]
 
     def _ask_coordinators(self, logits: torch.Tensor, rows: list[int], requests: list[wire.Tagged]) -> list[int]:
         """The token (or wire.END) of every row, in `rows` order, from the rows' coordinators."""
@@ -261,3 +232,62 @@ class LockstepProcessor(LogitsProcessor):
                 self._context = zmq.Context()
             channel = self._channels[address] = _Channel(self._context, address)
         return channel
+
+
+class LockstepProcessor(LogitsProcessor):
+    """The plugin for vLLM's V1 model runner (the CPU build's; `VLLM_USE_V2_MODEL_RUNNER=0` on GPUs)."""
+
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        """Refuse malformed lockstep arguments at admission (HTTP 400), not in the engine loop."""
+        validate(sampling_params)
+
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
+        self._rows: dict[int, wire.Tagged] = {}  # batch row -> lockstep request
+        self._steps = LockstepSteps(vllm_config)
+
+    def is_argmax_invariant(self) -> bool:
+        return False  # it decides the argmax
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        if batch_update is None:
+            return
+        for index in batch_update.removed:
+            self._rows.pop(index, None)
+        for index, params, _prompt, _output in batch_update.added:
+            request = admitted(params)
+            if request is None:
+                self._rows.pop(index, None)
+                continue
+            self._rows[index] = request
+            self._steps.admit(request)
+        for a, b, direction in batch_update.moved:
+            row_a, row_b = self._rows.pop(a, None), self._rows.pop(b, None)
+            if row_a is not None:
+                self._rows[b] = row_a
+            if row_b is not None and direction == MoveDirectionality.SWAP:
+                self._rows[a] = row_b
+        self._steps.forget_all_but({request.key for request in self._rows.values()})
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self._rows:
+            return logits
+        rows = sorted(self._rows)
+        self._steps.step(logits, rows, [self._rows[r] for r in rows])
+        return logits
+
+
+def validate(sampling_params: SamplingParams) -> None:
+    """Both runners' check of a request's lockstep arguments."""
+    request = tagged(sampling_params)
+    if request is not None and request.stop not in (sampling_params.stop_token_ids or ()):
+        raise ValueError(f"lockstep request: its stop token {request.stop} ({wire.ARG_STOP}) must be in "
+                         "stop_token_ids, or END would not end it")
+
+
+def admitted(params: SamplingParams | None) -> wire.Tagged | None:
+    """The lockstep request a batch entry carries, or None."""
+    try:
+        return tagged(params)
+    except ValueError:  # validate_params refused it at admission; never expected here
+        return None

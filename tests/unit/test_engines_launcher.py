@@ -32,6 +32,21 @@ def test_gpu_servers_share_the_gpu_and_skip_eager_mode():
     assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.45"
 
 
+def test_lockstep_is_the_default_and_picks_the_plugin_of_the_model_runner(monkeypatch):
+    cpu = VLLMServer(ServerConfig(model="m", port=1, device="cpu"))
+    assert "engines.vllm_plugin.processor:LockstepProcessor" in cpu.command()
+    assert "--no-enable-chunked-prefill" in cpu.command()
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    gpu = VLLMServer(ServerConfig(model="m", port=1, device="gpu"))
+    assert "engines.vllm_plugin.processor:LockstepProcessor" in gpu.command()
+    assert gpu.environment()["VLLM_USE_V2_MODEL_RUNNER"] == "0"  # the tested plugin, unless asked
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    assert "engines.vllm_plugin.processor_v2:LockstepProcessorV2" in gpu.command()
+    assert gpu.environment()["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    plain = VLLMServer(ServerConfig(model="m", port=1, device="cpu", lockstep=False)).command()
+    assert "--logits-processors" not in plain and "--no-enable-chunked-prefill" not in plain
+
+
 def test_cpu_environment_binds_cores_and_caps_the_kv_cache():
     env = VLLMServer(ServerConfig(model="m", port=1, device="cpu", cpu_cores="1",
                                   kv_cache_space_gib=2, dev_mode=True)).environment()
