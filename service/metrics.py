@@ -2,12 +2,13 @@
 
 Counted here as requests pass: requests by route and status, request latency, sequences
 started/finished/failed/cancelled, generated tokens, server-call latency per server and
-route. Read from the coordinator at each scrape: tokens/s, mean alpha, step latency
-percentiles, active and queued sequences.
+route. Read at each scrape: from the coordinator tokens/s, mean alpha, step latency percentiles;
+from the service active and queued sequences and its live asyncio tasks.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -88,6 +89,8 @@ class _CoordinatorCollector(Collector):
             "dualvllm_coordinator_sequences_failed": ("Sequences the coordinator failed (every caller)",
                                                       stats["sequences_failed"]),
             "dualvllm_server_retries": ("Requests to the model servers that were retried", stats["retries"]),
+            # Tasks of handlers, streams and the coordinator: a leak shows as growth at rest.
+            "dualvllm_asyncio_tasks": ("Live asyncio tasks in the service's event loop", len(asyncio.all_tasks())),
             "dualvllm_active_sequences": ("Sequences in the running batch", self._admission.running),
             "dualvllm_queued_sequences": ("Sequences waiting for the running batch",
                                           self._admission.sequences - self._admission.running),

@@ -1,17 +1,20 @@
-"""Streamed logprobs, read with the `openai` client as its users read them, over fake vLLM servers.
+"""Streams of the q* service over fake vLLM servers: logprobs, read with the `openai` client as
+its users read them, and a stream the client leaves.
 
 A stream's logprobs put together are the whole answer's (same seed, same q* draws), and
 each chunk carries the logprobs of the tokens it brings, as vLLM streams them, not the
-choice's last chunk alone.
+choice's last chunk alone. A stream left mid-way leaves no task behind in the service.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import aiohttp
 import pytest
 
-from tests.unit.test_service import MODEL, running
+from tests.unit.test_service import MODEL, completion, in_flight, metrics_text, post, running
+from tests.waiting import eventually
 
 openai = pytest.importorskip("openai")
 
@@ -62,9 +65,6 @@ async def test_streamed_logprobs_add_up_to_the_whole_answers(fake_theta, fake_t,
     assert text == (whole.choices[0].message.content if route == "chat" else whole.choices[0].text)
 
 
-@pytest.mark.xfail(strict=True, reason="needs the coordinator's token listener to pass each token's log q* and "
-                                       "top candidates (coordinator.sequence.TokenListener); until then a stream's "
-                                       "logprobs all come in its choice's last chunk")
 @pytest.mark.parametrize("route", ["completions", "chat"])
 async def test_each_chunk_carries_the_logprobs_of_the_tokens_it_brings(fake_theta, fake_t, route):
     whole, chunks = await whole_and_chunks(fake_theta, fake_t, route)
@@ -73,3 +73,24 @@ async def test_each_chunk_carries_the_logprobs_of_the_tokens_it_brings(fake_thet
     # Tokens are reported as steps decide them: most chunks bring some, the last few at most.
     assert sum(1 for n in per_chunk[:-1] if n) > 2, per_chunk
     assert per_chunk[-1] < sum(per_chunk) // 2, per_chunk
+
+
+async def test_a_stream_left_mid_way_leaves_no_task_behind(fake_theta, fake_t):
+    fake_theta.model.eos_after = fake_t.model.eos_after = 60
+
+    async def tasks() -> float:
+        return float(next(line.split()[-1] for line in (await metrics_text(url)).splitlines()
+                          if line.startswith("dualvllm_asyncio_tasks ")))
+
+    async with running(fake_theta, fake_t) as (url, _):
+        assert (await post(url, "/v1/completions", completion(max_tokens=4)))[0] == 200  # connections made
+        at_rest = await tasks()
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + "/v1/completions", json=completion(max_tokens=50, stream=True)) as response:
+                assert (await response.content.readline()).startswith(b"data: ")
+                response.close()  # the client leaves after its first chunk
+
+        async def let_go() -> bool:
+            return await in_flight(url) == 0 and await tasks() <= at_rest
+
+        await eventually(let_go, f"the abandoned stream's sequence and tasks gone (at rest: {at_rest:g} tasks)")
