@@ -232,9 +232,10 @@ class DualVLLMCoordinator:
         per token (`GenerationOutput.top_logprobs`); `record_topk` records each model's that
         many most likely ids and raw logprobs per token (`GenerationOutput.topk_ids`,
         `topk_logprobs`: what distillation losses need); `max_alpha` caps alpha* (an alpha
-        schedule that ends on-policy). `on_tokens(index, token_ids)` is called
-        from the coordinator's loop with each sequence's tokens as they are decided (keep it
-        cheap: hand them to a queue).
+        schedule that ends on-policy). `on_tokens(index, token_ids, logprobs_q, top_logprobs)`
+        is called from the coordinator's loop with each sequence's tokens as they are decided,
+        their log q* and (when `top_logprobs` asks) their top candidates (keep it cheap: hand
+        them to a queue).
         """
         scheduler = self._require_open()
         params = self.check_call(max_tokens, temperature=temperature, stop=stop, stop_token_ids=stop_token_ids,

@@ -29,9 +29,10 @@ class SamplingParams:
     max_alpha: float | None = None  # cap on alpha* (an alpha schedule); None = no cap
 
 
-# Called with (sequence index, tokens that became final since the last call): how a caller
-# streams tokens as they are decided (the HTTP service's server-sent events).
-TokenListener = Callable[[int, Sequence[int]], None]
+# Called with (sequence index, tokens that became final since the last call, their log q*,
+# their top candidates {token id: log q*} when the call asked for top_logprobs, else empty):
+# how a caller streams tokens as they are decided (the HTTP service's server-sent events).
+TokenListener = Callable[[int, Sequence[int], Sequence[float], Sequence[Mapping[int, float]]], None]
 # Uniforms a sequence draws at once (SequenceState.uniform): a typical completion's tokens.
 UNIFORM_BLOCK = 64
 
@@ -120,9 +121,8 @@ class SequenceState:
         """Hand the tokens decided since the last call to the listener. Schedulers call it once
         a step's tokens are final (never before a speculative round's stop-string replay)."""
         if self.listener is not None and len(self.tokens) > self.published:
-            fresh = self.tokens[self.published:]
-            self.published = len(self.tokens)
-            self.listener(self.index, fresh)
+            start, self.published = self.published, len(self.tokens)
+            self.listener(self.index, self.tokens[start:], self.logprobs_q[start:], self.top_logprobs[start:])
 
     def truncate(self, n: int) -> None:
         """Forget every token after the first n (and its records, text and finish)."""
