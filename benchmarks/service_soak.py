@@ -16,8 +16,9 @@ tasks (its /metrics gauge `dualvllm_asyncio_tasks`). At rest before the clients 
 after they stop (once the service holds no sequence), the same three.
 
 Reported: responses by kind and status; request latency p50/p99 of good requests in the
-first and the last `--window-minutes` (at most a third of the run each); RSS growth from
-the first sample after `--warmup-s` to the last; fds and tasks at rest before and after.
+first and the last `--window-minutes` (at most a third of the run each); RSS growth (the
+peak after `--warmup-s` over the first sample after it); fds and tasks at rest before and
+after (at rest: no sequence held, idle connections past their keep-alive).
 Targets (issue 27): RSS growth <= 5%, fds and tasks flat, every bad request a 4xx, no 5xx
 for a good one, p99 of the last window <= 1.2x the first's. Writes
 benchmarks/results/service_soak.json and .png.
@@ -44,11 +45,15 @@ sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 
 from benchmarks import harness  # noqa: E402
 from benchmarks.service_load import running_service  # noqa: E402
+from engines.http import KEEPALIVE_TIMEOUT_S  # noqa: E402
 
 # How long the service may take to let go of every sequence once the clients stop.
 SETTLE_TIMEOUT_S = 60.0
-# Time the service is given to close connections the clients closed, before a sample at rest.
+# Before a sample at rest: time for the service to close the connections the clients closed,
+# and for the coordinator's idle connections to the servers to pass their keep-alive (aiohttp
+# closes them at its next cleanup, up to about twice the timeout after their last use).
 CLOSE_GRACE_S = 1.0
+REST_S = 3 * KEEPALIVE_TIMEOUT_S
 # A request that takes longer than this is counted as a client timeout (the service hung).
 REQUEST_TIMEOUT_S = 300.0
 NOTES_PER_KIND = 3
@@ -166,14 +171,14 @@ class Soak:
 
     async def at_rest(self, scraper: aiohttp.ClientSession, at: str) -> dict[str, float]:
         """A sample once the service holds no sequence (abandoned ones are let go at their next
-        step) and the connections closed last have had CLOSE_GRACE_S to go."""
+        step) and its idle connections have had REST_S to go."""
         deadline = time.monotonic() + SETTLE_TIMEOUT_S
         while (found := await self.sample(scraper, at))["sequences"] > 0:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the service still holds {found['sequences']:g} sequences "
                                    f"{SETTLE_TIMEOUT_S:g} s after the clients stopped")
             await asyncio.sleep(CLOSE_GRACE_S)
-        await asyncio.sleep(CLOSE_GRACE_S)
+        await asyncio.sleep(REST_S)
         return await self.sample(scraper, at)
 
 
@@ -234,8 +239,10 @@ def report(args: argparse.Namespace, soak: Soak, before: dict, after: dict, ran_
     window_s = min(args.window_minutes * 60, ran_s / 3)
     first = window_stats(soak.latencies, 0, window_s)
     last = window_stats(soak.latencies, ran_s - window_s, ran_s)
+    # Growth is the peak after warm-up over the first sample after it: a leak raises the peak,
+    # while the last sample can fall as the load ends (the allocator returns memory).
     warm = [s for s in soak.samples if s["s"] >= args.warmup_s] or soak.samples
-    rss_growth = warm[-1]["rss_mb"] / warm[0]["rss_mb"] - 1 if warm else float("nan")
+    rss_growth = max(s["rss_mb"] for s in warm) / warm[0]["rss_mb"] - 1 if warm else float("nan")
     outcomes = {f"{kind}: {status}": count for (kind, status), count in sorted(soak.outcomes.items())}
     bad_not_4xx = sum(n for (kind, status), n in soak.outcomes.items()
                       if kind == "bad" and not status.startswith("4"))
