@@ -230,11 +230,19 @@ class QStarService:
                     f"max_tokens is {max_tokens} ({longest + max_tokens} in all). Shorten the prompt or lower "
                     "max_tokens", code="context_length_exceeded", param="max_tokens")
         job = Job(form, body, prompts, max_tokens, top_logprobs, want_logprobs, echo)
-        if job.sequences * max_tokens > self.config.max_request_tokens:
+        ceiling, generated = self.config.max_request_tokens, job.sequences * max_tokens
+        if generated > ceiling:
             raise RequestError(
-                f"this request asks for up to {job.sequences * max_tokens} tokens ({len(prompts)} prompts x n="
-                f"{body.n} x max_tokens={max_tokens}); the service allows {self.config.max_request_tokens} per "
+                f"this request asks for up to {generated} tokens ({len(prompts)} prompts x n="
+                f"{body.n} x max_tokens={max_tokens}); the service allows {ceiling} per "
                 "request. Split it, or lower n or max_tokens", code="request_too_large", param="n")
+        # Scoring costs each server a top-k row per prompt token, as generating costs a step.
+        scored = job.prompt_tokens if echo and want_logprobs else 0
+        if generated + scored > ceiling:
+            raise RequestError(
+                f"this request scores {scored} prompt tokens (echo with logprobs) and generates up to {generated}; "
+                f"the service allows {ceiling} tokens per request. Send fewer prompts per request",
+                code="request_too_large", param="prompt")
         return job
 
     def _check(self, job: Job) -> None:

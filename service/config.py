@@ -29,7 +29,7 @@ class ServiceConfig(RaisesInvalidInput, BaseSettings):
     max_queued_sequences: int = Field(
         1024, ge=0, description="Sequences that may wait for a place in the running batch; a request that would exceed it gets HTTP 429 with Retry-After.")
     max_request_tokens: int = Field(
-        65536, ge=1, description="Ceiling on n x max_tokens x prompts of one request, so one client cannot take the whole service.")
+        65536, ge=1, description="Ceiling on n x max_tokens x prompts of one request, plus the prompt tokens echo with logprobs scores, so one client cannot take the whole service.")
     max_body_bytes: int = Field(8 * 2**20, ge=1024, description="Largest request body accepted (HTTP 413 above).")
     default_max_tokens: int = Field(16, ge=1, description="max_tokens of a completion request that gives none (OpenAI's default); chat requests default to the room left in the context.")
 

@@ -203,6 +203,15 @@ async def test_echo_requests_q_star_cannot_answer_are_refused_with_openai_errors
     assert answer["error"]["type"] == "invalid_request_error" and words in answer["error"]["message"]
 
 
+async def test_the_prompt_tokens_a_request_scores_count_toward_its_ceiling(fake_theta, fake_t):
+    async with running(fake_theta, fake_t, max_request_tokens=10) as (url, _):
+        got, answer = await post(url, "/v1/completions", echo(["abcdef", "ghijkl"]))  # 12 tokens to score
+        assert (got, answer["error"]["code"], answer["error"]["param"]) == (400, "request_too_large", "prompt")
+        assert "scores 12 prompt tokens" in answer["error"]["message"]
+        assert (await post(url, "/v1/completions", echo("abcdef")))[0] == 200
+        assert (await post(url, "/v1/completions", echo(["abcdef", "ghijkl"], logprobs=None)))[0] == 200  # no scoring
+
+
 async def test_the_client_reads_prompt_logprobs_and_refuses_a_malformed_answer(fake_theta, monkeypatch):
     """VLLMClient.prompt_topk checks what vLLM sent back against the prompt it asked about."""
     async with VLLMClient(fake_theta.url, max_retries=0) as client:
