@@ -72,7 +72,7 @@ async def test_reload_weights_loads_the_checkpoint_it_names(fake_theta, tmp_path
 
 async def test_a_reload_may_take_longer_than_the_request_timeout_when_told(fake_theta, tmp_path):
     weights = write_fake_weights(tmp_path / "step-1", seed=7)
-    fake_theta.fail_next("/collective_rpc", Failure(0, delay_s=3 * TIMEOUT_S, after_handling=True))
+    fake_theta.fail_next("/collective_rpc", Failure(0, delay_s=2 * TIMEOUT_S, after_handling=True))
     async with client(fake_theta.url) as c:
         await c.reload_weights(weights, timeout_s=10 * TIMEOUT_S)
     assert len(fake_theta.calls["/collective_rpc"]) == 1 and fake_theta.model.seed == 7
