@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from common.errors import LifecycleError, ServerStartupError
 from common.process import die_with_parent
 from common.validation import RaisesInvalidInput
+from engines.vllm_plugin import spin
 from engines.vllm_plugin.net import is_loopback
 
 HEALTH_POLL_INTERVAL_S = 0.5
@@ -72,6 +73,8 @@ class ServerConfig(RaisesInvalidInput, BaseModel):
         False, description="--skip-tokenizer-init: the server takes token ids only and detokenizes nothing (faster per request); clients must tokenize themselves (CoordinatorConfig.local_tokenizers).")
     lockstep: bool = Field(
         True, description="Load dualvllm's lockstep plugin (engines/vllm_plugin) and turn chunked prefill off, so a coordinator can pick every token of a long request (CoordinatorConfig.mode): faster than per-token mode at every batch size measured (benchmarks/README.md). False (--no-lockstep): plain vLLM, decoded per token.")
+    lockstep_engine_spin_s: float | None = Field(
+        0.001, ge=0, le=1, description="With lockstep: seconds the engine core busy-waits for its worker after each read before it sleeps (vLLM: 1 s, which spins through every wait on the coordinator); its missed-wake-up recheck drops from 5 s to 20 ms with it (engines/vllm_plugin/spin.py). None: vLLM's own.")
     lockstep_timeout_s: float = Field(
         60.0, gt=0, lt=300, description="With lockstep: seconds the plugin waits for a silent coordinator before it ends that coordinator's sequences and serves on (below vLLM's 300 s step timeout, past which the engine dies).")
     extra_args: tuple[str, ...] = Field((), description="More vLLM CLI arguments, passed verbatim.")
@@ -185,6 +188,9 @@ class VLLMServer:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         if c.lockstep:
             env["DUALVLLM_LOCKSTEP_TIMEOUT_S"] = f"{c.lockstep_timeout_s:g}"
+            if c.lockstep_engine_spin_s is not None:
+                env[spin.SPIN_ENV] = f"{c.lockstep_engine_spin_s:g}"
+                env[spin.RECHECK_ENV] = str(spin.DEFAULT_RECHECK_MS)
         if c.lockstep and not self._on_cpu() and not self._model_runner_v2():
             # GPU builds default to Model Runner V2, whose processors have another interface.
             # Its plugin (processor_v2.py) is tested only directly here (V2 needs Triton, which

@@ -129,3 +129,34 @@ async def test_a_killed_coordinator_leaves_the_servers_serving(vllm_pair):
     finally:
         if process.poll() is None:
             process.kill()
+
+
+# A missed wake-up of a parked engine core costs vLLM's recheck interval, 5 s; the spin plugin
+# (engines/vllm_plugin/spin.py) makes it 20 ms. A 4-token request taking this long is a stall.
+STALL_S = 4.0
+
+
+async def test_plain_requests_to_a_lockstep_server_do_not_stall_while_lockstep_sequences_run(vllm_pair):
+    """The launcher lowers a lockstep server's engine spin (1 ms after a read instead of 1 s) and its
+    missed-wake-up recheck together: the plugin is active in the servers, and ordinary requests sent
+    while lockstep sequences decode are answered without multi-second stalls."""
+    theta, _ = vllm_pair
+    log = theta.log_path.read_text()
+    assert "the engine busy-waits 0.001 s after a read" in log, "the spin plugin did not load in the server"
+    async with DualVLLMCoordinator(config(vllm_pair, mode="lockstep", max_batch_size=8)) as c, \
+            aiohttp.ClientSession() as session:
+        model = (await (await session.get(f"{theta.url}/v1/models")).json())["data"][0]["id"]
+        run = asyncio.create_task(c.generate_batch(["12+34="] * 8, max_tokens=40, ignore_eos=True, seed=3))
+        latencies = []
+        try:
+            while not run.done() or len(latencies) < 3:
+                started = asyncio.get_running_loop().time()
+                async with session.post(f"{theta.url}/v1/completions", json={
+                        "model": model, "prompt": "1+1=", "max_tokens": 4, "temperature": 0.0}) as answer:
+                    assert answer.status == 200, await answer.text()
+                latencies.append(asyncio.get_running_loop().time() - started)
+            outputs = await run
+        finally:
+            run.cancel()
+    assert all(o.ok and len(o.generated_tokens) == 40 for o in outputs)
+    assert max(latencies) < STALL_S, f"a plain request stalled: {max(latencies):.2f} s (all: {latencies})"
