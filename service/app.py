@@ -36,7 +36,7 @@ from coordinator.outputs import GenerationOutput
 from engines.protocol import Engine
 from service import responses
 from service.config import ServiceConfig
-from service.errors import RequestError, error_of
+from service.errors import RequestError, error_body, error_of
 from service.formats import CHAT, COMPLETION, Format, TokenLogprobs
 from service.jobs import Admission, Job
 from service.metrics import ServiceMetrics
@@ -429,7 +429,7 @@ def _refuse(problem: str | None) -> None:
 
 
 def _error(status: int, message: str, kind: str, code: str | None = None, param: str | None = None) -> web.Response:
-    return web.json_response(responses.error_body(message, kind, code, param), status=status)
+    return web.json_response(error_body(message, kind, code, param), status=status)
 
 
 def _dumps(body: Any) -> str:

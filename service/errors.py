@@ -11,7 +11,6 @@ from typing import Any
 
 from common.errors import (GenerationFailedError, InvalidInputError, LifecycleError, ServerError, ServerRejectedError,
                            ServiceBusyError, TopKUnsupportedError, UnknownModelError)
-from service import responses
 
 log = logging.getLogger("dualvllm.service")
 
@@ -24,11 +23,16 @@ class RequestError(InvalidInputError):
         self.status, self.code, self.param = status, code, param
 
 
+def error_body(message: str, kind: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
 def error_of(exc: Exception) -> tuple[int, dict[str, Any]]:
     """(HTTP status, OpenAI error object) of a failure: the one place errors become answers."""
     def answer(status: int, message: str, kind: str, code: str | None = None,
                param: str | None = None) -> tuple[int, dict[str, Any]]:
-        return status, responses.error_body(message, kind, code, param)
+        return status, error_body(message, kind, code, param)
 
     if isinstance(exc, RequestError):
         return answer(exc.status, str(exc), "invalid_request_error", exc.code, exc.param)

@@ -102,10 +102,5 @@ def envelope(kind: str, request_id: str, created: int, model: str, choices: list
     return body
 
 
-def error_body(message: str, kind: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
-    """OpenAI's error object."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
 def _finite(value: float) -> float | None:
     return value if value == value else None  # NaN (no tokens) is not JSON
