@@ -1,6 +1,7 @@
 """One q*-GRPO arm run two ways on the bundled arithmetic task: through TRL and through `dualvllm train`.
 
-    python benchmarks/trl_compare.py --seeds 0 1 --steps 60 --eval-every 20
+    python benchmarks/trl_compare.py --seeds 0 1 2 3 4 5 --steps 150 --eval-every 25     # docs/trl.md's table
+    python benchmarks/trl_compare.py --arms dualvllm --max-staleness 0 --seeds 0 1 2   # no stale rollouts
 
 - **dualvllm train**: training.grpo.train_grpo with `--engine transformers`.
 - **TRL**: TRL 1.16's GRPOTrainer as training.trl_trainer.QStarGRPOTrainer, its rollouts from
@@ -20,8 +21,9 @@ train` samples the next batch while it learns (a batch may come from the weights
 old; `--max-staleness 0` drops those), and the two arms draw their rollouts' random numbers
 differently.
 
-Prints the rollouts' mean reward (averaged over windows of --eval-every updates) and the
-held-out accuracy per arm and seed; writes OUTPUT/trl_compare.json.
+Prints the rollouts' mean reward (averaged over windows of --eval-every updates), the
+held-out accuracy per arm and seed, and TRL's accuracy minus dualvllm train's per seed;
+writes OUTPUT/trl_compare.json (accuracies as fractions, differences in points, wall_s).
 """
 
 from __future__ import annotations
@@ -154,9 +156,9 @@ def windows(values: list[float], width: int) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4, 5])
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--eval-prompts", type=int, default=200)
     parser.add_argument("--learning-rate", type=float, default=TrainConfig.model_fields["learning_rate"].default)
     parser.add_argument("--correction", default="sequence", choices=("none", "sequence", "token", "vespo"))
