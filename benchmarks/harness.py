@@ -7,8 +7,9 @@ import contextlib
 import json
 import os
 import platform
+import time
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 from urllib.parse import urlparse
 
 import psutil
@@ -109,3 +110,16 @@ def save_figure(fig: Any, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
+
+
+async def timed(arm: Callable[[], Awaitable[int]], cpus: tuple[ServerCPU, ServerCPU]) -> dict[str, float]:
+    """Run one arm; its tokens/s and the CPU seconds per 1,000 tokens each party used."""
+    before = (time.process_time(), *(c.seconds() for c in cpus))
+    started = time.perf_counter()
+    tokens = await arm()
+    seconds = time.perf_counter() - started
+    after = (time.process_time(), *(c.seconds() for c in cpus))
+    used = [(a - b) / tokens * 1e3 for a, b in zip(after, before)]
+    return {"tokens_per_s": tokens / seconds, "seconds": seconds,
+            "coordinator_cpu_s_per_1k_tokens": used[0], "theta_server_cpu_s_per_1k_tokens": used[1],
+            "t_server_cpu_s_per_1k_tokens": used[2]}

@@ -65,7 +65,7 @@ async def measure_setting(spin: float | None, args) -> list[dict]:
             runs: dict[str, list[dict]] = {name: [] for name in arms}
             for repeat in range(args.repeats):
                 for name, arm in arms.items():
-                    runs[name].append(await timed(lambda: arm(repeat + 1), cpus))
+                    runs[name].append(await harness.timed(lambda: arm(repeat + 1), cpus))
             latencies = await plain_latencies(native, model, lockstep_arm(args.repeats + 1))
             row = {"spin": "vllm" if spin is None else spin, "batch_size": batch, "tokens_per_sequence": args.tokens}
             for name, measured in runs.items():
@@ -78,17 +78,6 @@ async def measure_setting(spin: float | None, args) -> list[dict]:
             print_row(row)
             rows.append(row)
     return rows
-
-
-async def timed(arm, cpus) -> dict[str, float]:
-    before = (time.process_time(), *(c.seconds() for c in cpus))
-    started = time.perf_counter()
-    tokens = await arm()
-    seconds = time.perf_counter() - started
-    after = (time.process_time(), *(c.seconds() for c in cpus))
-    used = [(a - b) / tokens * 1e3 for a, b in zip(after, before)]
-    return {"tokens_per_s": tokens / seconds, "coordinator_cpu_s_per_1k_tokens": used[0],
-            "theta_server_cpu_s_per_1k_tokens": used[1], "t_server_cpu_s_per_1k_tokens": used[2]}
 
 
 async def plain_latencies(client: VLLMClient, model: str, running) -> list[float]:

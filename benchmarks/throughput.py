@@ -35,9 +35,7 @@ import asyncio
 import contextlib
 import statistics
 import sys
-import time
 from pathlib import Path
-from typing import Awaitable, Callable
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
@@ -48,19 +46,6 @@ from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
 from engines.vllm_client import VLLMClient  # noqa: E402
 
 ARMS = ("coordinator", "lockstep", "coordinator_no_tokenizer", "reference", "native", "native_topk")
-
-
-async def timed(arm: Callable[[], Awaitable[int]], cpus: tuple[harness.ServerCPU, harness.ServerCPU]) -> dict[str, float]:
-    """Run one arm; its tokens/s and the CPU seconds per 1,000 tokens each party used."""
-    before = (time.process_time(), *(c.seconds() for c in cpus))
-    started = time.perf_counter()
-    tokens = await arm()
-    seconds = time.perf_counter() - started
-    after = (time.process_time(), *(c.seconds() for c in cpus))
-    used = [(a - b) / tokens * 1e3 for a, b in zip(after, before)]
-    return {"tokens_per_s": tokens / seconds, "seconds": seconds,
-            "coordinator_cpu_s_per_1k_tokens": used[0], "theta_server_cpu_s_per_1k_tokens": used[1],
-            "t_server_cpu_s_per_1k_tokens": used[2]}
 
 
 async def run(args: argparse.Namespace) -> dict:
@@ -125,7 +110,7 @@ async def run(args: argparse.Namespace) -> dict:
                 for repeat in range(args.repeats):
                     for name, arm in arms.items():
                         meters = bare_cpus if name == "coordinator_no_tokenizer" else cpus
-                        runs[name].append(await timed(lambda: arm(repeat + 1), meters))
+                        runs[name].append(await harness.timed(lambda: arm(repeat + 1), meters))
                 rows.append(summarize(batch, tokens, runs))
                 if lockstep is not None:  # over the warm-up and the repeats
                     rows[-1] |= {key: value for key, value in lockstep.get_statistics().items()
