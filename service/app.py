@@ -33,6 +33,7 @@ from pydantic import ValidationError
 from common.errors import GenerationFailedError, LifecycleError, ServiceBusyError, UnknownModelError
 from coordinator.core import DualVLLMCoordinator
 from coordinator.outputs import GenerationOutput
+from coordinator.sequence import TokenListener
 from engines.protocol import Engine
 from service import responses
 from service.config import ServiceConfig
@@ -42,7 +43,7 @@ from service.jobs import Admission, Job
 from service.metrics import ServiceMetrics
 from service.schema import ChatCompletionRequest, CompletionRequest
 from service.scoring import PromptScores, ScoringSettings, score_prompts
-from service.streaming import TokenListener, stream_choices
+from service.streaming import stream_choices
 from service.tokens import TokenTexts
 
 log = logging.getLogger("dualvllm.service")

@@ -27,19 +27,19 @@ import logging
 import time
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Iterable, Mapping, Protocol, Sequence
+from typing import Any, AsyncIterator, Iterable, Mapping, Protocol, Sequence
 
 from aiohttp import web
 
 from common.errors import GenerationFailedError
 from coordinator.outputs import GenerationOutput
+from coordinator.sequence import TokenListener
 from service import responses
 from service.errors import error_of
 from service.formats import TokenLogprobs
 from service.jobs import Job
 
 log = logging.getLogger("dualvllm.service")
-TokenListener = Callable[..., None]
 
 
 class Generation(Protocol):
@@ -64,8 +64,8 @@ class Generation(Protocol):
 
 @dataclass
 class Decided:
-    """Tokens a step decided for one choice, with their log q* and q*'s top candidates when the
-    coordinator reports them (else empty: their logprobs come with the choice's last chunk)."""
+    """Tokens a step decided for one choice, with their log q* and q*'s top candidates (empty
+    unless the request asked for top logprobs)."""
 
     tokens: list[int]
     logprobs: list[float]
@@ -127,10 +127,8 @@ async def stream_choices(request: web.Request, source: Generation, job: Job) -> 
     """Answer `job` as server-sent events; "data: [DONE]" ends a complete stream."""
     events: asyncio.Queue[tuple[int, Decided | GenerationOutput | BaseException]] = asyncio.Queue()
 
-    # The coordinator's listener (coordinator.sequence.TokenListener): each token's log q* and
-    # top candidates come with it when the coordinator passes them.
-    def on_tokens(index: int, tokens: Sequence[int], logprobs: Sequence[float] = (),
-                  top: Sequence[Mapping[int, float]] = ()) -> None:
+    def on_tokens(index: int, tokens: Sequence[int], logprobs: Sequence[float],
+                  top: Sequence[Mapping[int, float]]) -> None:
         events.put_nowait((index, Decided(list(tokens), list(logprobs), list(top))))
 
     stops = tuple(job.request.stop_strings())

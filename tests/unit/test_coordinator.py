@@ -420,5 +420,5 @@ async def test_on_tokens_hands_over_every_token_once_in_order(fake_theta, fake_t
     seen: dict[int, list[int]] = {0: [], 1: []}
     async with DualVLLMCoordinator(config(fake_theta, fake_t)) as c:
         outputs = [o async for o in c.stream(["abc", "de"], max_tokens=8, seed=2,
-                                             on_tokens=lambda i, tokens: seen[i].extend(tokens))]
+                                             on_tokens=lambda i, tokens, *_: seen[i].extend(tokens))]
     assert {o.index: o.generated_tokens for o in outputs} == seen

@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from service.streaming import ChoiceText, Decided
 from tests.unit.test_service import MODEL, completion, in_flight, metrics_text, post, running
 from tests.waiting import eventually
 
@@ -94,3 +95,26 @@ async def test_a_stream_left_mid_way_leaves_no_task_behind(fake_theta, fake_t):
             return await in_flight(url) == 0 and await tasks() <= at_rest
 
         await eventually(let_go, f"the abandoned stream's sequence and tasks gone (at rest: {at_rest:g} tasks)")
+
+
+# -- what a streamed choice shows, synchronously (service.streaming.ChoiceText) ---------------
+
+def test_text_waits_for_a_whole_character_and_past_a_possible_stop_string():
+    choice = ChoiceText(hold=len("STOP") - 1, stops=("STOP",))  # the last 3 characters may begin "STOP"
+    assert choice.delta("abcd\ufffd") == "a"  # the incomplete character goes, then "bcd" waits
+    assert choice.delta("abcdef") == "bc"
+    assert choice.delta("abcdefST") == "de"  # "fST" waits
+    assert choice.delta("abcdefSTOPxyz") == "f"  # cut at the stop string
+    assert choice.last("abcdef") == ""  # the final text ends before the stop string: all sent
+
+
+def test_logprobs_of_decided_tokens_are_reported_once_each():
+    choice = ChoiceText(hold=0, stops=())
+    choice.add(Decided([5, 6], [-0.5, -1.0], [{5: -0.5}, {6: -1.0}]))
+    reported = choice.unlogged(with_top=True)
+    assert (list(reported.ids), list(reported.logprobs), list(reported.top)) == ([5, 6], [-0.5, -1.0],
+                                                                                [{5: -0.5}, {6: -1.0}])
+    assert choice.unlogged(with_top=False).top is None
+    choice.logged = 2  # what the chunk that carried them counts
+    choice.add(Decided([7], [-2.0], [{7: -2.0}]))
+    assert (list(choice.unlogged(with_top=True).ids), list(choice.unlogged(with_top=True).logprobs)) == ([7], [-2.0])
