@@ -106,6 +106,7 @@ def test_accelerate_runs_two_processes_that_sample_their_own_prompts_and_one_pus
     for rank in (main, other):
         assert (rank["world_size"], rank["distributed_type"], rank["backend"], rank["wrapped_model"]) == (
             2, "DistributedType.MULTI_CPU", "gloo", "DistributedDataParallel")
+        assert rank["mode"] == "lockstep"  # two coordinators, each in lockstep with the one pair
     # Trained on different prompts, the two replicas hold the same weights: DDP averaged the gradients.
     assert main["weights_sha256"] == other["weights_sha256"]
     # Every step hands each process 8 rollouts of its own 2 prompts (x 4 generations).
