@@ -41,6 +41,9 @@ SEQUENCES = 16
 MAX_TOKENS = 40
 # A wait for the run's progress: the run itself ends sooner (then the wait fails at once).
 RUN_WAIT_S = 300
+# How often that wait asks the coordinator for its statistics: each ask takes ~1 ms of the
+# loop the coordinator runs in (benchmarks/README.md, service_load.py).
+STATS_POLL_S = 0.05
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +93,7 @@ async def _wait_for_tokens(c: DualVLLMCoordinator, run: asyncio.Task, tokens: in
         assert not run.done(), "the run ended before the disruption"
         return c.get_statistics()["tokens"] >= tokens
 
-    await eventually(reached, f"{tokens} tokens sampled", timeout_s=RUN_WAIT_S)
+    await eventually(reached, f"{tokens} tokens sampled", timeout_s=RUN_WAIT_S, poll_s=STATS_POLL_S)
 
 
 async def test_a_weight_push_mid_run_resumes_every_sequence(tiny_cache_pair, tmp_path):

@@ -22,6 +22,8 @@ from tinymodels.task import problems
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # How often a wait scrapes the servers' /metrics: each scrape takes CPU the servers share.
 SCRAPE_POLL_S = 0.1
+# How often a wait asks the coordinator for its statistics (~1 ms of its loop each time).
+STATS_POLL_S = 0.01
 
 
 def config(pair, **kw) -> CoordinatorConfig:
@@ -68,7 +70,7 @@ async def test_a_batch_cancelled_mid_flight_leaves_the_coordinator_serving_the_n
     async with DualVLLMCoordinator(config(vllm_pair, mode="lockstep", max_batch_size=16)) as c:
         cancelled = asyncio.create_task(c.generate_batch(prompts, max_tokens=40, ignore_eos=True, seed=1))
         await eventually(lambda: c.get_statistics()["tokens"] >= 4 * len(prompts),
-                         "the first batch's first 4 tokens per sequence", timeout_s=30)
+                         "the first batch's first 4 tokens per sequence", timeout_s=30, poll_s=STATS_POLL_S)
         cancelled.cancel()
         with pytest.raises(asyncio.CancelledError):
             await cancelled

@@ -37,6 +37,9 @@ from training.weight_sync import BasePusher
 SEQUENCES = 16
 MAX_TOKENS = 24
 PROBE_INTERVAL_S = 0.5
+# How often a wait asks the coordinator for its statistics: each ask takes ~1 ms of the loop
+# the coordinator runs in (benchmarks/README.md, service_load.py).
+STATS_POLL_S = 0.1
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +89,7 @@ async def test_a_killed_base_replica_loses_no_token_and_rejoins_after_a_restart(
         before = c.get_statistics()
         run = asyncio.create_task(c.generate_batch(prompts, max_tokens=MAX_TOKENS, seed=4, ignore_eos=True))
         await eventually(lambda: c.get_statistics()["tokens"] >= before["tokens"] + SEQUENCES * MAX_TOKENS // 4,
-                         "a quarter of the run's tokens", timeout_s=300)
+                         "a quarter of the run's tokens", timeout_s=300, poll_s=STATS_POLL_S)
         assert not run.done(), "the run ended before the kill"
         kill(pools[2])
         outputs = await run
@@ -95,7 +98,7 @@ async def test_a_killed_base_replica_loses_no_token_and_rejoins_after_a_restart(
         await theta1.start()  # same port, same model
         pools[2] = theta1  # the fixture stops it
         await eventually(lambda: c.get_statistics()["theta_replicas_up"] == 2, "the restarted base replica up",
-                         timeout_s=60)
+                         timeout_s=60, poll_s=STATS_POLL_S)
 
         # Both base replicas take a push of other weights (the teacher's), each verified.
         tokenizer = transformers.AutoTokenizer.from_pretrained(tinymodels.TEACHER_DIR)
@@ -117,7 +120,7 @@ async def test_a_killed_teacher_replica_in_lockstep_mode_loses_no_token_and_rejo
     async with DualVLLMCoordinator(pool_config(pools, mode="lockstep")) as c:
         run = asyncio.create_task(c.generate_batch(prompts, max_tokens=MAX_TOKENS, seed=5, ignore_eos=True))
         await eventually(lambda: c.get_statistics()["tokens"] >= SEQUENCES * MAX_TOKENS // 4,
-                         "a quarter of the run's tokens", timeout_s=300)
+                         "a quarter of the run's tokens", timeout_s=300, poll_s=STATS_POLL_S)
         assert not run.done(), "the run ended before the kill"
         kill(pools[3])
         outputs = await run
@@ -126,7 +129,7 @@ async def test_a_killed_teacher_replica_in_lockstep_mode_loses_no_token_and_rejo
         await t1.start()
         pools[3] = t1  # the fixture stops it
         await eventually(lambda: c.get_statistics()["t_replicas_up"] == 2, "the restarted teacher replica up",
-                         timeout_s=60)
+                         timeout_s=60, poll_s=STATS_POLL_S)
         again = await c.generate_batch(prompts, max_tokens=4, seed=5, ignore_eos=True)
 
     assert_lost_nothing(outputs, reference, stats, "t", atol=1e-5)
