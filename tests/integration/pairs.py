@@ -9,7 +9,7 @@ from typing import Iterator
 
 import pytest
 
-from engines.launcher import ServerConfig, VLLMServer, start_servers
+from engines.launcher import ServerConfig, VLLMServer, pair_configs, start_servers
 
 
 @contextlib.contextmanager
@@ -31,3 +31,13 @@ def running_servers(named: list[tuple[ServerConfig, str]]) -> Iterator[list[VLLM
     finally:
         for server in servers:
             server.stop()
+
+
+@contextlib.contextmanager
+def dev_pair(log_dir) -> Iterator[tuple[VLLMServer, VLLMServer]]:
+    """(base in dev mode, teacher), with the lockstep plugin: the servers `dualvllm train` starts,
+    for a module that pushes weights (never into the session's shared pair). The plugin gives
+    up on a silent coordinator after 15 s."""
+    with running_pair(pair_configs(log_dir=log_dir, dev_mode=True, max_logprobs=20, lockstep=True,
+                                   lockstep_timeout_s=15)) as pair:
+        yield pair

@@ -14,8 +14,7 @@ import math
 
 import pytest
 
-from engines.launcher import pair_configs
-from tests.integration.pairs import running_pair
+from tests.integration import pairs
 
 torch = pytest.importorskip("torch")
 from training.config import TrainConfig  # noqa: E402
@@ -24,10 +23,7 @@ from training.grpo import train_grpo  # noqa: E402
 
 @pytest.fixture(scope="module")
 def dev_pair(tmp_path_factory):
-    """(base in dev mode, teacher), with the lockstep plugin: the servers `dualvllm train` starts."""
-    configs = pair_configs(log_dir=tmp_path_factory.mktemp("train-methods-logs"), dev_mode=True, max_logprobs=20,
-                           lockstep=True, lockstep_timeout_s=15)
-    with running_pair(configs) as pair:
+    with pairs.dev_pair(tmp_path_factory.mktemp("train-methods-logs")) as pair:
         yield pair
 
 

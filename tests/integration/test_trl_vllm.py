@@ -20,9 +20,8 @@ import pytest
 
 import tinymodels
 from coordinator import CoordinatorConfig
-from engines.launcher import pair_configs
 from tests import processes
-from tests.integration.pairs import running_pair
+from tests.integration import pairs
 
 datasets = pytest.importorskip("datasets")
 pytest.importorskip("trl")
@@ -42,9 +41,7 @@ LAUNCH_TIMEOUT_S = 600.0
 
 @pytest.fixture(scope="module")
 def dev_pair(tmp_path_factory):
-    configs = pair_configs(log_dir=tmp_path_factory.mktemp("trl-vllm-logs"), dev_mode=True, max_logprobs=20,
-                           lockstep=True, lockstep_timeout_s=15)
-    with running_pair(configs) as pair:
+    with pairs.dev_pair(tmp_path_factory.mktemp("trl-vllm-logs")) as pair:
         yield pair
 
 
