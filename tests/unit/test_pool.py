@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from types import SimpleNamespace
 from typing import AsyncIterator
