@@ -11,6 +11,9 @@ Not registered as a `vllm.logits_processors` entry point on purpose: vLLM loads 
 installed entry point into every server, and a server with any custom logits processor
 refuses speculative decoding, so installing dualvllm would break unrelated servers.
 
-This package imports only numpy here; `processor` adds torch, vllm and zmq, and is
-imported by the server only. `wire` is the message format both sides share.
+This package imports only numpy here; `processor` (V1 model runner) and `processor_v2`
+(Model Runner V2) add torch, vllm and zmq, and are imported by the server only. `wire` is the
+message format both sides share. `spin` is a `vllm.general_plugins` entry point that lowers
+the engine core's busy-wait in lockstep servers only (inert unless the launcher sets its
+variable).
 """
