@@ -39,7 +39,7 @@ import zmq
 import zmq.asyncio
 
 from coordinator.config import CoordinatorConfig
-from coordinator.core import sampling_params
+from coordinator.sequence import SamplingParams
 from coordinator.lockstep import LockstepScheduler
 from coordinator.sequence import SequenceState
 from coordinator.stats import Statistics
@@ -183,7 +183,7 @@ async def measure(batch: int, tokens: int, top_k: int, rounds: int) -> dict:
         for ready in readies:
             if not ready.wait(60):
                 raise RuntimeError("a synthetic client did not start within 60 s")
-        params = sampling_params(tokens, ignore_eos=True)
+        params = SamplingParams(tokens, ignore_eos=True)
         results = []
         for round_index in range(rounds + 1):  # round 0 warms up (imports, sockets, caches)
             sink: asyncio.Queue = asyncio.Queue()

@@ -7,8 +7,9 @@ from coordinator.api import generate_with_optimal_sampling
 from coordinator.config import CoordinatorConfig
 from coordinator.core import DualVLLMCoordinator
 from coordinator.outputs import FinishReason, GenerationOutput, Prompt
+from coordinator.sequence import SamplingParams
 
 __all__ = [
     "CoordinatorConfig", "DualVLLMCoordinator", "FinishReason", "GenerationOutput", "Prompt",
-    "generate_with_optimal_sampling",
+    "SamplingParams", "generate_with_optimal_sampling",
 ]

@@ -108,6 +108,11 @@ class AdmissionGate:
         self._missed = False
         return self.delay_s
 
+    @property
+    def watching(self) -> bool:
+        """A round is unresolved: reports must be observed (else `observe` may be skipped)."""
+        return bool(self._reports)
+
     def observe(self, server: str | None, reported: set[int]) -> None:
         """A report from `server` (the ids of its lockstep rows) after the last opening."""
         if server not in self._reports:

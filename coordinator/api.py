@@ -24,4 +24,4 @@ async def generate_with_optimal_sampling(
     config_keys = CoordinatorConfig.model_fields.keys() & kwargs.keys()
     config = CoordinatorConfig(theta_url=theta_url, t_url=t_url, **{k: kwargs.pop(k) for k in config_keys})
     async with DualVLLMCoordinator(config) as coordinator:
-        return await coordinator.generate_batch(prompts, max_tokens, **kwargs)
+        return await coordinator.generate_batch(prompts, max_tokens=max_tokens, **kwargs)

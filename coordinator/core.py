@@ -38,8 +38,6 @@ from engines.protocol import Engine, ModelInfo
 from engines.vllm_client import CallObserver, VLLMClient
 
 log = logging.getLogger("dualvllm.coordinator")
-# OpenAI allows up to 20 alternatives per token; q* has at most 2 x top_k candidates anyway.
-MAX_TOP_LOGPROBS = 20
 
 
 class DualVLLMCoordinator:
@@ -203,45 +201,32 @@ class DualVLLMCoordinator:
     async def stream(
         self,
         prompts: Sequence[Prompt],
-        max_tokens: int,
-        temperature: float = 1.0,
-        stop: Sequence[str] | str | None = None,
-        stop_token_ids: Sequence[int] | None = None,
+        params: SamplingParams | None = None,
+        *,
         seed: int | None = None,
-        return_diagnostics: bool = False,
-        show_progress: bool = False,
-        fixed_alpha: float | None = None,
         seeds: Sequence[int] | None = None,
-        ignore_eos: bool = False,
-        top_k: int | None = None,
-        top_logprobs: int = 0,
+        show_progress: bool = False,
         on_tokens: TokenListener | None = None,
-        record_topk: int = 0,
-        max_alpha: float | None = None,
+        **settings: Any,
     ) -> AsyncIterator[GenerationOutput]:
         """Yield each prompt's output as soon as it finishes (any order; see `.index`).
 
-        temperature 0 is greedy decoding of q*. `seed` makes the call reproducible (each
-        sequence gets its own sampler, seeded by (seed, index), so results do not depend
-        on what else is in the batch); `seeds` gives one seed per prompt instead, so a
-        resumed job samples each prompt as the first run would have. `fixed_alpha`
-        replaces alpha* (0 = base only, 1 = teacher only) for ablations. `ignore_eos`
-        generates past EOS (fixed-length runs for benchmarks). `top_k` mixes only each
-        model's top_k most likely tokens (at most the coordinator's top_k, which is what the
-        servers are asked for); `top_logprobs` records q*'s that many most likely candidates
-        per token (`GenerationOutput.top_logprobs`); `record_topk` records each model's that
-        many most likely ids and raw logprobs per token (`GenerationOutput.topk_ids`,
-        `topk_logprobs`: what distillation losses need); `max_alpha` caps alpha* (an alpha
-        schedule that ends on-policy). `on_tokens(index, token_ids, logprobs_q, top_logprobs)`
-        is called from the coordinator's loop with each sequence's tokens as they are decided,
-        their log q* and (when `top_logprobs` asks) their top candidates (keep it cheap: hand
-        them to a queue).
+        `params`: a SamplingParams (coordinator/sequence.py documents each field), or its
+        fields as keywords (`max_tokens=64, temperature=0`), not both. temperature 0 is greedy
+        decoding of q*; `fixed_alpha` replaces alpha* (0 = base only, 1 = teacher only) for
+        ablations; `top_logprobs` records q*'s most likely candidates per token; `record_topk`
+        each model's most likely ids and raw logprobs (what distillation losses need);
+        `max_alpha` caps alpha* (an alpha schedule that ends on-policy).
+
+        `seed` makes the call reproducible (each sequence gets its own sampler, seeded by
+        (seed, index), so results do not depend on what else is in the batch); `seeds` gives
+        one seed per prompt instead, so a resumed job samples each prompt as the first run
+        would have. `on_tokens(index, token_ids, logprobs_q, top_logprobs)` is called from the
+        coordinator's loop with each sequence's tokens as they are decided, their log q* and
+        (when `top_logprobs` asks) their top candidates (keep it cheap: hand them to a queue).
         """
         scheduler = self._require_open()
-        params = self.check_call(max_tokens, temperature=temperature, stop=stop, stop_token_ids=stop_token_ids,
-                                 fixed_alpha=fixed_alpha, return_diagnostics=return_diagnostics,
-                                 ignore_eos=ignore_eos, top_k=top_k, top_logprobs=top_logprobs,
-                                 record_topk=record_topk, max_alpha=max_alpha)
+        params = self.check(_params(params, settings))
         if not prompts:
             return
         assert self._theta is not None and self._t is not None
@@ -289,38 +274,24 @@ class DualVLLMCoordinator:
     async def generate_batch(
         self,
         prompts: Sequence[Prompt],
-        max_tokens: int,
-        temperature: float = 1.0,
-        stop: Sequence[str] | str | None = None,
-        stop_token_ids: Sequence[int] | None = None,
+        params: SamplingParams | None = None,
+        *,
         seed: int | None = None,
-        return_diagnostics: bool = False,
-        show_progress: bool = False,
-        fixed_alpha: float | None = None,
         seeds: Sequence[int] | None = None,
-        ignore_eos: bool = False,
-        top_k: int | None = None,
-        top_logprobs: int = 0,
-        record_topk: int = 0,
-        max_alpha: float | None = None,
+        show_progress: bool = False,
+        **settings: Any,
     ) -> list[GenerationOutput]:
         """Generate for every prompt; outputs in input order. Arguments as in `stream`."""
         outputs: list[GenerationOutput | None] = [None] * len(prompts)
-        async for output in self.stream(
-            prompts, max_tokens, temperature=temperature, stop=stop, stop_token_ids=stop_token_ids,
-            seed=seed, return_diagnostics=return_diagnostics, show_progress=show_progress,
-            fixed_alpha=fixed_alpha, seeds=seeds, ignore_eos=ignore_eos, top_k=top_k, top_logprobs=top_logprobs,
-            record_topk=record_topk, max_alpha=max_alpha,
-        ):
+        async for output in self.stream(prompts, params, seed=seed, seeds=seeds, show_progress=show_progress,
+                                        **settings):
             outputs[output.index] = output
         assert all(o is not None for o in outputs)
         return outputs  # type: ignore[return-value]
 
-    def check_call(self, max_tokens: int, **settings: Any) -> SamplingParams:
-        """The settings of a `stream` call (its keyword arguments from max_tokens to
-        record_topk), checked against this coordinator: raises what `stream` would, before
+    def check(self, params: SamplingParams) -> SamplingParams:
+        """`params` checked against this coordinator: raises what `stream` would, before
         anything starts (the HTTP service answers with it before a stream begins)."""
-        params = sampling_params(max_tokens, **settings)
         if params.top_k is not None and params.top_k > self.config.top_k:
             raise TopKUnsupportedError(
                 f"top_k={params.top_k} is above the coordinator's top_k={self.config.top_k}, the candidates it asks "
@@ -463,45 +434,14 @@ class DualVLLMCoordinator:
         return self._scheduler
 
 
-def sampling_params(
-    max_tokens: int,
-    *,
-    temperature: float = 1.0,
-    stop: Sequence[str] | str | None = None,
-    stop_token_ids: Sequence[int] | None = None,
-    fixed_alpha: float | None = None,
-    return_diagnostics: bool = False,
-    ignore_eos: bool = False,
-    top_k: int | None = None,
-    top_logprobs: int = 0,
-    record_topk: int = 0,
-    max_alpha: float | None = None,
-) -> SamplingParams:
-    """The per-call settings of `stream`, validated: raises InvalidInputError on a bad value.
-
-    Public so that a caller (the CLI) can refuse bad values before any server starts.
-    """
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise InvalidInputError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-    if not isinstance(temperature, (int, float)) or not temperature >= 0 or not np.isfinite(temperature):
-        raise InvalidInputError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-    if fixed_alpha is not None and not 0.0 <= fixed_alpha <= 1.0:
-        raise InvalidInputError(f"fixed_alpha must be in [0, 1] (0 = base only, 1 = teacher only) or None, "
-                                f"got {fixed_alpha!r}")
-    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    if any(not isinstance(s, str) or not s for s in stops):
-        raise InvalidInputError(f"stop strings must be non-empty strings, got {stops!r}")
-    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
-        raise InvalidInputError(f"top_k must be a positive integer or None (all fetched candidates), got {top_k!r}")
-    if not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool) or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
-        raise InvalidInputError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs!r}")
-    if not isinstance(record_topk, int) or isinstance(record_topk, bool) or record_topk < 0:
-        raise InvalidInputError(f"record_topk must be an integer >= 0 (0 = record nothing), got {record_topk!r}")
-    if max_alpha is not None and not 0.0 <= max_alpha <= 1.0:
-        raise InvalidInputError(f"max_alpha must be in [0, 1] (0 = base only) or None (no cap), got {max_alpha!r}")
-    return SamplingParams(
-        max_tokens=max_tokens, temperature=float(temperature), stop=stops,
-        stop_token_ids=frozenset(int(i) for i in stop_token_ids or ()),
-        fixed_alpha=fixed_alpha, return_diagnostics=return_diagnostics, ignore_eos=ignore_eos,
-        top_k=top_k, top_logprobs=top_logprobs, record_topk=record_topk, max_alpha=max_alpha,
-    )
+def _params(params: SamplingParams | None, settings: dict[str, Any]) -> SamplingParams:
+    """A call's SamplingParams: the one given, or one built from its fields given as keywords."""
+    if params is None:
+        return SamplingParams(**settings)
+    if not isinstance(params, SamplingParams):
+        raise InvalidInputError(f"params must be a SamplingParams (or give its fields as keywords, e.g. "
+                                f"max_tokens=...), got {type(params).__name__}")
+    if settings:
+        raise InvalidInputError(f"got a SamplingParams and sampling keywords ({', '.join(sorted(settings))}); "
+                                "give one of them (dataclasses.replace(params, ...) changes a field)")
+    return params

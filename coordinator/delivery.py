@@ -8,11 +8,28 @@ in every mode.
 from __future__ import annotations
 
 import asyncio
+from typing import Callable, Sequence
 
 from common.errors import DualVLLMError
 from coordinator.sequence import SequenceState
 from coordinator.stats import Statistics
 from engines.protocol import Engine
+
+
+# A stop string ending in the newest token lies within this many tokens per character of the
+# longest stop string (a token carries at least a quarter of a character: a 4-byte character
+# in byte tokens), plus a margin for tokens that decode to nothing (special tokens).
+STOP_WINDOW_TOKENS_PER_CHAR = 4
+STOP_WINDOW_MARGIN = 8
+
+
+def stop_window(stops: Sequence[str]) -> int:
+    """Tokens a stop-string check decodes."""
+    return STOP_WINDOW_TOKENS_PER_CHAR * max(map(len, stops)) + STOP_WINDOW_MARGIN
+
+
+def _has_stop(seq: SequenceState, text: str) -> bool:
+    return any(stop in text for stop in seq.params.stop)
 
 
 class Delivery:
@@ -24,20 +41,37 @@ class Delivery:
     async def text(self, seq: SequenceState) -> str | None:
         """The text of `seq`'s generated tokens; None once `seq` failed because the server
         could not detokenize them."""
+        return await self._decode(seq, seq.tokens_for_text())
+
+    async def check_stop_strings(self, sequences: list[SequenceState]) -> None:
+        """Finish each sequence whose newest token completed a stop string, its text cut before it.
+
+        Called after every token, so it decodes only the last `stop_window` tokens (constant
+        work per token, not the whole text each time: a 4k-token completion would otherwise
+        send 8M token ids to the detokenizer). A window that shows a stop string is confirmed,
+        and cut, on the whole text: a window's first characters can differ from the whole
+        text's (a character split across its edge), never its last ones.
+        """
+        windows = await self._texts(sequences, lambda seq: seq.tokens_for_text()[-stop_window(seq.params.stop):])
+        hits = [seq for seq, text in zip(sequences, windows) if text is not None and _has_stop(seq, text)]
+        for seq, text in zip(hits, await self._texts(hits, SequenceState.tokens_for_text)):
+            if text is not None and _has_stop(seq, text):
+                seq.check_stop_strings(text)
+
+    async def _texts(self, sequences: list[SequenceState], tokens: Callable[[SequenceState], list[int]]
+                     ) -> list[str | None]:
+        texts = await asyncio.gather(*(self._decode(seq, tokens(seq)) for seq in sequences), return_exceptions=True)
+        for text in texts:
+            if isinstance(text, BaseException):
+                raise text
+        return texts  # type: ignore[return-value]
+
+    async def _decode(self, seq: SequenceState, token_ids: list[int]) -> str | None:
         try:
-            return await self._engine.detokenize(seq.tokens_for_text())
+            return await self._engine.detokenize(token_ids)
         except DualVLLMError as err:
             seq.fail(f"{self._engine.name} server, detokenize: {err}")
             return None
-
-    async def check_stop_strings(self, sequences: list[SequenceState]) -> None:
-        """Cut each sequence's text at its earliest stop string, finishing it if one occurred."""
-        texts = await asyncio.gather(*(self.text(s) for s in sequences), return_exceptions=True)
-        for seq, text in zip(sequences, texts):
-            if isinstance(text, BaseException):
-                raise text
-            if text is not None:
-                seq.check_stop_strings(text)
 
     def retire(self, seq: SequenceState) -> None:
         """Hand a finished sequence to its caller, detokenizing first if its text is not known."""
@@ -49,7 +83,13 @@ class Delivery:
         task.add_done_callback(self._finishing.discard)
 
     async def _detokenize_and_deliver(self, seq: SequenceState) -> None:
-        self.deliver(seq, text=await self.text(seq) or "")
+        text = await self.text(seq)
+        if text is not None and seq.params.stop:
+            # Its last token was not checked (lockstep ends a stream as that token is decided):
+            # a stop string it completed cuts the text as per-token mode's check would have.
+            seq.check_stop_strings(text)
+            text = seq.text
+        self.deliver(seq, text=text or "")
 
     def deliver(self, seq: SequenceState, *, text: str) -> None:
         seq.text = text

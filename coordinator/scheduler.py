@@ -207,22 +207,28 @@ def sample_rows(sequences: list[SequenceState], theta: TopKBatch, t: TopKBatch, 
                 vocab_size: int | None) -> StepResult:
     """One token for each sequence from both servers' top-k rows (in sequence order), each
     drawn with the sequence's own sampler and settings: the step of every per-token mode."""
-    params = [s.params for s in sequences]
+    n = len(sequences)
+    first = sequences[0].params
+    # A step's sequences usually come from one call: one settings object, read once.
+    params = [first] if all(s.params is first for s in sequences) else [s.params for s in sequences]
+
+    def per_row(values: list[float]) -> np.ndarray:
+        return np.full(n, values[0], dtype=np.float64) if len(values) == 1 else np.array(values, dtype=np.float64)
+
     if any(p.top_k is not None for p in params):
-        ks = np.array([config.top_k if p.top_k is None else p.top_k for p in params], dtype=np.int64)
+        ks = per_row([config.top_k if p.top_k is None else p.top_k for p in params]).astype(np.int64)
         theta, t = keep_top(theta, ks), keep_top(t, ks)
     return mix_and_sample(
         theta, t,
-        temperature=np.fromiter((p.temperature for p in params), np.float64, len(sequences)),
-        fixed_alpha=np.array([np.nan if p.fixed_alpha is None else p.fixed_alpha for p in params],
-                             dtype=np.float64),
-        uniforms=np.fromiter((s.uniform() for s in sequences), np.float64, len(sequences)),
+        temperature=per_row([p.temperature for p in params]),
+        fixed_alpha=per_row([np.nan if p.fixed_alpha is None else p.fixed_alpha for p in params]),
+        uniforms=np.fromiter((s.uniform() for s in sequences), np.float64, n),
         fill=config.fill_rule,
         vocab_size=vocab_size,
         alpha_tol=config.alpha_tol,
         alpha_max_iter=config.alpha_max_iter,
         with_diagnostics=any(p.return_diagnostics for p in params),
-        max_alpha=(np.array([1.0 if p.max_alpha is None else p.max_alpha for p in params])
+        max_alpha=(per_row([1.0 if p.max_alpha is None else p.max_alpha for p in params])
                    if any(p.max_alpha is not None for p in params) else None),
     )
 
@@ -241,14 +247,18 @@ def record_rows(sequences: list[SequenceState], step: StepResult, eos_ids: froze
         seq.append(tokens[row], alphas[row], lq[row], lth[row], lt[row],
                    {key: values[row] for key, values in diagnostics.items()} if diagnostics else {},
                    eos_ids, max_len)
-    wanting = [row for row, seq in enumerate(sequences) if seq.params.top_logprobs]
+    first = sequences[0].params
+    if all(seq.params is first for seq in sequences) and not (first.top_logprobs or first.record_topk):
+        wanting, recording = [], []  # one call's sequences, recording nothing more: the usual step
+    else:
+        wanting = [row for row, seq in enumerate(sequences) if seq.params.top_logprobs]
+        recording = [row for row, seq in enumerate(sequences) if seq.params.record_topk]
     if wanting:
         n = max(sequences[row].params.top_logprobs for row in wanting)
         tops = top_candidates(step.candidates[wanting], step.candidate_logq[wanting], n)
         for row, top in zip(wanting, tops):
             keep = sequences[row].params.top_logprobs
             sequences[row].top_logprobs.append(dict(list(top.items())[:keep]))
-    recording = [row for row, seq in enumerate(sequences) if seq.params.record_topk]
     if recording:
         k = max(sequences[row].params.record_topk for row in recording)
         ids, logprobs = best_first(theta, t, np.array(recording), k)  # [R, 2, k] each

@@ -8,17 +8,27 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from common.errors import InvalidInputError
 from coordinator.outputs import FinishReason, GenerationOutput, Prompt
 from theory.diagnostics import summarize
 
 
+# OpenAI's limit on top_logprobs, and vLLM's default.
+MAX_TOP_LOGPROBS = 20
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-call sampling settings (validated by the coordinator before use)."""
+    """Per-call sampling settings, validated on construction (InvalidInputError names the bad value).
+
+    One value goes through `DualVLLMCoordinator.stream` / `generate_batch`, the HTTP service and
+    the CLI: `c.generate_batch(prompts, SamplingParams(max_tokens=8, temperature=0))`, or the same
+    fields as keywords (`c.generate_batch(prompts, max_tokens=8)`).
+    """
 
     max_tokens: int
-    temperature: float  # 0 = greedy over q* (alpha* then solved at temperature 1)
-    stop: tuple[str, ...] = ()
+    temperature: float = 1.0  # 0 = greedy over q* (alpha* then solved at temperature 1)
+    stop: tuple[str, ...] = ()  # a single string is taken as one stop string
     stop_token_ids: frozenset[int] = frozenset()
     fixed_alpha: float | None = None  # None = solve alpha* per token; 0 = base only, 1 = teacher only
     return_diagnostics: bool = False
@@ -27,6 +37,42 @@ class SamplingParams:
     top_logprobs: int = 0  # per token, also record q*'s most likely candidates (OpenAI's top_logprobs)
     record_topk: int = 0  # per token, also record each model's k most likely ids and raw logprobs (losses)
     max_alpha: float | None = None  # cap on alpha* (an alpha schedule); None = no cap
+
+    def __post_init__(self) -> None:
+        if not _count(self.max_tokens) or self.max_tokens < 1:
+            raise InvalidInputError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0 or not np.isfinite(t):
+            raise InvalidInputError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        for name in ("fixed_alpha", "max_alpha"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0.0 <= value <= 1.0):
+                raise InvalidInputError(f"{name} must be in [0, 1] (0 = base only) or None, got {value!r}")
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise InvalidInputError(f"stop strings must be non-empty strings, got {stops!r}")
+        ids = tuple(self.stop_token_ids or ())
+        if not all(_count(i) for i in ids):
+            raise InvalidInputError(f"stop_token_ids must be token ids (integers >= 0), got {ids!r}")
+        if self.top_k is not None and (not _count(self.top_k) or self.top_k < 1):
+            raise InvalidInputError(f"top_k must be a positive integer or None (all fetched candidates), "
+                                    f"got {self.top_k!r}")
+        if not _count(self.top_logprobs) or self.top_logprobs > MAX_TOP_LOGPROBS:
+            raise InvalidInputError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], "
+                                    f"got {self.top_logprobs!r}")
+        if not _count(self.record_topk):
+            raise InvalidInputError(f"record_topk must be an integer >= 0 (0 = record nothing), "
+                                    f"got {self.record_topk!r}")
+        # Normalized forms (the dataclass is frozen: set through object).
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "stop", stops)
+        object.__setattr__(self, "stop_token_ids", frozenset(int(i) for i in ids))
+
+
+def _count(value: object) -> bool:
+    """An integer >= 0 that is not a bool (True is 1 to Python, never a count to a caller)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 0
 
 
 # Called with (sequence index, tokens that became final since the last call, their log q*,

@@ -25,7 +25,8 @@ from pydantic import BaseModel
 
 from common.errors import DualVLLMError, InvalidInputError
 from coordinator.config import CoordinatorConfig
-from coordinator.core import DualVLLMCoordinator, sampling_params
+from coordinator.core import DualVLLMCoordinator
+from coordinator.sequence import SamplingParams
 from engines.launcher import ServerConfig, launch_replicas, replica_configs
 
 # Coordinator fields exposed as flags (the rest are for the Python API / environment).
@@ -99,14 +100,12 @@ async def _generate(args: argparse.Namespace) -> int:
             raise InvalidInputError(
                 f"--theta-url and --t-url are one server, so the teacher is the base model shown another prompt: "
                 f"every line needs a theta_prompt and a t_prompt that differ (id {same.id} has one prompt for both)")
-    sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, stop=args.stop or None,
-                    fixed_alpha=args.fixed_alpha)
-    sampling_params(**sampling)
+    # Checked before any server starts.
+    params = SamplingParams(args.max_tokens, temperature=args.temperature, stop=tuple(args.stop or ()),
+                            fixed_alpha=args.fixed_alpha, return_diagnostics=args.diagnostics)
     async with _coordinator(args) as coordinator:
-        report = await run_jobs(
-            coordinator, args.input, args.output, seed=coordinator.config.seed or 0,
-            return_diagnostics=args.diagnostics, show_progress=not args.quiet, **sampling,
-        )
+        report = await run_jobs(coordinator, args.input, args.output, params, seed=coordinator.config.seed or 0,
+                                show_progress=not args.quiet)
         stats = coordinator.get_statistics()
     print(f"{report.written} written, {report.skipped} already done, {len(report.failed)} failed "
           f"of {report.total}; {stats['tokens']} tokens at {stats['tokens_per_s']:.1f} tokens/s, "
@@ -124,7 +123,7 @@ async def _demo(args: argparse.Namespace) -> int:
 
     if args.num_prompts < 1:
         raise InvalidInputError(f"--num-prompts must be at least 1, got {args.num_prompts}")
-    sampling_params(DEMO_MAX_TOKENS, temperature=args.temperature)
+    SamplingParams(DEMO_MAX_TOKENS, temperature=args.temperature)  # checked before any server starts
     async with _coordinator(args, default_local=True) as coordinator:
         report = await run_demo(coordinator, num_prompts=args.num_prompts, temperature=args.temperature)
     print(report.render())

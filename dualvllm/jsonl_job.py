@@ -19,6 +19,7 @@ from typing import Any
 
 from coordinator.core import DualVLLMCoordinator
 from coordinator.outputs import GenerationOutput, Prompt
+from coordinator.sequence import SamplingParams
 from coordinator.prompts import prompt_problem
 from common.errors import InputFormatError, InvalidInputError
 from common.jsonl import read_objects
@@ -125,10 +126,10 @@ async def run_jobs(
     coordinator: DualVLLMCoordinator,
     input_path: Path,
     output_path: Path,
+    params: SamplingParams,
     *,
     seed: int,
     show_progress: bool = True,
-    **generate_kwargs: Any,
 ) -> JobReport:
     jobs = read_jobs(input_path)
     finished = done_ids(output_path)
@@ -139,8 +140,8 @@ async def run_jobs(
     output_path.parent.mkdir(parents=True, exist_ok=True)
     with open(output_path, "a", encoding="utf-8") as out:
         async for output in coordinator.stream(
-            [job.prompt for job in pending], seeds=[job_seed(seed, job.id) for job in pending],
-            show_progress=show_progress, **generate_kwargs,
+            [job.prompt for job in pending], params, seeds=[job_seed(seed, job.id) for job in pending],
+            show_progress=show_progress,
         ):
             job = pending[output.index]
             if not output.ok:

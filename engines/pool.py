@@ -62,10 +62,11 @@ class PoolCounters:
     moves: int = 0  # sequences moved off a replica that went down
     downs: int = 0  # replicas marked down
     rejoins: int = 0  # replicas back after a probe
+    refusals: int = 0  # probes of a replica that answered /health but failed a rejoin check
 
     def summary(self, prefix: str) -> dict[str, float]:
         return {f"{prefix}_replica_moves": self.moves, f"{prefix}_replica_downs": self.downs,
-                f"{prefix}_replica_rejoins": self.rejoins}
+                f"{prefix}_replica_rejoins": self.rejoins, f"{prefix}_replica_refusals": self.refusals}
 
 
 class ReplicaPool:
@@ -288,6 +289,7 @@ class ReplicaPool:
 
     def _refuse(self, replica: int, reason: str) -> None:
         """Keep a replica that answers /health out, retried at doubling intervals; warn on a new reason."""
+        self.counters.refusals += 1
         _, delay, before = self._refused.get(replica, (0.0, self._probe_interval_s / 2, ""))
         delay = min(2 * delay, max(MAX_RECHECK_S, self._probe_interval_s))
         self._refused[replica] = (asyncio.get_running_loop().time() + delay, delay, reason)

@@ -246,18 +246,8 @@ class QStarService:
                 code="request_too_large", param="prompt")
         return job
 
-    def _check(self, job: Job) -> None:
-        """What the coordinator would refuse, refused now: before a stream's first byte."""
-        body, options = job.request, job.options
-        # An echo-only job (max_tokens 0) is checked as a one-token call: the same settings shape its q*.
-        self.coordinator.check_call(max(job.max_tokens, 1), temperature=body.temperature,
-                                    stop=body.stop_strings() or None,
-                                    fixed_alpha=options.fixed_alpha, return_diagnostics=options.return_diagnostics,
-                                    ignore_eos=options.ignore_eos, top_k=options.top_k,
-                                    top_logprobs=job.top_logprobs)
-
     async def _run(self, request: web.Request, job: Job) -> web.StreamResponse:
-        self._check(job)
+        self.coordinator.check(job.params)  # what the coordinator would refuse, refused before a stream's first byte
         with self.admission.hold(job.sequences, job.sequences * job.max_tokens,
                                  lambda: self.coordinator.get_statistics()["tokens_per_s"]):
             if job.request.stream:
@@ -286,11 +276,7 @@ class QStarService:
         closing it (a disconnect cancels the handler) cancels the sequences still running."""
         body = job.request
         prompts = [pair for pair in job.prompts for _ in range(body.n)]
-        stream = self.coordinator.stream(
-            prompts, job.max_tokens, temperature=body.temperature, stop=body.stop_strings() or None,
-            seed=body.seed, return_diagnostics=job.options.return_diagnostics,
-            fixed_alpha=job.options.fixed_alpha, top_k=job.options.top_k, top_logprobs=job.top_logprobs,
-            ignore_eos=job.options.ignore_eos, on_tokens=on_tokens)
+        stream = self.coordinator.stream(prompts, job.params, seed=body.seed, on_tokens=on_tokens)
         self.metrics.sequences_started(len(prompts))
         delivered = 0
 

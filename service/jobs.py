@@ -8,11 +8,13 @@ read them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from common.errors import ServiceBusyError
+from coordinator.sequence import SamplingParams
 from service.formats import Format
 from service.schema import ChatCompletionRequest, CompletionRequest, QStarOptions
 
@@ -36,6 +38,15 @@ class Job:
     @property
     def options(self) -> QStarOptions:
         return self.request.dualvllm
+
+    @functools.cached_property
+    def params(self) -> SamplingParams:
+        """The coordinator's settings for the job's sequences. An echo-only job (max_tokens 0)
+        gets those of a one-token call: the same settings shape its q*."""
+        body, options = self.request, self.options
+        return SamplingParams(max(self.max_tokens, 1), temperature=body.temperature, stop=tuple(body.stop_strings()),
+                              fixed_alpha=options.fixed_alpha, return_diagnostics=options.return_diagnostics,
+                              ignore_eos=options.ignore_eos, top_k=options.top_k, top_logprobs=self.top_logprobs)
 
     @property
     def sequences(self) -> int:

@@ -1,7 +1,9 @@
 """Lockstep mode: both servers decode natively, the coordinator picks every token.
 
 - table.py: the state machine, without I/O (pairing rows, replies, deadlocks, parks);
-- scheduler.py: its asyncio shell (streams, the channel, admission, recovery);
+- scheduler.py: its asyncio shell (the channel, decisions, stop strings, pauses, close);
+- admission.py, recovery.py: when sequences start, and what follows a stream that ended early;
+- requests.py, placement.py: the servers' streams, and which replica runs a sequence;
 - probe.py: whether a server can run lockstep sequences (start-up and rejoin).
 """
 

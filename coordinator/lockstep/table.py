@@ -275,14 +275,17 @@ class LockstepTable:
 
     def decided(self, ready: list[Live], tokens: list[int]) -> None:
         """Answer both rows of each ready sequence with its token (END if the token finished it)."""
+        paired: tuple[Blocked, Blocked] | None = None  # the last pair of reports linked (usually the only one)
         for live, token in zip(ready, tokens):
             theta_row, t_row = live.rows
             assert theta_row is not None and t_row is not None, "only ready sequences are decided"
             answer = token if live.seq.finish_reason is None else wire.END
-            theta_row[0].partners.add(t_row[0])
-            t_row[0].partners.add(theta_row[0])
-            for blocked, i in (theta_row, t_row):
-                blocked.answers[i] = answer
+            if paired is None or paired[0] is not theta_row[0] or paired[1] is not t_row[0]:
+                paired = theta_row[0], t_row[0]
+                theta_row[0].partners.add(t_row[0])
+                t_row[0].partners.add(theta_row[0])
+            theta_row[0].answers[theta_row[1]] = answer
+            t_row[0].answers[t_row[1]] = answer
             live.rows = [None, None]
             if live.seq.finish_reason is not None:
                 self.finish(live)

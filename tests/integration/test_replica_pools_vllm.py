@@ -6,7 +6,8 @@
   weights probe and rejoins; a weight push then reaches both replicas, verified on each.
 - In lockstep mode, with SIGKILL on a teacher replica: its sequences start again from
   their agreed tokens on the other teacher, and every token equals per-token mode's.
-  Restarted with the plugin, it passes the plugin check and rejoins.
+  Restarted with the plugin, it passes the plugin check and rejoins; restarted with chunked
+  prefill on, it fails the same check and stays out.
 - During `dualvllm train` (lockstep, the default with these servers): the run goes on,
   pushing verified weights into the survivor.
 
@@ -134,6 +135,33 @@ async def test_a_killed_teacher_replica_in_lockstep_mode_loses_no_token_and_rejo
 
     assert_lost_nothing(outputs, reference, stats, "t", atol=1e-5)
     assert all(o.ok for o in again) and c.get_statistics()["t_replica_rejoins"] == 1
+
+
+async def test_a_teacher_replica_restarted_with_chunked_prefill_stays_out_of_lockstep(pools, tmp_path, caplog):
+    """The rejoin check is the start-up probe's: a replica restarted with the plugin but with
+    chunked prefill on (its plugin would count half-computed prompts as decode steps) answers
+    /health yet stays out of its pool, and lockstep sequences run on the other replica."""
+    prompts = [p.prompt for p in problems("test", n=SEQUENCES, seed=14)]
+    config = pools[3].config
+    chunked = VLLMServer(config.model_copy(update={
+        "port": pools[3].port, "log_path": tmp_path / "t-1-chunked.log",
+        "extra_args": (*config.extra_args, "--enable-chunked-prefill")}), name=pools[3].name)
+    async with DualVLLMCoordinator(pool_config(pools, mode="lockstep")) as c:
+        run = asyncio.create_task(c.generate_batch(prompts, max_tokens=MAX_TOKENS, seed=6, ignore_eos=True))
+        await eventually(lambda: c.get_statistics()["tokens"] >= SEQUENCES * MAX_TOKENS // 4,
+                         "a quarter of the run's tokens", timeout_s=300, poll_s=STATS_POLL_S)
+        kill(pools[3])
+        assert all(o.ok for o in await run)
+        await chunked.start()
+        pools[3] = chunked  # the fixture stops it
+        await eventually(lambda: c.get_statistics()["t_replica_refusals"] >= 1,
+                         "the restarted replica's rejoin refused", timeout_s=120, poll_s=STATS_POLL_S)
+        again = await c.generate_batch(prompts, max_tokens=4, seed=6, ignore_eos=True)
+        stats = c.get_statistics()
+
+    assert all(o.ok for o in again)
+    assert stats["t_replicas_up"] == 1 and stats["t_replica_rejoins"] == 0
+    assert "chunked prefill" in caplog.text  # the pool's warning gives the probe's reason
 
 
 def test_training_goes_on_pushing_verified_weights_when_a_base_replica_dies(pools, tmp_path):

@@ -18,7 +18,8 @@ import pytest
 
 from common.errors import DualVLLMError, InvalidInputError, LifecycleError
 from coordinator.config import CoordinatorConfig
-from coordinator.core import DualVLLMCoordinator, sampling_params
+from coordinator.core import DualVLLMCoordinator
+from coordinator.sequence import SamplingParams
 from coordinator.prompts import split_prompt
 from dualvllm import cli
 from engines.launcher import ServerConfig, VLLMServer, free_port
@@ -161,8 +162,8 @@ PYTHON_API: list[tuple[str, Callable[[], object], type[DualVLLMError], str]] = [
      InvalidInputError, r"max_batch_size=2048 is above max_prompts_per_request=1024"),
     ("server-dev-mode-public", lambda: ServerConfig(model="m", host="0.0.0.0", dev_mode=True), InvalidInputError,
      r"is not loopback"),
-    ("sampling-max-tokens-bool", lambda: sampling_params(True), InvalidInputError, r"max_tokens must be a positive"),
-    ("sampling-temperature-nan", lambda: sampling_params(4, temperature=float("nan")), InvalidInputError,
+    ("sampling-max-tokens-bool", lambda: SamplingParams(True), InvalidInputError, r"max_tokens must be a positive"),
+    ("sampling-temperature-nan", lambda: SamplingParams(4, temperature=float("nan")), InvalidInputError,
      r"temperature must be a finite number"),
     ("prompt-tuple-of-three", lambda: split_prompt(3, ("a", "b", "c")), InvalidInputError,
      r"prompt 3: a tuple prompt must be \(theta_prompt, t_prompt\), got 3 items"),

@@ -19,12 +19,11 @@ import pytest_asyncio
 
 from common.errors import LifecycleError, LockstepUnavailableError
 from coordinator.config import CoordinatorConfig
-from coordinator.core import sampling_params
 import coordinator.admission
-import coordinator.lockstep.scheduler
+import coordinator.lockstep.recovery
 from coordinator.admission import AdmissionGate
 from coordinator.lockstep import LockstepScheduler
-from coordinator.lockstep.scheduler import MAX_REQUEST_FAILURES
+from coordinator.lockstep.recovery import MAX_REQUEST_FAILURES
 from coordinator.lockstep.probe import lockstep_stop_token, probe_servers
 from coordinator.outputs import GenerationOutput
 from coordinator.sequence import SamplingParams, SequenceState
@@ -68,7 +67,7 @@ def config(**kw) -> CoordinatorConfig:
 
 def make_sequences(n: int, max_tokens: int, **params) -> list[SequenceState]:
     sink: asyncio.Queue[GenerationOutput] = asyncio.Queue()
-    p = sampling_params(max_tokens, **params)
+    p = SamplingParams(max_tokens, **params)
     return [SequenceState(index=i, prompt=f"prompt {i}", theta_prompt_ids=theta_prompt(i), t_prompt_ids=t_prompt(i),
                           params=p, rng=np.random.default_rng([SEED, i]), sink=sink) for i in range(n)]
 
@@ -141,7 +140,7 @@ class Rig:
 
     async def aclose(self) -> None:
         for scheduler in self.schedulers:
-            if not scheduler._closing:
+            if not scheduler._table.closing:
                 await scheduler.close()
         for fake in self.fakes:
             await fake.close()
@@ -255,7 +254,7 @@ def staggered_sequences(n: int) -> list[SequenceState]:
     finished one lets the next start while the others run (an admission round per end)."""
     sink: asyncio.Queue[GenerationOutput] = asyncio.Queue()
     return [SequenceState(index=i, prompt=f"prompt {i}", theta_prompt_ids=theta_prompt(i), t_prompt_ids=t_prompt(i),
-                          params=sampling_params(3 + i % 5), rng=np.random.default_rng([SEED, i]), sink=sink)
+                          params=SamplingParams(3 + i % 5), rng=np.random.default_rng([SEED, i]), sink=sink)
             for i in range(n)]
 
 
@@ -633,7 +632,7 @@ async def test_parks_do_not_count_as_requests_the_server_ended(rig, monkeypatch)
     park per step, more than MAX_RESUBMISSIONS in all. A single early end by the server
     afterwards must be resubmitted, not taken for a server that keeps ending requests."""
     limit = 4  # MAX_RESUBMISSIONS, lowered so that the test needs a dozen steps, not 70
-    monkeypatch.setattr(coordinator.lockstep.scheduler, "MAX_RESUBMISSIONS", limit)
+    monkeypatch.setattr(coordinator.lockstep.recovery, "MAX_RESUBMISSIONS", limit)
 
     def one_running(server, queued):
         return queued[:1] if not server.running else []
@@ -650,7 +649,7 @@ async def test_parks_do_not_count_as_requests_the_server_ended(rig, monkeypatch)
     cfg = config()
     scheduler = rig.scheduler(theta, t, cfg)
     long, short = make_sequences(2, max_tokens=limit + 8)
-    short.params = sampling_params(5)
+    short.params = SamplingParams(5)
     outputs = await generate(scheduler, [long, short])
 
     assert scheduler.counters.parks >= limit  # the premise
@@ -857,7 +856,7 @@ async def test_a_stop_string_check_holds_only_its_servers_and_stops_where_per_to
     tokens, _ = replay(*pools.models, 0, sequences[0].params, cfg)
     stop = str(tokens[3])
     cut = next(n for n in range(1, len(tokens) + 1) if stop in " ".join(map(str, tokens[:n])))
-    sequences[0].params = sampling_params(12, stop=[stop])
+    sequences[0].params = SamplingParams(12, stop=[stop])
     release, calls = asyncio.Event(), []
     for replica in pools.replicas[0]:
         def held(ids, detokenize=replica.detokenize):
@@ -873,6 +872,22 @@ async def test_a_stop_string_check_holds_only_its_servers_and_stops_where_per_to
     assert stopped.finish_reason == "stop_string" and stopped.generated_tokens == tokens[:cut]
     assert stop not in stopped.generated_text
     assert pools.placement([other, stopped]) == {1: ({"theta1"}, {"t1"}), 0: ({"theta0"}, {"t0"})}
+
+
+async def test_a_stop_string_completed_by_the_last_token_ends_the_sequence_as_per_token_mode_would(rig):
+    """Lockstep ends a stream as its last token is decided, so that token's stop-string check
+    happens at delivery: a stop string it completed still cuts the text and names the finish."""
+    theta_fake, t_fake = rig.servers()
+    cfg = config()
+    probe = make_sequences(1, max_tokens=12)[0]
+    tokens, _ = replay(theta_fake.model, t_fake.model, 0, probe.params, cfg)
+    stop = str(tokens[3])
+    cut = next(n for n in range(1, len(tokens) + 1) if stop in " ".join(map(str, tokens[:n])))
+    [seq] = make_sequences(1, max_tokens=cut, stop=[stop])  # the stop string's last token is the last allowed
+
+    [out] = await generate(rig.scheduler(theta_fake, t_fake, cfg), [seq])
+    assert out.finish_reason == "stop_string" and out.generated_tokens == tokens[:cut]
+    assert stop not in out.generated_text
 
 
 async def _after(event: asyncio.Event | None, call):
@@ -1057,7 +1072,7 @@ async def cancel_mid_step(scheduler, theta, t, sequences):
 
 
 async def cancel_while_the_gate_holds(scheduler, theta, t, sequences):
-    await eventually(lambda: scheduler.gate.counters.rounds >= 1 and scheduler._held_rounds > 0,
+    await eventually(lambda: scheduler.gate.counters.rounds >= 1 and scheduler._admission.held_rounds > 0,
                      "a gate waiting for the servers to take its requests in")
     cancel(sequences)
 
@@ -1132,11 +1147,11 @@ async def test_a_pause_cancelled_during_its_drain_does_not_hold_generation_forev
         async with scheduler.paused():
             raise AssertionError("the drain cannot end while the teacher holds its requests")
     pausing = asyncio.create_task(push())
-    await eventually(lambda: scheduler._pauses == 1, "the pause")
+    await eventually(lambda: scheduler._recovery.pauses == 1, "the pause")
     pausing.cancel()
     with pytest.raises(asyncio.CancelledError):
         await pausing
     holding["on"] = False
     following = make_sequences(2, max_tokens=5)
     outputs = await generate(scheduler, following)
-    assert scheduler._pauses == 0 and all(out.ok for out in outputs)
+    assert scheduler._recovery.pauses == 0 and all(out.ok for out in outputs)

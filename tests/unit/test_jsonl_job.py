@@ -63,7 +63,7 @@ def test_job_seeds_are_stable_and_distinct():
 
 
 async def test_failed_prompts_are_not_written_and_a_rerun_completes_without_duplicates(tmp_path, fake_theta, fake_t):
-    from coordinator import CoordinatorConfig, DualVLLMCoordinator
+    from coordinator import CoordinatorConfig, DualVLLMCoordinator, SamplingParams
     from dualvllm.jsonl_job import run_jobs
     from tests.fake_vllm import Failure
 
@@ -74,10 +74,10 @@ async def test_failed_prompts_are_not_written_and_a_rerun_completes_without_dupl
     async with DualVLLMCoordinator(config) as c:
         # The teacher "dies" for one step: the two sequences it carried fail, nothing else.
         fake_t.fail_next("/v1/completions", Failure(0), Failure(503, "server killed"))
-        first = await run_jobs(c, source, out, seed=1, max_tokens=3, show_progress=False)
+        first = await run_jobs(c, source, out, SamplingParams(3), seed=1, show_progress=False)
         assert first.written == 4 and len(first.failed) == 2 and len(done_ids(out)) == 4
         assert all("503" in error and "server killed" in error for _, error in first.failed)
-        second = await run_jobs(c, source, out, seed=1, max_tokens=3, show_progress=False)
+        second = await run_jobs(c, source, out, SamplingParams(3), seed=1, show_progress=False)
     assert second.skipped == 4 and second.written == 2 and not second.failed
     ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
     assert sorted(ids) == [f"j{i}" for i in range(6)]

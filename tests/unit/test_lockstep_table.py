@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coordinator.core import sampling_params
+from coordinator.sequence import SamplingParams
 from coordinator.lockstep.table import THETA, T, UNSET, Live, LockstepTable
 from coordinator.sequence import SequenceState
 from engines.vllm_plugin import wire
@@ -26,7 +26,7 @@ BASE, TEACHER = Server("theta", "http://base"), Server("t", "http://teacher")
 
 def sequence(i: int, max_tokens: int = 8) -> SequenceState:
     return SequenceState(index=i, prompt="", theta_prompt_ids=[1], t_prompt_ids=[1],
-                         params=sampling_params(max_tokens), rng=np.random.default_rng(i), sink=None)  # type: ignore[arg-type]
+                         params=SamplingParams(max_tokens), rng=np.random.default_rng(i), sink=None)  # type: ignore[arg-type]
 
 
 class Rig:

@@ -1,0 +1,109 @@
+"""Stop-string checks (coordinator/delivery.py): a window of the last tokens per check, the
+whole text only to confirm and cut."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Sequence
+
+import numpy as np
+
+from coordinator.delivery import Delivery, stop_window
+from coordinator.sequence import SamplingParams, SequenceState
+from coordinator.stats import Statistics
+
+# Token id i decodes to LETTERS[i]; ids >= 100 are byte pieces: three in a row are one 3-byte
+# character (as byte-level tokenizers split it), fewer followed by a letter decode to a
+# replacement character (a window that begins inside the character).
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+PIECE = 100
+
+
+class Decoder:
+    name = "base"
+
+    def __init__(self) -> None:
+        self.calls: list[list[int]] = []
+
+    async def detokenize(self, ids: Sequence[int]) -> str:
+        self.calls.append(list(ids))
+        text, run = [], 0
+        for i in ids:
+            if i >= PIECE:
+                run += 1
+                if run == 3:
+                    text.append("€")
+                    run = 0
+                continue
+            if run:
+                text.append("\ufffd")
+                run = 0
+            text.append(LETTERS[i])
+        return "".join(text)  # an unfinished character at the end is held back
+
+
+def sequence(stop: str) -> SequenceState:
+    return SequenceState(index=0, prompt="p", theta_prompt_ids=[1], t_prompt_ids=[1],
+                         params=SamplingParams(1000, stop=stop), rng=np.random.default_rng(0),
+                         sink=asyncio.Queue())
+
+
+async def run_checks(tokens: list[int], stop: str) -> tuple[SequenceState, Decoder, int]:
+    """Append `tokens` one at a time, checking after each, as a scheduler does -> the
+    sequence, the decoder, and how many tokens it had when it finished."""
+    decoder = Decoder()
+    delivery = Delivery(decoder, Statistics())  # type: ignore[arg-type]
+    seq = sequence(stop)
+    for n, token in enumerate(tokens, start=1):
+        seq.tokens.append(token)
+        await delivery.check_stop_strings([seq])
+        if seq.finish_reason is not None:
+            return seq, decoder, n
+    return seq, decoder, len(tokens)
+
+
+async def test_each_check_decodes_a_window_and_a_long_text_is_found_at_the_token_that_ends_it():
+    stop = "xyz"
+    filler = [i % 20 for i in range(500)]  # letters a..t: no x, y or z
+    tokens = filler + [23, 24, 25] + [0, 1]
+    seq, decoder, n = await run_checks(tokens, stop)
+
+    assert n == 503 and seq.finish_reason == "stop_string"
+    assert seq.text == "".join(LETTERS[i] for i in filler)  # cut before the stop string, whole text
+    window = stop_window([stop])
+    windows, confirm = decoder.calls[:-1], decoder.calls[-1]
+    assert max(map(len, windows)) == window < 30  # never the whole text per token
+    assert confirm == tokens[:503]  # the hit confirmed (and cut) on the whole text, once
+
+
+async def test_a_stop_string_split_over_byte_pieces_is_found():
+    stop = "a€b"
+    tokens = [2] * 50 + [0, PIECE, PIECE + 1, PIECE + 2, 1, 3]
+    seq, _, n = await run_checks(tokens, stop)
+    assert n == 55 and seq.finish_reason == "stop_string" and seq.text == "c" * 50
+
+
+async def test_a_window_edge_that_looks_like_a_stop_string_is_not_one():
+    """A window that starts inside a byte-split character decodes it to a replacement character:
+    a stop string made of that character matches the window, never the whole text."""
+    stop = "\ufffd"
+    tokens = [PIECE, PIECE + 1, PIECE + 2] + [2] * (stop_window([stop]) + 20)
+    seq, decoder, n = await run_checks(tokens, stop)
+    assert seq.finish_reason is None and n == len(tokens)
+    assert seq.text is None  # nothing cut: the text is decoded whole at delivery
+    window = stop_window([stop])
+    assert any(call[0] == PIECE + 1 for call in decoder.calls)  # a window began inside the character
+    assert any(len(call) > window for call in decoder.calls)  # ... and its match was checked on the whole text
+
+
+async def test_a_stop_string_made_by_the_last_token_is_cut_at_delivery():
+    """Lockstep ends a stream as its last token is decided: that token's check is delivery's."""
+    decoder = Decoder()
+    delivery = Delivery(decoder, Statistics())  # type: ignore[arg-type]
+    seq = sequence("cd")
+    seq.tokens[:] = [0, 1, 2, 3]
+    seq.finish_reason = "max_tokens"
+    delivery.retire(seq)
+    await delivery.aclose()
+    out = seq.sink.get_nowait()
+    assert out.finish_reason == "stop_string" and out.generated_text == "ab"
