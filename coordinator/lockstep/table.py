@@ -51,6 +51,9 @@ class Blocked:
     # The other server's reports whose rows were paired with these: more than one means that
     # server reported these sequences over several of its steps (one server ran ahead).
     partners: set["Blocked"] = field(default_factory=set)
+    # The servers its rows' other halves run on, taken as the rows arrived: a superset of what
+    # its undecided rows wait on, enough to rule a deadlock out without a pass over the rows.
+    needs: set[str] = field(default_factory=set)
 
     def undecided(self) -> np.ndarray:
         return np.flatnonzero(self.answers == UNSET)
@@ -247,6 +250,8 @@ class LockstepTable:
                 live.rows[stream.role] = (blocked, i)
                 if live.rows[1 - stream.role] is not None and not live.checking:
                     ready.append(live)
+                else:
+                    blocked.needs.add(live.engines[1 - stream.role].url)
         return blocked, [live for live in ready if not live.done]
 
     def topk(self, ready: list[Live], role: int) -> TopKBatch:
@@ -346,6 +351,15 @@ class LockstepTable:
         """Servers waiting here that nothing will free: each waits on a row that must come
         from a server that is itself waiting here, and so cannot report it before it is
         answered. Exact. With one server per role: both servers wait with undecided rows."""
+        waiting = [blocked for blocked in self.blocked.values()
+                   if blocked.server is not None and (blocked.answers == UNSET).any()]
+        if not waiting:
+            return set()
+        needs: dict[str, set[str | None]] = {}
+        for blocked in waiting:
+            needs.setdefault(blocked.server, set()).update(blocked.needs)  # type: ignore[arg-type]
+        if not _stuck(needs):  # the rows' servers as they arrived (a superset) free every server
+            return set()
         waits_on: dict[str, set[str | None]] = {}  # waiting server -> servers its undecided rows need
         for blocked in self.blocked.values():
             undecided = blocked.undecided()
@@ -358,12 +372,7 @@ class LockstepTable:
                     continue
                 other = stream.live.streams[1 - stream.role] if stream is not None else None
                 needed.add(other.engine.url if other is not None and not other.retired else None)
-        stuck = set(waits_on)
-        while True:  # free every server all of whose needed rows come from servers not stuck
-            free = {server for server in stuck if not waits_on[server] & stuck}
-            if not free:
-                return stuck
-            stuck -= free
+        return _stuck(waits_on)
 
     def break_deadlock(self) -> bool:
         """Park the report with the fewest undecidable rows among deadlocked servers -> whether
@@ -401,3 +410,14 @@ class LockstepTable:
         """The placed sequences running on any of `urls`."""
         urls = set(urls)
         return [live for live in self._live if any(e.url in urls for e in live.engines)]
+
+
+def _stuck(waits_on: dict[str, set[str | None]]) -> set[str]:
+    """The waiting servers left after freeing, again and again, every one all of whose rows
+    need servers that are not (or no longer) stuck."""
+    stuck = set(waits_on)
+    while True:
+        free = {server for server in stuck if not waits_on[server] & stuck}
+        if not free:
+            return stuck
+        stuck -= free
