@@ -18,7 +18,7 @@ import pytest
 
 from common.errors import DualVLLMError, InvalidInputError, LifecycleError
 from coordinator.config import CoordinatorConfig
-from coordinator.core import DualVLLMCoordinator
+from coordinator.core import DualVLLMCoordinator, _params
 from coordinator.sequence import SamplingParams
 from coordinator.prompts import split_prompt
 from dualvllm import cli
@@ -165,6 +165,12 @@ PYTHON_API: list[tuple[str, Callable[[], object], type[DualVLLMError], str]] = [
     ("sampling-max-tokens-bool", lambda: SamplingParams(True), InvalidInputError, r"max_tokens must be a positive"),
     ("sampling-temperature-nan", lambda: SamplingParams(4, temperature=float("nan")), InvalidInputError,
      r"temperature must be a finite number"),
+    ("sampling-fixed-alpha-string", lambda: SamplingParams(4, fixed_alpha="0.5"), InvalidInputError,
+     r"fixed_alpha must be in \[0, 1\]"),
+    ("sampling-stop-token-bool", lambda: SamplingParams(4, stop_token_ids=[True]), InvalidInputError,
+     r"stop_token_ids must be token ids"),
+    ("sampling-params-and-keywords", lambda: _params(SamplingParams(4), {"temperature": 0.5}), InvalidInputError,
+     r"got a SamplingParams and sampling keywords \(temperature\)"),
     ("prompt-tuple-of-three", lambda: split_prompt(3, ("a", "b", "c")), InvalidInputError,
      r"prompt 3: a tuple prompt must be \(theta_prompt, t_prompt\), got 3 items"),
     ("train-unknown-method", lambda: _train_config(method="ppo"), InvalidInputError, r"method='ppo': Input should be"),
