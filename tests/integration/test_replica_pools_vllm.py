@@ -162,6 +162,12 @@ async def test_a_teacher_replica_restarted_with_chunked_prefill_stays_out_of_loc
     assert all(o.ok for o in again)
     assert stats["t_replicas_up"] == 1 and stats["t_replica_rejoins"] == 0
     assert "chunked prefill" in caplog.text  # the pool's warning gives the probe's reason
+    # The training test after this one expects lockstep: a teacher replica as it was.
+    kill(chunked)
+    plain = VLLMServer(config.model_copy(update={"port": chunked.port, "log_path": tmp_path / "t-1-plain.log"}),
+                       name=chunked.name)
+    pools[3] = plain
+    await plain.start()
 
 
 def test_training_goes_on_pushing_verified_weights_when_a_base_replica_dies(pools, tmp_path):
