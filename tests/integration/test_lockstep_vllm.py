@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from coordinator import CoordinatorConfig, DualVLLMCoordinator
+from engines.launcher import launch_pair, pair_configs
 from engines.vllm_plugin import spin
 from tests import processes
 from tests.waiting import eventually
@@ -171,3 +172,24 @@ async def test_plain_requests_to_a_lockstep_server_do_not_stall_while_lockstep_s
             run.cancel()
     assert all(o.ok and len(o.generated_tokens) == 40 for o in outputs)
     assert max(latencies) < STALL_S, f"a plain request stalled: {max(latencies):.2f} s (all: {latencies})"
+
+
+async def test_a_pair_on_the_uni_executor_runs_lockstep_with_per_token_modes_tokens(tmp_path):
+    """ServerConfig(cpu_executor="uni"): the model runs inside each server's engine core (no worker
+    process, so no queue for the engine core to spin on), its OpenMP threads pinned to the server's
+    cores by the launcher. Lockstep on such a pair gives per-token mode's tokens."""
+    configs = pair_configs(log_dir=tmp_path, max_logprobs=20, lockstep=True, lockstep_timeout_s=15,
+                           cpu_executor="uni")
+    async with launch_pair(*configs) as pair:
+        for server, server_config in zip(pair, configs):
+            api = psutil.Process(server.pid)
+            assert "--distributed-executor-backend" in api.cmdline() and "uni" in api.cmdline()
+            environment = api.environ()  # its engine core inherits it
+            assert environment["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # else vLLM turns uni back into mp
+            assert environment.get("GOMP_CPU_AFFINITY") == server_config.cpu_cores
+        prompts = [p.prompt for p in problems("test", n=12, seed=9)]
+        lockstep, _ = await generate_in("lockstep", pair, prompts, max_tokens=8, seed=5)
+        per_token, _ = await generate_in("per_token", pair, prompts, max_tokens=8, seed=5)
+    for got, want in zip(lockstep, per_token):
+        assert got.ok, got.error
+        assert (got.generated_tokens, got.finish_reason) == (want.generated_tokens, want.finish_reason)
