@@ -137,6 +137,6 @@ async def _answer_end(channel: LockstepChannel, probe_id: int, reported: asyncio
     """Answer every report END (ending the probe), and hand the first one of `probe_id` over."""
     while True:
         identity, report = await channel.receive()
-        await channel.reply(identity, report.step, np.full(len(report.ids), wire.END, dtype=np.int64))
+        channel.reply(identity, report.step, np.full(len(report.ids), wire.END, dtype=np.int64))
         if not reported.done() and probe_id in report.ids.tolist():
             reported.set_result(report)

@@ -185,14 +185,11 @@ class LockstepScheduler:
 
     async def _receive_loop(self) -> None:
         while True:
-            try:
-                identity, report = await self._channel.receive()
-            except (wire.WireError, ValueError) as err:
-                log.error("dropping a malformed lockstep report: %s", err)
-                continue
+            received = await self._channel.receive_many()
             async with self.lock:
                 try:
-                    await self._on_report(identity, report)
+                    self._on_reports(received)
+                    await self.settle()
                 except Exception as exc:  # a bug must not hang the servers or the callers
                     log.exception("lockstep step failed")
                     self._table.fail_all(f"internal error in the lockstep coordinator: {exc!r}")
@@ -200,18 +197,28 @@ class LockstepScheduler:
                     self.gate.disarm()
                     await self.send_ready()
 
-    async def _on_report(self, identity: bytes, report: wire.Report) -> None:
-        blocked, ready = self._table.report(identity, report, time.perf_counter())
-        for stream_id, probed in self._table.out.unknown:
-            probe = self._probes.get(stream_id)
-            if probe is not None and not probe.done():
-                probe.set_result(probed)
-        self._table.out.unknown.clear()
-        if self.gate.watching:
-            self.gate.observe(blocked.server, set(report.ids.tolist()))
+    def _on_reports(self, received: list[tuple[bytes, wire.Report | wire.WireError]]) -> None:
+        """Take in the reports that arrived together (usually one per server), then decide
+        every sequence they made ready in one step."""
+        ready: list[Live] = []
+        for identity, report in received:
+            if isinstance(report, wire.WireError):
+                log.error("dropping a malformed lockstep report: %s", report)
+                continue
+            blocked, now_ready = self._table.report(identity, report, time.perf_counter())
+            ready += now_ready
+            for stream_id, probed in self._table.out.unknown:
+                probe = self._probes.get(stream_id)
+                if probe is not None and not probe.done():
+                    probe.set_result(probed)
+            self._table.out.unknown.clear()
+            if self.gate.watching:
+                self.gate.observe(blocked.server, set(report.ids.tolist()))
+        # A later report may have failed one, or replaced a report whose row it held (a plugin
+        # that gave up waiting and reported again).
+        ready = [live for live in ready if not live.done and live.rows[THETA] is not None and live.rows[T] is not None]
         if ready:
             self._decide(ready)
-        await self.settle()
 
     async def settle(self) -> None:
         """After any change: break a deadlock, start what can start, answer what is decided.
@@ -271,7 +278,7 @@ class LockstepScheduler:
         if (self.gate.armed or self._admission.held_rounds) and not self._table.closing:
             return
         for identity, step, answers in self._table.replies(time.perf_counter()):
-            await self._channel.reply(identity, step, answers)
+            self._channel.reply(identity, step, answers)
 
     async def _watch_stalls(self) -> None:
         """Park reports that wait too long on a server that is busy with other work; start

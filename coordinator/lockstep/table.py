@@ -220,49 +220,68 @@ class LockstepTable:
     def report(self, identity: bytes, report: wire.Report, now: float) -> tuple[Blocked, list[Live]]:
         """Take in one server's step -> (its waiting report, the sequences now ready to decide)."""
         self.counters.reports += 1
-        blocked = Blocked(identity, report, np.full(len(report.ids), UNSET, dtype=np.int64), now, server=None)
+        n = len(report.ids)
+        blocked = Blocked(identity, report, np.full(n, UNSET, dtype=np.int64), now, server=None)
         stale = self.blocked.pop(identity, None)
         if stale is not None:  # the plugin gave up on it (timeout): its rows were ended there
             self._forget(stale)
         self.blocked[identity] = blocked
+        if self.closing:
+            blocked.answers[:] = wire.END
+            return blocked, []
+        # Once per row of every step: plain locals and the usual case first (a row at its
+        # sequence's next position, its role's slot free), the rules' order kept for the rest.
         ready: list[Live] = []
-        answers = blocked.answers
-        for i, (stream_id, position) in enumerate(zip(report.ids.tolist(), report.positions.tolist())):
-            stream = self.streams.get(stream_id)
-            if stream is None or stream.retired or stream.live.done or self.closing:
-                if stream is None:
-                    self.out.unknown.append((stream_id, report))
-                answers[i] = wire.END
+        ended: list[int] = []  # rows answered END
+        needs = blocked.needs
+        get = self.streams.get
+        engine = None
+        for i, stream_id, position in zip(range(n), report.ids.tolist(), report.positions.tolist()):
+            stream = get(stream_id)
+            if stream is None:
+                self.out.unknown.append((stream_id, report))
+                ended.append(i)
                 continue
-            live, seq = stream.live, stream.live.seq
-            blocked.server = stream.engine.url
+            live = stream.live
+            if stream.retired or live.done:
+                ended.append(i)
+                continue
+            engine, role, rows, seq = stream.engine, stream.role, live.rows, live.seq
             agreed = len(seq.tokens)
-            if seq.cancelled:
-                self.fail(live, "cancelled by the caller")
-                answers[i] = wire.END
-            elif position < agreed:  # a preempted request come back: decided already
-                answers[i] = seq.tokens[position]
-            elif position > agreed or live.rows[stream.role] is not None:
-                self.fail(live, f"{stream.engine.name} server reported position {position} of a sequence agreed "
-                                f"up to {agreed} tokens: the two servers diverged")
-                answers[i] = wire.END
-            else:
-                live.rows[stream.role] = (blocked, i)
-                if live.rows[1 - stream.role] is not None and not live.checking:
+            if position == agreed and rows[role] is None and not seq.cancelled:
+                rows[role] = (blocked, i)
+                if rows[1 - role] is not None and not live.checking:
                     ready.append(live)
                 else:
-                    blocked.needs.add(live.engines[1 - stream.role].url)
+                    needs.add(live.engines[1 - role].url)
+            elif seq.cancelled:
+                self.fail(live, "cancelled by the caller")
+                ended.append(i)
+            elif position < agreed:  # a preempted request come back: decided already
+                blocked.answers[i] = seq.tokens[position]
+            else:  # past the agreed tokens, or a second row of the stream while one waits
+                self.fail(live, f"{engine.name} server reported position {position} of a sequence agreed "
+                                f"up to {agreed} tokens: the two servers diverged")
+                ended.append(i)
+        if ended:
+            blocked.answers[ended] = wire.END
+        if engine is not None:  # a report's rows all come from one server
+            blocked.server = engine.url
         return blocked, [live for live in ready if not live.done]
 
     def topk(self, ready: list[Live], role: int) -> TopKBatch:
         """The waiting rows of `role` of the ready sequences, in their order: one gather per report
-        they came in (usually one)."""
+        they came in (usually one, and often every row of it in order: no gather)."""
         pairs = [live.rows[role] for live in ready]
         first = pairs[0][0]  # type: ignore[index]
         if all(pair[0] is first for pair in pairs):  # type: ignore[index]
             rows = [pair[1] for pair in pairs]  # type: ignore[index]
-            return TopKBatch(token_ids=first.report.token_ids[rows].astype(np.int64),
-                             logprobs=first.report.logprobs[rows].astype(np.float64))
+            report = first.report
+            if len(rows) == len(report.ids) and rows == list(range(len(rows))):
+                return TopKBatch(token_ids=report.token_ids.astype(np.int64),
+                                 logprobs=report.logprobs.astype(np.float64))
+            return TopKBatch(token_ids=report.token_ids[rows].astype(np.int64),
+                             logprobs=report.logprobs[rows].astype(np.float64))
         groups: dict[Blocked, tuple[list[int], list[int]]] = {}  # report -> (places in `ready`, its rows)
         for place, live in enumerate(ready):
             blocked, i = live.rows[role]  # type: ignore[misc]
@@ -279,21 +298,32 @@ class LockstepTable:
         return TopKBatch(token_ids=ids, logprobs=logprobs)
 
     def decided(self, ready: list[Live], tokens: list[int]) -> None:
-        """Answer both rows of each ready sequence with its token (END if the token finished it)."""
-        paired: tuple[Blocked, Blocked] | None = None  # the last pair of reports linked (usually the only one)
+        """Answer both rows of each ready sequence with its token (END if the token finished it):
+        one vectorized write per pair of reports the rows came in (usually one pair)."""
+        finished: list[Live] = []
+        group: tuple[Blocked, Blocked] | None = None  # the reports of the rows being gathered
+        theta_rows: list[int] = []
+        t_rows: list[int] = []
+        answers: list[int] = []
         for live, token in zip(ready, tokens):
-            theta_row, t_row = live.rows
-            assert theta_row is not None and t_row is not None, "only ready sequences are decided"
-            answer = token if live.seq.finish_reason is None else wire.END
-            if paired is None or paired[0] is not theta_row[0] or paired[1] is not t_row[0]:
-                paired = theta_row[0], t_row[0]
-                theta_row[0].partners.add(t_row[0])
-                t_row[0].partners.add(theta_row[0])
-            theta_row[0].answers[theta_row[1]] = answer
-            t_row[0].answers[t_row[1]] = answer
-            live.rows = [None, None]
+            rows = live.rows
+            (theta_blocked, theta_row), (t_blocked, t_row) = rows  # type: ignore[misc]
+            if group is None or group[0] is not theta_blocked or group[1] is not t_blocked:
+                if group is not None:
+                    _answer(group, theta_rows, t_rows, answers)
+                    theta_rows, t_rows, answers = [], [], []
+                group = theta_blocked, t_blocked
             if live.seq.finish_reason is not None:
-                self.finish(live)
+                token = wire.END
+                finished.append(live)
+            theta_rows.append(theta_row)
+            t_rows.append(t_row)
+            answers.append(token)
+            rows[THETA] = rows[T] = None
+        if group is not None:
+            _answer(group, theta_rows, t_rows, answers)
+        for live in finished:
+            self.finish(live)
 
     def hold(self, lives: list[Live]) -> None:
         """Their stop strings are being checked: their next pair is not ready until `release`."""
@@ -361,12 +391,9 @@ class LockstepTable:
         if not _stuck(needs):  # the rows' servers as they arrived (a superset) free every server
             return set()
         waits_on: dict[str, set[str | None]] = {}  # waiting server -> servers its undecided rows need
-        for blocked in self.blocked.values():
-            undecided = blocked.undecided()
-            if blocked.server is None or undecided.size == 0:
-                continue
-            needed = waits_on.setdefault(blocked.server, set())
-            for i in undecided.tolist():
+        for blocked in waiting:
+            needed = waits_on.setdefault(blocked.server, set())  # type: ignore[arg-type]
+            for i in blocked.undecided().tolist():
                 stream = self.streams.get(int(blocked.report.ids[i]))
                 if stream is not None and stream.live.checking:  # decided once its check ends, by no server
                     continue
@@ -410,6 +437,15 @@ class LockstepTable:
         """The placed sequences running on any of `urls`."""
         urls = set(urls)
         return [live for live in self._live if any(e.url in urls for e in live.engines)]
+
+
+def _answer(reports: tuple[Blocked, Blocked], theta_rows: list[int], t_rows: list[int], answers: list[int]) -> None:
+    """Write a run of decided rows' answers into the pair of reports they came in, and link the two."""
+    theta_blocked, t_blocked = reports
+    theta_blocked.answers[theta_rows] = answers
+    t_blocked.answers[t_rows] = answers
+    theta_blocked.partners.add(t_blocked)
+    t_blocked.partners.add(theta_blocked)
 
 
 def _stuck(waits_on: dict[str, set[str | None]]) -> set[str]:

@@ -815,6 +815,49 @@ def test_malformed_messages_raise_wire_errors():
         wire.decode_reply([*reply, b""])
 
 
+async def test_the_channel_reads_queued_reports_in_order_and_routes_each_reply_to_its_sender():
+    """receive_many hands over every queued report in arrival order, a malformed one as its
+    WireError (the others are not lost), and a reply reaches the plugin that sent the report."""
+    import zmq
+    import zmq.asyncio
+
+    channel = LockstepChannel()
+    context = zmq.asyncio.Context()
+    plugins = [context.socket(zmq.DEALER) for _ in range(2)]
+    try:
+        for plugin in plugins:
+            plugin.connect(channel.address)
+
+        def report(step: int, stream_id: int) -> list:
+            return wire.encode_report(step, 0, 8, np.array([stream_id]), np.array([0]),
+                                      np.zeros((1, 2), np.int32), np.zeros((1, 2), np.float32))
+
+        await plugins[0].send_multipart(report(1, 10))
+        await plugins[0].send_multipart([b"not a report"])
+        await plugins[0].send_multipart(report(2, 11))
+        await plugins[1].send_multipart(report(5, 20))
+        received: list = []
+        while len(received) < 4:
+            received += await asyncio.wait_for(channel.receive_many(), 10)
+        first = [entry for entry in received if entry[0] == received[0][0]]  # plugin 0's, in its order
+        assert [type(r).__name__ for _, r in first] == ["Report", "WireError", "Report"]
+        assert [r.step for _, r in first if isinstance(r, wire.Report)] == [1, 2]
+        (other,) = [entry for entry in received if entry[0] != received[0][0]]
+        assert isinstance(other[1], wire.Report) and other[1].ids.tolist() == [20]
+
+        channel.reply(other[0], 5, np.array([7]))
+        channel.reply(first[0][0], 1, np.array([wire.END]))
+        step, tokens = wire.decode_reply(await asyncio.wait_for(plugins[1].recv_multipart(), 10))
+        assert (step, tokens.tolist()) == (5, [7])
+        step, tokens = wire.decode_reply(await asyncio.wait_for(plugins[0].recv_multipart(), 10))
+        assert (step, tokens.tolist()) == (1, [wire.END])
+    finally:
+        for plugin in plugins:
+            plugin.close(linger=0)
+        context.term()
+        channel.close()
+
+
 # -- replica pools ----------------------------------------------------------------------
 
 
