@@ -124,17 +124,25 @@ def _fill_value(fill, floor, smallest, coverage, missing):
 @_jit
 def _log_normalize(values, n, temperature, out):
     """out[:n] = values[:n] / T - logsumexp(values[:n] / T); -inf past n. (Divided, not
-    multiplied by 1/T: the reference divides, and the two round differently.)"""
+    multiplied by 1/T: the reference divides, and the two round differently.) The scaled
+    values are computed once into `out` (and not at all at T = 1, where x / 1 == x exactly):
+    bit for bit what dividing in each of the three passes gives, at a third of the divisions."""
+    if temperature == 1.0:
+        for j in range(n):
+            out[j] = values[j]
+    else:
+        for j in range(n):
+            out[j] = values[j] / temperature
     top = -np.inf
     for j in range(n):
-        top = max(top, values[j] / temperature)
+        top = max(top, out[j])
     shift = top if math.isfinite(top) else 0.0
     total = 0.0
     for j in range(n):
-        total += math.exp(values[j] / temperature - shift)
+        total += math.exp(out[j] - shift)
     lse = np.log(total) + shift
     for j in range(n):
-        out[j] = values[j] / temperature - lse
+        out[j] = out[j] - lse
     for j in range(n, out.shape[0]):
         out[j] = -np.inf
 
@@ -145,6 +153,8 @@ def target_rows(raw_theta, raw_t, counts, temperature, fixed_alpha, max_alpha, t
     """coordinator.step.solve_target row by row: temperature (0 = greedy rows use 1), alpha*
     where fixed_alpha is NaN (capped at max_alpha), and log q* over the candidates."""
     mixed = np.empty(raw_theta.shape[1], np.float64)
+    # The alpha* search's scratch, allocated once per call instead of twice per row.
+    diff, weights = np.empty(raw_theta.shape[1], np.float64), np.empty(raw_theta.shape[1], np.float64)
     for b in range(raw_theta.shape[0]):
         n = counts[b]
         temp = 1.0 if temperature[b] == 0.0 else temperature[b]
@@ -152,7 +162,7 @@ def target_rows(raw_theta, raw_t, counts, temperature, fixed_alpha, max_alpha, t
         _log_normalize(raw_t[b], n, temp, lp_t[b])
         a = fixed_alpha[b]
         if math.isnan(a):
-            a = min(_solve_alpha(lp_theta[b], lp_t[b], n, tol, max_iter), max_alpha[b])
+            a = min(_solve_alpha(lp_theta[b], lp_t[b], n, tol, max_iter, diff, weights), max_alpha[b])
         alpha[b] = a
         for j in range(n):
             mixed[j] = (1.0 - a) * lp_theta[b, j] + a * lp_t[b, j]
@@ -160,10 +170,10 @@ def target_rows(raw_theta, raw_t, counts, temperature, fixed_alpha, max_alpha, t
 
 
 @_jit
-def _solve_alpha(lp, lt, n, tol, max_iter):
+def _solve_alpha(lp, lt, n, tol, max_iter, l, q):
     """theory.alpha.solve_alpha for one row of normalized log-probabilities: rtsafe, Newton
-    steps on f(a) = E_qa[l] (f' = Var_qa(l)) inside a bisection bracket."""
-    l = np.empty(n, np.float64)
+    steps on f(a) = E_qa[l] (f' = Var_qa(l)) inside a bisection bracket. `l`, `q`: scratch
+    of at least n values."""
     largest = 0.0
     for j in range(n):
         l[j] = lt[j] - lp[j]
@@ -171,7 +181,6 @@ def _solve_alpha(lp, lt, n, tol, max_iter):
     if largest <= IDENTICAL_ATOL:
         return 0.5
     a, lo, hi, step_before, step = 0.5, 0.0, 1.0, 1.0, 1.0
-    q = np.empty(n, np.float64)
     for _ in range(max_iter):
         top = -np.inf
         for j in range(n):
