@@ -77,6 +77,22 @@ def test_a_row_waits_for_the_other_role_and_both_get_the_token():
     assert rig.table.blocked == {} and rig.table.counters.replies == 2
 
 
+def test_one_decision_over_two_pairs_of_replicas_answers_each_row_in_its_own_report():
+    other_base, other_teacher = Server("theta1", "http://base1"), Server("t1", "http://teacher1")
+    rig = Rig(4, servers=((BASE, TEACHER), (other_base, other_teacher)))  # 0, 2 on the first pair; 1, 3 on the second
+    rig.report(b"theta", THETA, [(2, 0), (0, 0)])
+    rig.report(b"theta1", THETA, [(1, 0), (3, 0)])
+    _, first = rig.report(b"t", T, [(0, 0), (2, 0)])
+    _, second = rig.report(b"t1", T, [(3, 0), (1, 0)])
+    ready = [first[0], second[0], first[1], second[1]]  # the pairs alternate: four runs of one row
+    for live, token in zip(ready, (10, 13, 12, 11)):
+        live.seq.append(token, 0.5, -1.0, -1.0, -1.0, {}, frozenset({0}), 4096)
+    rig.table.decided(ready, [10, 13, 12, 11])  # sequence i gets token 10 + i
+    replies = {identity: answers.tolist() for identity, _, answers in rig.table.replies(1.0)}
+    assert replies == {b"theta": [12, 10], b"theta1": [11, 13], b"t": [10, 12], b"t1": [13, 11]}
+    assert rig.table.counters.split_reports == 0  # each report was paired with one other
+
+
 def test_a_report_is_answered_only_once_all_its_rows_are_decided():
     rig = Rig(2)
     rig.report(b"theta", THETA, [(0, 0), (1, 0)])
