@@ -37,7 +37,8 @@ class LockstepChannel:
         port = self._socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self._fd = self._socket.getsockopt(zmq.FD)
-        self._waiting = False
+        self._woken: asyncio.Future[None] | None = None  # the reader's wait, while it waits
+        self._watcher: asyncio.AbstractEventLoop | None = None  # the loop watching the descriptor
 
     async def receive(self) -> tuple[bytes, wire.Report]:
         """(the sending plugin's identity, its report); raises wire.WireError on a malformed one."""
@@ -58,38 +59,44 @@ class LockstepChannel:
         self._socket.send_multipart([identity, *wire.encode_reply(step, tokens)], zmq.NOBLOCK, copy=False)
 
     def close(self) -> None:
+        if self._watcher is not None and not self._watcher.is_closed():
+            self._watcher.remove_reader(self._fd)
+        self._watcher = None
         self._socket.close(linger=0)
         self._context.term()
 
     async def _readable(self) -> None:
-        """Until a whole message is queued. The descriptor is watched only while waiting: left
-        registered, a signal nobody reads would wake the loop at every turn."""
+        """Until a whole message is queued.
+
+        The descriptor stays watched between waits (registering it costs a few system calls
+        and asyncio bookkeeping per wake-up); `_wake` stops watching it when it signals while
+        nobody waits, since a signal nobody reads would wake the loop at every turn."""
         if self._socket.getsockopt(_EVENTS) & _POLLIN:  # also re-arms the descriptor's signal
             return
-        if self._waiting:
+        if self._woken is not None:
             raise RuntimeError("two tasks wait on one lockstep channel: it has one reader (the scheduler, or a probe)")
-        self._waiting = True
-        try:
-            await self._wait_readable()
-        finally:
-            self._waiting = False
-
-    async def _wait_readable(self) -> None:
         loop = asyncio.get_running_loop()
-        while True:
-            woken = loop.create_future()
-            loop.add_reader(self._fd, _wake, woken)
-            try:
-                await woken
-            finally:
-                loop.remove_reader(self._fd)
-            if self._socket.getsockopt(_EVENTS) & _POLLIN:
-                return
+        try:
+            while True:
+                if self._watcher is not loop:
+                    if self._watcher is not None and not self._watcher.is_closed():
+                        self._watcher.remove_reader(self._fd)
+                    loop.add_reader(self._fd, self._wake)
+                    self._watcher = loop
+                self._woken = loop.create_future()
+                await self._woken
+                if self._socket.getsockopt(_EVENTS) & _POLLIN:
+                    return
+        finally:
+            self._woken = None
 
-
-def _wake(woken: asyncio.Future[None]) -> None:
-    if not woken.done():
-        woken.set_result(None)
+    def _wake(self) -> None:
+        if self._woken is not None:  # (woken already, the waiter has not run yet: it reads the signal next)
+            if not self._woken.done():
+                self._woken.set_result(None)
+        elif self._watcher is not None:  # nobody waits: watch again at the next wait
+            self._watcher.remove_reader(self._fd)
+            self._watcher = None
 
 
 def _decoded(frames: list[bytes]) -> tuple[bytes, wire.Report | wire.WireError]:

@@ -858,6 +858,42 @@ async def test_the_channel_reads_queued_reports_in_order_and_routes_each_reply_t
         channel.close()
 
 
+async def test_a_report_that_arrives_while_nobody_waits_stops_the_watch_and_is_read_at_the_next_wait():
+    """The channel keeps its descriptor watched between waits; a signal while nobody waits must
+    unregister it (left registered, an unread signal would wake the event loop at every turn),
+    and the report behind it must not be lost."""
+    import zmq
+    import zmq.asyncio
+
+    channel = LockstepChannel()
+    context = zmq.asyncio.Context()
+    plugin = context.socket(zmq.DEALER)
+
+    def report(step: int) -> list:
+        return wire.encode_report(step, 0, 8, np.array([1]), np.array([0]),
+                                  np.zeros((1, 2), np.int32), np.zeros((1, 2), np.float32))
+
+    try:
+        plugin.connect(channel.address)
+        waiting = asyncio.create_task(channel.receive_many())  # waits before the report is sent
+        await eventually(lambda: channel._woken is not None, "the channel waits for a report")
+        await plugin.send_multipart(report(1))
+        (first,) = await asyncio.wait_for(waiting, 10)
+        assert first[1].step == 1
+        waiting = asyncio.create_task(channel.receive_many())
+        await eventually(lambda: channel._woken is not None, "the channel waits again")
+        waiting.cancel()  # the wait ends; the descriptor stays watched
+        await asyncio.gather(waiting, return_exceptions=True)
+        await plugin.send_multipart(report(2))  # nobody waits on the channel now
+        await eventually(lambda: channel._watcher is None, "the channel stopped watching its descriptor")
+        (second,) = await asyncio.wait_for(channel.receive_many(), 10)
+        assert second[1].step == 2
+    finally:
+        plugin.close(linger=0)
+        context.term()
+        channel.close()
+
+
 # -- replica pools ----------------------------------------------------------------------
 
 
