@@ -356,3 +356,11 @@ def step(ids_theta: np.ndarray, logp_theta: np.ndarray, ids_t: np.ndarray, logp_
     n = max(int(counts.max(initial=0)), 1)
     return Step(chosen[0].astype(np.int64), alpha, chosen[1], chosen[2], chosen[3], coverage_theta, coverage_t,
                 token_ids[:, :n], logq[:, :n])
+
+
+def warm_up() -> None:
+    """Load the compiled step now (from numba's cache, or by compiling it), with the argument
+    types every scheduler passes, so that no request waits for it."""
+    ids, logprobs = np.array([[1, 2]], np.int64), np.log(np.array([[0.6, 0.3]]))
+    step(ids, logprobs, ids, logprobs, temperature=np.ones(1), fixed_alpha=np.full(1, np.nan), max_alpha=None,
+         uniforms=np.full(1, 0.5), fill="min", vocab_size=None, tol=1e-6, max_iter=20)
