@@ -26,7 +26,9 @@ from engines.vllm_plugin import wire
 # Reports read per wake-up at most: two per server step is the usual (one per role); more
 # pile up only behind a slow step, and the scheduler then settles once for all of them.
 MAX_BATCH = 64
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # ints: zmq's enums cost a microsecond per test
+# ints: zmq's enums cost a microsecond per test, and send_multipart combines them per frame
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+_NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
 
 
 class LockstepChannel:
@@ -56,7 +58,12 @@ class LockstepChannel:
         return received
 
     def reply(self, identity: bytes, step: int, tokens: np.ndarray) -> None:
-        self._socket.send_multipart([identity, *wire.encode_reply(step, tokens)], zmq.NOBLOCK, copy=False)
+        # Frame by frame with int flags, copied (a reply is 8 bytes a row: zero-copy frames cost
+        # more to set up than to copy): 2.6 µs against send_multipart's 5.5-6.6 here.
+        header, body = wire.encode_reply(step, tokens)
+        self._socket.send(identity, _NOBLOCK | _SNDMORE)
+        self._socket.send(header, _NOBLOCK | _SNDMORE)
+        self._socket.send(body, _NOBLOCK)
 
     def close(self) -> None:
         if self._watcher is not None and not self._watcher.is_closed():

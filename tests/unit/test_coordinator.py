@@ -80,6 +80,24 @@ async def test_prompt_pairs_give_each_model_its_own_prompt_and_a_shared_continua
         assert ctx_t == tokenize("cdef") + generated[:step]
 
 
+async def test_each_distinct_prompt_text_is_tokenized_once_per_server(fake_theta, fake_t):
+    # An RL call repeats every prompt for its group of samples; one /tokenize per text and server.
+    prompts = ["ab", "cde", "ab", ("ab", "fg"), "cde", [5, 6]]
+    async with DualVLLMCoordinator(config(fake_theta, fake_t)) as c:
+        before = len(fake_theta.calls["/tokenize"]), len(fake_t.calls["/tokenize"])  # start-up checks
+        encoded = await c.encode(prompts)
+        outputs = await c.generate_batch(prompts, max_tokens=2, seed=1)
+    ab, cde, fg = tokenize("ab"), tokenize("cde"), tokenize("fg")
+    assert encoded == [(ab, ab), (cde, cde), (ab, ab), (ab, fg), (cde, cde), ([5, 6], [5, 6])]
+    assert sorted(call["prompt"] for call in fake_theta.calls["/tokenize"][before[0]:]) == ["ab", "ab", "cde", "cde"]
+    assert sorted(call["prompt"] for call in fake_t.calls["/tokenize"][before[1]:]) == ["ab", "ab", "cde", "cde",
+                                                                                        "fg", "fg"]
+    assert all(o.ok for o in outputs)
+    # Every prompt owns its ids: changing one changes no other.
+    encoded[0][0].append(99)
+    assert encoded[2][0] == ab and encoded[3][0] == ab
+
+
 async def test_a_failed_request_fails_only_the_sequences_it_carried(fake_theta, fake_t):
     cfg = config(fake_theta, fake_t, max_batch_size=2, max_retries=1)
     async with DualVLLMCoordinator(cfg) as c:
