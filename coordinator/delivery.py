@@ -8,11 +8,12 @@ in every mode.
 from __future__ import annotations
 
 import asyncio
-from typing import Callable, Sequence
+from typing import Sequence
 
 from common.errors import DualVLLMError
 from coordinator.sequence import SequenceState
 from coordinator.stats import Statistics
+from coordinator.stop_filter import StopFilter
 from engines.protocol import Engine
 
 
@@ -36,6 +37,7 @@ class Delivery:
     def __init__(self, detokenizer: Engine, stats: Statistics) -> None:
         self._engine = detokenizer
         self._stats = stats
+        self._filter = StopFilter(detokenizer)
         self._finishing: set[asyncio.Task[None]] = set()
 
     async def text(self, seq: SequenceState) -> str | None:
@@ -52,15 +54,22 @@ class Delivery:
         and cut, on the whole text: a window's first characters can differ from the whole
         text's (a character split across its edge), never its last ones.
         """
-        windows = await self._texts(sequences, lambda seq: seq.tokens_for_text()[-stop_window(seq.params.stop):])
-        hits = [seq for seq, text in zip(sequences, windows) if text is not None and _has_stop(seq, text)]
-        for seq, text in zip(hits, await self._texts(hits, SequenceState.tokens_for_text)):
+        windows = [seq.tokens_for_text()[-stop_window(seq.params.stop):] for seq in sequences]
+        # Most windows cannot hold a stop string, and their tokens' own texts show it
+        # (coordinator/stop_filter.py): only the others are decoded.
+        needed = await self._filter.needed(windows, [seq.params.stop for seq in sequences])
+        sequences = [seq for seq, need in zip(sequences, needed) if need]
+        windows = [window for window, need in zip(windows, needed) if need]
+        texts = await self._texts(sequences, windows)
+        self._filter.observe(windows, texts)
+        hits = [seq for seq, text in zip(sequences, texts) if text is not None and _has_stop(seq, text)]
+        for seq, text in zip(hits, await self._texts(hits, [seq.tokens_for_text() for seq in hits])):
             if text is not None and _has_stop(seq, text):
                 seq.check_stop_strings(text)
 
-    async def _texts(self, sequences: list[SequenceState], tokens: Callable[[SequenceState], list[int]]
-                     ) -> list[str | None]:
-        texts = await asyncio.gather(*(self._decode(seq, tokens(seq)) for seq in sequences), return_exceptions=True)
+    async def _texts(self, sequences: list[SequenceState], tokens: list[list[int]]) -> list[str | None]:
+        texts = await asyncio.gather(*(self._decode(seq, ids) for seq, ids in zip(sequences, tokens)),
+                                     return_exceptions=True)
         for text in texts:
             if isinstance(text, BaseException):
                 raise text

@@ -107,3 +107,75 @@ async def test_a_stop_string_made_by_the_last_token_is_cut_at_delivery():
     await delivery.aclose()
     out = seq.sink.get_nowait()
     assert out.finish_reason == "stop_string" and out.generated_text == "ab"
+
+
+# -- the pre-filter (coordinator/stop_filter.py): windows whose tokens' own texts rule a stop out
+
+class WordDecoder(Decoder):
+    """Ids WORD + i are SentencePiece-like word starts: " " + LETTERS[i] in a text, LETTERS[i]
+    alone or at the start of a text (the marker's space is dropped there)."""
+
+    WORD = 50
+
+    async def detokenize(self, ids: Sequence[int]) -> str:
+        self.calls.append(list(ids))
+        text = "".join(LETTERS[i] if i < self.WORD else " " + LETTERS[i - self.WORD] for i in ids)
+        return text[1:] if text.startswith(" ") else text
+
+
+class CaseDecoder(Decoder):
+    """Breaks the filter's premise: a token's text in a text is not its text alone."""
+
+    async def detokenize(self, ids: Sequence[int]) -> str:
+        self.calls.append(list(ids))
+        return LETTERS[ids[0]] if len(ids) == 1 else "".join(LETTERS[i] for i in ids).upper()
+
+
+async def checked(decoder: Decoder, tokens: list[int], stop: str | tuple[str, ...]) -> tuple[SequenceState, int]:
+    delivery = Delivery(decoder, Statistics())  # type: ignore[arg-type]
+    seq = sequence(stop)  # type: ignore[arg-type]
+    for n, token in enumerate(tokens, start=1):
+        seq.tokens.append(token)
+        await delivery.check_stop_strings([seq])
+        if seq.finish_reason is not None:
+            return seq, n
+    return seq, len(tokens)
+
+
+async def test_after_calibration_only_windows_that_may_hold_a_stop_string_are_decoded():
+    from coordinator.stop_filter import CALIBRATION_WINDOWS
+
+    decoder = Decoder()
+    filler = [i % 20 for i in range(300)]  # a..t
+    seq, n = await checked(decoder, filler + [23, 24, 25, 0], "xyz")
+    assert n == 303 and seq.finish_reason == "stop_string" and seq.text == "".join(LETTERS[i] for i in filler)
+    singles = [call for call in decoder.calls if len(call) == 1]
+    windows = [call for call in decoder.calls if len(call) > 1]
+    # each id decoded alone once, and the first window (one token long)
+    assert sorted(c[0] for c in singles) == sorted([0, *set(filler + [23, 24, 25])])
+    # the calibration windows, then only the one ending in z (x, y alone cannot make "xyz"), and the
+    # confirmation on the whole text
+    assert len(windows) == CALIBRATION_WINDOWS - 1 + 2  # (the first window is one token long: a single)
+    assert windows[-1] == (filler + [23, 24, 25])[:303]
+
+
+async def test_word_start_spaces_do_not_hide_a_stop_string_and_a_spaces_only_stop_is_always_decoded():
+    decoder = WordDecoder()
+    word = WordDecoder.WORD
+    filler = [word + i % 20 for i in range(100)]  # " a b c ...": no x
+    seq, n = await checked(decoder, filler + [word + 23, 1], " xb")
+    assert seq.finish_reason == "stop_string" and n == 102
+    assert seq.text == "".join(" " + LETTERS[i % 20] for i in range(100))[1:]
+
+    spaces = WordDecoder()
+    seq, _ = await checked(spaces, filler, "  ")
+    assert seq.finish_reason is None
+    assert sum(len(call) > 1 for call in spaces.calls) == len(filler) - 1  # every window decoded
+
+
+async def test_a_tokenizer_that_breaks_the_premise_turns_the_filter_off_and_stop_strings_are_still_found(caplog):
+    decoder = CaseDecoder()
+    seq, n = await checked(decoder, [0, 1, 2] * 30 + [23, 24], ("XY",))
+    assert seq.finish_reason == "stop_string" and n == 92
+    assert "every stop-string check is decoded by the server" in caplog.text
+    assert sum(len(call) > 1 for call in decoder.calls) >= 90  # every window decoded after that
