@@ -60,6 +60,8 @@ class Delivery:
         needed = await self._filter.needed(windows, [seq.params.stop for seq in sequences])
         sequences = [seq for seq, need in zip(sequences, needed) if need]
         windows = [window for window, need in zip(windows, needed) if need]
+        self._stats.stop_checks += len(needed)
+        self._stats.stop_checks_decoded += len(sequences)
         texts = await self._texts(sequences, windows)
         self._filter.observe(windows, texts)
         hits = [seq for seq, text in zip(sequences, texts) if text is not None and _has_stop(seq, text)]

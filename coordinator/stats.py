@@ -38,6 +38,8 @@ class Statistics:
     steps: int = 0  # coordinator steps (one request per server each)
     sequences_finished: int = 0
     sequences_failed: int = 0
+    stop_checks: int = 0  # stop-string checks (one per token of a sequence with stop strings)
+    stop_checks_decoded: int = 0  # ... that the detokenizer had to settle (coordinator/stop_filter.py)
     alpha_sum: float = 0.0
     coverage_theta_sum: float = 0.0  # per-token top-k covered mass, summed
     coverage_t_sum: float = 0.0
@@ -69,6 +71,8 @@ class Statistics:
             "request_failures": request_failures,
             "sequences_finished": self.sequences_finished,
             "sequences_failed": self.sequences_failed,
+            "stop_checks": self.stop_checks,
+            "stop_checks_decoded": self.stop_checks_decoded,
             "mean_alpha": self.alpha_sum / self.tokens if self.tokens else float("nan"),
             "mean_coverage_theta": self.coverage_theta_sum / self.tokens if self.tokens else float("nan"),
             "mean_coverage_t": self.coverage_t_sum / self.tokens if self.tokens else float("nan"),

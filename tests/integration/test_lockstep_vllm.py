@@ -65,6 +65,39 @@ async def test_lockstep_generates_what_per_token_mode_generates(vllm_pair, kw):
     assert stats["lockstep_reports"] > 0
 
 
+async def test_stop_strings_cut_each_text_where_it_first_holds_one(vllm_pair, caplog):
+    """Against the text generated without them, on the servers' real tokenizer: the check's
+    pre-filter (coordinator/stop_filter.py) skips most windows, and must never skip a stop."""
+    prompts = [p.prompt for p in problems("test", n=16, seed=9)]
+    kw = dict(max_tokens=24, seed=11, ignore_eos=True, temperature=1.0)
+    async with DualVLLMCoordinator(config(vllm_pair, mode="lockstep", max_batch_size=16)) as c:
+        full = await c.generate_batch(prompts, **kw)
+        texts = [out.generated_text for out in full]
+        # Two-character pieces from the middle of the texts: they span tokens, and most texts hold one.
+        pieces = sorted({text[n:n + 2] for text in texts for n in range(4, len(text) - 2)} - {""})
+        stops = [piece for piece in pieces if sum(piece in text for text in texts) >= 2][:3]
+        assert stops, texts
+        cut = await c.generate_batch(prompts, stop=stops, **kw)
+        for before, after in zip(full, cut):
+            assert after.ok, after.error
+            found = [i for i in (before.generated_text.find(stop) for stop in stops) if i >= 0]
+            if not found:
+                assert (after.generated_tokens, after.finish_reason) == (before.generated_tokens, "max_tokens")
+                continue
+            n = len(after.generated_tokens)
+            assert after.finish_reason == "stop_string"
+            assert after.generated_tokens == before.generated_tokens[:n]
+            assert after.generated_text == before.generated_text[:min(found)]
+            # ... and at the first token whose text completes one
+            shorter = await c.detokenize(after.generated_tokens[:n - 1])
+            assert not any(stop in shorter for stop in stops), (shorter, stops)
+        statistics = c.get_statistics()
+    assert sum(after.finish_reason == "stop_string" for after in cut) >= 4
+    # The filter stayed on for this tokenizer, and settled most checks without the server.
+    assert "every stop-string check is decoded" not in caplog.text
+    assert statistics["stop_checks_decoded"] < statistics["stop_checks"] / 2, statistics
+
+
 async def test_a_batch_cancelled_mid_flight_leaves_the_coordinator_serving_the_next(vllm_pair):
     """Issue 23: cancel a lockstep batch while both servers hold its requests, then run another
     batch on the same coordinator: it gives per-token mode's tokens, and no request is left
