@@ -2,8 +2,9 @@
 
 A sequence with stop strings has its newest tokens' text checked after every token
 (coordinator/delivery.py). Without a local tokenizer each check is a /detokenize request:
-in lockstep at batch 64 that made a token cost the coordinator 360 µs of CPU instead of
-25 (`python benchmarks/sequence_overhead.py --group 8 --stop @@@@`).
+in lockstep at batch 64 on the bundled models that made a token cost the coordinator
+326-420 µs of CPU instead of 21-28 without stop strings, and 35-42 with this filter
+(`python benchmarks/sequence_overhead.py --stop @@@@`; benchmarks/README.md).
 
 Most checks can be settled without one. A window's text, spaces aside, is the concatenation
 of its tokens' own texts (each token decoded alone, once per id and coordinator), as long
