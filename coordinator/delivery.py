@@ -69,6 +69,14 @@ class Delivery:
             if text is not None and _has_stop(seq, text):
                 seq.check_stop_strings(text)
 
+    def unsettled(self, sequences: list[SequenceState]) -> list[bool]:
+        """Per sequence: whether its newest token's stop-string check needs `check_stop_strings`
+        (a request); the others' checks are settled here, synchronously, by the pre-filter."""
+        unsettled = [not self._filter.settled(seq.tokens_for_text()[-stop_window(seq.params.stop):], seq.params.stop)
+                     for seq in sequences]
+        self._stats.stop_checks += unsettled.count(False)
+        return unsettled
+
     async def _texts(self, sequences: list[SequenceState], tokens: list[list[int]]) -> list[str | None]:
         texts = await asyncio.gather(*(self._decode(seq, ids) for seq, ids in zip(sequences, tokens)),
                                      return_exceptions=True)

@@ -59,13 +59,15 @@ class StopFilter:
             await self._learn_tokens({i for window in windows for i in window if i not in self._texts})
         except DualVLLMError:  # the windows' own decoding reports the server's failure
             return [True] * len(windows)
-        if self._agreed < CALIBRATION_WINDOWS:
-            return [True] * len(windows)
-        needed = []
-        for window, stop in zip(windows, stops):
-            joined = self._joined(window)
-            needed.append(joined is None or any(_squeezed(s) in joined for s in stop))  # "" is in every text
-        return needed
+        return [not self.settled(window, stop) for window, stop in zip(windows, stops)]
+
+    def settled(self, window: Sequence[int], stop: Sequence[str]) -> bool:
+        """True when the window's text certainly holds none of `stop`, from what is known now
+        (no request): False until calibrated, or when a token's text alone is unknown."""
+        if not self.enabled or self._agreed < CALIBRATION_WINDOWS:
+            return False
+        joined = self._joined(window)
+        return joined is not None and not any(_squeezed(s) in joined for s in stop)  # "" is in every text
 
     def observe(self, windows: Sequence[Sequence[int]], texts: Sequence[str | None]) -> None:
         """The decoded texts of windows `needed` asked for: they check the filter's premise."""

@@ -238,6 +238,9 @@ class LockstepScheduler:
         record_rows(sequences, step, self._eos_ids, self._max_len, theta, t)
         self._table.decided(ready, step.token_ids.tolist())
         checking = [live for live in ready if live.seq.params.stop and not live.done]
+        if checking:  # most checks are settled here, from the tokens' own texts (coordinator/stop_filter.py)
+            unsettled = self._delivery.unsettled([live.seq for live in checking])
+            checking = [live for live, needs_check in zip(checking, unsettled) if needs_check]
         if checking:  # the servers have the token already; the sequence's next one waits for the check
             self._table.hold(checking)
             self.spawn(self._check_stop_strings(checking))

@@ -179,3 +179,26 @@ async def test_a_tokenizer_that_breaks_the_premise_turns_the_filter_off_and_stop
     assert seq.finish_reason == "stop_string" and n == 92
     assert "every stop-string check is decoded by the server" in caplog.text
     assert sum(len(call) > 1 for call in decoder.calls) >= 90  # every window decoded after that
+
+
+async def test_once_calibrated_checks_are_settled_synchronously_where_the_tokens_texts_allow():
+    decoder = Decoder()
+    stats = Statistics()
+    delivery = Delivery(decoder, stats)  # type: ignore[arg-type]
+    seq = sequence("xyz")
+    assert delivery.unsettled([seq]) == [True]  # nothing known yet: the check must run
+    for token in [i % 20 for i in range(40)]:  # a..t: calibrates, every id known
+        seq.tokens.append(token)
+        await delivery.check_stop_strings([seq])
+    calls = len(decoder.calls)
+    seq.tokens.append(23)  # "x": known? not yet, so unsettled
+    assert delivery.unsettled([seq]) == [True]
+    await delivery.check_stop_strings([seq])  # learns "x" alone; "x" cannot make "xyz": not decoded as a window
+    assert decoder.calls[calls:] == [[23]]
+    seq.tokens.append(0)
+    checks = stats.stop_checks
+    assert delivery.unsettled([seq]) == [False] and stats.stop_checks == checks + 1  # settled, no request
+    assert len(decoder.calls) == calls + 1
+    seq.tokens[-1:] = [24, 25]  # "...xyz"
+    await delivery.check_stop_strings([seq])  # learns y and z alone, then decodes the window
+    assert delivery.unsettled([seq]) == [True] and seq.finish_reason == "stop_string"
