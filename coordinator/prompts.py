@@ -48,7 +48,8 @@ async def encode_prompts(
 ) -> list[tuple[list[int], list[int]]]:
     """Token ids of every prompt for each model; text is tokenized by that model's server,
     once per distinct text: RL calls repeat each prompt for its group of samples (GRPO's G),
-    and every /tokenize is an HTTP request (about 0.4 ms of coordinator CPU here)."""
+    and every /tokenize is an HTTP request (with 8 samples a prompt, a sequence's own CPU fell
+    from 1.61-2.01 to 0.97-1.56 ms: benchmarks/sequence_overhead.py, benchmarks/README.md)."""
     parts = [split_prompt(i, p) for i, p in enumerate(prompts)]
     limits = {id(engine): asyncio.Semaphore(MAX_CONCURRENT_TOKENIZE) for engine in (theta, t)}
     texts: dict[tuple[int, str], asyncio.Future[list[int]]] = {}  # (engine, text) -> its ids
