@@ -29,6 +29,11 @@ def stop_window(stops: Sequence[str]) -> int:
     return STOP_WINDOW_TOKENS_PER_CHAR * max(map(len, stops)) + STOP_WINDOW_MARGIN
 
 
+def _window(seq: SequenceState) -> list[int]:
+    """The tokens a stop-string check decodes: the newest `stop_window` of the text's."""
+    return seq.tokens_for_text()[-stop_window(seq.params.stop):]
+
+
 def _has_stop(seq: SequenceState, text: str) -> bool:
     return any(stop in text for stop in seq.params.stop)
 
@@ -54,7 +59,7 @@ class Delivery:
         and cut, on the whole text: a window's first characters can differ from the whole
         text's (a character split across its edge), never its last ones.
         """
-        windows = [seq.tokens_for_text()[-stop_window(seq.params.stop):] for seq in sequences]
+        windows = [_window(seq) for seq in sequences]
         # Most windows cannot hold a stop string, and their tokens' own texts show it
         # (coordinator/stop_filter.py): only the others are decoded.
         needed = await self._filter.needed(windows, [seq.params.stop for seq in sequences])
@@ -72,8 +77,7 @@ class Delivery:
     def unsettled(self, sequences: list[SequenceState]) -> list[bool]:
         """Per sequence: whether its newest token's stop-string check needs `check_stop_strings`
         (a request); the others' checks are settled here, synchronously, by the pre-filter."""
-        unsettled = [not self._filter.settled(seq.tokens_for_text()[-stop_window(seq.params.stop):], seq.params.stop)
-                     for seq in sequences]
+        unsettled = [not self._filter.settled(_window(seq), seq.params.stop) for seq in sequences]
         self._stats.stop_checks += unsettled.count(False)
         return unsettled
 
