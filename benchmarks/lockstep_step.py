@@ -4,7 +4,7 @@
     python benchmarks/lockstep_step.py --batch 256 --steps 200 --repeats 7
 
 Per step, as the lockstep scheduler does it: both servers' reports into the table
-(`LockstepTable.report`), the ready rows gathered (`topk`), merged, alpha* solved and sampled
+(`LockstepTable.report`), the ready rows gathered (`gather`), merged, alpha* solved and sampled
 (`sample_rows`, the compiled kernel), the records (`record_rows`), the answers (`decided`) and
 the replies (`replies`). The rows are the synthetic top-20 rows of coordinator_capacity.py.
 What this leaves out, and coordinator_capacity.py includes: zmq, the event loop, starting
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from coordinator.config import CoordinatorConfig
-from coordinator.lockstep.table import THETA, T, Live, LockstepTable
+from coordinator.lockstep.table import THETA, T, Live, LockstepTable, gather
 from coordinator.scheduler import record_rows, sample_rows
 from coordinator.sequence import SamplingParams, SequenceState
 from engines.vllm_plugin import wire
@@ -68,7 +68,7 @@ def measure(batch: int, steps: int, top_k: int) -> float:
                                logprobs=rows[role][1][pick]) for role in (THETA, T)]
         started = time.thread_time()
         ready = [live for role in (THETA, T) for live in table.report(b"%d" % role, reports[role], 0.0)[1]]
-        theta, t = table.topk(ready, THETA), table.topk(ready, T)
+        theta, t = gather(ready, THETA), gather(ready, T)
         sequences = [live.seq for live in ready]
         result = sample_rows(sequences, theta, t, config, VOCAB)
         record_rows(sequences, result, frozenset({0}), 10**6, theta, t)

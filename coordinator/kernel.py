@@ -44,46 +44,33 @@ def merge_rows(ids_theta, lp_theta, ids_t, lp_t, fill, floor, vocab_size,
     `vocab_size` < 0: unknown."""
     batch, w1 = ids_theta.shape
     w2 = ids_t.shape[1]
-    keys = np.empty(w1 + w2, np.int64)  # id * 2 + model (0 base, 1 teacher): one sort pairs them
-    vals = np.empty(w1 + w2, np.float64)
+    # Each model's entries sorted by id, then one pass pairs them: two sorts of k entries
+    # cost about half of one sort of 2k (insertion sort's work grows with the square).
+    keys_theta, vals_theta = np.empty(w1, np.int64), np.empty(w1, np.float64)
+    keys_t, vals_t = np.empty(w2, np.int64), np.empty(w2, np.float64)
     for b in range(batch):
-        m = 0
-        mass_theta, smallest_theta, reported_theta = 0.0, np.inf, 0
-        for j in range(w1):
-            if ids_theta[b, j] != PAD:
-                keys[m], vals[m] = ids_theta[b, j] * 2, lp_theta[b, j]
-                m += 1
-                mass_theta += math.exp(lp_theta[b, j])
-                smallest_theta = min(smallest_theta, lp_theta[b, j])
-                reported_theta += 1
-        mass_t, smallest_t, reported_t = 0.0, np.inf, 0
-        for j in range(w2):
-            if ids_t[b, j] != PAD:
-                keys[m], vals[m] = ids_t[b, j] * 2 + 1, lp_t[b, j]
-                m += 1
-                mass_t += math.exp(lp_t[b, j])
-                smallest_t = min(smallest_t, lp_t[b, j])
-                reported_t += 1
-        _sort_pairs(keys, vals, m)
-        n, i = 0, 0
-        while i < m:
-            key = keys[i]
-            token_ids[b, n] = key >> 1
-            if key & 1 == 0:  # the base reported it; the teacher too if the next key has its id
-                raw_theta[b, n], rep_theta[b, n] = vals[i], True
-                if i + 1 < m and keys[i + 1] >> 1 == key >> 1:
-                    raw_t[b, n], rep_t[b, n] = vals[i + 1], True
-                    i += 1
-                else:
-                    rep_t[b, n] = False
-            else:
-                raw_t[b, n], rep_t[b, n], rep_theta[b, n] = vals[i], True, False
-            i += 1
+        m1, mass_theta, smallest_theta = _sorted_entries(ids_theta[b], lp_theta[b], keys_theta, vals_theta)
+        m2, mass_t, smallest_t = _sorted_entries(ids_t[b], lp_t[b], keys_t, vals_t)
+        n, i, j = 0, 0, 0
+        while i < m1 or j < m2:
+            if j == m2 or (i < m1 and keys_theta[i] < keys_t[j]):  # the base's alone
+                token_ids[b, n], raw_theta[b, n] = keys_theta[i], vals_theta[i]
+                rep_theta[b, n], rep_t[b, n] = True, False
+                i += 1
+            elif i == m1 or keys_t[j] < keys_theta[i]:  # the teacher's alone
+                token_ids[b, n], raw_t[b, n] = keys_t[j], vals_t[j]
+                rep_theta[b, n], rep_t[b, n] = False, True
+                j += 1
+            else:  # both reported it
+                token_ids[b, n], raw_theta[b, n], raw_t[b, n] = keys_theta[i], vals_theta[i], vals_t[j]
+                rep_theta[b, n], rep_t[b, n] = True, True
+                i += 1
+                j += 1
             n += 1
         counts[b] = n
         cov_theta[b], cov_t[b] = min(mass_theta, 1.0), min(mass_t, 1.0)
-        missing_theta = vocab_size - reported_theta if vocab_size >= 0 else n - reported_theta
-        missing_t = vocab_size - reported_t if vocab_size >= 0 else n - reported_t
+        missing_theta = vocab_size - m1 if vocab_size >= 0 else n - m1
+        missing_t = vocab_size - m2 if vocab_size >= 0 else n - m2
         value_theta = _fill_value(fill, floor, smallest_theta, cov_theta[b], missing_theta)
         value_t = _fill_value(fill, floor, smallest_t, cov_t[b], missing_t)
         for j in range(n):
@@ -97,16 +84,24 @@ def merge_rows(ids_theta, lp_theta, ids_t, lp_t, fill, floor, vocab_size,
 
 
 @_jit
-def _sort_pairs(keys, vals, m):
-    """Sort keys[:m] ascending, carrying vals along. Insertion sort: a row holds at most 2k
-    entries (k ~ 20), where it beats a general sort's set-up several times over."""
-    for i in range(1, m):
-        key, val = keys[i], vals[i]
-        j = i - 1
-        while j >= 0 and keys[j] > key:
-            keys[j + 1], vals[j + 1] = keys[j], vals[j]
-            j -= 1
-        keys[j + 1], vals[j + 1] = key, val
+def _sorted_entries(ids, logprobs, keys, vals):
+    """One model's reported entries of a row (PAD skipped) into keys/vals, sorted by id ->
+    (how many, their probability mass, the smallest logprob). Insertion sort: a row holds
+    at most k entries (k ~ 20), where it beats a general sort's set-up several times over."""
+    m, mass, smallest = 0, 0.0, np.inf
+    for j in range(ids.shape[0]):
+        if ids[j] == PAD:
+            continue
+        key, val = ids[j], logprobs[j]
+        mass += math.exp(val)
+        smallest = min(smallest, val)
+        i = m - 1
+        while i >= 0 and keys[i] > key:
+            keys[i + 1], vals[i + 1] = keys[i], vals[i]
+            i -= 1
+        keys[i + 1], vals[i + 1] = key, val
+        m += 1
+    return m, mass, smallest
 
 
 @_jit

@@ -24,6 +24,7 @@ from coordinator.delivery import Delivery
 from coordinator.lockstep.placement import Placement
 from coordinator.lockstep.requests import Requests
 from coordinator.lockstep.shell import Shell
+from coordinator.lockstep import waits
 from coordinator.lockstep.table import ROLES, Live, LockstepTable, Stream
 from coordinator.sequence import SequenceState
 
@@ -88,7 +89,7 @@ class Admission:
                 self._start()
             return
         targets = self._placement.servers()
-        if not targets <= self._table.blocked_servers() | self._table.busy_servers():  # one would never block here
+        if not targets <= waits.blocked_servers(self._table) | waits.busy_servers(self._table):  # one would never block here
             self._start()
         if self.room() and not self.gate.armed:
             self.gate.arm()
@@ -97,7 +98,7 @@ class Admission:
     async def open_gate(self, *, force: bool = False) -> None:
         """Start the waiting sequences if both servers are blocked here (or `force`), and hold
         the servers' replies (`_hold`)."""
-        if not self.gate.armed or not (force or self._placement.servers() <= self._table.blocked_servers()):
+        if not self.gate.armed or not (force or self._placement.servers() <= waits.blocked_servers(self._table)):
             return
         started = []
         while self.room() and not self._holding():

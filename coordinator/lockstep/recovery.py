@@ -114,7 +114,7 @@ class Recovery:
         sequences there."""
         self.take_off(live)
         if self._placement.take_out(role, engine, error):
-            for other in self._table.on_servers([engine.url]):
+            for other in [live for live in self._table.live if any(e.url == engine.url for e in live.engines)]:  # its other sequences
                 self.take_off(other)
             return
         if engine.url in self.dead:

@@ -6,7 +6,8 @@ token of every position. No request per token: vLLM's per-request work (front en
 scheduling set-up, logprob serialization) is paid once per sequence.
 
 The parts:
-- table.py: the rules (pairing rows, answering reports, deadlocks, parks, divergence), sans-IO;
+- table.py: the rules (pairing rows, answering reports, parks, divergence), sans-IO;
+- waits.py: who waits on whom (deadlocks, stalls), sans-IO;
 - requests.py: the servers' streams; placement.py: which replica runs a sequence;
 - admission.py: when a waiting sequence starts (both servers admit it in the same step);
 - recovery.py: a stream that ended before its sequence (resubmission, failover, restarts);
@@ -33,7 +34,8 @@ from coordinator.lockstep.placement import Placement
 from coordinator.lockstep.probe import probe_plugin
 from coordinator.lockstep.recovery import Recovery
 from coordinator.lockstep.requests import Requests
-from coordinator.lockstep.table import THETA, T, Live, LockstepTable
+from coordinator.lockstep import waits
+from coordinator.lockstep.table import THETA, T, Live, LockstepTable, gather
 from coordinator.scheduler import record_rows, sample_rows
 from coordinator.sequence import SequenceState
 from coordinator.stats import Statistics, StepTiming
@@ -223,7 +225,7 @@ class LockstepScheduler:
     async def settle(self) -> None:
         """After any change: break a deadlock, start what can start, answer what is decided.
         While an admission round holds the servers they wait on us, not on each other."""
-        if not self._admission.held_rounds and self._table.break_deadlock():
+        if not self._admission.held_rounds and waits.break_deadlock(self._table):
             self._recovery.resubmit_parked()
         self._admission.admit()
         await self._admission.open_gate()
@@ -232,7 +234,7 @@ class LockstepScheduler:
     def _decide(self, ready: list[Live]) -> None:
         """Sample the next token of every sequence whose two rows are in, and answer both rows."""
         started = time.perf_counter()
-        theta, t = self._table.topk(ready, THETA), self._table.topk(ready, T)
+        theta, t = gather(ready, THETA), gather(ready, T)
         sequences = [live.seq for live in ready]
         step = sample_rows(sequences, theta, t, self._config, self._vocab_size)
         record_rows(sequences, step, self._eos_ids, self._max_len, theta, t)
@@ -293,7 +295,7 @@ class LockstepScheduler:
             async with self.lock:
                 if not self._recovery.holding and self._admission.room():
                     await self.settle()
-                waited = self._table.park_stalled(time.perf_counter(), limit)
+                waited = waits.park_stalled(self._table, time.perf_counter(), limit)
                 for wait_s in waited:
                     log.info("a lockstep report waited %.2f s on rows the other server has not reached; "
                              "parking them", wait_s)

@@ -15,18 +15,16 @@ The rules, per plugin report (one per server decode step):
   divergence and fails its sequence only.
 - a report is answered when all of its rows are decided: the server waits for all of them
   anyway, so one server may run a step ahead of the other on some sequences.
-- deadlock: every server in a set waits here on a row that must come from a server in the
-  set, so nothing else will arrive (exact). The report with the fewest undecidable rows
-  has them *parked*: answered END, and their sequences resent from their agreed tokens.
-  A report left waiting past the stall limit on a server that is not waiting is parked
-  the same way.
+- a *parked* report has its undecided rows answered END and their sequences resent from
+  their agreed tokens: how a deadlock or a stall is broken (coordinator/lockstep/waits.py
+  finds them, `park` carries it out).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -269,34 +267,6 @@ class LockstepTable:
             blocked.server = engine.url
         return blocked, [live for live in ready if not live.done]
 
-    def topk(self, ready: list[Live], role: int) -> TopKBatch:
-        """The waiting rows of `role` of the ready sequences, in their order: one gather per report
-        they came in (usually one, and often every row of it in order: no gather)."""
-        pairs = [live.rows[role] for live in ready]
-        first = pairs[0][0]  # type: ignore[index]
-        if all(pair[0] is first for pair in pairs):  # type: ignore[index]
-            rows = [pair[1] for pair in pairs]  # type: ignore[index]
-            report = first.report
-            if len(rows) == len(report.ids) and rows == list(range(len(rows))):
-                return TopKBatch(token_ids=report.token_ids.astype(np.int64),
-                                 logprobs=report.logprobs.astype(np.float64))
-            return TopKBatch(token_ids=report.token_ids[rows].astype(np.int64),
-                             logprobs=report.logprobs[rows].astype(np.float64))
-        groups: dict[Blocked, tuple[list[int], list[int]]] = {}  # report -> (places in `ready`, its rows)
-        for place, live in enumerate(ready):
-            blocked, i = live.rows[role]  # type: ignore[misc]
-            places, rows = groups.setdefault(blocked, ([], []))
-            places.append(place)
-            rows.append(i)
-        width = max(blocked.report.token_ids.shape[1] for blocked in groups)
-        ids = np.full((len(ready), width), PAD_TOKEN_ID, dtype=np.int64)
-        logprobs = np.full((len(ready), width), -np.inf)
-        for blocked, (places, rows) in groups.items():
-            k = blocked.report.token_ids.shape[1]
-            ids[places, :k] = blocked.report.token_ids[rows]
-            logprobs[places, :k] = blocked.report.logprobs[rows]
-        return TopKBatch(token_ids=ids, logprobs=logprobs)
-
     def decided(self, ready: list[Live], tokens: list[int]) -> None:
         """Answer both rows of each ready sequence with its token (END if the token finished it):
         one vectorized write per pair of reports the rows came in (usually one pair)."""
@@ -368,58 +338,9 @@ class LockstepTable:
                 if row is not None and row[0] is blocked:
                     live.rows[role] = None
 
-    # -- who waits on whom ---------------------------------------------------------------
+    # -- parks (coordinator/lockstep/waits.py finds what to park) -------------------------
 
-    def blocked_servers(self) -> set[str]:
-        return {blocked.server for blocked in self.blocked.values() if blocked.server is not None}
-
-    def busy_servers(self) -> set[str]:
-        """Servers running a stream of this coordinator."""
-        return {stream.engine.url for stream in self.streams.values() if not stream.retired}
-
-    def deadlocked(self) -> set[str]:
-        """Servers waiting here that nothing will free: each waits on a row that must come
-        from a server that is itself waiting here, and so cannot report it before it is
-        answered. Exact. With one server per role: both servers wait with undecided rows."""
-        waiting = [blocked for blocked in self.blocked.values()
-                   if blocked.server is not None and (blocked.answers == UNSET).any()]
-        if not waiting:
-            return set()
-        needs: dict[str, set[str | None]] = {}
-        for blocked in waiting:
-            needs.setdefault(blocked.server, set()).update(blocked.needs)  # type: ignore[arg-type]
-        if not _stuck(needs):  # the rows' servers as they arrived (a superset) free every server
-            return set()
-        waits_on: dict[str, set[str | None]] = {}  # waiting server -> servers its undecided rows need
-        for blocked in waiting:
-            needed = waits_on.setdefault(blocked.server, set())  # type: ignore[arg-type]
-            for i in blocked.undecided().tolist():
-                stream = self.streams.get(int(blocked.report.ids[i]))
-                if stream is not None and stream.live.checking:  # decided once its check ends, by no server
-                    continue
-                other = stream.live.streams[1 - stream.role] if stream is not None else None
-                needed.add(other.engine.url if other is not None and not other.retired else None)
-        return _stuck(waits_on)
-
-    def break_deadlock(self) -> bool:
-        """Park the report with the fewest undecidable rows among deadlocked servers -> whether
-        there was a deadlock."""
-        stuck = self.deadlocked()
-        if not stuck:
-            return False
-        undecided = {identity: b.undecided().size for identity, b in self.blocked.items() if b.server in stuck}
-        identity = min((i for i in undecided if undecided[i]), key=undecided.__getitem__)
-        self._park(self.blocked[identity])
-        return True
-
-    def park_stalled(self, now: float, limit_s: float) -> list[float]:
-        """Park every report waiting longer than `limit_s` on undecided rows -> how long each waited."""
-        stalled = [b for b in self.blocked.values() if now - b.arrived > limit_s and b.undecided().size]
-        for blocked in stalled:
-            self._park(blocked)
-        return [now - blocked.arrived for blocked in stalled]
-
-    def _park(self, blocked: Blocked) -> None:
+    def park(self, blocked: Blocked) -> None:
         """END the undecided rows of `blocked` and resend their sequences from the agreed tokens."""
         for i in blocked.undecided().tolist():
             blocked.answers[i] = wire.END
@@ -433,11 +354,6 @@ class LockstepTable:
             if not live.done:
                 self.out.resubmit.append((live, stream.role))
 
-    def on_servers(self, urls: Iterable[str]) -> list[Live]:
-        """The placed sequences running on any of `urls`."""
-        urls = set(urls)
-        return [live for live in self._live if any(e.url in urls for e in live.engines)]
-
 
 def _answer(reports: tuple[Blocked, Blocked], theta_rows: list[int], t_rows: list[int], answers: list[int]) -> None:
     """Write a run of decided rows' answers into the pair of reports they came in, and link the two."""
@@ -448,12 +364,30 @@ def _answer(reports: tuple[Blocked, Blocked], theta_rows: list[int], t_rows: lis
     t_blocked.partners.add(theta_blocked)
 
 
-def _stuck(waits_on: dict[str, set[str | None]]) -> set[str]:
-    """The waiting servers left after freeing, again and again, every one all of whose rows
-    need servers that are not (or no longer) stuck."""
-    stuck = set(waits_on)
-    while True:
-        free = {server for server in stuck if not waits_on[server] & stuck}
-        if not free:
-            return stuck
-        stuck -= free
+def gather(ready: list[Live], role: int) -> TopKBatch:
+    """The waiting rows of `role` of the ready sequences, in their order: one gather per report
+    they came in (usually one, and often every row of it in order: no gather)."""
+    pairs = [live.rows[role] for live in ready]
+    first = pairs[0][0]  # type: ignore[index]
+    if all(pair[0] is first for pair in pairs):  # type: ignore[index]
+        rows = [pair[1] for pair in pairs]  # type: ignore[index]
+        report = first.report
+        if len(rows) == len(report.ids) and rows == list(range(len(rows))):
+            return TopKBatch(token_ids=report.token_ids.astype(np.int64),
+                             logprobs=report.logprobs.astype(np.float64))
+        return TopKBatch(token_ids=report.token_ids[rows].astype(np.int64),
+                         logprobs=report.logprobs[rows].astype(np.float64))
+    groups: dict[Blocked, tuple[list[int], list[int]]] = {}  # report -> (places in `ready`, its rows)
+    for place, live in enumerate(ready):
+        blocked, i = live.rows[role]  # type: ignore[misc]
+        places, rows = groups.setdefault(blocked, ([], []))
+        places.append(place)
+        rows.append(i)
+    width = max(blocked.report.token_ids.shape[1] for blocked in groups)
+    ids = np.full((len(ready), width), PAD_TOKEN_ID, dtype=np.int64)
+    logprobs = np.full((len(ready), width), -np.inf)
+    for blocked, (places, rows) in groups.items():
+        k = blocked.report.token_ids.shape[1]
+        ids[places, :k] = blocked.report.token_ids[rows]
+        logprobs[places, :k] = blocked.report.logprobs[rows]
+    return TopKBatch(token_ids=ids, logprobs=logprobs)

@@ -1051,13 +1051,13 @@ async def test_two_servers_deadlocked_apart_from_the_others_are_parked_while_the
     pools = PoolRig(rig, theta=[{}, {"admit": admit_only_once(3)}], t=[{}, {"admit": admit_only_once(5)}])
     others_steps: list[int] = []  # theta0's decode steps when each park happened
     table = pools.scheduler._table
-    park = table._park
+    park = table.park
 
     def watched_park(blocked):
         others_steps.append(pools.replicas[0][0].steps)
         park(blocked)
 
-    table._park = watched_park  # type: ignore[method-assign]
+    table.park = watched_park  # type: ignore[method-assign]
     sequences = make_sequences(6, max_tokens=12)
     outputs = await generate(pools.scheduler, sequences)
 

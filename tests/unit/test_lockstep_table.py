@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from coordinator.sequence import SamplingParams
+from coordinator.lockstep import waits
 from coordinator.lockstep.table import THETA, T, UNSET, Live, LockstepTable
 from coordinator.sequence import SequenceState
 from engines.vllm_plugin import wire
@@ -162,19 +163,19 @@ def test_crossed_admission_is_a_deadlock_and_the_smaller_report_is_parked():
     rig = Rig(3)
     rig.report(b"theta", THETA, [(0, 0), (1, 0)])
     rig.report(b"t", T, [(2, 0)])
-    assert rig.table.deadlocked() == {BASE.url, TEACHER.url}
-    assert rig.table.break_deadlock()
+    assert waits.deadlocked(rig.table) == {BASE.url, TEACHER.url}
+    assert waits.break_deadlock(rig.table)
     assert rig.table.out.resubmit == [(rig.lives[2], T)]  # the teacher's one row, not the base's two
     assert rig.lives[2].streams[T] is not None and rig.lives[2].streams[T].retired
     assert rig.table.counters.parks == 1
     assert [identity for identity, _, answers in rig.table.replies(1.0)] == [b"t"]
-    assert rig.table.deadlocked() == set()  # the teacher runs again: not stuck
+    assert waits.deadlocked(rig.table) == set()  # the teacher runs again: not stuck
 
 
 def test_a_server_that_has_not_reported_is_not_deadlocked():
     rig = Rig(2)
     rig.report(b"theta", THETA, [(0, 0), (1, 0)])  # the teacher is still decoding its step
-    assert rig.table.deadlocked() == set() and not rig.table.break_deadlock()
+    assert waits.deadlocked(rig.table) == set() and not waits.break_deadlock(rig.table)
 
 
 def test_only_the_deadlocked_pair_of_replicas_is_stuck():
@@ -183,7 +184,7 @@ def test_only_the_deadlocked_pair_of_replicas_is_stuck():
     rig.report(b"theta1", THETA, [(1, 0)])
     rig.report(b"t1", T, [(3, 0)])
     rig.report(b"theta", THETA, [(0, 0), (2, 0)])  # the first pair's teacher is still decoding
-    assert rig.table.deadlocked() == {other_base.url, other_teacher.url}
+    assert waits.deadlocked(rig.table) == {other_base.url, other_teacher.url}
 
 
 def test_a_report_waiting_past_the_stall_limit_is_parked():
@@ -191,8 +192,8 @@ def test_a_report_waiting_past_the_stall_limit_is_parked():
     rig.report(b"theta", THETA, [(0, 0), (1, 0)], now=10.0)
     _, ready = rig.report(b"t", T, [(0, 0)], now=10.5)
     rig.decide(ready)
-    assert rig.table.park_stalled(now=11.0, limit_s=2.0) == []
-    assert rig.table.park_stalled(now=12.5, limit_s=2.0) == [2.5]
+    assert waits.park_stalled(rig.table, now=11.0, limit_s=2.0) == []
+    assert waits.park_stalled(rig.table, now=12.5, limit_s=2.0) == [2.5]
     assert rig.table.out.resubmit == [(rig.lives[1], THETA)]
     assert rig.table.replies(12.5)[0][2].tolist() == [5, wire.END]
 
@@ -232,7 +233,7 @@ def test_a_sequence_whose_stop_strings_are_checked_waits_and_is_no_deadlock():
     _, ready = rig.report(b"t", T, [(0, 0), (1, 0)])
     assert ready == [rig.lives[1]]  # both rows of sequence 0 are in, but it waits for its check
     rig.decide(ready)
-    assert rig.table.deadlocked() == set()  # the check will decide it, not a server
+    assert waits.deadlocked(rig.table) == set()  # the check will decide it, not a server
     assert rig.table.release([rig.lives[0]]) == [rig.lives[0]]
 
 
