@@ -60,10 +60,9 @@ class LockstepChannel:
     def reply(self, identity: bytes, step: int, tokens: np.ndarray) -> None:
         # Frame by frame with int flags (send_multipart combines zmq's flag enums per frame),
         # copied (a reply is 8 bytes a row: zero-copy frames cost more to set up than to copy).
-        header, body = wire.encode_reply(step, tokens)
+        (message,) = wire.encode_reply(step, tokens)
         self._socket.send(identity, _NOBLOCK | _SNDMORE)
-        self._socket.send(header, _NOBLOCK | _SNDMORE)
-        self._socket.send(body, _NOBLOCK)
+        self._socket.send(message, _NOBLOCK)
 
     def close(self) -> None:
         if self._watcher is not None and not self._watcher.is_closed():

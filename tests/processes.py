@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -22,6 +24,7 @@ TERM_GRACE_S = 60.0
 KILL_WAIT_S = 30.0
 
 _started: list[subprocess.Popen] = []
+REPO = Path(__file__).resolve().parents[1]
 
 
 def start(command: list[str], **kw: Any) -> subprocess.Popen:
@@ -29,6 +32,13 @@ def start(command: list[str], **kw: Any) -> subprocess.Popen:
     process = subprocess.Popen(command, **kw)
     _started.append(process)
     return process
+
+
+def dualvllm(*args: str, **kw: Any) -> subprocess.Popen:
+    """`dualvllm ARGS` in a subprocess (output piped unless `kw` says otherwise), started as above."""
+    kw = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, **kw}
+    return start([sys.executable, "-m", "dualvllm", *args], cwd=REPO,
+                 env={**os.environ, "PYTHONUNBUFFERED": "1"}, **kw)
 
 
 def end_started() -> list[str]:

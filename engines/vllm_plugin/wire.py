@@ -1,5 +1,5 @@
-"""The lockstep messages between the vLLM plugin and the coordinator: zmq multipart frames
-of raw little-endian numpy buffers, no JSON.
+"""The lockstep messages between the vLLM plugin and the coordinator: one zmq frame each, raw
+little-endian numpy buffers one after the other, no JSON.
 
 Report (plugin -> coordinator), one per decode step and coordinator, rows in batch order:
 
@@ -12,12 +12,17 @@ Report (plugin -> coordinator), one per decode step and coordinator, rows in bat
 
 Reply (coordinator -> plugin), answering one report:
 
-    header     struct <III    version, step (echoed), rows n
+    header     struct <IIIxxxx version, step (echoed), rows n, 4 bytes of padding (so that
+                               the tokens start 8-byte aligned)
     tokens     int64 [n]      the token each row must emit, or END (-1): emit the
                               request's stop token, which ends it
 
 `step` counts a plugin's reports to one coordinator; a reply to an older step (one that
 arrived after the plugin gave up waiting) is recognised and dropped.
+
+One frame, not one per array: each frame costs a send, a receive and a "more?" test on both
+sides whatever its size, and at a few rows a message that per-frame work was most of the
+message's cost (measured in benchmarks/README.md, coordinator_capacity.py).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-VERSION = 1
+VERSION = 2  # 2: one frame per message (1: one frame per array)
 END = -1  # reply token: end this request (the plugin forces its stop token)
 FLAG_CHUNKED_PREFILL = 1  # the server may split prompts over steps: lockstep is unsafe there
 
@@ -40,7 +45,7 @@ ARG_STOP = "dualvllm_stop"  # the stop token id forced for END (in the request's
 ARGS = (ARG_ADDRESS, ARG_ID, ARG_OFFSET, ARG_TOP_K, ARG_STOP)
 
 _REPORT_HEADER = struct.Struct("<IIIIII")
-_REPLY_HEADER = struct.Struct("<III")
+_REPLY_HEADER = struct.Struct("<IIIxxxx")
 
 
 @dataclass(frozen=True)
@@ -81,40 +86,50 @@ class Report:
 
 
 def encode_report(step: int, flags: int, capacity: int, ids: np.ndarray, positions: np.ndarray,
-                  token_ids: np.ndarray, logprobs: np.ndarray) -> list[bytes | memoryview]:
+                  token_ids: np.ndarray, logprobs: np.ndarray) -> list[bytes]:
+    """The report's frames (one)."""
     n, k = token_ids.shape
-    return [_REPORT_HEADER.pack(VERSION, step, n, k, flags, capacity),
-            np.ascontiguousarray(ids, dtype="<i8").data, np.ascontiguousarray(positions, dtype="<i8").data,
-            np.ascontiguousarray(token_ids, dtype="<i4").data, np.ascontiguousarray(logprobs, dtype="<f4").data]
+    return [b"".join((_REPORT_HEADER.pack(VERSION, step, n, k, flags, capacity),
+                      np.ascontiguousarray(ids, dtype="<i8").data, np.ascontiguousarray(positions, dtype="<i8").data,
+                      np.ascontiguousarray(token_ids, dtype="<i4").data,
+                      np.ascontiguousarray(logprobs, dtype="<f4").data))]
 
 
 def decode_report(frames: list[bytes]) -> Report:
-    if len(frames) != 5 or len(frames[0]) != _REPORT_HEADER.size:
-        raise WireError(f"a report has 5 frames and a {_REPORT_HEADER.size}-byte header; got {len(frames)} frames")
-    version, step, n, k, flags, capacity = _REPORT_HEADER.unpack(frames[0])
+    """A report from its frames (the sender's identity removed); WireError if malformed."""
+    if len(frames) != 1 or len(frames[0]) < _REPORT_HEADER.size:
+        raise WireError(f"a report is one frame of at least {_REPORT_HEADER.size} bytes; got {len(frames)} frames "
+                        f"of {[len(f) for f in frames]} bytes")
+    frame = frames[0]
+    version, step, n, k, flags, capacity = _REPORT_HEADER.unpack_from(frame)
     _check_version(version)
-    sizes = (8 * n, 8 * n, 4 * n * k, 4 * n * k)
-    if tuple(len(f) for f in frames[1:]) != sizes:
-        raise WireError(f"report frames of {[len(f) for f in frames[1:]]} bytes for {n} rows of top-{k}")
+    expected = _REPORT_HEADER.size + 16 * n + 8 * n * k
+    if len(frame) != expected:
+        raise WireError(f"a report of {n} rows of top-{k} has {expected} bytes; got {len(frame)}")
+    at = _REPORT_HEADER.size
     return Report(step=step, flags=flags, capacity=capacity,
-                  ids=np.frombuffer(frames[1], dtype="<i8"), positions=np.frombuffer(frames[2], dtype="<i8"),
-                  token_ids=np.frombuffer(frames[3], dtype="<i4").reshape(n, k),
-                  logprobs=np.frombuffer(frames[4], dtype="<f4").reshape(n, k))
+                  ids=np.frombuffer(frame, dtype="<i8", count=n, offset=at),
+                  positions=np.frombuffer(frame, dtype="<i8", count=n, offset=at + 8 * n),
+                  token_ids=np.frombuffer(frame, dtype="<i4", count=n * k, offset=at + 16 * n).reshape(n, k),
+                  logprobs=np.frombuffer(frame, dtype="<f4", count=n * k, offset=at + 16 * n + 4 * n * k).reshape(n, k))
 
 
-def encode_reply(step: int, tokens: np.ndarray) -> list[bytes | memoryview]:
-    return [_REPLY_HEADER.pack(VERSION, step, len(tokens)), np.ascontiguousarray(tokens, dtype="<i8").data]
+def encode_reply(step: int, tokens: np.ndarray) -> list[bytes]:
+    """The reply's frames (one)."""
+    return [_REPLY_HEADER.pack(VERSION, step, len(tokens)) + np.ascontiguousarray(tokens, dtype="<i8").tobytes()]
 
 
 def decode_reply(frames: list[bytes]) -> tuple[int, np.ndarray]:
-    """(step, tokens int64 [n])."""
-    if len(frames) != 2 or len(frames[0]) != _REPLY_HEADER.size:
-        raise WireError(f"a reply has 2 frames and a {_REPLY_HEADER.size}-byte header; got {len(frames)} frames")
-    version, step, n = _REPLY_HEADER.unpack(frames[0])
+    """(step, tokens int64 [n]); WireError if malformed."""
+    if len(frames) != 1 or len(frames[0]) < _REPLY_HEADER.size:
+        raise WireError(f"a reply is one frame of at least {_REPLY_HEADER.size} bytes; got {len(frames)} frames "
+                        f"of {[len(f) for f in frames]} bytes")
+    frame = frames[0]
+    version, step, n = _REPLY_HEADER.unpack_from(frame)
     _check_version(version)
-    if len(frames[1]) != 8 * n:
-        raise WireError(f"reply of {len(frames[1])} bytes for {n} rows")
-    return step, np.frombuffer(frames[1], dtype="<i8")
+    if len(frame) != _REPLY_HEADER.size + 8 * n:
+        raise WireError(f"a reply of {n} rows has {_REPLY_HEADER.size + 8 * n} bytes; got {len(frame)}")
+    return step, np.frombuffer(frame, dtype="<i8", count=n, offset=_REPLY_HEADER.size)
 
 
 def _check_version(version: int) -> None:

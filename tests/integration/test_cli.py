@@ -4,30 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests import processes
+from tests.processes import dualvllm
 from tests.waiting import eventually
 from tinymodels.task import problems
 
 REPO = Path(__file__).resolve().parents[2]
 # How often a wait reads the files of a run in progress: often enough, without taking CPU from it.
 FILE_POLL_S = 0.05
-
-
-def dualvllm(*args: str, **kw) -> subprocess.Popen:
-    """`dualvllm ARGS` in a subprocess (output piped unless `kw` says otherwise), ended with
-    everything it started when the test ends, on every path (tests/processes.py)."""
-    kw = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, **kw}
-    return processes.start([sys.executable, "-m", "dualvllm", *args], cwd=REPO,
-                           env={**os.environ, "PYTHONUNBUFFERED": "1"}, **kw)
 
 
 def wait_for(condition, process: subprocess.Popen, what: str, timeout_s: float = 600) -> None:

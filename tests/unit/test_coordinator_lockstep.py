@@ -793,26 +793,26 @@ def other_version(header: bytes) -> bytes:
 
 
 def test_malformed_messages_raise_wire_errors():
-    report = [bytes(f) for f in wire.encode_report(1, 0, 8, np.array([1, 2]), np.array([0, 0]),
-                                                   np.zeros((2, 3), np.int32), np.zeros((2, 3), np.float32))]
-    reply = [bytes(f) for f in wire.encode_reply(1, np.array([4, 5]))]
-    assert struct.unpack_from("<I", report[0])[0] == struct.unpack_from("<I", reply[0])[0] == wire.VERSION
+    (report,) = wire.encode_report(1, 0, 8, np.array([1, 2]), np.array([0, 0]),
+                                   np.zeros((2, 3), np.int32), np.zeros((2, 3), np.float32))
+    (reply,) = wire.encode_reply(1, np.array([4, 5]))
+    assert struct.unpack_from("<I", report)[0] == struct.unpack_from("<I", reply)[0] == wire.VERSION
     with pytest.raises(wire.WireError, match="version"):
-        wire.decode_report([other_version(report[0]), *report[1:]])
+        wire.decode_report([other_version(report)])
     with pytest.raises(wire.WireError, match="version"):
-        wire.decode_reply([other_version(reply[0]), reply[1]])
-    with pytest.raises(wire.WireError):
-        wire.decode_report(report[:4])  # a frame missing
-    with pytest.raises(wire.WireError):
-        wire.decode_report([report[0][:-1], *report[1:]])  # a short header
-    with pytest.raises(wire.WireError):
-        wire.decode_report([*report[:4], report[4][:-4]])  # a truncated logprobs frame
-    with pytest.raises(wire.WireError):
-        wire.decode_reply(reply[:1])
-    with pytest.raises(wire.WireError):
-        wire.decode_reply([reply[0], reply[1][:-8]])  # one row short
-    with pytest.raises(wire.WireError):
-        wire.decode_reply([*reply, b""])
+        wire.decode_reply([other_version(reply)])
+    with pytest.raises(wire.WireError, match="one frame"):
+        wire.decode_report([report[:24], report[24:]])  # the version 1 layout: a frame per array
+    with pytest.raises(wire.WireError, match="one frame"):
+        wire.decode_report([report[:23]])  # a short header
+    with pytest.raises(wire.WireError, match="bytes"):
+        wire.decode_report([report[:-4]])  # truncated logprobs
+    with pytest.raises(wire.WireError, match="bytes"):
+        wire.decode_report([report + b"\0" * 8])  # a row too many
+    with pytest.raises(wire.WireError, match="one frame"):
+        wire.decode_reply([reply, b""])
+    with pytest.raises(wire.WireError, match="bytes"):
+        wire.decode_reply([reply[:-8]])  # one row short
 
 
 async def test_the_channel_reads_queued_reports_in_order_and_routes_each_reply_to_its_sender():

@@ -14,17 +14,11 @@ import math
 
 import pytest
 
-from tests.integration import pairs
 
 torch = pytest.importorskip("torch")
 from training.config import TrainConfig  # noqa: E402
 from training.grpo import train_grpo  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def dev_pair(tmp_path_factory):
-    with pairs.dev_pair(tmp_path_factory.mktemp("train-methods-logs")) as pair:
-        yield pair
 
 
 # id -> (TrainConfig fields, a metric the method logs at every update)

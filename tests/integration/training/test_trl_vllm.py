@@ -1,7 +1,7 @@
 """TRL's GRPOTrainer on q* rollouts from real vLLM servers, its policy pushed back into the base server.
 
-One pair for the module (the shared one is not in dev mode, so it takes no pushes): the
-bundled base in dev mode and the teacher, with the lockstep plugin. In this process: two
+Against the package's dev-mode pair (conftest.py: the bundled base in dev mode and the
+teacher, with the lockstep plugin; the session's shared pair takes no pushes). In this process: two
 optimizer steps, a push before the first and after each, every push verified by logprobs.
 Then `accelerate launch --multi_gpu --num_processes 2` runs examples/trl_grpo.py against the
 same pair for three steps: two processes, DDP on gloo (the script trains with use_cpu=True;
@@ -21,7 +21,6 @@ import pytest
 import tinymodels
 from coordinator import CoordinatorConfig
 from tests import processes
-from tests.integration import pairs
 
 datasets = pytest.importorskip("datasets")
 pytest.importorskip("trl")
@@ -32,17 +31,12 @@ from training.trl_trainer import QStarGRPOConfig, QStarGRPOTrainer  # noqa: E402
 ROWS = [{"prompt": "57+44=", "answer": "101"}, {"prompt": "85+10=", "answer": "59"},
         {"prompt": "45+27=", "answer": "27"}, {"prompt": "90+61=", "answer": "151"}]
 STEPS = 2
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "trl_grpo.py"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "trl_grpo.py"
 DDP_STEPS = 3
 # Two trainer processes start (imports, model, coordinator: ~30 s each on a shared core) and
 # take three steps of 8 rollouts each; ten minutes is a hung collective, not a slow machine.
 LAUNCH_TIMEOUT_S = 600.0
 
-
-@pytest.fixture(scope="module")
-def dev_pair(tmp_path_factory):
-    with pairs.dev_pair(tmp_path_factory.mktemp("trl-vllm-logs")) as pair:
-        yield pair
 
 
 def exact(prompts, completions, answer, **_):
