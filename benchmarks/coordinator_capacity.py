@@ -2,6 +2,7 @@
 
     python benchmarks/coordinator_capacity.py                       # batch 1, 64, 256, 1024
     python benchmarks/coordinator_capacity.py --batch 256 --tokens 64 --top-k 20
+    python benchmarks/coordinator_capacity.py --floor --batch 1       # also the messaging alone
 
 The coordinator's side is the real one: `LockstepScheduler` (coordinator/lockstep/) with
 its zmq channel, merge, alpha* and sampling. The servers are synthetic plugin clients, one
@@ -19,8 +20,12 @@ finish reason when the sequence ends.
 
 Reported per batch size: tokens/s of the whole run (wall), the coordinator process's CPU time
 per token and per step (time.process_time over the run: the coordinator's event loop, zmq,
-numpy), and the clients' CPU per token. On a machine with fewer than three free cores the
-clients and the coordinator share cores, which lowers tokens/s but not CPU per token.
+numpy), and the clients' CPU per token. `--floor` first measures the messaging alone: a
+client process sends reports of the batch's size, the coordinator's channel receives,
+decodes and answers each (no table, no decision, no event loop); a step has two such round
+trips, so twice that figure is the least a step can cost with this transport. On a machine
+with fewer than three free cores the clients and the coordinator share cores, which lowers
+tokens/s but not CPU per token.
 """
 
 from __future__ import annotations
@@ -217,6 +222,51 @@ async def measure(batch: int, tokens: int, top_k: int, rounds: int) -> dict:
             "coordinator_cpu_us_per_token": 1e6 * cpu / made, "coordinator_cpu_us_per_step": 1e6 * cpu / max(steps, 1)}
 
 
+# -- the floor: messaging alone --------------------------------------------------------------
+
+def echo_client_main(address: str, batch: int, top_k: int, count: int) -> None:
+    """A synthetic plugin that sends `count` reports of `batch` rows and waits for each reply."""
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(address)
+    ids, positions = np.arange(batch, dtype=np.int64), np.zeros(batch, dtype=np.int64)
+    token_ids, logprobs = np.ones((batch, top_k), np.int32), np.zeros((batch, top_k), np.float32)
+    for step in range(count):
+        dealer.send_multipart(wire.encode_report(step, 0, 1 << 20, ids, positions, token_ids, logprobs))
+        wire.decode_reply(dealer.recv_multipart())
+    context.destroy(linger=0)
+
+
+def measure_floor(batch: int, top_k: int, count: int = 2000) -> dict:
+    """Process CPU per round trip of the coordinator's messaging alone: the real channel
+    (LockstepChannel: receive and decode a report, encode and send its reply, on a plain
+    socket without an event loop), no table, no decision. A lockstep step is two of them
+    (one per server), so twice this is the least a step costs in this design."""
+    channel = LockstepChannel()
+    spawn = multiprocessing.get_context("spawn")
+    client = spawn.Process(target=echo_client_main, args=(channel.address, batch, top_k, count), daemon=True)
+    client.start()
+    socket = channel._socket  # noqa: SLF001  (the channel's own socket, read without the event loop)
+    try:
+        cpu = None
+        for i in range(count):
+            if not socket.poll(60_000):
+                raise RuntimeError("the echo client sent nothing for 60 s")
+            identity, *frames = socket.recv_multipart()
+            report = wire.decode_report(frames)
+            channel.reply(identity, report.step, np.zeros(batch, np.int64))
+            if i == count // 10:  # after a warm-up
+                cpu, counted = time.process_time(), count - i - 1
+        cpu = time.process_time() - cpu
+    finally:
+        client.join(30)
+        if client.is_alive():
+            client.kill()
+        channel.close()
+    return {"batch": batch, "round_trips": counted, "cpu_us_per_round_trip": 1e6 * cpu / counted}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256, 1024])
@@ -224,7 +274,14 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3, help="measured batches per size (after one warm-up)")
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/coordinator_capacity.json"))
+    parser.add_argument("--floor", action="store_true",
+                        help="also measure the messaging alone (a report in, its reply out, per round trip)")
     args = parser.parse_args()
+    if args.floor:
+        for batch in args.batch:
+            row = measure_floor(batch, args.top_k)
+            print(f"batch {batch:>5}: messaging alone {row['cpu_us_per_round_trip']:7.1f} µs of coordinator CPU "
+                  f"per report and reply ({row['round_trips']:,} round trips; a step has two)", flush=True)
     rows = []
     for batch in args.batch:
         row = asyncio.run(measure(batch, args.tokens, args.top_k, args.rounds))
