@@ -36,6 +36,7 @@ so a test can also simulate a server whose batch is full of other clients' work.
 from __future__ import annotations
 
 import asyncio
+import struct
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -156,7 +157,7 @@ class FakeLockstepServer:
 
     def __init__(self, name: str, model: FakeModel, *,
                  admit: Callable[["FakeLockstepServer", list[FakeRequest]], list[FakeRequest]] = admit_all,
-                 plugin: bool = True, flags: int = 0, capacity: int = 256,
+                 plugin: bool = True, flags: int = 0, capacity: int = 256, wire_version: int = wire.VERSION,
                  reply_timeout_s: float | Callable[["FakeLockstepServer"], float] = 20.0,
                  accept_delay_s: float = 0.0,
                  arrival_delay_s: float = 0.0,
@@ -169,6 +170,7 @@ class FakeLockstepServer:
         self.admit = admit
         self.plugin = plugin
         self.flags = flags
+        self.wire_version = wire_version  # another version: a server with another dualvllm's plugin
         self.capacity = capacity
         self.reply_timeout_s = reply_timeout_s
         self.accept_delay_s = accept_delay_s
@@ -280,10 +282,13 @@ class FakeLockstepServer:
             tops = [self.model.topk(r.prompt + r.generated, k) for r in members]
             dealer = self._dealers.get(address) or self._dealers.setdefault(address, _Dealer(self._zmq, address))
             dealer.step += 1
-            await dealer.send(wire.encode_report(
+            (report,) = wire.encode_report(
                 dealer.step, self.flags, self.capacity, np.array([r.id for r in members], dtype=np.int64),
                 np.array(positions, dtype=np.int64), np.stack([ids for ids, _ in tops]),
-                np.stack([logprobs for _, logprobs in tops])))
+                np.stack([logprobs for _, logprobs in tops]))
+            if self.wire_version != wire.VERSION:  # the header's first field
+                report = struct.pack("<I", self.wire_version) + report[4:]
+            await dealer.send([report])
             asked.append((dealer, members, positions))
         for dealer, members, positions in asked:
             timeout_s = self.reply_timeout_s(self) if callable(self.reply_timeout_s) else self.reply_timeout_s

@@ -76,6 +76,9 @@ async def probe_plugin(engine: VLLMClient, *, address: str, probe_id: int, repor
     try:
         await asyncio.wait({request, reported}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         if reported.done():
+            if reported.exception() is not None:  # it cannot read our END either: no wait for the end
+                raise LockstepUnavailableError(f"{where}: its plugin's report could not be read: "
+                                               f"{reported.exception()}")
             if until_ended:  # told END, the request ends at the server's next step
                 await asyncio.wait({request}, timeout=timeout_s)
             reason = refusal(reported.result(), needed)
@@ -134,9 +137,15 @@ async def probe_servers(channel: LockstepChannel, engines: list[VLLMClient], pro
 
 
 async def _answer_end(channel: LockstepChannel, probe_id: int, reported: asyncio.Future[wire.Report]) -> None:
-    """Answer every report END (ending the probe), and hand the first one of `probe_id` over."""
+    """Answer every report END (ending the probe), and hand the first one of `probe_id` over; a
+    report that cannot be read (another dualvllm's plugin) is handed over as its WireError."""
     while True:
-        identity, report = await channel.receive()
+        try:
+            identity, report = await channel.receive()
+        except wire.WireError as err:  # only the probed server reports here now
+            if not reported.done():
+                reported.set_exception(err)
+            continue
         channel.reply(identity, report.step, np.full(len(report.ids), wire.END, dtype=np.int64))
         if not reported.done() and probe_id in report.ids.tolist():
             reported.set_result(report)

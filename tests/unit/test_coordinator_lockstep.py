@@ -741,6 +741,20 @@ async def test_the_probe_tells_servers_with_and_without_the_plugin_and_their_cap
         channel.close()
 
 
+async def test_the_probe_names_a_plugin_of_another_dualvllm_version(rig):
+    """A server whose plugin speaks another wire version (another dualvllm installed there) is
+    refused at once, with the reason, instead of waiting out the probe as a server without one."""
+    older = FakeLockstepServer("t", FakeModel(2), wire_version=wire.VERSION - 1)
+    rig.fakes.append(older)
+    channel = LockstepChannel()
+    try:
+        probe = await asyncio.wait_for(probe_servers(channel, [older], [1, 2, 3], EOS_ID, 30.0), 20.0)
+    finally:
+        channel.close()
+    assert probe.unavailable is not None and probe.unavailable.startswith(f"t server at {older.url}")
+    assert "could not be read" in probe.unavailable and "different dualvllm versions" in probe.unavailable
+
+
 async def test_the_probe_reports_a_refused_request(rig):
     refusing = FakeLockstepServer("theta", FakeModel(1), fail_when=lambda r: True)
     rig.fakes.append(refusing)
