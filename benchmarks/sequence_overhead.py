@@ -42,15 +42,19 @@ from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
 
 
 async def call_cpu(coordinator: DualVLLMCoordinator, prompts: list[str], tokens: int, seed: int,
-                   stop: tuple[str, ...]) -> tuple[float, float]:
-    """(process CPU seconds, wall seconds) of one call."""
+                   stop: tuple[str, ...]) -> tuple[float, float, int]:
+    """(process CPU seconds, wall seconds, tokens generated) of one call."""
     cpu, wall = time.process_time(), time.perf_counter()
     outputs = await coordinator.generate_batch(prompts, max_tokens=tokens, seed=seed, ignore_eos=True, stop=stop)
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     failed = [o.error for o in outputs if not o.ok]
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(outputs)} sequences failed, e.g. {failed[0]}")
-    return cpu, wall
+    short = [o for o in outputs if o.finish_reason == "context_limit"]
+    if short:  # the split would divide by tokens that were never generated
+        raise SystemExit(f"{len(short)} of {len(outputs)} sequences reached the models' context limit before "
+                         f"{tokens} tokens: pick shorter --tokens (the bundled models' context is 64 tokens)")
+    return cpu, wall, sum(len(o.generated_tokens) for o in outputs)
 
 
 async def run(args) -> dict:
@@ -75,8 +79,8 @@ async def run(args) -> dict:
                     await call_cpu(coordinator, prompts, tokens, seed=0, stop=stop)  # warm-up
                     runs = [await call_cpu(coordinator, prompts, tokens, seed=1 + r, stop=stop)
                             for r in range(args.repeats)]
-                    cpu[tokens] = statistics.median(c for c, _ in runs)
-                    wall[tokens] = statistics.median(w for _, w in runs)
+                    cpu[tokens] = statistics.median(c for c, _, _ in runs)
+                    wall[tokens] = statistics.median(w for _, w, _ in runs)
                 per_token = (cpu[long] - cpu[short]) / (args.batch * (long - short))
                 per_sequence = cpu[short] / args.batch - short * per_token
                 row = {"group": group, "per_sequence_ms": 1e3 * per_sequence, "per_token_us": 1e6 * per_token}
