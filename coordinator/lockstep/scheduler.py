@@ -206,6 +206,9 @@ class LockstepScheduler:
         for identity, report in received:
             if isinstance(report, wire.WireError):
                 log.error("dropping a malformed lockstep report: %s", report)
+                for probe in self._probes.values():  # most likely the replica being checked (another dualvllm)
+                    if not probe.done():
+                        probe.set_exception(report)
                 continue
             blocked, now_ready = self._table.report(identity, report, time.perf_counter())
             ready += now_ready

@@ -1146,6 +1146,17 @@ async def test_the_plugin_check_refuses_what_the_start_up_probe_refuses(rig, set
     assert len(replica.requests) == 1 and replica.idle  # the probe's one request, ended
 
 
+async def test_the_plugin_check_names_a_replica_of_another_dualvllm_version(rig):
+    """A replica restarted with another dualvllm, whose plugin speaks another wire version, is
+    refused with that reason at once, not after the check's timeout as one without the plugin."""
+    pools = PoolRig(rig)
+    replica = pools.replicas[0][1]
+    replica.wire_version = wire.VERSION - 1
+    with pytest.raises(LockstepUnavailableError, match="different dualvllm versions") as refused:
+        await asyncio.wait_for(pools.scheduler.check_plugin(replica), 10.0)  # type: ignore[arg-type]
+    assert str(refused.value).startswith(f"theta1 server at {replica.url}")
+
+
 # -- a caller that stops listening ------------------------------------------------------
 
 
