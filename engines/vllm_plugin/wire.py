@@ -21,8 +21,8 @@ Reply (coordinator -> plugin), answering one report:
 arrived after the plugin gave up waiting) is recognised and dropped.
 
 One frame, not one per array: each frame costs a send, a receive and a "more?" test on both
-sides whatever its size, and at a few rows a message that per-frame work was most of the
-message's cost (measured in benchmarks/README.md, coordinator_capacity.py).
+sides whatever its size. The end-to-end gain was too small to show beside the noise of
+coordinator_capacity.py (benchmarks/README.md: a few percent at batch 1 at most).
 """
 
 from __future__ import annotations
