@@ -5,24 +5,25 @@
     python benchmarks/coordinator_capacity.py --floor --batch 1       # also the messaging alone
 
 The coordinator's side is the real one: `LockstepScheduler` (coordinator/lockstep/) with
-its zmq channel, merge, alpha* and sampling. The servers are synthetic plugin clients, one
+its TCP channel, merge, alpha* and sampling. The servers are synthetic plugin clients, one
 process per role, that speak the plugin's real wire format (engines/vllm_plugin/wire.py): at
 every step each sends ONE report with a row of top-k per running request and waits for the
-reply, as engines/vllm_plugin/processor.py does inside vLLM, then applies the forced tokens.
+reply over the plugin's own connection code (engines/vllm_plugin/link.py), as
+engines/vllm_plugin/processor.py does inside vLLM, then applies the forced tokens.
 Their top-k rows come from a precomputed table, so a step costs them next to nothing and the
 figure is the coordinator's ceiling: what it would sustain beside servers that decode
 instantly. That figure carries over to GPU machines, where the servers' decode steps take
 10-30 ms and the coordinator has a core of its own.
 
-A request reaches a client over a control socket instead of HTTP (in production the HTTP
+A request reaches a client over a control pipe instead of HTTP (in production the HTTP
 request is sent once per sequence, not per token), and the client answers it with its
 finish reason when the sequence ends.
 
 Reported per batch size: tokens/s of the whole run (wall), the coordinator process's CPU time
-per token and per step (time.process_time over the run: the coordinator's event loop, zmq,
-numpy), and the clients' CPU per token. `--floor` first measures the messaging alone: a
+per token and per step (time.process_time over the run: the coordinator's event loop, its
+sockets, numpy), and the clients' CPU per token. `--floor` first measures the messaging alone: a
 client process sends reports of the batch's size, the coordinator's channel receives,
-decodes and answers each (no table, no decision, no event loop); a step has two such round
+decodes and answers each (no table, no decision); a step has two such round
 trips, so twice that figure is the least a step can cost with this transport. On a machine
 with fewer than three free cores the clients and the coordinator share cores, which lowers
 tokens/s but not CPU per token.
@@ -34,14 +35,12 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import os
+import multiprocessing.connection
 import time
 from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
-import zmq
-import zmq.asyncio
 
 from coordinator.config import CoordinatorConfig
 from coordinator.sequence import SamplingParams
@@ -50,6 +49,7 @@ from coordinator.sequence import SequenceState
 from coordinator.stats import Statistics
 from engines.lockstep_channel import LockstepChannel
 from engines.vllm_plugin import wire
+from engines.vllm_plugin.link import CoordinatorLink
 
 VOCAB = 4096
 PROMPT_LEN = 16
@@ -59,7 +59,8 @@ TABLE_ROWS = 997  # distinct synthetic top-k rows per client; a row is picked by
 
 # -- the synthetic plugin client (its own process) ------------------------------------------
 
-def client_main(control: str, seed: int, top_k: int, ready: multiprocessing.synchronize.Event) -> None:
+def client_main(control: multiprocessing.connection.Connection, seed: int, top_k: int,
+                ready: multiprocessing.synchronize.Event) -> None:
     """One synthetic server: takes requests on `control`, reports each step to the coordinator
     address a request names, applies the reply, answers a request's finish reason when it ends."""
     rng = np.random.default_rng(seed)
@@ -68,21 +69,12 @@ def client_main(control: str, seed: int, top_k: int, ready: multiprocessing.sync
     # Top-k of a distribution over VOCAB ids: the rest of the mass lies outside the top-k.
     logprobs = (logits - np.logaddexp.reduce(logits, axis=1, keepdims=True) - 0.05).astype(np.float32)
     ids = ids.astype(np.int32)
-    context = zmq.Context()
-    commands = context.socket(zmq.PAIR)
-    commands.connect(control)
-    dealers: dict[str, zmq.Socket] = {}
-    steps: dict[str, int] = {}
+    links: dict[str, CoordinatorLink] = {}
     running: dict[int, list] = {}  # id -> [address, position, max_position]
     ready.set()
     while True:
-        if not running:
-            message = commands.recv_json()  # idle: block for work
-            if message.get("quit"):
-                break
-            _start(running, message)
-        while commands.poll(0):
-            message = commands.recv_json()
+        while not running or control.poll(0):  # idle: block for work
+            message = control.recv()
             if message.get("quit"):
                 return
             _start(running, message)
@@ -90,18 +82,17 @@ def client_main(control: str, seed: int, top_k: int, ready: multiprocessing.sync
         for request_id, (address, _, _) in running.items():
             by_address.setdefault(address, []).append(request_id)
         for address, members in by_address.items():
-            dealer = dealers.get(address)
-            if dealer is None:
-                dealer = dealers[address] = context.socket(zmq.DEALER)
-                dealer.setsockopt(zmq.LINGER, 0)
-                dealer.connect(address)
-            steps[address] = steps.get(address, 0) + 1
+            link = links.get(address) or links.setdefault(address, CoordinatorLink(address))
+            link.step += 1
             member_ids = np.array(members, dtype=np.int64)
             positions = np.array([running[m][1] for m in members], dtype=np.int64)
             rows = (member_ids + positions) % TABLE_ROWS
-            dealer.send_multipart(wire.encode_report(steps[address], 0, 1 << 20, member_ids, positions,
-                                                     ids[rows], logprobs[rows]), copy=False)
-            _, reply = wire.decode_reply(dealer.recv_multipart())
+            deadline = time.monotonic() + 60
+            link.send(wire.encode_report(link.step, 0, 1 << 20, member_ids, positions, ids[rows], logprobs[rows]),
+                      deadline)
+            reply = link.receive(deadline)
+            if reply is None:
+                raise RuntimeError(f"the coordinator {link.problem}")
             ended = []
             for request_id, token in zip(members, reply.tolist()):
                 state = running[request_id]
@@ -112,8 +103,7 @@ def client_main(control: str, seed: int, top_k: int, ready: multiprocessing.sync
                     ended.append((request_id, "length"))
             for request_id, finish in ended:
                 del running[request_id]
-                commands.send_json({"id": request_id, "finish": finish})
-    context.destroy(linger=0)
+                control.send({"id": request_id, "finish": finish})
 
 
 def _start(running: dict[int, list], message: dict) -> None:
@@ -126,29 +116,29 @@ def _start(running: dict[int, list], message: dict) -> None:
 
 class RemoteClient:
     """What LockstepScheduler calls on a server (forced_generation, health, detokenize), sent
-    to a client process over its control socket."""
+    to a client process over its control pipe."""
 
-    def __init__(self, name: str, control: str, context: zmq.asyncio.Context) -> None:
+    def __init__(self, name: str, control: multiprocessing.connection.Connection) -> None:
         self.name, self.url = name, f"synthetic://{name}"
-        self._socket = context.socket(zmq.PAIR)
-        self._socket.bind(control)
+        self._control = control
         self._waiting: dict[int, asyncio.Future[str]] = {}
-        self._reader: asyncio.Task[None] | None = None
+        self._watched = False
 
     async def forced_generation(self, prompt_ids: Sequence[int], *, max_tokens: int, stop_token: int,
                                 lockstep_args: dict[str, int | str],
                                 on_accepted: Callable[[], None] | None = None) -> str:
-        if self._reader is None:
-            self._reader = asyncio.create_task(self._read())
+        if not self._watched:
+            asyncio.get_running_loop().add_reader(self._control.fileno(), self._read)
+            self._watched = True
         finished = self._waiting[int(lockstep_args[wire.ARG_ID])] = asyncio.get_running_loop().create_future()
-        await self._socket.send_json({"args": lockstep_args, "max_tokens": max_tokens})
+        self._control.send({"args": lockstep_args, "max_tokens": max_tokens})
         if on_accepted is not None:
             on_accepted()
         return await finished
 
-    async def _read(self) -> None:
-        while True:
-            message = await self._socket.recv_json()
+    def _read(self) -> None:
+        while self._control.poll(0):
+            message = self._control.recv()
             future = self._waiting.pop(message["id"], None)
             if future is not None and not future.done():
                 future.set_result(message["finish"])
@@ -160,22 +150,20 @@ class RemoteClient:
         return ""
 
     async def close(self) -> None:
-        await self._socket.send_json({"quit": True})
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
-        self._socket.close(linger=0)
+        if self._watched:
+            asyncio.get_running_loop().remove_reader(self._control.fileno())
+        self._control.send({"quit": True})
+        self._control.close()
 
 
 async def measure(batch: int, tokens: int, top_k: int, rounds: int) -> dict:
     """One coordinator, two client processes, `rounds` batches of `batch` sequences of `tokens` tokens."""
     spawn = multiprocessing.get_context("spawn")
-    context = zmq.asyncio.Context()
-    controls = [f"ipc:///tmp/dualvllm-capacity-{os.getpid()}-{role}" for role in ("theta", "t")]
-    clients = [RemoteClient(role, control, context) for role, control in zip(("theta", "t"), controls)]
+    pipes = [spawn.Pipe() for _ in ("theta", "t")]
+    clients = [RemoteClient(role, ours) for role, (ours, _) in zip(("theta", "t"), pipes)]
     readies = [spawn.Event() for _ in clients]
-    processes = [spawn.Process(target=client_main, args=(control, seed, top_k, ready), daemon=True)
-                 for control, seed, ready in zip(controls, (1, 2), readies)]
+    processes = [spawn.Process(target=client_main, args=(theirs, seed, top_k, ready), daemon=True)
+                 for (_, theirs), seed, ready in zip(pipes, (1, 2), readies)]
     for process in processes:
         process.start()
     channel = LockstepChannel()
@@ -216,7 +204,6 @@ async def measure(batch: int, tokens: int, top_k: int, rounds: int) -> dict:
             if process.is_alive():
                 process.kill()
         channel.close()
-        context.destroy(linger=0)
     made, steps, wall, cpu = (sum(r[i] for r in results) for i in range(4))
     return {"batch": batch, "tokens": made, "steps": steps, "tokens_per_s": made / wall,
             "coordinator_cpu_us_per_token": 1e6 * cpu / made, "coordinator_cpu_us_per_step": 1e6 * cpu / max(steps, 1)}
@@ -226,35 +213,31 @@ async def measure(batch: int, tokens: int, top_k: int, rounds: int) -> dict:
 
 def echo_client_main(address: str, batch: int, top_k: int, count: int) -> None:
     """A synthetic plugin that sends `count` reports of `batch` rows and waits for each reply."""
-    context = zmq.Context()
-    dealer = context.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(address)
+    link = CoordinatorLink(address)
     ids, positions = np.arange(batch, dtype=np.int64), np.zeros(batch, dtype=np.int64)
     token_ids, logprobs = np.ones((batch, top_k), np.int32), np.zeros((batch, top_k), np.float32)
-    for step in range(count):
-        dealer.send_multipart(wire.encode_report(step, 0, 1 << 20, ids, positions, token_ids, logprobs))
-        wire.decode_reply(dealer.recv_multipart())
-    context.destroy(linger=0)
+    for _ in range(count):
+        link.step += 1
+        deadline = time.monotonic() + 60
+        link.send(wire.encode_report(link.step, 0, 1 << 20, ids, positions, token_ids, logprobs), deadline)
+        if link.receive(deadline) is None:
+            raise RuntimeError(f"the coordinator {link.problem}")
+    link.close()
 
 
-def measure_floor(batch: int, top_k: int, count: int = 2000) -> dict:
+async def measure_floor(batch: int, top_k: int, count: int = 2000) -> dict:
     """Process CPU per round trip of the coordinator's messaging alone: the real channel
-    (LockstepChannel: receive and decode a report, encode and send its reply, on a plain
-    socket without an event loop), no table, no decision. A lockstep step is two of them
-    (one per server), so twice this is the least a step costs in this design."""
+    (LockstepChannel in an event loop: receive and decode a report, encode and send its
+    reply), no table, no decision. A lockstep step is two of them (one per server), so twice
+    this is the least a step costs in this design."""
     channel = LockstepChannel()
     spawn = multiprocessing.get_context("spawn")
     client = spawn.Process(target=echo_client_main, args=(channel.address, batch, top_k, count), daemon=True)
     client.start()
-    socket = channel._socket  # noqa: SLF001  (the channel's own socket, read without the event loop)
     try:
         cpu = None
         for i in range(count):
-            if not socket.poll(60_000):
-                raise RuntimeError("the echo client sent nothing for 60 s")
-            identity, *frames = socket.recv_multipart()
-            report = wire.decode_report(frames)
+            identity, report = await asyncio.wait_for(channel.receive(), 60)
             channel.reply(identity, report.step, np.zeros(batch, np.int64))
             if i == count // 10:  # after a warm-up
                 cpu, thread, counted = time.process_time(), time.thread_time(), count - i - 1
@@ -264,8 +247,7 @@ def measure_floor(batch: int, top_k: int, count: int = 2000) -> dict:
         if client.is_alive():
             client.kill()
         channel.close()
-    # The rest of the process's CPU is zmq's I/O thread, which moves every message between the
-    # socket and the application thread.
+    # The rest of the process's CPU is in other threads (zmq's I/O thread, when the channel was zmq).
     return {"batch": batch, "round_trips": counted, "cpu_us_per_round_trip": 1e6 * cpu / counted,
             "calling_thread_share": thread / cpu}
 
@@ -282,7 +264,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.floor:
         for batch in args.batch:
-            row = measure_floor(batch, args.top_k)
+            row = asyncio.run(measure_floor(batch, args.top_k))
             print(f"batch {batch:>5}: messaging alone {row['cpu_us_per_round_trip']:7.1f} µs of coordinator CPU "
                   f"per report and reply, {100 * row['calling_thread_share']:.0f}% of it in the calling thread "
                   f"({row['round_trips']:,} round trips; a step has two)", flush=True)

@@ -2,7 +2,7 @@
 
 It stands in for a VLLMClient in LockstepScheduler unit tests: the scheduler calls
 `forced_generation` (one long request per sequence and server) and `detokenize`, and the
-fake talks back over a real zmq DEALER socket to the scheduler's LockstepChannel with
+fake talks back over a real TCP connection to the scheduler's LockstepChannel with
 the real wire format (engines/vllm_plugin/wire.py), as engines/vllm_plugin/processor.py
 does inside vLLM.
 
@@ -19,12 +19,13 @@ What it simulates of a vLLM engine, one decode step at a time:
   request resubmitted with its agreed tokens appended sees the same distributions);
 - the wait for the reply (bounded by `reply_timeout_s`, a number or a function of the
   server, as the plugin's
-  DUALVLLM_LOCKSTEP_TIMEOUT_S: on timeout the rows are ended and the socket is dropped
-  and reopened, exactly as the plugin does);
+  DUALVLLM_LOCKSTEP_TIMEOUT_S: on timeout the rows are ended and the connection is dropped
+  and opened again, exactly as the plugin does);
 - the forced tokens: a token is appended; END appends the request's stop token and ends
   it ("stop"); the stop token chosen as an ordinary token also ends it ("stop", vLLM's
   stop_token_ids); reaching max_tokens ends it ("length").
-Scripted misbehaviour: `crash()` (every request breaks, then connections and /health are
+Scripted misbehaviour: `hold_after` (the engine stops after that step, for a crash at a known
+point), `crash()` (every request breaks, then connections and /health are
 refused until `down` is cleared), and hooks on the request: `end_when` (the server ends a request
 on its own, "length"), `fail_when` (the request fails with a ServerUnavailableError),
 `position_skew` (a wrong position in a report). `plugin=False` is a server without the
@@ -42,8 +43,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
-import zmq
-import zmq.asyncio
+from urllib.parse import urlsplit
 
 from common.errors import ServerConnectError, ServerUnavailableError
 from engines.vllm_plugin import wire
@@ -117,39 +117,48 @@ def admit_all(server: "FakeLockstepServer", queued: list[FakeRequest]) -> list[F
     return queued
 
 
-class _Dealer:
-    """The plugin's socket to one coordinator, with its step counter."""
+class _Link:
+    """The plugin's connection to one coordinator (engines/vllm_plugin/link.py, on asyncio
+    streams), with its step counter."""
 
-    def __init__(self, context: zmq.asyncio.Context, address: str) -> None:
+    def __init__(self, address: str) -> None:
         self.address = address
         self.step = 0
-        self._context = context
-        self._socket: zmq.asyncio.Socket | None = None
+        self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
 
-    async def send(self, frames: list) -> None:
-        if self._socket is None:
-            self._socket = self._context.socket(zmq.DEALER)
-            self._socket.setsockopt(zmq.LINGER, 0)
-            self._socket.connect(self.address)
-        await self._socket.send_multipart(frames, copy=False)
+    async def send(self, message: bytes) -> None:
+        """Send, connecting first if need be; a coordinator that cannot be reached gets nothing
+        (and `receive` then answers None at once, as the plugin ends the rows)."""
+        try:
+            if self._streams is None:
+                parts = urlsplit(self.address)
+                self._streams = await asyncio.open_connection(parts.hostname, parts.port)
+            self._streams[1].write(message)
+        except OSError:
+            self.close()
 
     async def receive(self, timeout_s: float) -> np.ndarray | None:
-        """The reply to this step's report, or None after `timeout_s` (then the socket is dropped)."""
-        assert self._socket is not None
-        deadline = time.monotonic() + timeout_s
-        while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
-            if not await self._socket.poll(left_ms):
-                break
-            step, tokens = wire.decode_reply(await self._socket.recv_multipart())
-            if step == self.step:
-                return tokens
-        self.close()
-        return None
+        """The reply to this step's report, or None after `timeout_s` or a closed connection
+        (then the connection is dropped)."""
+        if self._streams is None:
+            return None
+        reader = self._streams[0]
+        try:
+            async with asyncio.timeout(timeout_s):
+                while True:
+                    header = await reader.readexactly(wire.FRAME.size)
+                    rest = await reader.readexactly(wire.message_length(header) - wire.FRAME.size)
+                    step, tokens = wire.decode_reply(header + rest)
+                    if step == self.step:
+                        return tokens
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+            self.close()
+            return None
 
     def close(self) -> None:
-        if self._socket is not None:
-            self._socket.close(linger=0)
-            self._socket = None
+        if self._streams is not None:
+            self._streams[1].close()
+            self._streams = None
 
 
 class FakeLockstepServer:
@@ -184,9 +193,10 @@ class FakeLockstepServer:
         self.steps = 0  # decode steps run (each sends one report per coordinator)
         self.timeouts = 0  # reports whose reply did not come within reply_timeout_s
         self.down = False  # /health fails while set (a server restarting)
+        self.hold_after: int | None = None  # the engine stops after this many steps, until crash()
+        self.holding = asyncio.Event()  # set once it stopped there
         self.health_checks = 0
-        self._zmq = zmq.asyncio.Context()
-        self._dealers: dict[str, _Dealer] = {}
+        self._links: dict[str, _Link] = {}
         self._wake = asyncio.Event()
         self._loop: asyncio.Task[None] | None = None
 
@@ -261,6 +271,9 @@ class FakeLockstepServer:
                     await asyncio.sleep(0.002)
                     continue
                 await self._step()
+                if self.hold_after is not None and self.steps >= self.hold_after:
+                    self.holding.set()
+                    await asyncio.Event().wait()  # until crash() cancels the loop
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # a bug in the fake: fail its requests loudly
@@ -280,19 +293,19 @@ class FakeLockstepServer:
             positions = [r.offset + len(r.generated) + (self.position_skew(r) if self.position_skew else 0)
                          for r in members]
             tops = [self.model.topk(r.prompt + r.generated, k) for r in members]
-            dealer = self._dealers.get(address) or self._dealers.setdefault(address, _Dealer(self._zmq, address))
-            dealer.step += 1
-            (report,) = wire.encode_report(
-                dealer.step, self.flags, self.capacity, np.array([r.id for r in members], dtype=np.int64),
+            link = self._links.get(address) or self._links.setdefault(address, _Link(address))
+            link.step += 1
+            report = wire.encode_report(
+                link.step, self.flags, self.capacity, np.array([r.id for r in members], dtype=np.int64),
                 np.array(positions, dtype=np.int64), np.stack([ids for ids, _ in tops]),
                 np.stack([logprobs for _, logprobs in tops]))
-            if self.wire_version != wire.VERSION:  # the header's first field
-                report = struct.pack("<I", self.wire_version) + report[4:]
-            await dealer.send([report])
-            asked.append((dealer, members, positions))
-        for dealer, members, positions in asked:
+            if self.wire_version != wire.VERSION:  # the report header's first field
+                report = report[:wire.FRAME.size] + struct.pack("<I", self.wire_version) + report[wire.FRAME.size + 4:]
+            await link.send(report)
+            asked.append((link, members, positions))
+        for link, members, positions in asked:
             timeout_s = self.reply_timeout_s(self) if callable(self.reply_timeout_s) else self.reply_timeout_s
-            tokens = await dealer.receive(timeout_s)
+            tokens = await link.receive(timeout_s)
             if tokens is None or len(tokens) != len(members):
                 self.timeouts += 1
                 tokens = np.full(len(members), wire.END, dtype=np.int64)
@@ -335,6 +348,7 @@ class FakeLockstepServer:
         """The server dies: every request it holds breaks, and it refuses connections and
         fails /health until `down` is cleared (restarted: empty, as a new process is)."""
         self.down = True
+        self.hold_after = None
         if self._loop is not None:
             self._loop.cancel()
             await asyncio.gather(self._loop, return_exceptions=True)
@@ -342,9 +356,9 @@ class FakeLockstepServer:
         for request in self.queue + self.running:
             self._end(request, "error")
         self.queue.clear()
-        for dealer in self._dealers.values():
-            dealer.close()
-        self._dealers = {}
+        for link in self._links.values():
+            link.close()
+        self._links = {}
 
     @property
     def idle(self) -> bool:
@@ -361,6 +375,5 @@ class FakeLockstepServer:
                 await self._loop
             except asyncio.CancelledError:
                 pass
-        for dealer in self._dealers.values():
-            dealer.close()
-        self._zmq.term()
+        for link in self._links.values():
+            link.close()

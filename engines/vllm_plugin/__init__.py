@@ -12,8 +12,8 @@ installed entry point into every server, and a server with any custom logits pro
 refuses speculative decoding, so installing dualvllm would break unrelated servers.
 
 This package imports only numpy here; `processor` (V1 model runner) and `processor_v2`
-(Model Runner V2) add torch, vllm and zmq, and are imported by the server only. `wire` is the
-message format both sides share. `spin` is a `vllm.general_plugins` entry point that lowers
+(Model Runner V2) add torch and vllm, and are imported by the server only. `wire` is the
+message format both sides share; `link` is the plugin's TCP connection to a coordinator. `spin` is a `vllm.general_plugins` entry point that lowers
 the engine core's busy-wait in lockstep servers only (inert unless the launcher sets its
 variable).
 """

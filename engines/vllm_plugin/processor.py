@@ -1,14 +1,15 @@
 """LockstepProcessor: a vLLM v1 logits processor that lets a coordinator pick every token.
 
 Loaded by the server (`--logits-processors engines.vllm_plugin.processor:LockstepProcessor`);
-imports only vllm, torch, numpy and zmq. A request is a lockstep request when its
+imports only vllm, torch and numpy. A request is a lockstep request when its
 `vllm_xargs` carry `wire.ARGS`; every other request is untouched, and a step without
 lockstep rows costs one dict check.
 
 At each decode step, for the lockstep rows of each coordinator:
 1. log-softmax of the raw logits and their top-k (what per-token mode's top_logprobs
    hold, computed from the same float32 logits);
-2. one report to the coordinator (wire.Report), then a wait for its reply;
+2. one report to the coordinator (wire.Report, over link.py's TCP connection), then a wait
+   for its reply;
 3. every logit of the row set to -inf except the chosen token's (0), so the sampler emits
    exactly that token whatever the request's temperature. END emits the request's stop
    token instead, which ends the request.
@@ -26,7 +27,7 @@ prompt would be counted as steps, so chunked prefill must be off (the launcher t
 off); a server with it on says so in every report and the coordinator refuses it.
 
 Security: the processor connects only to the address in the request, and only to a
-loopback host or ipc:// path unless DUALVLLM_LOCKSTEP_ALLOWED_HOSTS lists the host:
+loopback host unless DUALVLLM_LOCKSTEP_ALLOWED_HOSTS lists the host:
 otherwise any client of the server could make it connect anywhere.
 
 Tensor parallelism (untested here, no GPUs): every rank runs its own processor; rank 0
@@ -45,12 +46,12 @@ from urllib.parse import urlsplit
 
 import numpy as np
 import torch
-import zmq
 from vllm import SamplingParams
 from vllm.logger import init_logger
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from engines.vllm_plugin import wire
+from engines.vllm_plugin.link import CoordinatorLink
 from engines.vllm_plugin.net import is_loopback
 
 log = init_logger("vllm.dualvllm_lockstep")  # under "vllm": the server's own log format and level
@@ -87,52 +88,18 @@ def check_address(address: object) -> None:
     """Refuse a coordinator address this server may not connect to (ValueError)."""
     if not isinstance(address, str):
         raise ValueError(f"{wire.ARG_ADDRESS} must be a string, got {address!r}")
-    if address.startswith("ipc://"):
-        return
     parts = urlsplit(address)
-    if parts.scheme != "tcp" or not parts.hostname or parts.port is None:
-        raise ValueError(f"{wire.ARG_ADDRESS}={address!r} must be tcp://HOST:PORT or ipc://PATH")
+    try:
+        port = parts.port
+    except ValueError:  # a port out of range or not a number
+        port = None
+    if parts.scheme != "tcp" or not parts.hostname or port is None:
+        raise ValueError(f"{wire.ARG_ADDRESS}={address!r} must be tcp://HOST:PORT")
     allowed = {h.strip() for h in os.environ.get(ALLOWED_HOSTS_ENV, "").split(",") if h.strip()}
     if not is_loopback(parts.hostname) and parts.hostname not in allowed:
         raise ValueError(
             f"lockstep coordinator {address!r} is not on a loopback address; this server connects "
             f"elsewhere only to hosts listed in {ALLOWED_HOSTS_ENV} when it starts")
-
-
-class _Channel:
-    """One DEALER socket to one coordinator, with the step counter of its reports."""
-
-    def __init__(self, context: zmq.Context, address: str) -> None:
-        self.address = address
-        self.step = 0
-        self._context = context
-        self._socket: zmq.Socket | None = None
-
-    def send(self, frames: list) -> None:
-        if self._socket is None:
-            self._socket = self._context.socket(zmq.DEALER)
-            self._socket.setsockopt(zmq.LINGER, 0)
-            self._socket.connect(self.address)
-        self._socket.send_multipart(frames, copy=False)
-
-    def receive(self, deadline: float) -> np.ndarray | None:
-        """The reply to the last report, or None once `deadline` (time.monotonic) passed."""
-        assert self._socket is not None
-        while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
-            if not self._socket.poll(left_ms):
-                break
-            try:
-                step, tokens = wire.decode_reply(self._socket.recv_multipart())
-            except wire.WireError as err:
-                log.error("dropping a malformed lockstep reply from %s: %s", self.address, err)
-                continue
-            if step == self.step:
-                return tokens
-            # A late reply to a report this side gave up on: not for this step.
-        # Drop the socket: queued reports and late replies must not reach the next step.
-        self._socket.close(linger=0)
-        self._socket = None
-        return None
 
 
 class LockstepSteps:
@@ -142,8 +109,7 @@ class LockstepSteps:
 
     def __init__(self, vllm_config) -> None:
         self._next_position: dict[tuple[str, int], int] = {}  # (address, id) -> its next position
-        self._channels: dict[str, _Channel] = {}
-        self._context: zmq.Context | None = None
+        self._links: dict[str, CoordinatorLink] = {}
         self._timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
         scheduler = vllm_config.scheduler_config
         self._flags = wire.FLAG_CHUNKED_PREFILL if getattr(scheduler, "enable_chunked_prefill", False) else 0
@@ -180,28 +146,28 @@ class LockstepSteps:
         for i, request in enumerate(requests):
             by_address.setdefault(request.address, []).append(i)
         vocab = logits.shape[-1]
-        asked: list[tuple[_Channel, list[int]]] = []
+        deadline = time.monotonic() + self._timeout_s
+        asked: list[tuple[CoordinatorLink, list[int]]] = []
         for address, members in by_address.items():
             k = min(max(requests[i].top_k for i in members), vocab)
             index = torch.tensor([rows[i] for i in members], device=logits.device)
             values, ids = torch.topk(torch.log_softmax(logits.index_select(0, index), dim=-1), k, dim=-1)
-            channel = self._channel(address)
-            channel.step += 1
-            channel.send(wire.encode_report(
-                channel.step, self._flags, self._capacity,
+            link = self._links.get(address) or self._links.setdefault(address, CoordinatorLink(address))
+            link.step += 1
+            link.send(wire.encode_report(
+                link.step, self._flags, self._capacity,
                 np.fromiter((requests[i].id for i in members), np.int64, len(members)),
                 np.fromiter((self._position(requests[i]) for i in members), np.int64, len(members)),
-                ids.to(torch.int32).cpu().numpy(), values.cpu().numpy()))
-            asked.append((channel, members))
+                ids.to(torch.int32).cpu().numpy(), values.cpu().numpy()), deadline)
+            asked.append((link, members))
         tokens = [wire.END] * len(requests)
-        deadline = time.monotonic() + self._timeout_s
-        for channel, members in asked:
-            answer = channel.receive(deadline)
+        for link, members in asked:
+            answer = link.receive(deadline)
             if answer is None or len(answer) != len(members):
                 log.warning("lockstep coordinator %s %s; ending its %d sequences here (their tokens so far "
-                            "stand), the server goes on", channel.address,
-                            f"did not answer within {self._timeout_s:g} s ({TIMEOUT_ENV})" if answer is None
-                            else f"answered {len(answer)} rows for {len(members)}", len(members))
+                            "stand), the server goes on", link.address,
+                            f"{link.problem} (waiting at most {self._timeout_s:g} s, {TIMEOUT_ENV})"
+                            if answer is None else f"answered {len(answer)} rows for {len(members)}", len(members))
                 continue
             for i, token in zip(members, answer.tolist()):
                 tokens[i] = token if 0 <= token < vocab else wire.END
@@ -224,14 +190,6 @@ class LockstepSteps:
 
     def _position(self, request: wire.Tagged) -> int:
         return self._next_position.setdefault(request.key, request.offset)
-
-    def _channel(self, address: str) -> _Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            if self._context is None:
-                self._context = zmq.Context()
-            channel = self._channels[address] = _Channel(self._context, address)
-        return channel
 
 
 class LockstepProcessor(LogitsProcessor):

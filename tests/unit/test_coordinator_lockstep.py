@@ -1,6 +1,6 @@
 """The lockstep state machine (coordinator/lockstep/scheduler.py) against fake lockstep servers.
 
-Each test drives a real LockstepScheduler and its real zmq LockstepChannel with two
+Each test drives a real LockstepScheduler and its real LockstepChannel (TCP) with two
 FakeLockstepServer (tests/fake_lockstep.py): in-process fakes of vLLM servers running the
 dualvllm plugin, with scripted admission and misbehaviour. The expected tokens come from
 replaying coordinator.step.mix_and_sample token by token over the fakes' synthetic top-k
@@ -11,7 +11,6 @@ whatever the servers' admission order, parks and resubmissions.
 from __future__ import annotations
 
 import asyncio
-import struct
 
 import numpy as np
 import pytest
@@ -393,8 +392,9 @@ async def test_a_request_that_breaks_once_is_resent_from_the_agreed_tokens(rig, 
 
 
 async def crash_during(server: FakeLockstepServer, *, after_steps: int, down_s: float | None) -> None:
-    """Crash `server` once it has run `after_steps` steps; restart it `down_s` later (None: never)."""
-    await eventually(lambda: server.steps >= after_steps, f"{server.name} ran {after_steps} steps")
+    """Crash `server` right after its step `after_steps`; restart it `down_s` later (None: never)."""
+    server.hold_after = after_steps
+    await eventually(server.holding.is_set, f"{server.name} ran {after_steps} steps")
     await server.crash()
     if down_s is not None:
         await asyncio.sleep(down_s)
@@ -685,7 +685,7 @@ async def test_a_known_capacity_keeps_sequences_out_of_a_full_server_queue(rig):
 
 async def test_a_plugin_that_gave_up_waiting_is_resubmitted_not_taken_for_divergence(rig):
     """The plugin's reply timeout (DUALVLLM_LOCKSTEP_TIMEOUT_S) ends its rows and drops its
-    socket, so its next report comes from a new zmq identity; the rows it gave up on are
+    connection, so its next report comes from a new peer identity; the rows it gave up on are
     still registered here. The ended requests must be resubmitted and finish normally."""
     def admit_after_theta_resubmitted(server, queued):
         return queued if theta.steps >= 2 else []
@@ -779,133 +779,6 @@ async def test_the_probe_reports_a_refused_request(rig):
 def test_the_lockstep_stop_token_is_the_shared_padding_token_else_an_eos(pads, eos, expected):
     infos = tuple(ModelInfo(name="m", root="/m", max_model_len=64, pad_token_id=pad) for pad in pads)
     assert lockstep_stop_token(infos, frozenset(eos)) == expected
-
-
-def test_report_and_reply_round_trip():
-    ids = np.array([5, 2**50 + 3], dtype=np.int64)
-    positions = np.array([0, 17], dtype=np.int64)
-    token_ids = np.array([[3, 1, 4], [1, 5, 9]], dtype=np.int32)
-    logprobs = np.array([[-0.1, -2.5, -3.0], [-0.5, -1.0, -7.25]], dtype=np.float32)
-    frames = [bytes(f) for f in wire.encode_report(9, wire.FLAG_CHUNKED_PREFILL, 512, ids, positions, token_ids,
-                                                   logprobs)]
-    report = wire.decode_report(frames)
-    assert report.step == 9 and report.flags == wire.FLAG_CHUNKED_PREFILL and report.capacity == 512
-    np.testing.assert_array_equal(report.ids, ids)
-    np.testing.assert_array_equal(report.positions, positions)
-    np.testing.assert_array_equal(report.token_ids, token_ids)
-    np.testing.assert_array_equal(report.logprobs, logprobs)
-
-    step, tokens = wire.decode_reply([bytes(f) for f in wire.encode_reply(9, np.array([7, wire.END, 0]))])
-    assert step == 9 and tokens.tolist() == [7, wire.END, 0]
-    step, tokens = wire.decode_reply([bytes(f) for f in wire.encode_reply(1, np.array([], dtype=np.int64))])
-    assert step == 1 and tokens.tolist() == []
-
-
-def other_version(header: bytes) -> bytes:
-    """The same header with the next version number (its first little-endian uint32)."""
-    return struct.pack("<I", wire.VERSION + 1) + header[4:]
-
-
-def test_malformed_messages_raise_wire_errors():
-    (report,) = wire.encode_report(1, 0, 8, np.array([1, 2]), np.array([0, 0]),
-                                   np.zeros((2, 3), np.int32), np.zeros((2, 3), np.float32))
-    (reply,) = wire.encode_reply(1, np.array([4, 5]))
-    assert struct.unpack_from("<I", report)[0] == struct.unpack_from("<I", reply)[0] == wire.VERSION
-    with pytest.raises(wire.WireError, match="version"):
-        wire.decode_report([other_version(report)])
-    with pytest.raises(wire.WireError, match="version"):
-        wire.decode_reply([other_version(reply)])
-    with pytest.raises(wire.WireError, match="one frame"):
-        wire.decode_report([report[:24], report[24:]])  # the version 1 layout: a frame per array
-    with pytest.raises(wire.WireError, match="one frame"):
-        wire.decode_report([report[:23]])  # a short header
-    with pytest.raises(wire.WireError, match="bytes"):
-        wire.decode_report([report[:-4]])  # truncated logprobs
-    with pytest.raises(wire.WireError, match="bytes"):
-        wire.decode_report([report + b"\0" * 8])  # a row too many
-    with pytest.raises(wire.WireError, match="one frame"):
-        wire.decode_reply([reply, b""])
-    with pytest.raises(wire.WireError, match="bytes"):
-        wire.decode_reply([reply[:-8]])  # one row short
-
-
-async def test_the_channel_reads_queued_reports_in_order_and_routes_each_reply_to_its_sender():
-    """receive_many hands over every queued report in arrival order, a malformed one as its
-    WireError (the others are not lost), and a reply reaches the plugin that sent the report."""
-    import zmq
-    import zmq.asyncio
-
-    channel = LockstepChannel()
-    context = zmq.asyncio.Context()
-    plugins = [context.socket(zmq.DEALER) for _ in range(2)]
-    try:
-        for plugin in plugins:
-            plugin.connect(channel.address)
-
-        def report(step: int, stream_id: int) -> list:
-            return wire.encode_report(step, 0, 8, np.array([stream_id]), np.array([0]),
-                                      np.zeros((1, 2), np.int32), np.zeros((1, 2), np.float32))
-
-        await plugins[0].send_multipart(report(1, 10))
-        await plugins[0].send_multipart([b"not a report"])
-        await plugins[0].send_multipart(report(2, 11))
-        await plugins[1].send_multipart(report(5, 20))
-        received: list = []
-        while len(received) < 4:
-            received += await asyncio.wait_for(channel.receive_many(), 10)
-        first = [entry for entry in received if entry[0] == received[0][0]]  # plugin 0's, in its order
-        assert [type(r).__name__ for _, r in first] == ["Report", "WireError", "Report"]
-        assert [r.step for _, r in first if isinstance(r, wire.Report)] == [1, 2]
-        (other,) = [entry for entry in received if entry[0] != received[0][0]]
-        assert isinstance(other[1], wire.Report) and other[1].ids.tolist() == [20]
-
-        channel.reply(other[0], 5, np.array([7]))
-        channel.reply(first[0][0], 1, np.array([wire.END]))
-        step, tokens = wire.decode_reply(await asyncio.wait_for(plugins[1].recv_multipart(), 10))
-        assert (step, tokens.tolist()) == (5, [7])
-        step, tokens = wire.decode_reply(await asyncio.wait_for(plugins[0].recv_multipart(), 10))
-        assert (step, tokens.tolist()) == (1, [wire.END])
-    finally:
-        for plugin in plugins:
-            plugin.close(linger=0)
-        context.term()
-        channel.close()
-
-
-async def test_a_report_that_arrives_while_nobody_waits_stops_the_watch_and_is_read_at_the_next_wait():
-    """The channel keeps its descriptor watched between waits; a signal while nobody waits must
-    unregister it (left registered, an unread signal would wake the event loop at every turn),
-    and the report behind it must not be lost."""
-    import zmq
-    import zmq.asyncio
-
-    channel = LockstepChannel()
-    context = zmq.asyncio.Context()
-    plugin = context.socket(zmq.DEALER)
-
-    def report(step: int) -> list:
-        return wire.encode_report(step, 0, 8, np.array([1]), np.array([0]),
-                                  np.zeros((1, 2), np.int32), np.zeros((1, 2), np.float32))
-
-    try:
-        plugin.connect(channel.address)
-        waiting = asyncio.create_task(channel.receive_many())  # waits before the report is sent
-        await eventually(lambda: channel._woken is not None, "the channel waits for a report")
-        await plugin.send_multipart(report(1))
-        (first,) = await asyncio.wait_for(waiting, 10)
-        assert first[1].step == 1
-        waiting = asyncio.create_task(channel.receive_many())
-        await eventually(lambda: channel._woken is not None, "the channel waits again")
-        waiting.cancel()  # the wait ends; the descriptor stays watched
-        await asyncio.gather(waiting, return_exceptions=True)
-        await plugin.send_multipart(report(2))  # nobody waits on the channel now
-        await eventually(lambda: channel._watcher is None, "the channel stopped watching its descriptor")
-        (second,) = await asyncio.wait_for(channel.receive_many(), 10)
-        assert second[1].step == 2
-    finally:
-        plugin.close(linger=0)
-        context.term()
-        channel.close()
 
 
 # -- replica pools ----------------------------------------------------------------------

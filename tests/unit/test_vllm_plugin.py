@@ -1,14 +1,15 @@
 """The lockstep plugin (engines/vllm_plugin/processor.py) driven directly, without a server:
-its argument checks, and apply() against a real zmq socket playing the coordinator."""
+its argument checks, and apply() against the real coordinator channel (engines/lockstep_channel.py)
+in a thread of its own, answering as each test says."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import zmq
 
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
@@ -16,6 +17,7 @@ torch = pytest.importorskip("torch")
 from vllm import SamplingParams  # noqa: E402
 from vllm.v1.sample.logits_processor import BatchUpdate  # noqa: E402
 
+from engines.lockstep_channel import LockstepChannel  # noqa: E402
 from engines.vllm_plugin import processor, wire  # noqa: E402
 
 STOP = 1
@@ -39,36 +41,41 @@ def add(proc: processor.LockstepProcessor, *rows: tuple[int, SamplingParams | No
 
 
 class Coordinator:
-    """A ROUTER socket answering each report with tokens chosen by `choose(report)` (None: no answer)."""
+    """The coordinator's channel, in an event loop of its own thread, answering each report with
+    the tokens `choose(report)` gives (None: no answer)."""
 
     def __init__(self, choose) -> None:
-        self.context = zmq.Context()
-        self.socket = self.context.socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.address = f"tcp://127.0.0.1:{self.socket.bind_to_random_port('tcp://127.0.0.1')}"
+        self.channel = LockstepChannel()
+        self.address = self.channel.address
         self.reports: list[wire.Report] = []
         self.choose = choose
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.loop = asyncio.new_event_loop()
+        self.serving = self.loop.create_task(self._serve())
+        self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
-    def _serve(self) -> None:
-        """The socket lives and dies in this thread: zmq sockets are not thread-safe."""
-        while not self.stopped.is_set():
-            if not self.socket.poll(50):
-                continue
-            identity, *frames = self.socket.recv_multipart()
-            report = wire.decode_report(frames)
-            self.reports.append(report)
-            tokens = self.choose(report)
-            if tokens is not None:
-                self.socket.send_multipart([identity, *wire.encode_reply(report.step, np.asarray(tokens))])
-        self.socket.close(linger=0)
+    def _run(self) -> None:
+        try:
+            self.loop.run_until_complete(self.serving)
+        except asyncio.CancelledError:
+            pass
+
+    async def _serve(self) -> None:
+        try:
+            while True:
+                identity, report = await self.channel.receive()
+                self.reports.append(report)
+                tokens = self.choose(report)
+                if tokens is not None:
+                    self.channel.reply(identity, report.step, np.asarray(tokens))
+        finally:
+            self.channel.close()
 
     def close(self) -> None:
-        self.stopped.set()
-        self.thread.join()
-        self.context.term()
+        self.loop.call_soon_threadsafe(self.serving.cancel)
+        self.thread.join(10)
+        assert not self.thread.is_alive(), "the test coordinator's thread did not stop within 10 s"
+        self.loop.close()
 
 
 @pytest.fixture
@@ -93,7 +100,9 @@ def test_ordinary_requests_are_left_alone(monkeypatch):
 
 @pytest.mark.parametrize("changes, message", [
     ({wire.ARG_ADDRESS: "tcp://10.1.2.3:5555"}, "not on a loopback address"),
-    ({wire.ARG_ADDRESS: "http://127.0.0.1:5555"}, "must be tcp://HOST:PORT or ipc://PATH"),
+    ({wire.ARG_ADDRESS: "http://127.0.0.1:5555"}, "must be tcp://HOST:PORT"),
+    ({wire.ARG_ADDRESS: "ipc:///tmp/coordinator"}, "must be tcp://HOST:PORT"),
+    ({wire.ARG_ADDRESS: "tcp://127.0.0.1:99999"}, "must be tcp://HOST:PORT"),
     ({wire.ARG_ID: "7"}, "must be integers"),
     ({wire.ARG_TOP_K: 0}, "out of range"),
 ])
@@ -105,8 +114,7 @@ def test_malformed_or_remote_coordinators_are_refused(changes, message):
 def test_an_allow_listed_host_is_accepted_and_stop_must_be_a_stop_token(monkeypatch):
     monkeypatch.setenv(processor.ALLOWED_HOSTS_ENV, "10.1.2.3, 10.9.9.9")
     processor.LockstepProcessor.validate_params(lockstep_params("tcp://10.1.2.3:5555", 1))
-    processor.LockstepProcessor.validate_params(lockstep_params("ipc:///tmp/coordinator", 1))
-    params = SamplingParams(extra_args={wire.ARG_ADDRESS: "ipc:///tmp/c", wire.ARG_ID: 1, wire.ARG_OFFSET: 0,
+    params = SamplingParams(extra_args={wire.ARG_ADDRESS: "tcp://[::1]:5555", wire.ARG_ID: 1, wire.ARG_OFFSET: 0,
                                         wire.ARG_TOP_K: 3, wire.ARG_STOP: STOP})
     with pytest.raises(ValueError, match="must be in stop_token_ids"):
         processor.LockstepProcessor.validate_params(params)
@@ -143,6 +151,6 @@ def test_end_forces_the_stop_token_and_a_silent_coordinator_ends_its_rows(monkey
 
 
 def test_the_coordinators_request_args_read_back_as_they_were_built():
-    tag = wire.Tagged("ipc:///tmp/coordinator", 2**61 + 5, offset=7, top_k=20, stop=STOP)
+    tag = wire.Tagged("tcp://127.0.0.1:5555", 2**61 + 5, offset=7, top_k=20, stop=STOP)
     assert processor.tagged(SamplingParams(stop_token_ids=[STOP], extra_args=wire.request_args(tag))) == tag
     assert set(wire.request_args(tag)) == set(wire.ARGS)  # every key the plugin requires, no other

@@ -2,7 +2,7 @@
 
 Model Runner V2 needs Triton, which the CPU build lacks, so no server here runs it: these
 tests call the processor as V2's sampler would (add_request per slot, apply with the step's
-row -> slot mapping) against a real zmq socket playing the coordinator.
+row -> slot mapping) against the real coordinator channel in a thread of its own.
 """
 
 from __future__ import annotations
@@ -81,4 +81,4 @@ def test_speculative_decoding_is_refused(monkeypatch):
         plugin(monkeypatch, speculative_config=SimpleNamespace(num_speculative_tokens=2))
     with pytest.raises(ValueError, match="must be in stop_token_ids"):
         LockstepProcessorV2.validate_params(SamplingParams(extra_args=wire.request_args(
-            wire.Tagged("ipc:///tmp/c", 1, offset=0, top_k=3, stop=STOP))))
+            wire.Tagged("tcp://127.0.0.1:5555", 1, offset=0, top_k=3, stop=STOP))))
