@@ -36,6 +36,8 @@ import asyncio
 import json
 import multiprocessing
 import multiprocessing.connection
+import queue
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -71,10 +73,14 @@ def client_main(control: multiprocessing.connection.Connection, seed: int, top_k
     ids = ids.astype(np.int32)
     links: dict[str, CoordinatorLink] = {}
     running: dict[int, list] = {}  # id -> [address, position, max_position]
+    # A thread drains the control pipe as requests come: the coordinator's sends must never
+    # wait for this process, which may be waiting for the coordinator's reply.
+    incoming: queue.Queue[dict] = queue.Queue()
+    threading.Thread(target=_drain, args=(control, incoming), daemon=True).start()
     ready.set()
     while True:
-        while not running or control.poll(0):  # idle: block for work
-            message = control.recv()
+        while not running or not incoming.empty():  # idle: block for work
+            message = incoming.get()
             if message.get("quit"):
                 return
             _start(running, message)
@@ -104,6 +110,14 @@ def client_main(control: multiprocessing.connection.Connection, seed: int, top_k
             for request_id, finish in ended:
                 del running[request_id]
                 control.send({"id": request_id, "finish": finish})
+
+
+def _drain(control: multiprocessing.connection.Connection, incoming: queue.Queue) -> None:
+    while True:
+        message = control.recv()
+        incoming.put(message)
+        if message.get("quit"):
+            return
 
 
 def _start(running: dict[int, list], message: dict) -> None:
@@ -236,11 +250,12 @@ async def measure_floor(batch: int, top_k: int, count: int = 2000) -> dict:
     client.start()
     try:
         cpu = None
-        for i in range(count):
-            identity, report = await asyncio.wait_for(channel.receive(), 60)
-            channel.reply(identity, report.step, np.zeros(batch, np.int64))
-            if i == count // 10:  # after a warm-up
-                cpu, thread, counted = time.process_time(), time.thread_time(), count - i - 1
+        async with asyncio.timeout(600):  # one bound for the run (a wait_for per message costs a task)
+            for i in range(count):
+                identity, report = await channel.receive()
+                channel.reply(identity, report.step, np.zeros(batch, np.int64))
+                if i == count // 10:  # after a warm-up
+                    cpu, thread, counted = time.process_time(), time.thread_time(), count - i - 1
         cpu, thread = time.process_time() - cpu, time.thread_time() - thread
     finally:
         client.join(30)
