@@ -24,8 +24,8 @@ What it simulates of a vLLM engine, one decode step at a time:
 - the forced tokens: a token is appended; END appends the request's stop token and ends
   it ("stop"); the stop token chosen as an ordinary token also ends it ("stop", vLLM's
   stop_token_ids); reaching max_tokens ends it ("length").
-Scripted misbehaviour: `hold_after` (the engine stops after that step, for a crash at a known
-point), `crash()` (every request breaks, then connections and /health are
+Scripted misbehaviour: `hold_after` (the engine stops after that step until `release()`, for a
+crash or a pause at a known point), `crash()` (every request breaks, then connections and /health are
 refused until `down` is cleared), and hooks on the request: `end_when` (the server ends a request
 on its own, "length"), `fail_when` (the request fails with a ServerUnavailableError),
 `position_skew` (a wrong position in a report). `plugin=False` is a server without the
@@ -193,8 +193,9 @@ class FakeLockstepServer:
         self.steps = 0  # decode steps run (each sends one report per coordinator)
         self.timeouts = 0  # reports whose reply did not come within reply_timeout_s
         self.down = False  # /health fails while set (a server restarting)
-        self.hold_after: int | None = None  # the engine stops after this many steps, until crash()
+        self.hold_after: int | None = None  # the engine stops after this many steps, until release() or crash()
         self.holding = asyncio.Event()  # set once it stopped there
+        self._released = asyncio.Event()
         self.health_checks = 0
         self._links: dict[str, _Link] = {}
         self._wake = asyncio.Event()
@@ -273,7 +274,7 @@ class FakeLockstepServer:
                 await self._step()
                 if self.hold_after is not None and self.steps >= self.hold_after:
                     self.holding.set()
-                    await asyncio.Event().wait()  # until crash() cancels the loop
+                    await self._released.wait()  # (or crash() cancels the loop)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # a bug in the fake: fail its requests loudly
@@ -343,6 +344,11 @@ class FakeLockstepServer:
             request.future.set_result(finish)
 
     # -- test helpers ------------------------------------------------------------------
+
+    def release(self) -> None:
+        """The engine held by `hold_after` runs on."""
+        self.hold_after = None
+        self._released.set()
 
     async def crash(self) -> None:
         """The server dies: every request it holds breaks, and it refuses connections and

@@ -442,10 +442,18 @@ async def test_a_pause_takes_every_sequence_off_the_servers_and_resumes_it_on_th
     cfg = config()
     scheduler = rig.scheduler(theta, t, cfg)
     sequences = make_sequences(4, max_tokens=10)
+    theta.hold_after = 4  # the pause comes mid-sequence, however fast the steps run
     scheduler.submit(sequences)
     pushed = FakeModel(99)
-    await eventually(lambda: theta.steps >= 4, "four base steps")
+    await eventually(theta.holding.is_set, "four base steps")
+
+    async def release_once_taken_off() -> None:  # the pause's drain needs the base's next step
+        await eventually(lambda: scheduler.counters.suspensions > 0, "the pause took the sequences off")
+        theta.release()
+
+    releasing = asyncio.create_task(release_once_taken_off())
     async with scheduler.paused():
+        await releasing
         assert theta.idle and t.idle  # every request ended: a /pause?mode=wait would not wait
         steps = (theta.steps, t.steps)
         theta.model = pushed  # a weight push
