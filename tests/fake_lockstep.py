@@ -117,6 +117,12 @@ def admit_all(server: "FakeLockstepServer", queued: list[FakeRequest]) -> list[F
     return queued
 
 
+async def read_message(reader: asyncio.StreamReader) -> bytes:
+    """The next whole lockstep message of a stream (its frame header included)."""
+    header = await reader.readexactly(wire.FRAME.size)
+    return header + await reader.readexactly(wire.message_length(header) - wire.FRAME.size)
+
+
 class _Link:
     """The plugin's connection to one coordinator (engines/vllm_plugin/link.py, on asyncio
     streams), with its step counter."""
@@ -146,9 +152,7 @@ class _Link:
         try:
             async with asyncio.timeout(timeout_s):
                 while True:
-                    header = await reader.readexactly(wire.FRAME.size)
-                    rest = await reader.readexactly(wire.message_length(header) - wire.FRAME.size)
-                    step, tokens = wire.decode_reply(header + rest)
+                    step, tokens = wire.decode_reply(await read_message(reader))
                     if step == self.step:
                         return tokens
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):

@@ -13,7 +13,7 @@ refuses speculative decoding, so installing dualvllm would break unrelated serve
 
 This package imports only numpy here; `processor` (V1 model runner) and `processor_v2`
 (Model Runner V2) add torch and vllm, and are imported by the server only. `wire` is the
-message format both sides share; `link` is the plugin's TCP connection to a coordinator. `spin` is a `vllm.general_plugins` entry point that lowers
-the engine core's busy-wait in lockstep servers only (inert unless the launcher sets its
-variable).
+message format both sides share; `link` is the plugin's TCP connection to a coordinator.
+`spin` is a `vllm.general_plugins` entry point that lowers the engine core's busy-wait in
+lockstep servers only (inert unless the launcher sets its variable).
 """

@@ -15,6 +15,8 @@ import pytest
 from engines.lockstep_channel import LockstepChannel
 from engines.vllm_plugin import wire
 from engines.vllm_plugin.link import CoordinatorLink
+from tests.fake_lockstep import read_message
+from tests.waiting import eventually
 
 
 def report(step: int, stream_id: int = 1, rows: int = 1, k: int = 2) -> bytes:
@@ -109,9 +111,7 @@ async def test_the_channel_reads_queued_reports_in_order_and_routes_each_reply_t
         channel.reply(other[0], 5, np.array([7]))
         channel.reply(first[0][0], 1, np.array([wire.END]))
         for (reader, _), expected in zip(plugins, [(1, [wire.END]), (5, [7])]):
-            header = await asyncio.wait_for(reader.readexactly(wire.FRAME.size), 10)
-            rest = await asyncio.wait_for(reader.readexactly(wire.message_length(header) - wire.FRAME.size), 10)
-            step, tokens = wire.decode_reply(header + rest)
+            step, tokens = wire.decode_reply(await asyncio.wait_for(read_message(reader), 10))
             assert (step, tokens.tolist()) == expected
     finally:
         for _, writer in plugins:
@@ -163,7 +163,7 @@ async def test_a_report_that_arrives_while_nobody_waits_is_read_at_the_next_wait
         (first,) = await asyncio.wait_for(waiting, 10)
         assert first[1].step == 1
         waiting = asyncio.create_task(channel.receive_many())
-        await asyncio.sleep(0)
+        await eventually(lambda: channel._woken is not None, "the channel waits for a report")
         waiting.cancel()  # a wait that ends without a report
         await asyncio.gather(waiting, return_exceptions=True)
         writer.write(report(2))  # nobody waits on the channel now
