@@ -44,6 +44,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from common import loop
 from coordinator.config import CoordinatorConfig
 from coordinator.sequence import SamplingParams
 from coordinator.lockstep import LockstepScheduler
@@ -61,10 +62,11 @@ TABLE_ROWS = 997  # distinct synthetic top-k rows per client; a row is picked by
 
 # -- the synthetic plugin client (its own process) ------------------------------------------
 
-def client_main(control: multiprocessing.connection.Connection, seed: int, top_k: int,
-                ready: multiprocessing.synchronize.Event) -> None:
-    """One synthetic server: takes requests on `control`, reports each step to the coordinator
-    address a request names, applies the reply, answers a request's finish reason when it ends."""
+def client_main(requests: multiprocessing.connection.Connection, finishes: multiprocessing.connection.Connection,
+                seed: int, top_k: int, ready: multiprocessing.synchronize.Event) -> None:
+    """One synthetic server: takes requests from `requests`, reports each step to the coordinator
+    address a request names, applies the reply, sends a request's finish reason to `finishes`
+    when it ends."""
     rng = np.random.default_rng(seed)
     ids = np.stack([rng.choice(np.arange(1, VOCAB), size=top_k, replace=False) for _ in range(TABLE_ROWS)])
     logits = np.sort(rng.normal(scale=2.0, size=(TABLE_ROWS, top_k)), axis=1)[:, ::-1]
@@ -76,7 +78,7 @@ def client_main(control: multiprocessing.connection.Connection, seed: int, top_k
     # A thread drains the control pipe as requests come: the coordinator's sends must never
     # wait for this process, which may be waiting for the coordinator's reply.
     incoming: queue.Queue[dict] = queue.Queue()
-    threading.Thread(target=_drain, args=(control, incoming), daemon=True).start()
+    threading.Thread(target=_drain, args=(requests, incoming), daemon=True).start()
     ready.set()
     while True:
         while not running or not incoming.empty():  # idle: block for work
@@ -109,7 +111,7 @@ def client_main(control: multiprocessing.connection.Connection, seed: int, top_k
                     ended.append((request_id, "length"))
             for request_id, finish in ended:
                 del running[request_id]
-                control.send({"id": request_id, "finish": finish})
+                finishes.send({"id": request_id, "finish": finish})
 
 
 def _drain(control: multiprocessing.connection.Connection, incoming: queue.Queue) -> None:
@@ -130,11 +132,14 @@ def _start(running: dict[int, list], message: dict) -> None:
 
 class RemoteClient:
     """What LockstepScheduler calls on a server (forced_generation, health, detokenize), sent
-    to a client process over its control pipe."""
+    to a client process over its control pipes: one each way, because the event loop watches
+    the finishes' end, and uvloop makes a watched descriptor non-blocking (a two-way pipe's
+    sends then failed with EAGAIN once its buffer filled, at batch 1,024)."""
 
-    def __init__(self, name: str, control: multiprocessing.connection.Connection) -> None:
+    def __init__(self, name: str, requests: multiprocessing.connection.Connection,
+                 finishes: multiprocessing.connection.Connection) -> None:
         self.name, self.url = name, f"synthetic://{name}"
-        self._control = control
+        self._requests, self._finishes = requests, finishes
         self._waiting: dict[int, asyncio.Future[str]] = {}
         self._watched = False
 
@@ -142,17 +147,18 @@ class RemoteClient:
                                 lockstep_args: dict[str, int | str],
                                 on_accepted: Callable[[], None] | None = None) -> str:
         if not self._watched:
-            asyncio.get_running_loop().add_reader(self._control.fileno(), self._read)
+            asyncio.get_running_loop().add_reader(self._finishes.fileno(), self._read)
             self._watched = True
         finished = self._waiting[int(lockstep_args[wire.ARG_ID])] = asyncio.get_running_loop().create_future()
-        self._control.send({"args": lockstep_args, "max_tokens": max_tokens})
+        self._requests.send({"args": lockstep_args, "max_tokens": max_tokens})
         if on_accepted is not None:
             on_accepted()
         return await finished
 
     def _read(self) -> None:
-        while self._control.poll(0):
-            message = self._control.recv()
+        # A finish is one write of less than PIPE_BUF bytes, so a readable pipe holds whole messages.
+        while self._finishes.poll(0):
+            message = self._finishes.recv()
             future = self._waiting.pop(message["id"], None)
             if future is not None and not future.done():
                 future.set_result(message["finish"])
@@ -165,19 +171,22 @@ class RemoteClient:
 
     async def close(self) -> None:
         if self._watched:
-            asyncio.get_running_loop().remove_reader(self._control.fileno())
-        self._control.send({"quit": True})
-        self._control.close()
+            asyncio.get_running_loop().remove_reader(self._finishes.fileno())
+        self._requests.send({"quit": True})
+        self._requests.close()
+        self._finishes.close()
 
 
 async def measure(batch: int, tokens: int, top_k: int, rounds: int) -> dict:
     """One coordinator, two client processes, `rounds` batches of `batch` sequences of `tokens` tokens."""
     spawn = multiprocessing.get_context("spawn")
-    pipes = [spawn.Pipe() for _ in ("theta", "t")]
-    clients = [RemoteClient(role, ours) for role, (ours, _) in zip(("theta", "t"), pipes)]
+    requests = [spawn.Pipe(duplex=False) for _ in ("theta", "t")]  # (client's end, ours)
+    finishes = [spawn.Pipe(duplex=False) for _ in ("theta", "t")]  # (ours, client's end)
+    clients = [RemoteClient(role, send, receive)
+               for role, (_, send), (receive, _) in zip(("theta", "t"), requests, finishes)]
     readies = [spawn.Event() for _ in clients]
-    processes = [spawn.Process(target=client_main, args=(theirs, seed, top_k, ready), daemon=True)
-                 for (_, theirs), seed, ready in zip(pipes, (1, 2), readies)]
+    processes = [spawn.Process(target=client_main, args=(take, give, seed, top_k, ready), daemon=True)
+                 for (take, _), (_, give), seed, ready in zip(requests, finishes, (1, 2), readies)]
     for process in processes:
         process.start()
     channel = LockstepChannel()
@@ -279,13 +288,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.floor:
         for batch in args.batch:
-            row = asyncio.run(measure_floor(batch, args.top_k))
+            row = loop.run(measure_floor(batch, args.top_k))
             print(f"batch {batch:>5}: messaging alone {row['cpu_us_per_round_trip']:7.1f} µs of coordinator CPU "
                   f"per report and reply, {100 * row['calling_thread_share']:.0f}% of it in the calling thread "
                   f"({row['round_trips']:,} round trips; a step has two)", flush=True)
     rows = []
     for batch in args.batch:
-        row = asyncio.run(measure(batch, args.tokens, args.top_k, args.rounds))
+        row = loop.run(measure(batch, args.tokens, args.top_k, args.rounds))
         rows.append(row)
         print(f"batch {batch:>5}: {row['tokens_per_s']:>9,.0f} tokens/s, coordinator CPU "
               f"{row['coordinator_cpu_us_per_token']:>7.1f} µs/token, {row['coordinator_cpu_us_per_step']:>9.1f} µs/step "

@@ -47,6 +47,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 
+from common import loop  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
 from engines.launcher import VLLMServer, launch_replicas, replica_configs  # noqa: E402
@@ -285,7 +286,7 @@ def main() -> None:
     parser.add_argument("--work-dir", help="an empty directory for inputs, outputs and server logs; default: a new temp dir")
     parser.add_argument("--output", type=Path, default=harness.RESULTS_DIR / "failover.json")
     args = parser.parse_args()
-    harness.finish(asyncio.run(run(args)), args.output, plot)
+    harness.finish(loop.run(run(args)), args.output, plot)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from urllib.parse import urlparse
 
 import psutil
 
+from common import loop
 from engines.launcher import launch_pair, pair_configs
 from tinymodels.task import problems
 
@@ -24,7 +25,7 @@ def machine() -> str:
     """One line naming the machine a result was taken on."""
     memory_gb = psutil.virtual_memory().total / 2**30
     return (f"{platform.machine()} Linux, {os.cpu_count()} cores, {memory_gb:.0f} GB RAM, no GPU; "
-            f"load average at start {os.getloadavg()[0]:.1f}")
+            f"load average at start {os.getloadavg()[0]:.1f}; event loop {loop.chosen()}")
 
 
 @contextlib.asynccontextmanager

@@ -38,6 +38,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 
+from common import loop  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
 from engines.protocol import TopKBatch  # noqa: E402
@@ -158,7 +159,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output", type=Path, default=harness.RESULTS_DIR / "levers.json")
     args = parser.parse_args()
-    harness.finish(asyncio.run(run(args)), args.output, plot)
+    harness.finish(loop.run(run(args)), args.output, plot)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ top-k error of q* loglikelihoods.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import subprocess
@@ -37,6 +36,7 @@ import aiohttp
 import numpy as np
 
 import tinymodels
+from common import loop
 from theory import mixture_logprobs, solve_alpha
 from tinymodels.task import problems
 
@@ -132,7 +132,7 @@ def main() -> None:
     name = args.model or served_name(args.url)
     exact = None
     if args.exact_lines:
-        exact = asyncio.run(echo_error(args.url, name, args.exact_lines))
+        exact = loop.run(echo_error(args.url, name, args.exact_lines))
         print(f"echo against the exact q* ({exact['positions']} positions): "
               + ", ".join(f"|{k}| mean {v['mean']:.2e} max {v['max']:.2e}" for k, v in exact["errors"].items()))
     rows = {}

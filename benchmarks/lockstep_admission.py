@@ -15,7 +15,6 @@ benchmarks/results/lockstep_admission.json and .png.
 
 from __future__ import annotations
 
-import asyncio
 import statistics
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 
+from common import loop  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
 
@@ -87,7 +87,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--output", type=Path, default=harness.RESULTS_DIR / "lockstep_admission.json")
     args = parser.parse_args()
-    harness.finish(asyncio.run(run(args)), args.output, plot)
+    harness.finish(loop.run(run(args)), args.output, plot)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import harness
 
+from common import loop
 from common.errors import DualVLLMError
 from coordinator.config import CoordinatorConfig
 from coordinator.core import DualVLLMCoordinator
@@ -172,7 +173,7 @@ def main() -> None:
     rows = []
     for round_ in range(1, args.rounds + 1):
         for name in args.variants:
-            rows += asyncio.run(measure_variant(name, round_, args))
+            rows += loop.run(measure_variant(name, round_, args))
     harness.finish({"machine": harness.machine(), "command": " ".join(["python", *sys.argv]),
                     "variants": {name: VARIANTS[name] for name in args.variants}, "rows": rows},
                    args.output, plot)

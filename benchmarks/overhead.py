@@ -26,7 +26,6 @@ benchmarks/results/overhead.png.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import itertools
 import json
 import resource
@@ -44,6 +43,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` and `tests` are not installed packages
 
+from common import loop  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
 from coordinator.step import mix_and_sample  # noqa: E402
@@ -165,7 +165,7 @@ def cpu_table(args: argparse.Namespace) -> list[dict]:
         body = vllm_answer(theta)
         client = VLLMClient("http://127.0.0.1:1", name="theta")
         parse_us = cpu_us(lambda: client._parse_topk(_decode_completion(body), batch, k), args.repeats, inner)
-        step = asyncio.run(step_cost(batch, k, args.overlap, args.step_tokens, args.repeats))
+        step = loop.run(step_cost(batch, k, args.overlap, args.step_tokens, args.repeats))
         row = {
             "batch_size": batch, "top_k": k,
             "mix_and_sample_us_per_token": mix_us / batch,
@@ -233,7 +233,7 @@ def memory(args: argparse.Namespace) -> dict[str, float]:
                 return before, tokens
 
         started = time.perf_counter()
-        before, tokens = asyncio.run(stream())
+        before, tokens = loop.run(stream())
         seconds = time.perf_counter() - started
     finally:
         child.stdin.close()

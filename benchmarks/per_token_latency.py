@@ -36,6 +36,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 
+from common import loop  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
 from coordinator.stats import StepTiming  # noqa: E402
@@ -171,7 +172,7 @@ def main() -> None:
                         help="servers without tokenizers (the coordinator tokenizes: local_tokenizers)")
     parser.add_argument("--output", type=Path, default=harness.RESULTS_DIR / "per_token_latency.json")
     args = parser.parse_args()
-    harness.finish(asyncio.run(run(args)), args.output, plot)
+    harness.finish(loop.run(run(args)), args.output, plot)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ per point, median of their CPU. Writes benchmarks/results/sequence_overhead.json
 
 from __future__ import annotations
 
-import asyncio
 import json
 import statistics
 import sys
@@ -37,6 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 
+from common import loop  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
 
@@ -111,7 +111,7 @@ def main() -> None:
                         help="tokenize and detokenize in this process (CoordinatorConfig.local_tokenizers)")
     parser.add_argument("--output", type=Path, default=harness.RESULTS_DIR / "sequence_overhead.json")
     args = parser.parse_args()
-    report = asyncio.run(run(args))
+    report = loop.run(run(args))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.output}")

@@ -36,6 +36,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 
+from common import loop  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
 
@@ -216,7 +217,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--output", type=Path, default=harness.RESULTS_DIR / "service_load.json")
     args = parser.parse_args()
-    harness.finish(asyncio.run(run(args)), args.output, plot)
+    harness.finish(loop.run(run(args)), args.output, plot)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 
+from common import loop  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from benchmarks.service_load import running_service  # noqa: E402
 from engines.http import KEEPALIVE_TIMEOUT_S  # noqa: E402
@@ -312,7 +313,7 @@ def main() -> None:
     parser.add_argument("--mode", choices=("auto", "lockstep", "per_token"), default="auto")
     parser.add_argument("--output", type=Path, default=harness.RESULTS_DIR / "service_soak.json")
     args = parser.parse_args()
-    harness.finish(asyncio.run(run(args)), args.output, plot)
+    harness.finish(loop.run(run(args)), args.output, plot)
 
 
 if __name__ == "__main__":

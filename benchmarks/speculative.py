@@ -20,7 +20,6 @@ the acceptance rate. Writes JSON
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import os
@@ -33,6 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 
+from common import loop  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
 from tinymodels.task import problems  # noqa: E402
@@ -173,7 +173,7 @@ def main() -> None:
 
     args = parser.parse_args()
     args.argv = sys.argv[1:]
-    report = asyncio.run(run(args))
+    report = loop.run(run(args))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n")
     plot(report, args.output.with_suffix(".png"))

@@ -31,7 +31,6 @@ and throughput.png.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import statistics
 import sys
@@ -40,6 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 
+from common import loop  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from benchmarks.reference_protocol import ReferenceProtocolClient  # noqa: E402
 from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
@@ -206,7 +206,7 @@ def main() -> None:
                         help="skip the second pair of servers (without tokenizers) and its arm")
     parser.add_argument("--output", type=Path, default=harness.RESULTS_DIR / "throughput.json")
     args = parser.parse_args()
-    harness.finish(asyncio.run(run(args)), args.output, plot)
+    harness.finish(loop.run(run(args)), args.output, plot)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ Prints a table, writes JSON (units in the keys) and a plot of mean |alpha error|
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 import tinymodels
+from common import loop
 from theory import FILL_RULES, merge_topk, mixture_logprobs, solve_alpha, token_diagnostics
 from theory.alpha import alpha_kls
 from tinymodels.task import problems
@@ -59,7 +59,7 @@ def tiny_pairs(n_contexts: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
                     break
             return await base.next_token_logprobs(contexts), await teacher.next_token_logprobs(contexts)
 
-    return asyncio.run(collect())
+    return loop.run(collect())
 
 
 def large_pairs(n_contexts: int, seed: int, relative_noise: float | None) -> tuple[np.ndarray, np.ndarray]:

@@ -39,7 +39,6 @@ mean ± spread (half the range) over seeds per arm and step, writes JSON and a p
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import time
 from pathlib import Path
@@ -48,6 +47,7 @@ import numpy as np
 
 import tinymodels
 from tinymodels.task import HARD_TEST, HARD_TRAIN, HINT_TEMPLATE, LONG_DIGITS, LONG_TEST, LONG_TRAIN
+from common import loop
 from training.config import TrainConfig
 from training.grpo import train_grpo
 
@@ -226,7 +226,7 @@ def train_or_reuse(arm_dir: Path, task: str, fields: dict, args: argparse.Namesp
     if args.no_train:
         raise NotRun(arm_dir)
     started = time.perf_counter()
-    report = asyncio.run(train_grpo(config, show_progress=True))
+    report = loop.run(train_grpo(config, show_progress=True))
     return {"fields": described, "curves": curves(report.metrics_path, uses_teacher(config)),
             "dropped_stale_batches": report.dropped_stale_batches, "steps_done": report.steps_done,
             "wall_s": time.perf_counter() - started}

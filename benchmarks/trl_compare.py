@@ -29,7 +29,6 @@ writes OUTPUT/trl_compare.json (accuracies as fractions, differences in points, 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import functools
 import json
 import time
@@ -40,6 +39,7 @@ from typing import Any
 import numpy as np
 
 import tinymodels
+from common import loop
 from training.config import TrainConfig
 
 ARMS = {"dualvllm": "dualvllm train", "trl": "TRL"}  # folder -> name
@@ -56,7 +56,7 @@ def train_config(out: Path, seed: int, args: argparse.Namespace) -> TrainConfig:
 def run_dualvllm(config: TrainConfig) -> dict[str, Any]:
     from training.grpo import train_grpo
 
-    asyncio.run(train_grpo(config, show_progress=False))
+    loop.run(train_grpo(config, show_progress=False))
     records = [json.loads(line) for line in (config.output_dir / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward_mean"] for r in records if "reward_mean" in r]
     accuracy = {r["step"]: r["held_out_accuracy"] for r in records if "held_out_accuracy" in r}

@@ -208,9 +208,9 @@ def sample_rows(sequences: list[SequenceState], theta: TopKBatch, t: TopKBatch, 
     """One token for each sequence from both servers' top-k rows (in sequence order), each
     drawn with the sequence's own sampler and settings: the step of every per-token mode."""
     n = len(sequences)
-    first = sequences[0].params
-    # A step's sequences usually come from one call: one settings object, read once.
-    params = [first] if all(s.params is first for s in sequences) else [s.params for s in sequences]
+    params = [s.params for s in sequences]
+    if params.count(params[0]) == n:  # a step's sequences usually share their settings: read them once
+        params = params[:1]
 
     def per_row(values: list[float]) -> np.ndarray:
         return np.full(n, values[0], dtype=np.float64) if len(values) == 1 else np.array(values, dtype=np.float64)
@@ -248,7 +248,7 @@ def record_rows(sequences: list[SequenceState], step: StepResult, eos_ids: froze
                    {key: values[row] for key, values in diagnostics.items()} if diagnostics else {},
                    eos_ids, max_len)
     first = sequences[0].params
-    if all(seq.params is first for seq in sequences) and not (first.top_logprobs or first.record_topk):
+    if not (first.top_logprobs or first.record_topk) and [seq.params for seq in sequences].count(first) == len(sequences):
         wanting, recording = [], []  # one call's sequences, recording nothing more: the usual step
     else:
         wanting = [row for row, seq in enumerate(sequences) if seq.params.top_logprobs]

@@ -11,7 +11,6 @@ or is contacted, and a bad value is one line on stderr, exit code 2.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
 import signal
@@ -23,6 +22,7 @@ from typing import Any, AsyncIterator, Iterable, Sequence
 
 from pydantic import BaseModel
 
+from common import loop
 from common.errors import DualVLLMError, InvalidInputError
 from coordinator.config import CoordinatorConfig
 from coordinator.core import DualVLLMCoordinator
@@ -47,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return asyncio.run(args.command(args))
+        return loop.run(args.command(args))
     except DualVLLMError as err:
         print(f"dualvllm: error: {err}", file=sys.stderr)
         return 2

@@ -31,6 +31,7 @@ from typing import Any, Awaitable, Iterable, Mapping, Sequence, TypeVar
 
 import numpy as np
 
+from common import loop
 from common.errors import GenerationFailedError, InvalidInputError, LifecycleError, ShutdownTimeoutError
 from coordinator import CoordinatorConfig, DualVLLMCoordinator, GenerationOutput
 from engines.protocol import Engine
@@ -74,7 +75,7 @@ class QStarRollouts:
         self.probe_prompt_ids: list[list[int]] = []  # the first distinct base prompts, for push verification
         self._calls = 0
         self._closed = False
-        self._loop = asyncio.new_event_loop()
+        self._loop = loop.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="dualvllm-qstar-rollouts", daemon=True)
         self._thread.start()
         self._stack = contextlib.AsyncExitStack()

@@ -83,6 +83,7 @@ class Stream:
     role: int
     engine: Any
     offset: int
+    partner: str  # the url of the server its sequence's other stream runs on (what its rows wait for)
     retired: bool = False  # parked, ended or replaced: its rows get END, its end is expected
 
 
@@ -146,7 +147,8 @@ class LockstepTable:
         self.loads.update(engine.url for engine in live.engines)
 
     def open_stream(self, live: Live, role: int, stream_id: int, offset: int) -> Stream:
-        stream = Stream(id=stream_id, live=live, role=role, engine=live.engines[role], offset=offset)
+        stream = Stream(id=stream_id, live=live, role=role, engine=live.engines[role], offset=offset,
+                        partner=live.engines[1 - role].url)
         live.streams[role] = stream
         self.streams[stream_id] = stream
         return stream
@@ -251,7 +253,7 @@ class LockstepTable:
                 if rows[1 - role] is not None and not live.checking:
                     ready.append(live)
                 else:
-                    needs.add(live.engines[1 - role].url)
+                    needs.add(stream.partner)
             elif seq.cancelled:
                 self.fail(live, "cancelled by the caller")
                 ended.append(i)
@@ -367,16 +369,17 @@ def _answer(reports: tuple[Blocked, Blocked], theta_rows: list[int], t_rows: lis
 def gather(ready: list[Live], role: int) -> TopKBatch:
     """The waiting rows of `role` of the ready sequences, in their order: one gather per report
     they came in (usually one, and often every row of it in order: no gather)."""
-    pairs = [live.rows[role] for live in ready]
-    first = pairs[0][0]  # type: ignore[index]
-    if all(pair[0] is first for pair in pairs):  # type: ignore[index]
-        rows = [pair[1] for pair in pairs]  # type: ignore[index]
+    reports, rows = zip(*[live.rows[role] for live in ready])  # type: ignore[misc]
+    first = reports[0]
+    # Blocked compares by identity: count() is one C loop, where all() over a generator is a
+    # Python frame per row.
+    if reports.count(first) == len(reports):
         report = first.report
-        if len(rows) == len(report.ids) and rows == list(range(len(rows))):
+        if len(rows) == len(report.ids) and rows == tuple(range(len(rows))):
             return TopKBatch(token_ids=report.token_ids.astype(np.int64),
                              logprobs=report.logprobs.astype(np.float64))
-        return TopKBatch(token_ids=report.token_ids[rows].astype(np.int64),
-                         logprobs=report.logprobs[rows].astype(np.float64))
+        return TopKBatch(token_ids=report.token_ids[list(rows)].astype(np.int64),
+                         logprobs=report.logprobs[list(rows)].astype(np.float64))
     groups: dict[Blocked, tuple[list[int], list[int]]] = {}  # report -> (places in `ready`, its rows)
     for place, live in enumerate(ready):
         blocked, i = live.rows[role]  # type: ignore[misc]
