@@ -15,6 +15,9 @@ figure is the coordinator's ceiling: what it would sustain beside servers that d
 instantly. That figure carries over to GPU machines, where the servers' decode steps take
 10-30 ms and the coordinator has a core of its own.
 
+It runs on the `dualvllm` command's event loop, uvloop (common/loop.py);
+`DUALVLLM_EVENT_LOOP=asyncio` runs it on the standard one.
+
 A request reaches a client over a control pipe instead of HTTP (in production the HTTP
 request is sent once per sequence, not per token), and the client answers it with its
 finish reason when the sequence ends.
@@ -24,7 +27,9 @@ per token and per step (time.process_time over the run: the coordinator's event 
 sockets, numpy), and the clients' CPU per token. `--floor` first measures the messaging alone: a
 client process sends reports of the batch's size, the coordinator's channel receives,
 decodes and answers each (no table, no decision); a step has two such round
-trips, so twice that figure is the least a step can cost with this transport. On a machine
+trips, so twice that figure is the least a step can cost with this transport. Before it, the
+same round trip over plain blocking sockets (no event loop) gives the machine's own floor:
+loopback TCP and waking a sleeping process, which no code of ours can remove. On a machine
 with fewer than three free cores the clients and the coordinator share cores, which lowers
 tokens/s but not CPU per token.
 """
@@ -37,6 +42,7 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import queue
+import socket
 import threading
 import time
 from pathlib import Path
@@ -276,6 +282,52 @@ async def measure_floor(batch: int, top_k: int, count: int = 2000) -> dict:
             "calling_thread_share": thread / cpu}
 
 
+def plain_echo_client_main(port: int, report_bytes: int, reply_bytes: int, count: int) -> None:
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for _ in range(count):
+            sock.sendall(b"r" * report_bytes)
+            _receive_exactly(sock, reply_bytes)
+
+
+def _receive_exactly(sock: socket.socket, size: int) -> None:
+    while size:
+        size -= len(sock.recv(size))
+
+
+def measure_machine_floor(count: int = 2000) -> dict:
+    """Process CPU per round trip of batch 1's message sizes over plain blocking sockets: no
+    event loop, no Python between the system calls. What loopback TCP and waking a sleeping
+    process cost on this machine, the part of `measure_floor` no code of ours can remove.
+    (On the 2-core VMs this was measured on, an idle machine charges a process about ten
+    times the CPU per wake-up of a busy one: compare only runs taken side by side.)"""
+    report_bytes = len(wire.encode_report(1, 0, 1, np.zeros(1, np.int64), np.zeros(1, np.int64),
+                                          np.ones((1, 20), np.int32), np.zeros((1, 20), np.float32)))
+    reply_bytes = len(wire.encode_reply(1, np.zeros(1, np.int64)))
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = multiprocessing.get_context("spawn").Process(
+            target=plain_echo_client_main, args=(listener.getsockname()[1], report_bytes, reply_bytes, count),
+            daemon=True)
+        client.start()
+        try:
+            listener.settimeout(60)
+            sock, _ = listener.accept()
+            with sock:
+                sock.settimeout(60)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                for i in range(count):
+                    _receive_exactly(sock, report_bytes)
+                    sock.sendall(b"a" * reply_bytes)
+                    if i == count // 10:  # after a warm-up
+                        cpu, counted = time.process_time(), count - i - 1
+                cpu = time.process_time() - cpu
+        finally:
+            client.join(30)
+            if client.is_alive():
+                client.kill()
+    return {"round_trips": counted, "cpu_us_per_round_trip": 1e6 * cpu / counted}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256, 1024])
@@ -286,9 +338,16 @@ def main() -> None:
     parser.add_argument("--floor", action="store_true",
                         help="also measure the messaging alone (a report in, its reply out, per round trip)")
     args = parser.parse_args()
+    print(f"event loop: {loop.chosen()} (DUALVLLM_EVENT_LOOP=asyncio for the standard one)", flush=True)
+    floors = []
     if args.floor:
+        machine = measure_machine_floor()
+        print(f"plain blocking sockets: {machine['cpu_us_per_round_trip']:7.1f} µs of CPU per report and reply "
+              f"(this machine's floor: no event loop, no Python between the system calls)", flush=True)
+        floors.append({"batch": 1, "plain_sockets": True, **machine})
         for batch in args.batch:
             row = loop.run(measure_floor(batch, args.top_k))
+            floors.append({"batch": batch, "plain_sockets": False, **row})
             print(f"batch {batch:>5}: messaging alone {row['cpu_us_per_round_trip']:7.1f} µs of coordinator CPU "
                   f"per report and reply, {100 * row['calling_thread_share']:.0f}% of it in the calling thread "
                   f"({row['round_trips']:,} round trips; a step has two)", flush=True)
@@ -300,7 +359,8 @@ def main() -> None:
               f"{row['coordinator_cpu_us_per_token']:>7.1f} µs/token, {row['coordinator_cpu_us_per_step']:>9.1f} µs/step "
               f"({row['tokens']:,} tokens, {row['steps']:,} steps)", flush=True)
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
+    args.output.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "event_loop": loop.chosen(),
+                                       "floor": floors, "rows": rows}, indent=2))
     print(f"wrote {args.output}")
 
 

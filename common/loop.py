@@ -1,10 +1,12 @@
 """The event loop dualvllm's own entry points run on: uvloop, unless told otherwise.
 
 The coordinator is one event loop that a lockstep step crosses four times (two reports in,
-two replies out), so the loop's own cost per wake-up is paid per token at small batches.
-uvloop (libuv, in C) runs the same asyncio code with less of it: on the coordinator capacity
-benchmark, 13-38% less coordinator CPU per step at batch 1 and 6-18% per token at batch 64
-(benchmarks/README.md, "uvloop"). vLLM's own server runs on it.
+two replies out), so the loop's own cost per wake-up is paid per step. uvloop (libuv, in C)
+runs the same asyncio code with less of it, as vLLM's own server does. Measured on a 2-core
+VM (`python benchmarks/coordinator_capacity.py --floor`, both loops alternated twice), one
+report in and its reply out cost 60-76 µs of coordinator CPU on uvloop against 84-94 on the
+standard loop at batch 1, where plain blocking sockets cost 30-38; on the whole coordinator
+the gain is inside that machine's noise (benchmarks/README.md, "uvloop").
 
 `run` is used by the `dualvllm` command and the benchmarks, `new_event_loop` by the TRL
 rollout function's background loop. A program that embeds the coordinator runs it on its own
