@@ -209,7 +209,7 @@ def sample_rows(sequences: list[SequenceState], theta: TopKBatch, t: TopKBatch, 
     drawn with the sequence's own sampler and settings: the step of every per-token mode."""
     n = len(sequences)
     params = [s.params for s in sequences]
-    if params.count(params[0]) == n:  # a step's sequences usually share their settings: read them once
+    if _one_object(params):  # a step's sequences usually come from one call: its settings, read once
         params = params[:1]
 
     def per_row(values: list[float]) -> np.ndarray:
@@ -248,7 +248,7 @@ def record_rows(sequences: list[SequenceState], step: StepResult, eos_ids: froze
                    {key: values[row] for key, values in diagnostics.items()} if diagnostics else {},
                    eos_ids, max_len)
     first = sequences[0].params
-    if not (first.top_logprobs or first.record_topk) and [seq.params for seq in sequences].count(first) == len(sequences):
+    if not (first.top_logprobs or first.record_topk) and _one_object([seq.params for seq in sequences]):
         wanting, recording = [], []  # one call's sequences, recording nothing more: the usual step
     else:
         wanting = [row for row, seq in enumerate(sequences) if seq.params.top_logprobs]
@@ -269,6 +269,12 @@ def record_rows(sequences: list[SequenceState], step: StepResult, eos_ids: froze
     for seq in sequences:
         if seq.listener is not None:
             seq.publish()
+
+
+def _one_object(values: list[object]) -> bool:
+    """Whether `values` hold one object (by identity, not equality: no __eq__ per row), in C loops
+    where all() over a generator runs a Python frame per row."""
+    return len(set(map(id, values))) == 1
 
 
 def best_first(theta: TopKBatch, t: TopKBatch, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
