@@ -83,7 +83,6 @@ class Stream:
     role: int
     engine: Any
     offset: int
-    partner: str  # the url of the server its sequence's other stream runs on (what its rows wait for)
     retired: bool = False  # parked, ended or replaced: its rows get END, its end is expected
 
 
@@ -147,8 +146,7 @@ class LockstepTable:
         self.loads.update(engine.url for engine in live.engines)
 
     def open_stream(self, live: Live, role: int, stream_id: int, offset: int) -> Stream:
-        stream = Stream(id=stream_id, live=live, role=role, engine=live.engines[role], offset=offset,
-                        partner=live.engines[1 - role].url)
+        stream = Stream(id=stream_id, live=live, role=role, engine=live.engines[role], offset=offset)
         live.streams[role] = stream
         self.streams[stream_id] = stream
         return stream
@@ -253,7 +251,7 @@ class LockstepTable:
                 if rows[1 - role] is not None and not live.checking:
                     ready.append(live)
                 else:
-                    needs.add(stream.partner)
+                    needs.add(live.engines[1 - role].url)
             elif seq.cancelled:
                 self.fail(live, "cancelled by the caller")
                 ended.append(i)
@@ -378,8 +376,9 @@ def gather(ready: list[Live], role: int) -> TopKBatch:
         if len(rows) == len(report.ids) and rows == tuple(range(len(rows))):
             return TopKBatch(token_ids=report.token_ids.astype(np.int64),
                              logprobs=report.logprobs.astype(np.float64))
-        return TopKBatch(token_ids=report.token_ids[list(rows)].astype(np.int64),
-                         logprobs=report.logprobs[list(rows)].astype(np.float64))
+        index = list(rows)
+        return TopKBatch(token_ids=report.token_ids[index].astype(np.int64),
+                         logprobs=report.logprobs[index].astype(np.float64))
     groups: dict[Blocked, tuple[list[int], list[int]]] = {}  # report -> (places in `ready`, its rows)
     for place, live in enumerate(ready):
         blocked, i = live.rows[role]  # type: ignore[misc]
