@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import multiprocessing
 import multiprocessing.connection
@@ -50,7 +51,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from common import loop
+from common import heap, loop
+from coordinator import kernel
 from coordinator.config import CoordinatorConfig
 from coordinator.sequence import SamplingParams
 from coordinator.lockstep import LockstepScheduler
@@ -183,8 +185,26 @@ class RemoteClient:
         self._finishes.close()
 
 
-async def measure(batch: int, tokens: int, top_k: int, rounds: int) -> dict:
-    """One coordinator, two client processes, `rounds` batches of `batch` sequences of `tokens` tokens."""
+class CollectionTimer:
+    """Process CPU spent in Python's garbage collections while counting, per generation."""
+
+    def __init__(self) -> None:
+        self.seconds = [0.0, 0.0, 0.0]
+        self.collections = [0, 0, 0]
+        self.counting = False
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.process_time()
+        elif self.counting:
+            self.seconds[info["generation"]] += time.process_time() - self._started
+            self.collections[info["generation"]] += 1
+
+
+async def measure(batch: int, tokens: int, top_k: int, rounds: int, freeze: bool) -> dict:
+    """One coordinator, two client processes, `rounds` batches of `batch` sequences of `tokens` tokens;
+    `freeze`: freeze the start-up heap as DualVLLMCoordinator does (CoordinatorConfig.freeze_gc_heap)."""
     spawn = multiprocessing.get_context("spawn")
     requests = [spawn.Pipe(duplex=False) for _ in ("theta", "t")]  # (client's end, ours)
     finishes = [spawn.Pipe(duplex=False) for _ in ("theta", "t")]  # (ours, client's end)
@@ -198,6 +218,11 @@ async def measure(batch: int, tokens: int, top_k: int, rounds: int) -> dict:
     channel = LockstepChannel()
     config = CoordinatorConfig(top_k=top_k, max_batch_size=max(batch, 1), lockstep_stall_timeout=60.0)
     stats = Statistics()
+    collections = CollectionTimer()
+    gc.callbacks.append(collections)
+    kernel.warm_up()
+    if freeze:
+        heap.freeze()
     scheduler = LockstepScheduler(clients[0], clients[1], config=config, eos_ids=frozenset({STOP_TOKEN}),  # type: ignore[arg-type]
                                   max_len=PROMPT_LEN + tokens + 2, stats=stats, channel=channel,
                                   stop_token=STOP_TOKEN, capacity=batch, vocab_size=VOCAB)
@@ -214,9 +239,11 @@ async def measure(batch: int, tokens: int, top_k: int, rounds: int) -> dict:
                                        rng=np.random.default_rng([round_index, i]), sink=sink) for i in range(batch)]
             tokens_before, steps_before = stats.tokens, scheduler.counters.replies
             wall, cpu = time.perf_counter(), time.process_time()
+            collections.counting = bool(round_index)
             scheduler.submit(sequences)
             outputs = [await asyncio.wait_for(sink.get(), 600) for _ in sequences]
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            collections.counting = False
             failed = [o.error for o in outputs if not o.ok]
             if failed:
                 raise RuntimeError(f"{len(failed)} sequences failed, e.g. {failed[0]}")
@@ -233,9 +260,14 @@ async def measure(batch: int, tokens: int, top_k: int, rounds: int) -> dict:
             if process.is_alive():
                 process.kill()
         channel.close()
+        gc.callbacks.remove(collections)
+        if freeze:
+            heap.thaw()
     made, steps, wall, cpu = (sum(r[i] for r in results) for i in range(4))
     return {"batch": batch, "tokens": made, "steps": steps, "tokens_per_s": made / wall,
-            "coordinator_cpu_us_per_token": 1e6 * cpu / made, "coordinator_cpu_us_per_step": 1e6 * cpu / max(steps, 1)}
+            "coordinator_cpu_us_per_token": 1e6 * cpu / made, "coordinator_cpu_us_per_step": 1e6 * cpu / max(steps, 1),
+            "frozen_heap": freeze, "collections": collections.collections, "collection_cpu_s": collections.seconds,
+            "collection_share": sum(collections.seconds) / cpu}
 
 
 # -- the floor: messaging alone --------------------------------------------------------------
@@ -335,6 +367,9 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3, help="measured batches per size (after one warm-up)")
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/coordinator_capacity.json"))
+    parser.add_argument("--no-freeze", action="store_true",
+                        help="leave the start-up heap to the garbage collector (the coordinator freezes it: "
+                             "CoordinatorConfig.freeze_gc_heap)")
     parser.add_argument("--floor", action="store_true",
                         help="also measure the messaging alone (a report in, its reply out, per round trip)")
     args = parser.parse_args()
@@ -353,11 +388,13 @@ def main() -> None:
                   f"({row['round_trips']:,} round trips; a step has two)", flush=True)
     rows = []
     for batch in args.batch:
-        row = loop.run(measure(batch, args.tokens, args.top_k, args.rounds))
+        row = loop.run(measure(batch, args.tokens, args.top_k, args.rounds, freeze=not args.no_freeze))
         rows.append(row)
         print(f"batch {batch:>5}: {row['tokens_per_s']:>9,.0f} tokens/s, coordinator CPU "
               f"{row['coordinator_cpu_us_per_token']:>7.1f} µs/token, {row['coordinator_cpu_us_per_step']:>9.1f} µs/step "
-              f"({row['tokens']:,} tokens, {row['steps']:,} steps)", flush=True)
+              f"({row['tokens']:,} tokens, {row['steps']:,} steps); garbage collection "
+              f"{100 * row['collection_share']:.1f}% of it ({'/'.join(map(str, row['collections']))} collections "
+              f"of generations 0/1/2, heap {'frozen' if row['frozen_heap'] else 'not frozen'})", flush=True)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "event_loop": loop.chosen(),
                                        "floor": floors, "rows": rows}, indent=2))

@@ -67,6 +67,8 @@ class CoordinatorConfig(RaisesInvalidInput, BaseSettings):
     seed: int | None = Field(0, description="Seed of the per-sequence samplers when a call gives none; None = fresh entropy.")
     eos_token_ids: tuple[int, ...] | None = Field(
         None, description="Override the EOS ids learned from the servers (needed if they cannot tell).")
+    freeze_gc_heap: bool = Field(
+        True, description="Freeze the process's heap (gc.freeze) once the coordinator is up, so that Python's full garbage collections skip the objects of start-up, as vLLM's servers do; thawed when the last coordinator closes (common/heap.py).")
     enable_logging: bool = Field(False, description="Log start-up checks and per-step progress to the 'dualvllm' logger.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Level of that logger when logging is on.")
 

@@ -32,6 +32,7 @@ from coordinator.scheduler import Scheduler, Scheduling
 from coordinator.sequence import SamplingParams, SequenceState, TokenListener
 from coordinator.speculative import speculative_scheduler
 from coordinator.stats import Statistics, StepTiming
+from common import heap
 from common.errors import InvalidInputError, LifecycleError, LockstepUnavailableError, TopKUnsupportedError
 from engines.lockstep_channel import LockstepChannel
 from engines.pool import ReplicaPool
@@ -81,6 +82,9 @@ class DualVLLMCoordinator:
         try:
             await self._open()
             await warming
+            if self.config.freeze_gc_heap:  # start-up is over: its objects stay for the run
+                heap.freeze()
+                self._stack.callback(heap.thaw)
         except BaseException:
             await asyncio.gather(warming, return_exceptions=True)
             await self._stack.aclose()

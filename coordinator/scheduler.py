@@ -13,7 +13,8 @@ import contextlib
 import logging
 import time
 from collections import deque
-from typing import AsyncContextManager, AsyncIterator, Awaitable, Protocol, TypeVar
+from types import MappingProxyType
+from typing import AsyncContextManager, AsyncIterator, Awaitable, Mapping, Protocol, TypeVar
 
 import numpy as np
 
@@ -222,7 +223,7 @@ def sample_rows(sequences: list[SequenceState], theta: TopKBatch, t: TopKBatch, 
         theta, t,
         temperature=per_row([p.temperature for p in params]),
         fixed_alpha=per_row([np.nan if p.fixed_alpha is None else p.fixed_alpha for p in params]),
-        uniforms=np.fromiter((s.uniform() for s in sequences), np.float64, n),
+        uniforms=np.fromiter(map(SequenceState.uniform, sequences), np.float64, n),
         fill=config.fill_rule,
         vocab_size=vocab_size,
         alpha_tol=config.alpha_tol,
@@ -242,11 +243,14 @@ def record_rows(sequences: list[SequenceState], step: StepResult, eos_ids: froze
     tokens = step.token_ids.tolist()
     alphas, lq = step.alpha.tolist(), step.logprob_q.tolist()
     lth, lt = step.logprob_theta.tolist(), step.logprob_t.tolist()
-    diagnostics = {key: values.tolist() for key, values in (step.diagnostics or {}).items()}
-    for row, seq in enumerate(sequences):
-        seq.append(tokens[row], alphas[row], lq[row], lth[row], lt[row],
-                   {key: values[row] for key, values in diagnostics.items()} if diagnostics else {},
-                   eos_ids, max_len)
+    if step.diagnostics:
+        diagnostics = {key: values.tolist() for key, values in step.diagnostics.items()}
+        for row, seq in enumerate(sequences):
+            seq.append(tokens[row], alphas[row], lq[row], lth[row], lt[row],
+                       {key: values[row] for key, values in diagnostics.items()}, eos_ids, max_len)
+    else:  # the usual step: one zip, no dict per row
+        for seq, token, alpha, q, theta_lp, t_lp in zip(sequences, tokens, alphas, lq, lth, lt):
+            seq.append(token, alpha, q, theta_lp, t_lp, NO_DIAGNOSTICS, eos_ids, max_len)
     first = sequences[0].params
     if not (first.top_logprobs or first.record_topk) and _one_object([seq.params for seq in sequences]):
         wanting, recording = [], []  # one call's sequences, recording nothing more: the usual step
@@ -269,6 +273,9 @@ def record_rows(sequences: list[SequenceState], step: StepResult, eos_ids: froze
     for seq in sequences:
         if seq.listener is not None:
             seq.publish()
+
+
+NO_DIAGNOSTICS: Mapping[str, float] = MappingProxyType({})
 
 
 def _one_object(values: list[object]) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from array import array
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
@@ -89,17 +90,21 @@ class SequenceState:
 
     index: int
     prompt: Prompt
-    theta_prompt_ids: list[int]
-    t_prompt_ids: list[int]
+    # Tuples: CPython stops tracking a tuple of ints at its first collection, so that full
+    # collections skip long prompts (a list's every element is visited by each one).
+    theta_prompt_ids: tuple[int, ...]
+    t_prompt_ids: tuple[int, ...]
     params: SamplingParams
     rng: np.random.Generator
     sink: asyncio.Queue[GenerationOutput]
     key: int = -1  # unique within a coordinator: how replica pools keep a sequence on one replica
     tokens: list[int] = field(default_factory=list)
-    alphas: list[float] = field(default_factory=list)
-    logprobs_q: list[float] = field(default_factory=list)
-    logprobs_theta: list[float] = field(default_factory=list)
-    logprobs_t: list[float] = field(default_factory=list)
+    # The per-token values in array("d"), which the garbage collector does not walk: as lists,
+    # every full collection visits every value of every sequence in flight (common/heap.py).
+    alphas: array[float] = field(default_factory=lambda: array("d"))
+    logprobs_q: array[float] = field(default_factory=lambda: array("d"))
+    logprobs_theta: array[float] = field(default_factory=lambda: array("d"))
+    logprobs_t: array[float] = field(default_factory=lambda: array("d"))
     diagnostics: dict[str, list[float]] = field(default_factory=dict)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)  # when params.top_logprobs > 0
     # When params.record_topk > 0, per token: int64 [2, k] ids and float64 [2, k] raw logprobs
@@ -127,11 +132,14 @@ class SequenceState:
             self._uniforms = self.rng.random(UNIFORM_BLOCK).tolist()[::-1]
         return self._uniforms.pop()
 
+    def __post_init__(self) -> None:
+        self.theta_prompt_ids, self.t_prompt_ids = tuple(self.theta_prompt_ids), tuple(self.t_prompt_ids)
+
     def theta_context(self) -> list[int]:
-        return self.theta_prompt_ids + self.tokens
+        return [*self.theta_prompt_ids, *self.tokens]
 
     def t_context(self) -> list[int]:
-        return self.t_prompt_ids + self.tokens
+        return [*self.t_prompt_ids, *self.tokens]
 
     def fail(self, message: str) -> None:
         self.finish_reason, self.error = "error", message
@@ -168,7 +176,7 @@ class SequenceState:
         a step's tokens are final (never before a speculative round's stop-string replay)."""
         if self.listener is not None and len(self.tokens) > self.published:
             start, self.published = self.published, len(self.tokens)
-            self.listener(self.index, self.tokens[start:], self.logprobs_q[start:], self.top_logprobs[start:])
+            self.listener(self.index, self.tokens[start:], self.logprobs_q[start:].tolist(), self.top_logprobs[start:])
 
     def truncate(self, n: int) -> None:
         """Forget every token after the first n (and its records, text and finish)."""
@@ -204,10 +212,10 @@ class SequenceState:
             prompt=self.prompt,
             generated_text=self.text or "",
             generated_tokens=list(self.tokens),
-            alpha_history=self.alphas,
-            logprobs_q=self.logprobs_q,
-            logprobs_theta=self.logprobs_theta,
-            logprobs_t=self.logprobs_t,
+            alpha_history=self.alphas.tolist(),
+            logprobs_q=self.logprobs_q.tolist(),
+            logprobs_theta=self.logprobs_theta.tolist(),
+            logprobs_t=self.logprobs_t.tolist(),
             finish_reason=self.finish_reason,
             diagnostics=diagnostics,
             top_logprobs=self.top_logprobs if self.params.top_logprobs else None,

@@ -219,9 +219,10 @@ class LockstepScheduler:
             self._table.out.unknown.clear()
             if self.gate.watching:
                 self.gate.observe(blocked.server, set(report.ids.tolist()))
-        # A later report may have failed one, or replaced a report whose row it held (a plugin
-        # that gave up waiting and reported again).
-        ready = [live for live in ready if not live.done and live.rows[THETA] is not None and live.rows[T] is not None]
+        if len(received) > 1:  # a later report may have failed one, or replaced a report whose
+            # row it held (a plugin that gave up waiting and reported again)
+            ready = [live for live in ready
+                     if not live.done and live.rows[THETA] is not None and live.rows[T] is not None]
         if ready:
             self._decide(ready)
 

@@ -227,24 +227,24 @@ class LockstepTable:
         if self.closing:
             blocked.answers[:] = wire.END
             return blocked, []
-        # Once per row of every step: plain locals and the usual case first (a row at its
-        # sequence's next position, its role's slot free), the rules' order kept for the rest.
+        # Once per row of every step: plain locals, the streams looked up in one C loop (map),
+        # and the usual case first (a row at its sequence's next position, its role's slot
+        # free), the rules' order kept for the rest.
         ready: list[Live] = []
         ended: list[int] = []  # rows answered END
+        failed = False  # a sequence failed here, which may have been counted ready before
         needs = blocked.needs
-        get = self.streams.get
-        engine = None
-        for i, stream_id, position in zip(range(n), report.ids.tolist(), report.positions.tolist()):
-            stream = get(stream_id)
+        last = None
+        for i, stream, position in zip(range(n), map(self.streams.get, report.ids.tolist()), report.positions.tolist()):
             if stream is None:
-                self.out.unknown.append((stream_id, report))
+                self.out.unknown.append((int(report.ids[i]), report))
                 ended.append(i)
                 continue
             live = stream.live
             if stream.retired or live.done:
                 ended.append(i)
                 continue
-            engine, role, rows, seq = stream.engine, stream.role, live.rows, live.seq
+            last, role, rows, seq = stream, stream.role, live.rows, live.seq
             agreed = len(seq.tokens)
             if position == agreed and rows[role] is None and not seq.cancelled:
                 rows[role] = (blocked, i)
@@ -255,17 +255,19 @@ class LockstepTable:
             elif seq.cancelled:
                 self.fail(live, "cancelled by the caller")
                 ended.append(i)
+                failed = True
             elif position < agreed:  # a preempted request come back: decided already
                 blocked.answers[i] = seq.tokens[position]
             else:  # past the agreed tokens, or a second row of the stream while one waits
-                self.fail(live, f"{engine.name} server reported position {position} of a sequence agreed "
+                self.fail(live, f"{stream.engine.name} server reported position {position} of a sequence agreed "
                                 f"up to {agreed} tokens: the two servers diverged")
                 ended.append(i)
+                failed = True
         if ended:
             blocked.answers[ended] = wire.END
-        if engine is not None:  # a report's rows all come from one server
-            blocked.server = engine.url
-        return blocked, [live for live in ready if not live.done]
+        if last is not None:  # a report's rows all come from one server
+            blocked.server = last.engine.url
+        return blocked, [live for live in ready if not live.done] if failed else ready
 
     def decided(self, ready: list[Live], tokens: list[int]) -> None:
         """Answer both rows of each ready sequence with its token (END if the token finished it):
@@ -379,17 +381,18 @@ def gather(ready: list[Live], role: int) -> TopKBatch:
         index = list(rows)
         return TopKBatch(token_ids=report.token_ids[index].astype(np.int64),
                          logprobs=report.logprobs[index].astype(np.float64))
-    groups: dict[Blocked, tuple[list[int], list[int]]] = {}  # report -> (places in `ready`, its rows)
-    for place, live in enumerate(ready):
-        blocked, i = live.rows[role]  # type: ignore[misc]
-        places, rows = groups.setdefault(blocked, ([], []))
-        places.append(place)
-        rows.append(i)
-    width = max(blocked.report.token_ids.shape[1] for blocked in groups)
+    # Rows from several reports (one server ran ahead on some sequences): each report's rows
+    # in one fancy index, the report of each row found in C loops (map over a dict).
+    order = {blocked: k for k, blocked in enumerate(dict.fromkeys(reports))}
+    codes = np.fromiter(map(order.__getitem__, reports), np.int64, len(reports))
+    rows_of = np.array(rows, dtype=np.int64)
+    width = max(blocked.report.token_ids.shape[1] for blocked in order)
     ids = np.full((len(ready), width), PAD_TOKEN_ID, dtype=np.int64)
     logprobs = np.full((len(ready), width), -np.inf)
-    for blocked, (places, rows) in groups.items():
-        k = blocked.report.token_ids.shape[1]
-        ids[places, :k] = blocked.report.token_ids[rows]
-        logprobs[places, :k] = blocked.report.logprobs[rows]
+    for blocked, k in order.items():
+        places = np.flatnonzero(codes == k)
+        picked = rows_of[places]
+        width_k = blocked.report.token_ids.shape[1]
+        ids[places, :width_k] = blocked.report.token_ids[picked]
+        logprobs[places, :width_k] = blocked.report.logprobs[picked]
     return TopKBatch(token_ids=ids, logprobs=logprobs)

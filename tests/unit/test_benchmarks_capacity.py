@@ -31,4 +31,6 @@ def test_the_capacity_benchmark_decides_every_token_and_measures_its_floors(tmp_
     # One measured round after the warm-up: every sequence ran to its last token, none failed.
     assert [(row["batch"], row["tokens"]) for row in report["rows"]] == [(b, b * TOKENS) for b in BATCHES]
     assert all(row["steps"] >= TOKENS and row["coordinator_cpu_us_per_token"] > 0 for row in report["rows"])
+    # The start-up heap is frozen as the coordinator does it, and the collections are counted.
+    assert all(row["frozen_heap"] and 0 <= row["collection_share"] < 1 for row in report["rows"])
     assert "plain blocking sockets" in out and "tokens/s" in out

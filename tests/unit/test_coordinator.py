@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -440,3 +442,20 @@ async def test_on_tokens_hands_over_every_token_once_in_order(fake_theta, fake_t
         outputs = [o async for o in c.stream(["abc", "de"], max_tokens=8, seed=2,
                                              on_tokens=lambda i, tokens, *_: seen[i].extend(tokens))]
     assert {o.index: o.generated_tokens for o in outputs} == seen
+
+
+async def test_the_start_up_heap_is_frozen_while_a_coordinator_runs(fake_theta, fake_t):
+    assert gc.get_freeze_count() == 0, "another test left the heap frozen"
+    async with DualVLLMCoordinator(config(fake_theta, fake_t)) as c:
+        assert gc.get_freeze_count() > 0
+        async with DualVLLMCoordinator(config(fake_theta, fake_t)) as other:
+            await other.generate_batch(["ab"], max_tokens=2)
+        assert gc.get_freeze_count() > 0, "the first coordinator still runs"
+        assert (await c.generate_batch(["ab"], max_tokens=2))[0].ok
+    assert gc.get_freeze_count() == 0, "the last coordinator to close thaws the heap"
+    async with DualVLLMCoordinator(config(fake_theta, fake_t, freeze_gc_heap=False)):
+        assert gc.get_freeze_count() == 0
+    with pytest.raises(UnknownModelError):  # a start that fails leaves nothing frozen
+        async with DualVLLMCoordinator(config(fake_theta, fake_t, theta_model="missing")):
+            pass
+    assert gc.get_freeze_count() == 0
