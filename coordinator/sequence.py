@@ -101,6 +101,10 @@ class SequenceState:
     tokens: list[int] = field(default_factory=list)
     # The per-token values in array("d"), which the garbage collector does not walk: as lists,
     # every full collection visits every value of every sequence in flight (common/heap.py).
+    # One list of a tuple per token was worse: each tuple stays tracked until a young
+    # collection untracks it, and at batch 1,024 with 512-token sequences the collections'
+    # share of the coordinator's CPU went from 10% to 20% (coordinator_capacity.py). An
+    # array's append costs 2.5x a list's (56 against 22 ns).
     alphas: array[float] = field(default_factory=lambda: array("d"))
     logprobs_q: array[float] = field(default_factory=lambda: array("d"))
     logprobs_theta: array[float] = field(default_factory=lambda: array("d"))
