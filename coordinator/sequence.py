@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from array import array
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
@@ -99,16 +98,13 @@ class SequenceState:
     sink: asyncio.Queue[GenerationOutput]
     key: int = -1  # unique within a coordinator: how replica pools keep a sequence on one replica
     tokens: list[int] = field(default_factory=list)
-    # The per-token values in array("d"), which the garbage collector does not walk: as lists,
-    # every full collection visits every value of every sequence in flight (common/heap.py).
-    # One list of a tuple per token was worse: each tuple stays tracked until a young
-    # collection untracks it, and at batch 1,024 with 512-token sequences the collections'
-    # share of the coordinator's CPU went from 10% to 20% (coordinator_capacity.py). An
-    # array's append costs 2.5x a list's (56 against 22 ns).
-    alphas: array[float] = field(default_factory=lambda: array("d"))
-    logprobs_q: array[float] = field(default_factory=lambda: array("d"))
-    logprobs_theta: array[float] = field(default_factory=lambda: array("d"))
-    logprobs_t: array[float] = field(default_factory=lambda: array("d"))
+    # Lists, not array("d"): an array's append costs 2.5x a list's (56 against 22 ns), and with
+    # the start-up heap frozen (common/heap.py) full collections, which walk every element,
+    # are rare (none in a round of 1,024 sequences of 512 tokens: coordinator_capacity.py).
+    alphas: list[float] = field(default_factory=list)
+    logprobs_q: list[float] = field(default_factory=list)
+    logprobs_theta: list[float] = field(default_factory=list)
+    logprobs_t: list[float] = field(default_factory=list)
     diagnostics: dict[str, list[float]] = field(default_factory=dict)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)  # when params.top_logprobs > 0
     # When params.record_topk > 0, per token: int64 [2, k] ids and float64 [2, k] raw logprobs
@@ -180,7 +176,7 @@ class SequenceState:
         a step's tokens are final (never before a speculative round's stop-string replay)."""
         if self.listener is not None and len(self.tokens) > self.published:
             start, self.published = self.published, len(self.tokens)
-            self.listener(self.index, self.tokens[start:], self.logprobs_q[start:].tolist(), self.top_logprobs[start:])
+            self.listener(self.index, self.tokens[start:], self.logprobs_q[start:], self.top_logprobs[start:])
 
     def truncate(self, n: int) -> None:
         """Forget every token after the first n (and its records, text and finish)."""
@@ -216,10 +212,10 @@ class SequenceState:
             prompt=self.prompt,
             generated_text=self.text or "",
             generated_tokens=list(self.tokens),
-            alpha_history=self.alphas.tolist(),
-            logprobs_q=self.logprobs_q.tolist(),
-            logprobs_theta=self.logprobs_theta.tolist(),
-            logprobs_t=self.logprobs_t.tolist(),
+            alpha_history=self.alphas,
+            logprobs_q=self.logprobs_q,
+            logprobs_theta=self.logprobs_theta,
+            logprobs_t=self.logprobs_t,
             finish_reason=self.finish_reason,
             diagnostics=diagnostics,
             top_logprobs=self.top_logprobs if self.params.top_logprobs else None,
