@@ -2,12 +2,12 @@
 
 Python's cyclic collector runs a full (oldest-generation) collection every few hundred young
 ones, and each walks every tracked object in the process: after start-up ~140,000 objects
-(numba, scipy, aiohttp, pydantic...), none of them garbage. A lockstep coordinator allocates
-fast enough to run one every 37,000-66,000 tokens. Measured with
+(numba, scipy, aiohttp, pydantic...), none of them garbage. Measured on commit b1e3ad0 with
 `python benchmarks/coordinator_capacity.py --batch 256 1024` (with and without `--no-freeze`,
-alternated twice, 64-token sequences), garbage collection took 9.5-10.7% of the coordinator's
-CPU at batch 256 and 18.3-19.6% at batch 1,024 with the heap left alone, and 1.5-1.6% and
-6.2-6.4% with it frozen.
+alternated twice, 64-token sequences; a full collection every 37,000-66,000 tokens then),
+garbage collection took 9.5-10.7% of the coordinator's CPU at batch 256 and 18.3-19.6% at
+batch 1,024 with the heap left alone, and 1.5-1.6% and 6.2-6.4% with it frozen
+(benchmarks/README.md, "Garbage collection").
 
 `gc.freeze()` moves every object alive now into a permanent generation that collections
 skip, as vLLM does in its own servers once they are up (vllm/utils/gc_utils.py). Frozen
