@@ -9,8 +9,9 @@ import numpy as np
 
 from coordinator.sequence import SamplingParams
 from coordinator.lockstep import waits
-from coordinator.lockstep.table import THETA, T, UNSET, Live, LockstepTable
+from coordinator.lockstep.table import THETA, T, UNSET, Live, LockstepTable, gather
 from coordinator.sequence import SequenceState
+from engines.protocol import PAD_TOKEN_ID
 from engines.vllm_plugin import wire
 
 K = 2  # top-k width of the synthetic rows
@@ -245,3 +246,27 @@ def test_a_checked_sequence_that_reached_its_stop_string_finishes_on_release():
     assert rig.table.release(rig.lives) == []
     assert rig.lives[0].done and rig.table.out.finished == [rig.lives[0].seq]
     assert rig.table.blocked[b"theta"].answers.tolist() == [wire.END]
+
+
+def test_gather_takes_each_row_from_its_own_report_and_pads_the_narrower_ones():
+    rig = Rig(3)
+    table = rig.table
+
+    def report(server: bytes, role: int, rows: list[tuple[int, int]], width: int, first_id: int):
+        n = len(rows)
+        ids = np.array([rig.stream_id(i, role) for i, _ in rows], dtype=np.int64)
+        token_ids = (first_id + np.arange(n * width, dtype=np.int32)).reshape(n, width)
+        return table.report(server, wire.Report(
+            step=1, flags=0, capacity=64, ids=ids, positions=np.array([p for _, p in rows], dtype=np.int64),
+            token_ids=token_ids, logprobs=np.log(np.full((n, width), 0.1, dtype=np.float32))), 0.0)
+
+    # The base reports sequences 2 and 0 in one step, then 1 in its next (it ran ahead on them).
+    report(b"theta-a", THETA, [(2, 0), (0, 0)], width=3, first_id=100)
+    report(b"theta-b", THETA, [(1, 0)], width=2, first_id=200)
+    _, ready = report(b"t", T, [(0, 0), (1, 0), (2, 0)], width=3, first_id=300)
+    assert ready == rig.lives  # in the teacher's order: 0, 1, 2
+    theta = gather(ready, THETA)
+    assert theta.token_ids.tolist() == [[103, 104, 105], [200, 201, PAD_TOKEN_ID], [100, 101, 102]]
+    assert np.isneginf(theta.logprobs[1, 2]) and np.allclose(theta.logprobs[[0, 2]], np.log(0.1))
+    teacher = gather(ready, T)  # one report, every row in order: taken whole
+    assert teacher.token_ids.tolist() == [[300, 301, 302], [303, 304, 305], [306, 307, 308]]
