@@ -222,14 +222,14 @@ async def measure(batch: int, tokens: int, top_k: int, rounds: int, freeze: bool
     channel = LockstepChannel()
     config = CoordinatorConfig(top_k=top_k, max_batch_size=max(batch, 1), lockstep_stall_timeout=60.0)
     stats = Statistics()
-    collections = CollectionTimer()
-    gc.callbacks.append(collections)
-    kernel.warm_up()
-    if freeze:
-        heap.freeze()
     scheduler = LockstepScheduler(clients[0], clients[1], config=config, eos_ids=frozenset({STOP_TOKEN}),  # type: ignore[arg-type]
                                   max_len=PROMPT_LEN + tokens + 2, stats=stats, channel=channel,
                                   stop_token=STOP_TOKEN, capacity=batch, vocab_size=VOCAB)
+    collections = CollectionTimer()
+    kernel.warm_up()
+    gc.callbacks.append(collections)  # both undone in `finally`, whatever fails
+    if freeze:
+        heap.freeze()
     try:
         for ready in readies:
             if not ready.wait(60):
