@@ -40,6 +40,36 @@ async def servers(theta_url: str | None, t_url: str | None, *, max_logprobs: int
         yield theta.url, t.url
 
 
+def long_context_models(directory: Path, positions: int) -> dict[str, object]:
+    """pair_configs options that serve copies of the bundled models, written under `directory`,
+    with `positions` positions instead of the 64 they were trained on.
+
+    Only the configs change (`max_position_embeddings`, the tokenizer's `model_max_length`);
+    the weights are linked. The models' rotary positions are computed, not learned, so they go
+    on past 64: what the models generate there means nothing, but every number stays finite,
+    and each token costs what any token costs. RL rollouts run to hundreds of tokens, over
+    which each sequence's own work (its requests, tokenization, admission) is spread far
+    thinner than over the 48 tokens the bundled context leaves. (vLLM's own override,
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN, keeps the models' rotary table at 64 positions: per-token
+    answers then carried NaN logprobs, which the server could not even write as JSON.)
+    """
+    import tinymodels
+
+    models = {}
+    for role, source in (("base_model", tinymodels.BASE_DIR), ("teacher_model", tinymodels.TEACHER_DIR)):
+        copy = directory / source.name
+        copy.mkdir(parents=True)
+        for file in source.iterdir():
+            if file.name in ("config.json", "tokenizer_config.json"):
+                settings = json.loads(file.read_text())
+                key = "max_position_embeddings" if file.name == "config.json" else "model_max_length"
+                (copy / file.name).write_text(json.dumps(settings | {key: positions}, indent=2))
+            else:
+                (copy / file.name).symlink_to(file)
+        models[role] = str(copy)
+    return models | {"max_model_len": positions, "dtype": tinymodels.SERVER_DTYPE}
+
+
 def prompts_for(batch_size: int, seed: int) -> list[str]:
     """`batch_size` held-out addition prompts (repeated if the split is smaller)."""
     prompts = [p.prompt for p in problems("test", n=min(batch_size, 400), seed=seed)]

@@ -2,6 +2,7 @@
 
     python benchmarks/throughput.py                   # starts the bundled tiny models (one pair)
     python benchmarks/throughput.py --theta-url URL --t-url URL --batch-sizes 1 8 64 --tokens 16 32 56
+    python benchmarks/throughput.py --max-model-len 640 --tokens 512 --batch-sizes 64 256  # RL-like lengths
 
 Arms run back to back on the same two servers in every repeat, so their ratios come
 from one run of this noisy shared machine:
@@ -34,6 +35,7 @@ import argparse
 import contextlib
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,8 +53,13 @@ ARMS = ("coordinator", "lockstep", "coordinator_no_tokenizer", "reference", "nat
 async def run(args: argparse.Namespace) -> dict:
     async with contextlib.AsyncExitStack() as stack:
         logprobs = max(args.top_k, 20)
+        context = {}
+        if args.max_model_len is not None:
+            context = harness.long_context_models(Path(stack.enter_context(tempfile.TemporaryDirectory())),
+                                                  args.max_model_len)
         theta_url, t_url = await stack.enter_async_context(harness.servers(args.theta_url, args.t_url,
-                                                                          max_logprobs=logprobs, lockstep=True))
+                                                                          max_logprobs=logprobs, lockstep=True,
+                                                                          **context))
         cpus = (harness.ServerCPU(theta_url), harness.ServerCPU(t_url))
         config = CoordinatorConfig(theta_url=theta_url, t_url=t_url, top_k=args.top_k,
                                    max_batch_size=max(args.batch_sizes), mode="per_token")
@@ -63,7 +70,7 @@ async def run(args: argparse.Namespace) -> dict:
         bare = bare_cpus = None
         if not (args.theta_url and args.t_url) and not args.no_tokenizer_arm:
             bare_urls = await stack.enter_async_context(harness.servers(None, None, max_logprobs=logprobs,
-                                                                       skip_tokenizer_init=True))
+                                                                       skip_tokenizer_init=True, **context))
             bare_cpus = (harness.ServerCPU(bare_urls[0]), harness.ServerCPU(bare_urls[1]))
             bare = await stack.enter_async_context(DualVLLMCoordinator(config.model_copy(update={
                 "theta_url": bare_urls[0], "t_url": bare_urls[1], "local_tokenizers": True})))
@@ -194,7 +201,10 @@ def main() -> None:
     parser = harness.argument_parser(__doc__, live_servers=True)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 32, 56],
-                        help="output lengths (the bundled models' context is 64 tokens)")
+                        help="output lengths (the bundled models' context is 64 tokens; see --max-model-len)")
+    parser.add_argument("--max-model-len", type=int,
+                        help="serve copies of the bundled models with this many positions, past the 64 they "
+                             "were trained on (outputs there are meaningless; their cost is measured)")
     parser.add_argument("--top-k", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--reference-max-batch", type=int, default=64,
@@ -206,6 +216,9 @@ def main() -> None:
                         help="skip the second pair of servers (without tokenizers) and its arm")
     parser.add_argument("--output", type=Path, default=harness.RESULTS_DIR / "throughput.json")
     args = parser.parse_args()
+    if args.max_model_len is not None and (args.theta_url or args.t_url):
+        parser.error("--max-model-len sets the context of the servers this script starts; "
+                     "given servers keep their own (drop --theta-url/--t-url, or --max-model-len)")
     harness.finish(loop.run(run(args)), args.output, plot)
 
 
