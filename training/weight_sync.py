@@ -50,6 +50,10 @@ log = logging.getLogger("dualvllm.training")
 # The first send, plus one deliberate resend when the probe shows that a send which failed
 # without a clear answer did not take.
 RELOAD_SENDS = 2
+# How long one reload may take before it counts as failed (and the server's health and weights
+# are checked). It reads the whole checkpoint into the server: a 70B model in bf16 is 140 GB,
+# minutes from disk, where the client's request timeout (60 s by default) is sized for steps.
+RELOAD_TIMEOUT_S = 900.0
 # After a failed reload, a server not healthy within this long is reported, not waited on:
 # a reload takes ~60 ms on the bundled models, and a CPU server restarts in ~35 s.
 HEALTH_WAIT_S = 120.0
@@ -216,15 +220,17 @@ def _vllm(engine: Engine) -> VLLMClient:
 
 async def reload_and_verify(client: VLLMClient, weights_dir: Path, probes: Sequence[Sequence[int]],
                             expected: np.ndarray, *, top_k: int = 20, tolerance: float = 1e-3,
-                            health_wait_s: float = HEALTH_WAIT_S) -> PushReport:
+                            health_wait_s: float = HEALTH_WAIT_S,
+                            reload_timeout_s: float = RELOAD_TIMEOUT_S) -> PushReport:
     """Reload the checkpoint in `weights_dir` into the server and check that it serves it.
 
     `expected` is the learner's [len(probes), vocab] logprobs. A send that failed without
-    a clear answer is resent once, and only if the probe shows it did not take.
+    a clear answer (`reload_timeout_s` included) is resent once, and only if the probe shows
+    it did not take.
     """
     failures: list[ServerError] = []
     for _ in range(RELOAD_SENDS):
-        failure = await _fenced_reload(client, weights_dir, health_wait_s)
+        failure = await _fenced_reload(client, weights_dir, health_wait_s, reload_timeout_s)
         diff = compare_logprobs(await client.next_token_topk(probes, top_k), expected)
         if diff.max_abs_diff <= tolerance:
             if failure is not None:
@@ -243,7 +249,8 @@ async def reload_and_verify(client: VLLMClient, weights_dir: Path, probes: Seque
     raise WeightSyncError(_mismatch_message(client, diff, tolerance, failures))
 
 
-async def _fenced_reload(client: VLLMClient, weights_dir: Path, health_wait_s: float) -> ServerError | None:
+async def _fenced_reload(client: VLLMClient, weights_dir: Path, health_wait_s: float,
+                         reload_timeout_s: float) -> ServerError | None:
     """One reload, then a prefix-cache reset, between /pause and /resume.
 
     Returns None if the server answered the reload, or the error of a send it may or may
@@ -256,7 +263,7 @@ async def _fenced_reload(client: VLLMClient, weights_dir: Path, health_wait_s: f
     try:
         failure = None
         try:
-            await client.reload_weights(weights_dir)
+            await client.reload_weights(weights_dir, timeout_s=reload_timeout_s)
         except ServerError as err:
             if not err.retryable:  # a 4xx refusal (a resend is refused too) or a malformed 2xx
                 raise

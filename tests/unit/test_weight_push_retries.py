@@ -35,7 +35,8 @@ def learner(seed: int) -> np.ndarray:
 async def push(fake, tmp_path, *, weights_seed: int = NEW_SEED, learner_seed: int = NEW_SEED):
     weights = write_fake_weights(tmp_path / "step-000001", weights_seed)
     async with VLLMClient(fake.url, name="theta", request_timeout_s=TIMEOUT_S, retry_delay_s=0.0) as client:
-        return await reload_and_verify(client, weights, PROBES, learner(learner_seed), top_k=5)
+        return await reload_and_verify(client, weights, PROBES, learner(learner_seed), top_k=5,
+                                       reload_timeout_s=TIMEOUT_S)
 
 
 def reloads(fake) -> list[str]:
@@ -48,6 +49,17 @@ async def test_a_clean_push_reloads_once_inside_the_fence_then_probes(fake_theta
     assert report.max_abs_diff < 1e-9 and fake_theta.model.seed == NEW_SEED
     assert fake_theta.order == ["/pause", "/collective_rpc", "/reset_prefix_cache", "/resume",
                                 "/v1/models", "/v1/completions"]
+
+
+async def test_a_reload_slower_than_a_request_is_waited_for_on_its_own_timeout(fake_theta, tmp_path):
+    """A large model's reload reads its whole checkpoint: it outlasts the client's request
+    timeout, sized for decode steps, and must not be counted failed while it runs."""
+    fake_theta.fail_next("/collective_rpc", Failure(0, delay_s=STALL_S))  # answered, after 10x the request timeout
+    weights = write_fake_weights(tmp_path / "step-000001", NEW_SEED)
+    async with VLLMClient(fake_theta.url, name="theta", request_timeout_s=TIMEOUT_S, retry_delay_s=0.0) as client:
+        report = await reload_and_verify(client, weights, PROBES, learner(NEW_SEED), top_k=5)  # RELOAD_TIMEOUT_S
+    assert report.reload_sends == 1 and fake_theta.model.seed == NEW_SEED
+    assert "/health" not in fake_theta.order  # no failure to recover from
 
 
 async def test_a_reload_that_timed_out_but_took_is_not_resent(fake_theta, tmp_path, caplog):
