@@ -61,7 +61,7 @@ class ServerConfig(RaisesInvalidInput, BaseModel):
     cpu_cores: str | None = Field(
         None, description="CPU build: cores to bind (VLLM_CPU_OMP_THREADS_BIND), e.g. '0' or '0-3'; None = nobind.")
     cpu_executor: Literal["mp", "uni"] = Field(
-        "mp", description="CPU build: where the model runs. mp (vLLM's choice on CPU): in a worker process that vLLM binds to cpu_cores, which the engine core waits for on a shared-memory queue (the spin of lockstep_engine_spin_s). uni: inside the engine-core process (VLLM_ENABLE_V1_MULTIPROCESSING=0, --distributed-executor-backend uni): no queue, no spin, but vLLM binds no threads there, so the launcher pins the server's OpenMP threads to cpu_cores itself (GOMP_CPU_AFFINITY, OMP_NUM_THREADS; also the API process's). Compared in benchmarks/lockstep_spin.py.")
+        "uni", description="CPU build: where the model runs. uni (the default): inside the engine-core process (VLLM_ENABLE_V1_MULTIPROCESSING=0, --distributed-executor-backend uni): no queue to a worker, no spin, but vLLM binds no threads there, so the launcher pins the server's OpenMP threads to cpu_cores itself (GOMP_CPU_AFFINITY, OMP_NUM_THREADS; also the API process's). mp (vLLM's own choice on CPU): in a worker process that vLLM binds to cpu_cores, which the engine core waits for on a shared-memory queue (the spin of lockstep_engine_spin_s). Side by side on an idle machine, uni was 1.4-1.8x faster in lockstep at batch 1 and 8 with 30-50% less server CPU per token, and tied at batch 64 (benchmarks/lockstep_spin.py, benchmarks/README.md).")
     kv_cache_space_gib: float = Field(
         1.0, gt=0, description="CPU build: KV cache size (VLLM_CPU_KVCACHE_SPACE); keeps two servers within RAM.")
     gpu_memory_utilization: float = Field(
@@ -76,7 +76,7 @@ class ServerConfig(RaisesInvalidInput, BaseModel):
     lockstep: bool = Field(
         True, description="Load dualvllm's lockstep plugin (engines/vllm_plugin) and turn chunked prefill off, so a coordinator can pick every token of a long request (CoordinatorConfig.mode): faster than per-token mode at every batch size measured (benchmarks/README.md). False (--no-lockstep): plain vLLM, decoded per token.")
     lockstep_engine_spin_s: float | None = Field(
-        0.001, ge=0, le=1, description="With lockstep: seconds the engine core busy-waits for its worker after each read before it sleeps (vLLM: 1 s, which spins through every wait on the coordinator); its missed-wake-up recheck drops from 5 s to 20 ms with it (engines/vllm_plugin/spin.py). None: vLLM's own.")
+        0.001, ge=0, le=1, description="With lockstep, where the model runs in worker processes (cpu_executor='mp'; on GPUs, tensor parallelism above 1): seconds the engine core busy-waits for its worker after each read before it sleeps (vLLM: 1 s, which spins through every wait on the coordinator); its missed-wake-up recheck drops from 5 s to 20 ms with it (engines/vllm_plugin/spin.py). None: vLLM's own.")
     lockstep_timeout_s: float = Field(
         60.0, gt=0, lt=300, description="With lockstep: seconds the plugin waits for a silent coordinator before it ends that coordinator's sequences and serves on (below vLLM's 300 s step timeout, past which the engine dies).")
     extra_args: tuple[str, ...] = Field((), description="More vLLM CLI arguments, passed verbatim.")

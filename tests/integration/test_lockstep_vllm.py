@@ -176,9 +176,11 @@ STALL_S = 4.0
 
 
 async def test_plain_requests_to_a_lockstep_server_do_not_stall_while_lockstep_sequences_run(vllm_pair):
-    """The launcher lowers a lockstep server's engine spin (1 ms after a read instead of 1 s) and its
-    missed-wake-up recheck together: the plugin is active in the servers, and ordinary requests sent
-    while lockstep sequences decode are answered without multi-second stalls."""
+    """Ordinary requests sent to a lockstep server while lockstep sequences decode are answered
+    without multi-second stalls. The launcher's servers run the model inside the engine core (the
+    uni executor: no worker queue to wait on); with vLLM's mp layout (test below) the launcher
+    lowers the engine's spin (1 ms after a read instead of 1 s) and its missed-wake-up recheck
+    together, and the hook's variable is set for every lockstep server alike."""
     theta, _ = vllm_pair
     # vLLM loads the hook from this environment's entry points; the launcher sets its variable for
     # the server (unit tests check what the hook does with it). Its log line is no proof: importing
@@ -207,19 +209,22 @@ async def test_plain_requests_to_a_lockstep_server_do_not_stall_while_lockstep_s
     assert max(latencies) < STALL_S, f"a plain request stalled: {max(latencies):.2f} s (all: {latencies})"
 
 
-async def test_a_pair_on_the_uni_executor_runs_lockstep_with_per_token_modes_tokens(tmp_path):
-    """ServerConfig(cpu_executor="uni"): the model runs inside each server's engine core (no worker
-    process, so no queue for the engine core to spin on), its OpenMP threads pinned to the server's
-    cores by the launcher. Lockstep on such a pair gives per-token mode's tokens."""
+async def test_a_pair_on_vllms_own_mp_executor_runs_lockstep_with_per_token_modes_tokens(tmp_path):
+    """ServerConfig(cpu_executor="mp"): vLLM's own CPU layout, the model in a worker process that
+    vLLM binds to the server's cores, and the engine core waiting on it with the spin hook's
+    settings. (The default, uni, runs the model inside the engine core with its OpenMP threads
+    pinned by the launcher: every other test here runs on it.) Lockstep on such a pair gives
+    per-token mode's tokens."""
     configs = pair_configs(log_dir=tmp_path, max_logprobs=20, lockstep=True, lockstep_timeout_s=15,
-                           cpu_executor="uni")
+                           cpu_executor="mp")
     async with launch_pair(*configs) as pair:
         for server, server_config in zip(pair, configs):
             api = psutil.Process(server.pid)
-            assert "--distributed-executor-backend" in api.cmdline() and "uni" in api.cmdline()
-            environment = api.environ()  # its engine core inherits it
-            assert environment["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # else vLLM turns uni back into mp
-            assert environment.get("GOMP_CPU_AFFINITY") == server_config.cpu_cores
+            assert "--distributed-executor-backend" not in api.cmdline()
+            environment = api.environ()  # its engine core and worker inherit it
+            assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in environment and "GOMP_CPU_AFFINITY" not in environment
+            assert environment["VLLM_CPU_OMP_THREADS_BIND"] == server_config.cpu_cores
+            assert environment.get(spin.SPIN_ENV) == "0.001"
         prompts = [p.prompt for p in problems("test", n=12, seed=9)]
         lockstep, _ = await generate_in("lockstep", pair, prompts, max_tokens=8, seed=5)
         per_token, _ = await generate_in("per_token", pair, prompts, max_tokens=8, seed=5)
