@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 import psutil
 
 from common import loop
+import tinymodels
 from engines.launcher import launch_pair, pair_configs
 from tinymodels.task import problems
 
@@ -53,8 +54,6 @@ def long_context_models(directory: Path, positions: int) -> dict[str, object]:
     VLLM_ALLOW_LONG_MAX_MODEL_LEN, keeps the models' rotary table at 64 positions: per-token
     answers then carried NaN logprobs, which the server could not even write as JSON.)
     """
-    import tinymodels
-
     models = {}
     for role, source in (("base_model", tinymodels.BASE_DIR), ("teacher_model", tinymodels.TEACHER_DIR)):
         copy = directory / source.name

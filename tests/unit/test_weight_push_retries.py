@@ -16,7 +16,7 @@ from common.errors import ServerRejectedError, WeightSyncError
 from engines.protocol import TopKBatch
 from engines.vllm_client import VLLMClient
 from tests.fake_vllm import Failure, FakeModel, write_fake_weights
-from training.weight_sync import compare_logprobs, push_weights, reload_and_verify
+from training.weight_sync import RELOAD_TIMEOUT_S, compare_logprobs, push_weights, reload_and_verify
 
 NEW_SEED, OTHER_SEED = 7, 3  # fake_theta starts on FakeModel(seed=1)
 PROBES = [[1, 2, 3], [4], [5, 6, 7, 8]]
@@ -32,11 +32,12 @@ def learner(seed: int) -> np.ndarray:
     return np.stack([model.logprobs(p) for p in PROBES])
 
 
-async def push(fake, tmp_path, *, weights_seed: int = NEW_SEED, learner_seed: int = NEW_SEED):
+async def push(fake, tmp_path, *, weights_seed: int = NEW_SEED, learner_seed: int = NEW_SEED,
+               reload_timeout_s: float = TIMEOUT_S):
     weights = write_fake_weights(tmp_path / "step-000001", weights_seed)
     async with VLLMClient(fake.url, name="theta", request_timeout_s=TIMEOUT_S, retry_delay_s=0.0) as client:
         return await reload_and_verify(client, weights, PROBES, learner(learner_seed), top_k=5,
-                                       reload_timeout_s=TIMEOUT_S)
+                                       reload_timeout_s=reload_timeout_s)
 
 
 def reloads(fake) -> list[str]:
@@ -55,9 +56,7 @@ async def test_a_reload_slower_than_a_request_is_waited_for_on_its_own_timeout(f
     """A large model's reload reads its whole checkpoint: it outlasts the client's request
     timeout, sized for decode steps, and must not be counted failed while it runs."""
     fake_theta.fail_next("/collective_rpc", Failure(0, delay_s=STALL_S))  # answered, after 10x the request timeout
-    weights = write_fake_weights(tmp_path / "step-000001", NEW_SEED)
-    async with VLLMClient(fake_theta.url, name="theta", request_timeout_s=TIMEOUT_S, retry_delay_s=0.0) as client:
-        report = await reload_and_verify(client, weights, PROBES, learner(NEW_SEED), top_k=5)  # RELOAD_TIMEOUT_S
+    report = await push(fake_theta, tmp_path, reload_timeout_s=RELOAD_TIMEOUT_S)
     assert report.reload_sends == 1 and fake_theta.model.seed == NEW_SEED
     assert "/health" not in fake_theta.order  # no failure to recover from
 
