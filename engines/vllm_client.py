@@ -59,6 +59,8 @@ TOKEN_ID_PREFIX = "token_id:"  # key format with return_tokens_as_token_ids
 # tries 0.1 s apart outlast them, and a server that still refuses is reported.
 RESET_ATTEMPTS = 50
 RESET_RETRY_DELAY_S = 0.1
+# The dtypes a vLLM server computes in, as /server_info names them (without "torch.").
+SERVED_DTYPES = frozenset({"bfloat16", "float16", "float32"})
 # What /pause does with requests in flight (vLLM 0.32's `mode`): wait for them to finish,
 # abort them, or keep them queued until /resume.
 PauseMode = Literal["wait", "abort", "keep"]
@@ -281,6 +283,26 @@ class VLLMClient:
                     "mode. Restart it with VLLM_SERVER_DEV_MODE=1 (ServerConfig(dev_mode=True), or `dualvllm "
                     "serve --dev-mode`), on a loopback host only") from err
             raise
+
+    async def served_dtype(self) -> str | None:
+        """The dtype the server computes in ("bfloat16", "float16", "float32"), from the dev-mode
+        GET /server_info; None if the server has no such route (started without dev mode).
+
+        A weight push compares the server's logprobs with the learner's, which are only
+        comparable at the same precision: `--dtype auto` serves a float32 checkpoint in
+        bfloat16 on the CPU build, and a bf16 checkpoint in bf16 everywhere.
+        """
+        try:
+            info = await self.call("GET", "/server_info?config_format=json")
+        except ServerRejectedError as err:
+            if err.status == 404:
+                return None
+            raise
+        model = info.get("vllm_config", {}).get("model_config", {}) if isinstance(info, dict) else {}
+        dtype = str(model.get("dtype", "")) if isinstance(model, dict) else ""
+        expect(dtype.removeprefix("torch.") in SERVED_DTYPES, self.name, self.url,
+               f"/server_info names no model dtype among {sorted(SERVED_DTYPES)} (got {dtype!r})")
+        return dtype.removeprefix("torch.")
 
     async def reset_prefix_cache(self, *, attempts: int = RESET_ATTEMPTS,
                                  retry_delay_s: float = RESET_RETRY_DELAY_S) -> None:

@@ -112,6 +112,7 @@ class FakeVLLM:
     root: str | None = None  # the model directory /v1/models reports; None = a path that does not exist
     chat_template: bool = True  # /tokenize renders messages (their non-system texts, joined)
     completion_delay_s: float = 0.0  # every /v1/completions answer waits this long (a slow model)
+    dtype: str | None = "float32"  # what dev-mode /server_info names; None = no such route (not dev mode)
     failures: dict[str, deque[Failure]] = field(default_factory=lambda: defaultdict(deque))
     calls: dict[str, list[dict]] = field(default_factory=lambda: defaultdict(list))
     order: list[str] = field(default_factory=list)  # the path of every request, in arrival order
@@ -137,6 +138,8 @@ class FakeVLLM:
         app.router.add_get("/tokenizer_info", self._tokenizer_info)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/collective_rpc", self._collective_rpc)
+        if self.dtype is not None:
+            app.router.add_get("/server_info", self._server_info)
         app.router.add_post("/pause", self._pause)
         app.router.add_post("/resume", self._resume)
         app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
@@ -207,6 +210,11 @@ class FakeVLLM:
 
     async def _tokenizer_info(self, request: web.Request) -> web.Response:
         return web.json_response({"tokenizer_class": "Fake", "eos_token": "<eos>"})
+
+    async def _server_info(self, request: web.Request) -> web.Response:
+        # vLLM dumps its config with fallback=str, so the dtype reads "torch.bfloat16".
+        return web.json_response({"vllm_config": {"model_config": {"dtype": f"torch.{self.dtype}"}},
+                                  "vllm_env": {}, "system_env": {}})
 
     async def _collective_rpc(self, request: web.Request) -> web.Response:
         """reload_weights only: the model becomes the one write_fake_weights put in weights_path."""

@@ -9,6 +9,7 @@ weights (a restarted server starts on them) and the adapter (the learner resumes
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +42,32 @@ def is_lora(model: Any) -> bool:
     return hasattr(model, "merge_adapter") and hasattr(model, "get_base_model")
 
 
-def save_full(model: Any, out_dir: Path) -> None:
-    """Save `model` as an ordinary HF checkpoint (merged weights if it carries LoRA adapters)."""
-    if not is_lora(model):
-        model.save_pretrained(out_dir, safe_serialization=True)
-        return
+def save_full(model: Any, out_dir: Path, *, dtype: str | None = None,
+              state_dict: dict[str, Any] | None = None) -> None:
+    """Save `model` as an ordinary HF checkpoint (merged weights if it carries LoRA adapters),
+    its tensors cast to `dtype` (None: as they are) and its config saying so.
+
+    `state_dict` is the whole model's weights when the live one holds only a shard (FSDP,
+    ZeRO-3). Tensors that share storage (tied embeddings) are cast once and stay shared, so
+    the checkpoint ties them as the model does.
+    """
+    if state_dict is None and is_lora(model):
+        model, state_dict = model.get_base_model(), _merged_state(model)
+    elif state_dict is None:
+        state_dict = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    if dtype is not None:
+        target, cast = getattr(torch, dtype), {}
+        for tensor in state_dict.values():
+            if _storage(tensor) not in cast:
+                cast[_storage(tensor)] = tensor.to(target)
+        state_dict = {name: cast[_storage(tensor)] for name, tensor in state_dict.items()}
+    model.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
+    if dtype is not None:
+        _set_config_dtype(out_dir / "config.json", dtype)
+
+
+def _merged_state(model: Any) -> dict[str, torch.Tensor]:
+    """The LoRA model's weights with W + (alpha / r) B A in place of each adapted W, under the base's names."""
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model()
@@ -56,7 +78,21 @@ def save_full(model: Any, out_dir: Path) -> None:
             if isinstance(module, LoraLayer):
                 delta = sum(module.get_delta_weight(adapter) for adapter in module.active_adapters)
                 state[f"{module_name}.weight"] = module.get_base_layer().weight.detach() + delta
-    base.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+    return state
+
+
+def _storage(tensor: torch.Tensor) -> tuple[int, tuple[int, ...]]:
+    return tensor.data_ptr(), tuple(tensor.shape)
+
+
+def _set_config_dtype(config_path: Path, dtype: str) -> None:
+    """The checkpoint's config names the dtype its tensors are in (a server started on it
+    with --dtype auto then computes in that dtype)."""
+    config = json.loads(config_path.read_text())
+    for key in ("dtype", "torch_dtype"):
+        if key in config or key == "dtype":
+            config[key] = dtype
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def save_adapter(model: Any, out_dir: Path) -> None:

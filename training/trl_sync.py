@@ -27,7 +27,7 @@ from transformers import TrainerCallback
 from common.errors import InvalidInputError
 from training import lora
 from training.trl_rollouts import QStarRollouts
-from training.weight_sync import BasePusher, PushReport, learner_logprobs, new_push_dir, prune_pushed
+from training.weight_sync import BasePusher, PushReport, new_push_dir, prune_pushed, write_push
 
 # A push of the bundled models takes well under a second; a large model's save and reload take
 # minutes, and a replica that restarts gets BasePusher's own health wait on top.
@@ -46,7 +46,7 @@ class QStarWeightSync(TrainerCallback):
 
     def __init__(self, trainer: Any, rollouts: QStarRollouts, *, sync_every: int = 1,
                  probes: Sequence[Sequence[int]] | None = None, push_dir: Path | None = None,
-                 tolerance: float = 1e-3, push_timeout_s: float = PUSH_TIMEOUT_S, sync_at_start: bool = True) -> None:
+                 tolerance: float | None = None, push_timeout_s: float = PUSH_TIMEOUT_S, sync_at_start: bool = True) -> None:
         if sync_every < 1:
             raise InvalidInputError(f"sync_every={sync_every}; push every N >= 1 optimizer steps")
         self.trainer, self.rollouts = trainer, rollouts
@@ -84,20 +84,17 @@ class QStarWeightSync(TrainerCallback):
         trainer = self.trainer
         model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
         out_dir = new_push_dir(self.out, step)
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
         probes = self._probe_ids()
-        if state_dict is None:  # the whole model is here: save it (merged if LoRA) and probe it live
-            lora.save_full(model, out_dir)
-            expected = learner_logprobs(model, probes)
-        else:
-            if lora.is_lora(model):
-                raise InvalidInputError("pushing a LoRA model trained under FSDP or ZeRO-3 is not supported: merge "
-                                        "the adapter, or train without sharding")
-            model.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
-            expected = _checkpoint_logprobs(out_dir, probes)
-        trainer.processing_class.save_pretrained(out_dir)
+        if state_dict is not None and lora.is_lora(model):
+            raise InvalidInputError("pushing a LoRA model trained under FSDP or ZeRO-3 is not supported: merge "
+                                    "the adapter, or train without sharding")
         if self._pusher is None:
             self._pusher = BasePusher(self.rollouts.coordinator.base_engine, probes, tolerance=self.tolerance)
+        dtype = self.rollouts.run(self._pusher.served_dtype(), timeout_s=self.push_timeout_s,
+                                  what="asking the base server's dtype")
+        # In the server's dtype, compared like with like (training.weight_sync.write_push); a
+        # sharded model (state_dict given) is probed on a CPU copy of the checkpoint.
+        expected = write_push(model, trainer.processing_class, out_dir, probes, dtype=dtype, state_dict=state_dict)
         report = self.rollouts.run(self._reload(out_dir, expected), timeout_s=self.push_timeout_s,
                                    what=f"pushing the weights of step {step}")
         prune_pushed(self.out)
@@ -124,15 +121,3 @@ def _sharded(accelerator: Any) -> bool:
         return True
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     return accelerator.distributed_type == DistributedType.DEEPSPEED and plugin is not None and plugin.zero_stage == 3
-
-
-def _checkpoint_logprobs(out_dir: Path, probes: list[list[int]]) -> Any:
-    """The saved checkpoint's own logprobs on the probes, from a CPU copy (the live model is sharded)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    copy = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
-    try:
-        return learner_logprobs(copy, probes)
-    finally:
-        del copy

