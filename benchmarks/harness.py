@@ -69,6 +69,19 @@ def long_context_models(directory: Path, positions: int) -> dict[str, object]:
     return models | {"max_model_len": positions, "dtype": tinymodels.SERVER_DTYPE}
 
 
+SHAPE_NAMES = ("small", "qwen3-0.6b")  # tinymodels.shapes.SHAPES, named here so --help needs no torch
+
+
+def shape_models(shape: str, max_model_len: int | None = None) -> dict[str, object]:
+    """pair_configs options that serve the realistic-shape pair `shape` (tinymodels.shapes: built
+    and cached on first use), in the dtype its checkpoints carry (bfloat16), as a user's model is."""
+    from tinymodels.shapes import ensure_pair
+
+    base, teacher = ensure_pair(shape)
+    options: dict[str, object] = {"base_model": str(base), "teacher_model": str(teacher)}
+    return options | ({"max_model_len": max_model_len} if max_model_len is not None else {})
+
+
 def prompts_for(batch_size: int, seed: int) -> list[str]:
     """`batch_size` held-out addition prompts (repeated if the split is smaller)."""
     prompts = [p.prompt for p in problems("test", n=min(batch_size, 400), seed=seed)]

@@ -3,6 +3,7 @@
     python benchmarks/throughput.py                   # starts the bundled tiny models (one pair)
     python benchmarks/throughput.py --theta-url URL --t-url URL --batch-sizes 1 8 64 --tokens 16 32 56
     python benchmarks/throughput.py --max-model-len 640 --tokens 512 --batch-sizes 64 256  # RL-like lengths
+    python benchmarks/throughput.py --shape small --tokens 512 --batch-sizes 1 8 64 256  # a real vocabulary
 
 Arms run back to back on the same two servers in every repeat, so their ratios come
 from one run of this noisy shared machine:
@@ -53,8 +54,10 @@ ARMS = ("coordinator", "lockstep", "coordinator_no_tokenizer", "reference", "nat
 async def run(args: argparse.Namespace) -> dict:
     async with contextlib.AsyncExitStack() as stack:
         logprobs = max(args.top_k, 20)
-        context = {}
-        if args.max_model_len is not None:
+        context: dict[str, object] = {}
+        if args.shape is not None:
+            context = harness.shape_models(args.shape, args.max_model_len)
+        elif args.max_model_len is not None:
             context = harness.long_context_models(Path(stack.enter_context(tempfile.TemporaryDirectory())),
                                                   args.max_model_len)
         theta_url, t_url = await stack.enter_async_context(harness.servers(args.theta_url, args.t_url,
@@ -85,39 +88,42 @@ async def run(args: argparse.Namespace) -> dict:
                         "mode": "lockstep"})))
                 prompt_ids = [await native.tokenize(p) for p in prompts]
 
-                async def coordinator_arm(seed: int, on: DualVLLMCoordinator = coordinator) -> int:
-                    outs = await on.generate_batch(prompts, max_tokens=tokens, seed=seed, ignore_eos=True)
-                    assert all(o.ok and len(o.generated_tokens) == tokens for o in outs), outs[0].error
-                    return batch * tokens
+                async def coordinator_arm(seed: int, n: int, on: DualVLLMCoordinator = coordinator) -> int:
+                    outs = await on.generate_batch(prompts, max_tokens=n, seed=seed, ignore_eos=True)
+                    assert all(o.ok and len(o.generated_tokens) == n for o in outs), outs[0].error
+                    return batch * n
 
-                async def reference_arm(seed: int) -> int:
-                    outs = await reference.generate(prompts, max_tokens=tokens, seed=seed)
+                async def reference_arm(seed: int, n: int) -> int:
+                    outs = await reference.generate(prompts, max_tokens=n, seed=seed)
                     return sum(len(o.tokens) for o in outs)
 
-                async def native_arm(seed: int, logprobs: int | None) -> int:
-                    payload = {"model": model, "prompt": prompt_ids, "max_tokens": tokens, "ignore_eos": True,
+                async def native_arm(seed: int, n: int, logprobs: int | None) -> int:
+                    payload = {"model": model, "prompt": prompt_ids, "max_tokens": n, "ignore_eos": True,
                                "temperature": 1.0, "seed": seed}
                     if logprobs:
                         payload |= {"logprobs": logprobs, "return_tokens_as_token_ids": True}
                     body = await native.call("POST", "/v1/completions", payload)
-                    assert body["usage"]["completion_tokens"] == batch * tokens, body["usage"]
-                    return batch * tokens
+                    assert body["usage"]["completion_tokens"] == batch * n, body["usage"]
+                    return batch * n
 
-                arms = {"coordinator": coordinator_arm, "native": lambda s: native_arm(s, None),
-                        "native_topk": lambda s: native_arm(s, args.top_k)}
+                arms = {"native": lambda s, n: native_arm(s, n, None),
+                        "native_topk": lambda s, n: native_arm(s, n, args.top_k)}
+                if batch <= args.per_token_max_batch:
+                    arms["coordinator"] = coordinator_arm
                 if lockstep is not None:
-                    arms["lockstep"] = lambda s: coordinator_arm(s, lockstep)
-                if bare is not None:
-                    arms["coordinator_no_tokenizer"] = lambda s: coordinator_arm(s, bare)
+                    arms["lockstep"] = lambda s, n: coordinator_arm(s, n, lockstep)
+                if bare is not None and batch <= args.per_token_max_batch:
+                    arms["coordinator_no_tokenizer"] = lambda s, n: coordinator_arm(s, n, bare)
                 if batch <= args.reference_max_batch:
                     arms["reference"] = reference_arm
+                warmup = tokens if args.warmup_tokens is None else min(tokens, args.warmup_tokens)
                 for arm in arms.values():  # warm-up (and the prefix cache, for every arm alike)
-                    await arm(0)
+                    await arm(0, warmup)
                 runs: dict[str, list[dict[str, float]]] = {name: [] for name in arms}
                 for repeat in range(args.repeats):
                     for name, arm in arms.items():
                         meters = bare_cpus if name == "coordinator_no_tokenizer" else cpus
-                        runs[name].append(await harness.timed(lambda: arm(repeat + 1), meters))
+                        runs[name].append(await harness.timed(lambda: arm(repeat + 1, tokens), meters))
                 rows.append(summarize(batch, tokens, runs))
                 if lockstep is not None:  # over the warm-up and the repeats
                     rows[-1] |= {key: value for key, value in lockstep.get_statistics().items()
@@ -132,15 +138,20 @@ def summarize(batch: int, tokens: int, runs: dict[str, list[dict[str, float]]]) 
     for name, measured in runs.items():
         for key in measured[0]:
             row[f"{name}_{key}"] = statistics.median(m[key] for m in measured)
+    if "lockstep" in runs:
+        lock = [m["tokens_per_s"] for m in runs["lockstep"]]
+        row["lockstep_over_native_ratio"] = statistics.median(
+            x / n["tokens_per_s"] for x, n in zip(lock, runs["native"]))
+        row["lockstep_over_native_topk_ratio"] = statistics.median(
+            x / n["tokens_per_s"] for x, n in zip(lock, runs["native_topk"]))
+    if "coordinator" not in runs:  # per-token mode skipped at this batch (--per-token-max-batch)
+        return row
     coord = [m["tokens_per_s"] for m in runs["coordinator"]]
     row["coordinator_over_native_ratio"] = statistics.median(
         c / n["tokens_per_s"] for c, n in zip(coord, runs["native"]))
     row["coordinator_over_native_topk_ratio"] = statistics.median(
         c / n["tokens_per_s"] for c, n in zip(coord, runs["native_topk"]))
     if "lockstep" in runs:
-        lock = [m["tokens_per_s"] for m in runs["lockstep"]]
-        row["lockstep_over_native_ratio"] = statistics.median(
-            x / n["tokens_per_s"] for x, n in zip(lock, runs["native"]))
         row["lockstep_over_coordinator_ratio"] = statistics.median(x / c for x, c in zip(lock, coord))
     if "reference" in runs:
         row["coordinator_over_reference_ratio"] = statistics.median(
@@ -157,6 +168,17 @@ def summarize(batch: int, tokens: int, runs: dict[str, list[dict[str, float]]]) 
 
 
 def print_row(row: dict) -> None:
+    if "coordinator_tokens_per_s" not in row:
+        print(f"batch {row['batch_size']:>4} x {row['tokens_per_sequence']:>3} tokens  tokens/s: native "
+              f"{row['native_tokens_per_s']:7.1f}  native+top-k {row['native_topk_tokens_per_s']:7.1f}  (per-token "
+              f"mode skipped); native theta CPU s per 1k tokens {row['native_theta_server_cpu_s_per_1k_tokens']:.2f}",
+              flush=True)
+    else:
+        print_per_token_row(row)
+    print_lockstep_row(row)
+
+
+def print_per_token_row(row: dict) -> None:
     ref = row.get("reference_tokens_per_s")
     print(f"batch {row['batch_size']:>4} x {row['tokens_per_sequence']:>3} tokens  tokens/s: coordinator "
           f"{row['coordinator_tokens_per_s']:7.1f}  reference {ref if ref is None else round(ref, 1)!s:>7}  "
@@ -167,16 +189,6 @@ def print_row(row: dict) -> None:
           f"{row['coordinator_theta_server_cpu_s_per_1k_tokens']:.2f} "
           f"{row['coordinator_t_server_cpu_s_per_1k_tokens']:.2f}; native theta "
           f"{row['native_theta_server_cpu_s_per_1k_tokens']:.2f}", flush=True)
-    if "lockstep_tokens_per_s" in row:
-        print(f"    lockstep: {row['lockstep_tokens_per_s']:7.1f} tokens/s, /native "
-              f"{row['lockstep_over_native_ratio']:.2f}, /per-token {row['lockstep_over_coordinator_ratio']:.2f}; "
-              f"CPU s per 1k tokens (coordinator, theta, t): {row['lockstep_coordinator_cpu_s_per_1k_tokens']:.3f} "
-              f"{row['lockstep_theta_server_cpu_s_per_1k_tokens']:.2f} "
-              f"{row['lockstep_t_server_cpu_s_per_1k_tokens']:.2f}; servers waited {row['lockstep_server_wait_ms_mean']:.1f} "
-              f"ms per step, {row['lockstep_resubmissions_per_1k_tokens']:.1f} resubmissions per 1k tokens, "
-              f"{100 * row['lockstep_split_report_share']:.0f}% of steps ran ahead, "
-              f"{100 * row['lockstep_admission_miss_share']:.0f}% of admissions out of step "
-              f"({row['lockstep_admission_rounds']} rounds, {row['lockstep_admission_forced']} forced)", flush=True)
     if "coordinator_no_tokenizer_tokens_per_s" in row:
         print(f"    servers without tokenizers: coordinator {row['coordinator_no_tokenizer_tokens_per_s']:7.1f} "
               f"tokens/s, x{row['coordinator_no_tokenizer_over_coordinator_ratio']:.2f} of the default, "
@@ -184,6 +196,20 @@ def print_row(row: dict) -> None:
               f"/native {row['coordinator_no_tokenizer_over_native_ratio']:.2f}; servers' CPU s per 1k tokens "
               f"{row['coordinator_no_tokenizer_theta_server_cpu_s_per_1k_tokens']:.2f} "
               f"{row['coordinator_no_tokenizer_t_server_cpu_s_per_1k_tokens']:.2f}", flush=True)
+
+
+def print_lockstep_row(row: dict) -> None:
+    if "lockstep_tokens_per_s" in row:
+        print(f"    lockstep: {row['lockstep_tokens_per_s']:7.1f} tokens/s, /native "
+              f"{row['lockstep_over_native_ratio']:.2f}, /native+top-k {row['lockstep_over_native_topk_ratio']:.2f}, "
+              f"/per-token {row.get('lockstep_over_coordinator_ratio', float('nan')):.2f}; "
+              f"CPU s per 1k tokens (coordinator, theta, t): {row['lockstep_coordinator_cpu_s_per_1k_tokens']:.3f} "
+              f"{row['lockstep_theta_server_cpu_s_per_1k_tokens']:.2f} "
+              f"{row['lockstep_t_server_cpu_s_per_1k_tokens']:.2f}; servers waited {row['lockstep_server_wait_ms_mean']:.1f} "
+              f"ms per step, {row['lockstep_resubmissions_per_1k_tokens']:.1f} resubmissions per 1k tokens, "
+              f"{100 * row['lockstep_split_report_share']:.0f}% of steps ran ahead, "
+              f"{100 * row['lockstep_admission_miss_share']:.0f}% of admissions out of step "
+              f"({row['lockstep_admission_rounds']} rounds, {row['lockstep_admission_forced']} forced)", flush=True)
 
 
 def plot(report: dict, path: Path) -> None:
@@ -205,20 +231,28 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int,
                         help="serve copies of the bundled models with this many positions, past the 64 they "
                              "were trained on (outputs there are meaningless; their cost is measured)")
+    parser.add_argument("--shape", choices=harness.SHAPE_NAMES,
+                        help="serve a realistic-shape pair (tinymodels.shapes: a 151,936-token vocabulary, built "
+                             "and cached on first use) instead of the bundled tiny models, in bfloat16")
     parser.add_argument("--top-k", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--reference-max-batch", type=int, default=64,
                         help="skip the reference arm above this batch size (it is slow)")
     parser.add_argument("--pool-size", type=int, default=64, help="reference arm: connections per server")
+    parser.add_argument("--per-token-max-batch", type=int, default=1 << 30,
+                        help="skip per-token mode (and the arm without tokenizers) above this batch size: at a real "
+                             "vocabulary and thousands of tokens it takes hours")
+    parser.add_argument("--warmup-tokens", type=int,
+                        help="tokens per sequence of each arm's warm-up run (default: the measured length)")
     parser.add_argument("--no-lockstep", action="store_true",
                         help="skip the lockstep arm (for given servers without the plugin)")
     parser.add_argument("--no-tokenizer-arm", action="store_true",
                         help="skip the second pair of servers (without tokenizers) and its arm")
     parser.add_argument("--output", type=Path, default=harness.RESULTS_DIR / "throughput.json")
     args = parser.parse_args()
-    if args.max_model_len is not None and (args.theta_url or args.t_url):
-        parser.error("--max-model-len sets the context of the servers this script starts; "
-                     "given servers keep their own (drop --theta-url/--t-url, or --max-model-len)")
+    if (args.max_model_len is not None or args.shape) and (args.theta_url or args.t_url):
+        parser.error("--max-model-len and --shape set the servers this script starts; given servers keep their "
+                     "own (drop --theta-url/--t-url, or those options)")
     harness.finish(loop.run(run(args)), args.output, plot)
 
 

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import tinymodels
 from benchmarks import harness
 from engines.launcher import pair_configs
@@ -30,10 +32,11 @@ def test_long_context_copies_of_the_bundled_models_change_their_configs_alone(tm
     pair_configs(options["base_model"], options["teacher_model"], max_model_len=640)
 
 
-def test_a_long_context_for_servers_someone_else_started_is_refused_before_anything_runs():
+@pytest.mark.parametrize("option", [["--max-model-len", "640"], ["--shape", "small"]], ids=["context", "shape"])
+def test_a_long_context_or_shape_for_servers_someone_else_started_is_refused_before_anything_runs(option):
     done = subprocess.run([sys.executable, "benchmarks/throughput.py", "--theta-url", "http://127.0.0.1:1",
-                           "--t-url", "http://127.0.0.1:2", "--max-model-len", "640"],
+                           "--t-url", "http://127.0.0.1:2", *option],
                           cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 2
-    assert "--max-model-len sets the context of the servers this script starts" in done.stderr
+    assert "--max-model-len and --shape set the servers this script starts" in done.stderr
