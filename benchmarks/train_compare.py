@@ -44,14 +44,20 @@ import time
 from pathlib import Path
 
 import numpy as np
+from pydantic import TypeAdapter
 
 import tinymodels
 from tinymodels.task import HARD_TEST, HARD_TRAIN, HINT_TEMPLATE, LONG_DIGITS, LONG_TEST, LONG_TRAIN
 from common import loop
-from training.config import TrainConfig
+from training.config import TRAIN_OPTIONS, TrainConfig
+from training.config_sources import read_recipe
 from training.grpo import train_grpo
 
-# name -> (output folder, TrainConfig fields of the arm)
+# Every arm starts from the bundled models' recipe (the values `dualvllm train` took by default
+# before its defaults became a real LLM's); a task's and an arm's fields override it.
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny-arith.yaml"
+
+# name -> (output folder, training options of the arm)
 ARMS = {
     "arithmetic": {
         "on-policy (alpha=0)": ("on-policy", {"fixed_alpha": 0.0}),
@@ -123,7 +129,7 @@ ARMS["hard-methods"] |= {
 LONG_ARMS = ("grpo-on-policy", "sft-teacher", "sft-then-grpo-lr2e-4", "opd", "qstar-grpo-none", "qstar-grpo-kl",
              "qstar-grpo-opd", "distill-teacher", "distill-qstar")
 ARMS["long-methods"] = {name: arm for name, arm in ARMS["hard-methods"].items() if arm[0] in LONG_ARMS}
-TASKS = {  # TrainConfig fields of each task
+TASKS = {  # training options of each task
     "arithmetic": {},
     "hard": {"dataset": HARD_TRAIN, "eval_dataset": HARD_TEST, "max_tokens": 5},
     "hard-methods": {"dataset": HARD_TRAIN, "eval_dataset": HARD_TEST, "max_tokens": 5,
@@ -210,7 +216,7 @@ def train_or_reuse(arm_dir: Path, task: str, fields: dict, args: argparse.Namesp
         options["stop_at_accuracy"] = args.stop_at_accuracy
     if args.stop_without_signal is not None and options.get("method", "grpo") == "grpo":
         options["stop_without_signal"] = args.stop_without_signal
-    config = TrainConfig(**options)
+    config = TrainConfig.parse(config_file=RECIPE, **options)
     described = {k: str(v) for k, v in fields.items()}
     if arm_dir.exists():
         # Runs take minutes each: seeds and arms added later reuse the finished ones.
@@ -264,9 +270,10 @@ def answer_logprob(arm_dir: Path, task: str) -> float:
     return mean_answer_logprob(model, tokenizer, hard_problems("test", HARD_ROWS["test"]), HARD_MAX_LEN)
 
 
-def wanted_default(key: str) -> object:
-    """A TrainConfig field's default as config.json stores it."""
-    return json.loads(json.dumps(TrainConfig.model_fields[key].default, default=str))
+def wanted_default(config: TrainConfig, key: str) -> object:
+    """The default of one of `config`'s fields as config.json stores it."""
+    field = type(config).model_fields[key]
+    return TypeAdapter(field.annotation).dump_python(field.get_default(call_default_factory=True), mode="json")
 
 
 def finished_with(arm_dir: Path, config: TrainConfig) -> bool:
@@ -279,7 +286,7 @@ def finished_with(arm_dir: Path, config: TrainConfig) -> bool:
     wanted = json.loads(config.model_dump_json())
     # A field added since the run was made holds its default there. A run made without a stop
     # rule ran on past where the rule would have stopped it: its curves hold the stopped run's.
-    same = all(saved.get(key, wanted_default(key)) in (value, *((None,) if key in STOP_RULES else ()))
+    same = all(saved.get(key, wanted_default(config, key)) in (value, *((None,) if key in STOP_RULES else ()))
                for key, value in wanted.items() if key != "output_dir")
     return same and (records[-1].get("event") == "eval" if records else False)  # the run's final evaluation
 
@@ -334,7 +341,7 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--eval-prompts", type=int, default=200)
     parser.add_argument("--arms", nargs="+", help="Which arms to run, by output folder name (default: all).")
-    parser.add_argument("--learning-rate", type=float, default=TrainConfig.model_fields["learning_rate"].default)
+    parser.add_argument("--learning-rate", type=float, default=read_recipe(RECIPE, TRAIN_OPTIONS)["learning_rate"])
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/train_compare"))
     parser.add_argument("--engine", choices=("vllm", "transformers"), default="vllm",
                         help="transformers: every arm in process from the learner's live weights (fast sweeps)")

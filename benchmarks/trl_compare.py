@@ -40,17 +40,21 @@ import numpy as np
 
 import tinymodels
 from common import loop
-from training.config import TrainConfig
+from training.config import TRAIN_OPTIONS, GRPOTrainConfig, TrainConfig
+from training.config_sources import read_recipe
 
 ARMS = {"dualvllm": "dualvllm train", "trl": "TRL"}  # folder -> name
 PROMPTS_PER_STEP, GROUP_SIZE = 8, 8
+# The bundled models' recipe: the values `dualvllm train` took by default before its defaults became a real LLM's.
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny-arith.yaml"
 
 
 def train_config(out: Path, seed: int, args: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(output_dir=out, engine="transformers", seed=seed, steps=args.steps, eval_every=args.eval_every,
-                       eval_prompts=args.eval_prompts, prompts_per_step=PROMPTS_PER_STEP, group_size=GROUP_SIZE,
-                       learning_rate=args.learning_rate, correction=args.correction,
-                       max_staleness=args.max_staleness)
+    return TrainConfig.parse(config_file=RECIPE, output_dir=out, engine="transformers", seed=seed, steps=args.steps,
+                             eval_every=args.eval_every, eval_prompts=args.eval_prompts,
+                             prompts_per_step=PROMPTS_PER_STEP, group_size=GROUP_SIZE,
+                             learning_rate=args.learning_rate, correction=args.correction,
+                             max_staleness=args.max_staleness)
 
 
 def run_dualvllm(config: TrainConfig) -> dict[str, Any]:
@@ -63,7 +67,7 @@ def run_dualvllm(config: TrainConfig) -> dict[str, Any]:
     return {"reward_mean": rewards, "held_out_accuracy": accuracy}
 
 
-def run_trl(config: TrainConfig, *, shuffle: bool = False) -> dict[str, Any]:
+def run_trl(config: GRPOTrainConfig, *, shuffle: bool = False) -> dict[str, Any]:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
@@ -160,9 +164,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--eval-prompts", type=int, default=200)
-    parser.add_argument("--learning-rate", type=float, default=TrainConfig.model_fields["learning_rate"].default)
+    parser.add_argument("--learning-rate", type=float, default=read_recipe(RECIPE, TRAIN_OPTIONS)["learning_rate"])
     parser.add_argument("--correction", default="sequence", choices=("none", "sequence", "token", "vespo"))
-    parser.add_argument("--max-staleness", type=int, default=TrainConfig.model_fields["max_staleness"].default,
+    parser.add_argument("--max-staleness", type=int, default=GRPOTrainConfig.model_fields["max_staleness"].default,
                         help="dualvllm train's --max-staleness (0: every batch sampled from the current weights, "
                              "as TRL's are; a batch sampled during an update is dropped, and its prompts with it).")
     parser.add_argument("--arms", nargs="+", choices=tuple(ARMS), default=list(ARMS))

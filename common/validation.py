@@ -32,6 +32,8 @@ def _describe(error: Any, fields: dict[str, Any]) -> str:
         return message
     if error["type"] == "extra_forbidden":
         return f"unknown option {name!r}; the options are {', '.join(fields)}"
+    if error["type"] == "missing":  # its input is every other value: not worth echoing
+        return f"{name} is required"
     if "key" in name or "secret" in name:  # never echo a credential
         return f"{name}: {message}"
     shown = repr(error["input"])

@@ -2,10 +2,18 @@
 
 Each subcommand parses its flags into the project's config objects and calls one
 function. Flags of coordinator, server and training options are generated from
-CoordinatorConfig, ServerConfig and TrainConfig, so their types, bounds, defaults and help
-live in one place; a flag left unset falls back to the schema (for the coordinator, to
-DUALVLLM_* variables first). Everything a user typed is checked before any server starts
-or is contacted, and a bad value is one line on stderr, exit code 2.
+CoordinatorConfig, ServerConfig and the training configs, so their types, bounds, defaults
+and help live in one place; a flag left unset falls back to the schema (for the
+coordinator, to DUALVLLM_* variables first). `train` and `eval` also read a recipe file
+(`--config recipes/tiny-arith.yaml`): the flags given override its values, which override
+the schema's defaults (training/config_sources.py). Everything a user typed is checked
+before any server starts or is contacted, and a bad value is one line on stderr, exit
+code 2.
+
+The flags stay argparse's, not pydantic-settings' CliSettingsSource: that source spells an
+option of several values as a repeated flag or a JSON list, not as `--reward exact length`,
+and parses one model, where `train` takes the options of every method and picks the
+method's class from `--method` (the reasons in full: training/config_sources.py).
 """
 
 from __future__ import annotations
@@ -130,10 +138,15 @@ async def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _train(args: argparse.Namespace) -> int:
-    from training.config import TrainConfig
+def _train_config(args: argparse.Namespace) -> Any:
+    """The flags given over the --config recipe over the defaults of the method's class."""
+    from training.config import TRAIN_OPTIONS, TrainConfig
 
-    config = TrainConfig(**_given(args, TrainConfig, TrainConfig.model_fields))
+    return TrainConfig.parse(config_file=args.config, **_given(args, TrainConfig, TRAIN_OPTIONS))
+
+
+async def _train(args: argparse.Namespace) -> int:
+    config = _train_config(args)
     if config.method == "dpo":
         if args.resume:
             raise InvalidInputError("--resume applies to grpo runs; a dpo run is short, start it again")
@@ -156,7 +169,7 @@ async def _eval(args: argparse.Namespace) -> int:
     from training.config import EvalConfig
     from training.evaluation import run_eval
 
-    config = EvalConfig(**_given(args, EvalConfig, EvalConfig.model_fields))
+    config = EvalConfig.parse(config_file=args.config, **_given(args, EvalConfig, EvalConfig.model_fields))
     report = await run_eval(config)
     print(report)
     return 0
@@ -217,7 +230,7 @@ def _server_configs(args: argparse.Namespace) -> list[tuple[ServerConfig, Server
 
 
 def _given(args: argparse.Namespace, schema: type[BaseModel], names: Iterable[str]) -> dict[str, Any]:
-    """The schema's fields the user set on the command line (unset flags are None)."""
+    """The schema's fields among `names` the user set on the command line (unset flags are None)."""
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
@@ -226,16 +239,49 @@ def _add_schema_flags(parser: argparse.ArgumentParser | Any, schema: type[BaseMo
     description and default as help. Flags default to None, so only given ones override."""
     for name in names:
         field = schema.model_fields[name]
-        flag = "--" + name.replace("_", "-")
-        text = field.description if field.is_required() else f"{field.description} (default: {field.default})"
-        kind, many = _flag_type(field.annotation)
-        extra: dict[str, Any] = {"nargs": "+"} if many else {}
-        if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
-        elif isinstance(kind, tuple):
-            parser.add_argument(flag, choices=kind, default=None, required=field.is_required(), help=text, **extra)
-        else:
-            parser.add_argument(flag, type=kind, default=None, required=field.is_required(), help=text, **extra)
+        _add_flag(parser, name, field, field.description if field.is_required()
+                  else f"{field.description} (default: {field.default})")
+
+
+def _add_train_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per option of any training method (the coordinator's are a recipe's section):
+    the help gives each method's default where they differ, and the methods that take the
+    option when not all do. --output-dir is required unless the recipe gives it."""
+    from training.config import METHOD_CLASSES, TRAIN_OPTIONS, TrainConfig
+    from training.config_sources import NESTED
+
+    for name in TRAIN_OPTIONS:
+        if name == NESTED:
+            continue
+        takers = {method: cls.model_fields[name] for method, cls in METHOD_CLASSES.items() if name in cls.model_fields}
+        field = TrainConfig.model_fields.get(name) or next(iter(takers.values()))
+        text = field.description or ""
+        if name == "method":
+            text += f" (default: {field.default})"
+        elif not field.is_required():
+            defaults: dict[str, list[str]] = {}
+            for method, taken in takers.items():
+                defaults.setdefault(str(taken.default), []).append(method)
+            usual, *others = sorted(defaults, key=lambda d: -len(defaults[d]))
+            text += f" (default: {usual}" + "".join(f"; {', '.join(defaults[d])}: {d}" for d in others) + ")"
+        if len(takers) < len(METHOD_CLASSES):
+            text += f" [--method {', '.join(takers)}]"
+        _add_flag(parser, name, field, text, required=False)
+
+
+def _add_flag(parser: argparse.ArgumentParser | Any, name: str, field: Any, text: str,
+              required: bool | None = None) -> None:
+    flag = "--" + name.replace("_", "-")
+    required = field.is_required() if required is None else required
+    text = text.replace("%", "%%")  # argparse formats help strings
+    kind, many = _flag_type(field.annotation)
+    extra: dict[str, Any] = {"nargs": "+"} if many else {}
+    if kind is bool:
+        parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+    elif isinstance(kind, tuple):
+        parser.add_argument(flag, choices=kind, default=None, required=required, help=text, **extra)
+    else:
+        parser.add_argument(flag, type=kind, default=None, required=required, help=text, **extra)
 
 
 def _flag_type(annotation: Any) -> tuple[Any, bool]:
@@ -289,20 +335,29 @@ def _parser() -> argparse.ArgumentParser:
     demo.set_defaults(command=_demo)
 
     train = commands.add_parser(
-        "train", help="GRPO or DPO on q* rollouts from the base and teacher servers")
+        "train", help="train the base on q* rollouts (grpo, sft, rft, opd, distill or dpo); the defaults are a real "
+                      "LLM's, the bundled tiny models' are --config recipes/tiny-arith.yaml")
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
-    from training.config import TrainConfig
-
-    _add_schema_flags(train, TrainConfig, TrainConfig.model_fields)
+    _add_config_flag(train)
+    _add_train_flags(train)
     train.set_defaults(command=_train)
 
     evaluate = commands.add_parser(
         "eval", help="greedy accuracy and pass@k of the base alone, q* and the teacher alone on held-out prompts")
     from training.config import EvalConfig
+    from training.config_sources import NESTED
 
-    _add_schema_flags(evaluate, EvalConfig, EvalConfig.model_fields)
+    _add_config_flag(evaluate)
+    _add_schema_flags(evaluate, EvalConfig, [name for name in EvalConfig.model_fields if name != NESTED])
     evaluate.set_defaults(command=_eval)
     return parser
+
+
+def _add_config_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, default=None, metavar="RECIPE.yaml",
+                        help="a recipe file: options under their names, one a line, and the coordinator's in a "
+                             "coordinator: section (recipes/: tiny-arith.yaml is the bundled models' values); the "
+                             "flags given override it")
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:

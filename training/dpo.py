@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Sequence
 
 from common.errors import NoTrainingSignalError
-from training.config import TrainConfig
+from training.config import DPOTrainConfig
 from training.recipe import held_out, prepare
 from training.rollouts import Groups, sample_batch
 from training.serving import serving
@@ -60,7 +60,7 @@ class DPOReport:
     model_dir: Path
 
 
-async def train_dpo(config: TrainConfig, *, show_progress: bool = True) -> DPOReport:
+async def train_dpo(config: DPOTrainConfig, *, show_progress: bool = True) -> DPOReport:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM

@@ -33,7 +33,7 @@ from common.tasks import stop
 from engines.transformers_engine import TransformersEngine
 from training import checkpoint, lora
 from training.checkpoint import RunState
-from training.config import TrainConfig
+from training.config import StreamingTrainConfig
 from training.curriculum import Curriculum
 from training.inprocess import in_process
 from training.learner import Learner, Objective
@@ -53,6 +53,12 @@ SAMPLER_STOP_S = 30.0
 # A GRPO run whose groups have all scored alike this many updates is told, once, that it learns
 # nothing and what has worked instead (benchmarks/README.md, "From likelihood to accuracy").
 NO_SIGNAL_WARNING_STEPS = 20
+# Options of the update that only some methods have (option -> Objective field): a method
+# without one takes the Objective's default, which is what that method does (sft has no
+# correction, grpo alone pools groups).
+METHOD_OBJECTIVE_OPTIONS = {"correction": "correction", "scale_advantages": "scale_advantages", "is_cap": "is_cap",
+                            "share_cap": "share_cap", "normalization": "normalization",
+                            "guided_shaping": "shaping_gamma", "rft_min_reward": "rft_min_reward"}
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,17 @@ class TrainReport:
     metrics_path: Path
 
 
-async def train_grpo(config: TrainConfig, *, resume: bool = False, show_progress: bool = True) -> TrainReport:
+def objective(config: StreamingTrainConfig) -> Objective:
+    """What one update of the run optimizes."""
+    options = {field: getattr(config, name) for name, field in METHOD_OBJECTIVE_OPTIONS.items()
+               if name in type(config).model_fields}
+    return Objective(method=config.method, max_completion_length=config.max_tokens,
+                     teacher_advantage_coef=config.teacher_advantage_coef, distill_coef=config.distillation_coef,
+                     distill_beta=config.distill_beta, **options)
+
+
+async def train_grpo(config: StreamingTrainConfig, *, resume: bool = False,
+                     show_progress: bool = True) -> TrainReport:
     """`dualvllm train --method grpo`: the recipe below, set up, trained and cleaned up."""
     return await GRPORecipe(config, resume=resume, show_progress=show_progress).run()
 
@@ -72,7 +88,7 @@ async def train_grpo(config: TrainConfig, *, resume: bool = False, show_progress
 class GRPORecipe:
     """setup / evaluate / train_step / train / cleanup, as torchtune's recipes are shaped."""
 
-    def __init__(self, config: TrainConfig, *, resume: bool = False, show_progress: bool = True) -> None:
+    def __init__(self, config: StreamingTrainConfig, *, resume: bool = False, show_progress: bool = True) -> None:
         self.config = config
         self.resume = resume
         self.show_progress = show_progress
@@ -81,7 +97,7 @@ class GRPORecipe:
         self._stack = contextlib.AsyncExitStack()
         self._sampler: asyncio.Task[None] | None = None
         self.dropped = 0
-        self.objective = Objective.from_config(config)
+        self.objective = objective(config)
         self._live: TransformersEngine | None = None  # the base engine under --engine transformers
 
     async def run(self) -> TrainReport:
@@ -107,7 +123,7 @@ class GRPORecipe:
             model = AutoModelForCausalLM.from_pretrained(start_dir, dtype=torch.float32)
             if config.lora_rank:
                 model = lora.wrap(model, rank=config.lora_rank, alpha=config.lora_alpha)
-        self.learner = Learner(model, learning_rate=config.learning_rate, kl_coef=config.kl_coef,
+        self.learner = Learner(model, learning_rate=config.learning_rate, kl_coef=config.reference_kl_coef,
                                pad_id=self.tokenizer.pad_token_id or 0)
         self.state = checkpoint.load_state(newest, self.learner.optimizer) if newest is not None else RunState(0, 0, 0)
         if newest is not None:
@@ -133,7 +149,7 @@ class GRPORecipe:
         return await sample_batch(self.coordinator, chosen, group_size=config.group_size, max_tokens=config.max_tokens,
                                   temperature=config.temperature, fixed_alpha=config.sampling_alpha,
                                   seed=config.seed * 1_000_003 + seed, spec=self.problems.spec, executor=self.pool,
-                                  reward_timeout_s=config.reward_timeout, on_policy=config.on_policy_rollouts,
+                                  reward_timeout_s=config.reward_timeout, on_policy=config.pooled_on_policy,
                                   record_topk=config.top_k if self.objective.needs_teacher_topk else 0,
                                   max_alpha=config.alpha_cap(self.state.step), min_group=self.objective.min_group)
 
@@ -204,7 +220,7 @@ class GRPORecipe:
                     continue
                 step = self.state.step
                 signal = signal or metrics["zero_advantage_groups"] < 1.0
-                silent = step == config.stop_without_signal and not signal
+                silent = step == config.no_signal_stop and not signal
                 if step == NO_SIGNAL_WARNING_STEPS and not signal and config.method == "grpo":
                     log.warning(
                         "every group of the first %d updates scored alike (zero advantage): GRPO has no signal "
@@ -248,7 +264,7 @@ class GRPORecipe:
             prune_pushed(self.out)
 
 
-def _curriculum(config: TrainConfig, state: RunState, n_tasks: int) -> Curriculum | None:
+def _curriculum(config: StreamingTrainConfig, state: RunState, n_tasks: int) -> Curriculum | None:
     """The run's curriculum: resumed from the checkpoint's state, else new; None without --curriculum."""
     if not config.curriculum:
         return None

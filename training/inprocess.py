@@ -16,10 +16,10 @@ import contextlib
 from typing import Any, AsyncIterator
 
 import tinymodels
-from coordinator import CoordinatorConfig, DualVLLMCoordinator
+from coordinator import DualVLLMCoordinator
 from engines.transformers_engine import TransformersEngine
 from training.config import TrainConfig
-from training.serving import MAX_PROMPTS
+from training.serving import coordinator_config
 
 
 @contextlib.asynccontextmanager
@@ -34,8 +34,6 @@ async def in_process(config: TrainConfig, model: Any, tokenizer: Any, *,
             path = (config.base or tinymodels.BASE_DIR) if config.teacher == "self-frozen" else (
                 config.teacher or tinymodels.TEACHER_DIR)
             teacher = await stack.enter_async_context(TransformersEngine(path, name="t"))
-        coordinator_config = CoordinatorConfig(top_k=config.top_k, max_batch_size=min(max(64, batch_size), MAX_PROMPTS),
-                                               seed=config.seed, mode="per_token")
-        coordinator = await stack.enter_async_context(
-            DualVLLMCoordinator(coordinator_config, theta_engine=base, t_engine=teacher))
+        coordinator = await stack.enter_async_context(DualVLLMCoordinator(
+            coordinator_config(config, batch_size=batch_size, mode="per_token"), theta_engine=base, t_engine=teacher))
         yield coordinator, base

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from common.errors import InvalidInputError
-from training.config import SELF_TEACHERS, TaskConfig
+from training.task_config import SELF_TEACHERS, TaskConfig
 from training.data import BUNDLED_TEST, BUNDLED_TRAIN, Example, build_examples, held_out_split, load_rows
 from training.rewards import RewardSpec, required_fields, reward_spec
 from training.rollouts import Task

@@ -18,10 +18,22 @@ from typing import AsyncIterator
 import tinymodels
 from coordinator import CoordinatorConfig, DualVLLMCoordinator
 from engines.launcher import VLLMServer, launch_replicas, replica_configs
-from training.config import TaskConfig
+from training.task_config import TaskConfig
 
-# One per-token request carries every active sequence: no more than the servers accept.
-MAX_PROMPTS = CoordinatorConfig.model_fields["max_prompts_per_request"].default
+# The batch a run's coordinator gets unless its config sets one: the run's batch, at least this.
+MIN_BATCH = 64
+
+
+def coordinator_config(config: TaskConfig, *, batch_size: int, **run_owned: object) -> CoordinatorConfig:
+    """The run's coordinator: the options its config sets (`config.coordinator`, DUALVLLM_*
+    variables for the rest), with what the run owns set by the run: top_k and seed from its
+    own options, and `run_owned` (its servers' URLs, or the in-process mode). The batch is
+    the run's (`batch_size`, at least MIN_BATCH) unless the config sets it; one per-token
+    request carries every active sequence, so it is at most what a request may carry."""
+    coordinator = config.coordinator
+    batch = min(max(MIN_BATCH, batch_size), coordinator.max_prompts_per_request)
+    return CoordinatorConfig(**{"max_batch_size": batch, **coordinator.model_dump(include=coordinator.model_fields_set),
+                                "top_k": config.top_k, "seed": config.seed, **run_owned})
 
 
 @contextlib.asynccontextmanager
@@ -31,7 +43,8 @@ async def serving(config: TaskConfig, start_dir: str, *, log_dir: Path | None = 
     `config.replicas` pairs started here, pooled per role.
 
     Started base servers serve `start_dir` (the base, or a checkpoint when resuming), in dev
-    mode for weight pushes when asked (loopback only). `batch_size` is the coordinator's batch.
+    mode for weight pushes when asked (loopback only). `batch_size` is the run's batch, the
+    coordinator's unless the config's coordinator options set one (`coordinator_config`).
     The base role's engine, for pushes, is `coordinator.base_engine`.
     """
     async with contextlib.AsyncExitStack() as stack:
@@ -39,9 +52,8 @@ async def serving(config: TaskConfig, start_dir: str, *, log_dir: Path | None = 
             theta_urls, t_urls = config.theta_urls, config.t_urls or config.theta_urls
         else:
             theta_urls, t_urls = await _start_servers(stack, config, start_dir, log_dir=log_dir, dev_mode=dev_mode)
-        coordinator_config = CoordinatorConfig(theta_urls=theta_urls, t_urls=t_urls, top_k=config.top_k,
-                                               max_batch_size=min(max(64, batch_size), MAX_PROMPTS), seed=config.seed)
-        yield await stack.enter_async_context(DualVLLMCoordinator(coordinator_config))
+        run = coordinator_config(config, batch_size=batch_size, theta_urls=theta_urls, t_urls=t_urls)
+        yield await stack.enter_async_context(DualVLLMCoordinator(run))
 
 
 async def _start_servers(stack: contextlib.AsyncExitStack, config: TaskConfig, start_dir: str, *,

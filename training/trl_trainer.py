@@ -39,7 +39,7 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 
 from common.errors import InvalidInputError
-from training.config import TrainConfig
+from training.config import GRPOTrainConfig
 from training.distill import teacher_advantages, topk_distillation
 from training.losses import advantages as project_advantages, normalize, policy_loss
 
@@ -65,8 +65,8 @@ UNSUPPORTED = {
 
 
 def _train_field(name: str, help_prefix: str = "") -> Any:
-    """A dataclass field whose default and help are TrainConfig's (defaults live in one schema)."""
-    info = TrainConfig.model_fields[name]
+    """A dataclass field whose default and help are `dualvllm train --method grpo`'s (defaults live in one schema)."""
+    info = GRPOTrainConfig.model_fields[name]
     return field(default=info.default, metadata={"help": help_prefix + (info.description or "")})
 
 

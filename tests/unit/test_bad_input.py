@@ -23,6 +23,7 @@ from coordinator.sequence import SamplingParams
 from coordinator.prompts import split_prompt
 from dualvllm import cli
 from engines.launcher import ServerConfig, VLLMServer, free_port
+from tests.recipes import TINY_ARITH
 
 GOOD_LINE = '{"prompt": "12+34="}\n'
 # (id, input file content or None for the good one, arguments after the subcommand, message)
@@ -79,30 +80,43 @@ OTHER_COMMANDS = [
     ("train-share-cap-under-token", "train --correction token --share-cap 2",
      r"--share-cap applies to --correction sequence"),
     ("train-dpo-option-under-grpo", "train --dpo-beta 0.2 --dpo-epochs 2",
-     r"--dpo-beta, --dpo-epochs only apply to --method dpo"),
-    ("train-grpo-option-under-dpo", "train --method dpo --kl-coef 0.1", r"--kl-coef only apply to --method grpo"),
+     r"--dpo-beta, --dpo-epochs are options of --method dpo; drop them or pass --method dpo"),
+    ("train-grpo-option-under-dpo", "train --method dpo --kl-coef 0.1",
+     r"--kl-coef is an option of --method grpo or opd; drop it or pass one of those methods"),
     ("train-dpo-resume", "train --method dpo --resume", r"--resume applies to grpo runs"),
     ("train-zero-steps", "train --steps 0", r"steps=0: Input should be greater than or equal to 1"),
     ("train-greedy-rollouts", "train --temperature 0", r"temperature=0.0: Input should be greater than 0"),
     ("train-eval-every-past-the-end", "train --steps 4 --eval-every 10", r"--eval-every 10 is more than --steps 4"),
-    ("train-base-missing", "train --base {tmp}/nothing", r"invalid TrainConfig: base=.*: '.*nothing' is not a model directory"),
+    ("train-base-missing", "train --base {tmp}/nothing",
+     r"invalid GRPOTrainConfig: base=.*: '.*nothing' is not a model directory"),
     ("train-sft-with-a-correction", "train --method sft --correction token",
-     r"--method sft does not read --correction \(options of grpo's policy gradient\)"),
+     r"--correction is an option of --method grpo; drop it or pass --method grpo"),
     ("train-stop-without-signal-under-sft", "train --method sft --stop-without-signal 100",
-     r"--method sft does not read --stop-without-signal"),
+     r"--stop-without-signal is an option of --method grpo"),
     ("train-eval-fraction-out-of-range", "train --eval-fraction 1.5", r"eval_fraction=1.5: Input should be less than 1"),
-    ("train-opd-at-another-alpha", "train --method opd --fixed-alpha 0.5", r"--method opd samples at alpha = 0; drop"),
+    ("train-opd-at-a-chosen-alpha", "train --method opd --fixed-alpha 0.5",
+     r"--fixed-alpha is an option of --method grpo, rft, distill or dpo; drop it or pass one of those methods"),
     ("train-pooled-groups-without-q", "train --group-size 4 --on-policy-rollouts 4",
      r"--on-policy-rollouts 4 leaves no q\* rollout in groups of 4"),
     ("train-shaping-without-pooled-groups", "train --guided-shaping 0.1",
      r"--guided-shaping shapes the q\* rollouts of pooled groups; set --on-policy-rollouts"),
     ("train-distill-beta-without-the-term", "train --distill-beta 0.5", r"--distill-coef 0 turns off"),
     ("train-opd-without-weight", "train --method opd --opd-coef 0", r"--opd-coef 0 leaves nothing to learn"),
-    ("train-rft-threshold-under-grpo", "train --rft-min-reward 0.5", r"--rft-min-reward applies to --method rft"),
+    ("train-rft-threshold-under-grpo", "train --rft-min-reward 0.5",
+     r"--rft-min-reward is an option of --method rft; drop it or pass --method rft"),
     ("train-in-process-with-servers", "train --engine transformers --theta-urls http://127.0.0.1:9 --t-urls "
      "http://127.0.0.1:8", r"--engine transformers samples in this process; --theta-urls, --t-urls name or start"),
-    ("train-alpha-schedule-at-a-fixed-alpha", "train --method sft --alpha-decay-steps 100",
-     r"--alpha-decay-steps caps alpha\*, and these rollouts are sampled at a fixed alpha \(1\)"),
+    ("train-alpha-schedule-at-a-fixed-alpha", "train --fixed-alpha 0.5 --alpha-decay-steps 100",
+     r"--alpha-decay-steps caps alpha\*, and these rollouts are sampled at a fixed alpha \(0.5\)"),
+    ("train-alpha-schedule-under-sft", "train --method sft --alpha-decay-steps 100",
+     r"--alpha-decay-steps is an option of --method grpo, rft or distill"),
+    ("train-completions-past-the-positions", "train --max-tokens 512",
+     r"--max-tokens 512 does not fit the 64 positions of .*base, .*; lower --max-tokens \(the bundled models: "
+     r"--config recipes/tiny-arith.yaml\)"),
+    ("train-micro-batch-above-the-batch", "train --prompts-per-step 4 --group-size 4 --micro-batch-size 32",
+     r"--micro-batch-size 32 is more than the 16 rollouts of an update"),
+    ("train-recipe-missing", "train --config {tmp}/nothing.yaml", r"--config .*nothing.yaml: no such recipe file"),
+    ("eval-completions-past-the-positions", "eval --max-tokens 64", r"--max-tokens 64 does not fit the 64 positions"),
 ]
 
 
@@ -141,8 +155,8 @@ def test_generate_refuses_before_any_server(tmp_path, capsys, no_servers, conten
 @pytest.mark.parametrize("args, message", [c[1:] for c in OTHER_COMMANDS], ids=[c[0] for c in OTHER_COMMANDS])
 def test_other_commands_refuse_before_any_server(tmp_path, capsys, no_servers, args, message):
     argv = args.format(tmp=tmp_path).split()
-    if argv[0] == "train":
-        argv += ["--output-dir", str(tmp_path / "run")]
+    if argv[0] == "train":  # the bundled models' recipe first: a case's own --config wins (argparse keeps the last)
+        argv[1:1] = ["--config", str(TINY_ARITH), "--output-dir", str(tmp_path / "run")]
     assert_one_line_error(*run_cli(argv, capsys), message)
     assert not (tmp_path / "run").exists()  # a refused run writes nothing
 
@@ -181,7 +195,7 @@ PYTHON_API: list[tuple[str, Callable[[], object], type[DualVLLMError], str]] = [
 def _train_config(**values: object) -> object:
     from training.config import TrainConfig
 
-    return TrainConfig(output_dir=Path("unused"), **values)
+    return TrainConfig.parse(config_file=TINY_ARITH, output_dir=Path("unused"), **values)
 
 
 @pytest.mark.parametrize("call, error, message", [c[1:] for c in PYTHON_API], ids=[c[0] for c in PYTHON_API])
@@ -198,5 +212,5 @@ def test_the_table_covers_at_least_25_kinds():
 def test_config_json_records_the_method(tmp_path):
     from training.config import TrainConfig
 
-    config = TrainConfig(output_dir=tmp_path, method="dpo", dpo_beta=0.3)
+    config = TrainConfig.parse(config_file=TINY_ARITH, output_dir=tmp_path, method="dpo", dpo_beta=0.3)
     assert json.loads(config.model_dump_json())["method"] == "dpo"

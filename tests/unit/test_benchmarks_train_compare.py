@@ -10,8 +10,12 @@ pytest.importorskip("torch")
 import argparse  # noqa: E402
 
 import tinymodels  # noqa: E402
-from benchmarks.train_compare import ARMS, LONG_ARMS, TASKS, NotRun, finished_with, joined, run_arm  # noqa: E402
+from benchmarks.train_compare import ARMS, LONG_ARMS, RECIPE, TASKS, NotRun, finished_with, joined, run_arm  # noqa: E402
 from training.config import TrainConfig  # noqa: E402
+
+
+def train_config(**values) -> TrainConfig:
+    return TrainConfig.parse(config_file=RECIPE, **values)
 
 
 def test_a_warm_up_and_its_arm_join_end_to_end():
@@ -33,14 +37,14 @@ def _finished_run(arm_dir, config: TrainConfig) -> None:
 
 
 def test_a_run_without_a_stop_rule_is_reused_for_one_with_it_but_not_the_reverse(tmp_path):
-    plain = TrainConfig(output_dir=tmp_path / "a", steps=100)
-    stopping = TrainConfig(output_dir=tmp_path / "b", steps=100, stop_without_signal=20, stop_at_accuracy=0.9)
+    plain = train_config(output_dir=tmp_path / "a", steps=100)
+    stopping = train_config(output_dir=tmp_path / "b", steps=100, stop_without_signal=20, stop_at_accuracy=0.9)
     _finished_run(tmp_path / "a", plain)
     _finished_run(tmp_path / "b", stopping)
 
     assert finished_with(tmp_path / "a", stopping)  # it ran on past any stop: its curves hold the stopped run's
     assert not finished_with(tmp_path / "b", plain)  # it may have stopped early
-    assert not finished_with(tmp_path / "a", TrainConfig(output_dir=tmp_path / "c", steps=100, learning_rate=1e-3))
+    assert not finished_with(tmp_path / "a", train_config(output_dir=tmp_path / "c", steps=100, learning_rate=1e-3))
 
 
 def test_no_train_skips_a_missing_run_and_creates_nothing(tmp_path):
@@ -54,6 +58,6 @@ def test_no_train_skips_a_missing_run_and_creates_nothing(tmp_path):
 
 def test_the_long_task_runs_its_core_arms_with_the_long_teacher():
     assert sorted(folder for folder, _ in ARMS["long-methods"].values()) == sorted(LONG_ARMS)
-    task = TrainConfig(output_dir="x", **TASKS["long-methods"])
+    task = train_config(output_dir="x", **TASKS["long-methods"])
     assert task.teacher == str(tinymodels.TEACHER_LONG_DIR)
     assert task.max_tokens == 21  # 20 answer digits and <eos>

@@ -8,6 +8,7 @@ import math
 import pytest
 
 torch = pytest.importorskip("torch")
+from tests.recipes import TINY_ARITH  # noqa: E402
 from training.config import TrainConfig  # noqa: E402
 from training.grpo import train_grpo  # noqa: E402
 
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.timeout(300)
                                     {"teacher": "self", "teacher_template": "{answer} {prompt}"}],
                          ids=["grpo", "sft-distill", "distill-teacher-states-one-per-prompt", "self-teacher"])
 async def test_the_recipe_trains_in_process_from_live_weights(tmp_path, fields):
-    config = TrainConfig(**{"output_dir": tmp_path / "run", "engine": "transformers", "steps": 3,
+    config = TrainConfig.parse(config_file=TINY_ARITH, **{"output_dir": tmp_path / "run", "engine": "transformers", "steps": 3,
                             "prompts_per_step": 2, "group_size": 4, "eval_every": 3, "eval_prompts": 8,
                             "max_tokens": 4, "seed": 0, **fields})
     report = await train_grpo(config, show_progress=False)
@@ -42,9 +43,9 @@ async def test_a_grpo_run_without_signal_stops_at_stop_without_signal(tmp_path, 
 
     monkeypatch.setattr(grpo, "NO_SIGNAL_WARNING_STEPS", 1)
 
-    config = TrainConfig(output_dir=tmp_path / "run", engine="transformers", steps=10, prompts_per_step=2,
-                         group_size=4, eval_every=5, eval_prompts=8, max_tokens=5, seed=0, fixed_alpha=0.0,
-                         dataset=HARD_TRAIN, eval_dataset=HARD_TEST, stop_without_signal=2)
+    config = TrainConfig.parse(config_file=TINY_ARITH, output_dir=tmp_path / "run", engine="transformers", steps=10,
+                               prompts_per_step=2, group_size=4, eval_every=5, eval_prompts=8, max_tokens=5, seed=0,
+                               fixed_alpha=0.0, dataset=HARD_TRAIN, eval_dataset=HARD_TEST, stop_without_signal=2)
     report = await train_grpo(config, show_progress=False)
 
     records = [json.loads(line) for line in report.metrics_path.read_text().splitlines()]
@@ -56,9 +57,9 @@ async def test_a_grpo_run_without_signal_stops_at_stop_without_signal(tmp_path, 
 
 
 async def test_a_grpo_run_with_signal_goes_on_past_stop_without_signal(tmp_path):
-    config = TrainConfig(output_dir=tmp_path / "run", engine="transformers", steps=3, prompts_per_step=4,
-                         group_size=4, eval_every=3, eval_prompts=8, max_tokens=4, seed=0, fixed_alpha=0.0,
-                         stop_without_signal=1)
+    config = TrainConfig.parse(config_file=TINY_ARITH, output_dir=tmp_path / "run", engine="transformers", steps=3,
+                               prompts_per_step=4, group_size=4, eval_every=3, eval_prompts=8, max_tokens=4, seed=0,
+                               fixed_alpha=0.0, stop_without_signal=1)
     report = await train_grpo(config, show_progress=False)
 
     records = [json.loads(line) for line in report.metrics_path.read_text().splitlines()]

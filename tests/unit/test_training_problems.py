@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 import tinymodels
 from common.errors import InvalidInputError
 from tinymodels.task import problems
+from tests.recipes import TINY_ARITH
 from training.config import TrainConfig
 from training.problems import load_problems
 
@@ -22,7 +23,7 @@ def tokenizer():
 
 
 def config(tmp_path, **values) -> TrainConfig:
-    return TrainConfig(output_dir=tmp_path / "run", **values)
+    return TrainConfig.parse(config_file=TINY_ARITH, output_dir=tmp_path / "run", **values)
 
 
 def test_the_bundled_task_is_the_default_dataset(tmp_path, tokenizer):
