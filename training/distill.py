@@ -72,19 +72,30 @@ def generalized_jsd(student_log: torch.Tensor, teacher_log: torch.Tensor, beta: 
     return beta * _kl(teacher_log, mixture) + (1.0 - beta) * _kl(student_log, mixture)
 
 
+def topk_divergence(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, *, beta: float = 0.0) -> torch.Tensor:
+    """Per-state JSD_beta over the teacher's top-k plus a tail bucket; [..., K], [..., K] -> [...].
+
+    `student_logprobs`: the learner's log pi_theta at the teacher's top-k ids (with grad);
+    `teacher_logprobs`: the teacher's recorded top-k (raw logprobs, -inf in padding). The
+    learner's tail is 1 - its mass on those ids, so nothing else of its distribution is
+    needed: training.logprobs computes these K values chunk by chunk, without [B, T, V].
+    """
+    valid = torch.isfinite(teacher_logprobs)  # [..., K]
+    student_log = with_tail(student_logprobs, valid)  # [..., K + 1]
+    teacher_log = with_tail(teacher_logprobs.to(student_log.dtype), valid)  # [..., K + 1]
+    return generalized_jsd(student_log, teacher_log, beta)
+
+
 def topk_distillation(student_logits: torch.Tensor, teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor,
                       *, beta: float = 0.0) -> torch.Tensor:
-    """Per-state JSD_beta over the teacher's top-k plus a tail bucket -> [B, T].
+    """`topk_divergence` from whole logits: [B, T, V] (with grad), int64 [B, T, K], [B, T, K] -> [B, T].
 
-    `student_logits` [B, T, V] at the visited states (with grad); `teacher_ids` int64 and
-    `teacher_logprobs` [B, T, K], the teacher's recorded top-k (raw logprobs, -inf in padding).
+    For callers that hold the logits anyway (training.trl_trainer, small tests); the learner
+    never builds them. log pi(v) = z_v - logsumexp(z): no second [B, T, V] tensor.
     """
-    valid = torch.isfinite(teacher_logprobs)  # [B, T, K]
-    student_all = torch.log_softmax(student_logits.float(), dim=-1)  # [B, T, V]
-    student_top = student_all.gather(-1, teacher_ids.clamp(min=0))  # [B, T, K]
-    student_log = with_tail(student_top, valid)  # [B, T, K + 1]
-    teacher_log = with_tail(teacher_logprobs.to(student_log.dtype), valid)  # [B, T, K + 1]
-    return generalized_jsd(student_log, teacher_log, beta)
+    logits = student_logits.float()  # [B, T, V]
+    top = logits.gather(-1, teacher_ids.clamp(min=0)) - torch.logsumexp(logits, dim=-1, keepdim=True)  # [B, T, K]
+    return topk_divergence(top, teacher_logprobs, beta=beta)
 
 
 def teacher_advantages(logp_policy: torch.Tensor, logp_teacher: torch.Tensor, coef: float) -> torch.Tensor:
@@ -93,11 +104,14 @@ def teacher_advantages(logp_policy: torch.Tensor, logp_teacher: torch.Tensor, co
     return -coef * (logp_policy.detach() - logp_teacher)
 
 
-def sft_loss(logp_policy: torch.Tensor, mask: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+def sft_loss(logp_policy: torch.Tensor, mask: torch.Tensor, chosen: torch.Tensor, *,
+             batch_tokens: float | None = None) -> torch.Tensor:
     """Negative log-likelihood per token of the chosen rollouts: [B, T], [B, T], bool [B] -> scalar.
 
     Averaged over the chosen rollouts' tokens only (unchosen ones would dilute it). No
     chosen rollout gives 0, still with a graph, so the caller may backpropagate.
+    `batch_tokens`: the chosen tokens of the whole batch when these rows are one micro-batch
+    of it (training.losses.normalize).
     """
     rows = mask * chosen[:, None].to(mask.dtype)  # [B, T]
-    return normalize(-logp_policy, rows, "dapo")
+    return normalize(-logp_policy, rows, "dapo", batch_tokens=batch_tokens)

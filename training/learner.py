@@ -8,20 +8,36 @@ One update's loss is a sum of terms (`Objective`, from TrainConfig):
   --method rft: those whose reward reaches rft_min_reward);
 - distill_coef x the top-k JSD to the teacher at every visited state (training.distill;
   --method distill: that term alone).
+
+None of it needs whole next-token distributions: the log-probabilities of the sampled
+tokens and at the teacher's top-k ids come from the last hidden states through the lm_head
+chunk by chunk (training.logprobs), so no [B, T, V] logits exist (issue 41: 40 GB at
+Qwen3's vocabulary for 64 x 1,024 tokens). With `micro_batch_size` a few rollouts go
+through the model at a time and their gradients accumulate; what the loss needs from the
+whole batch (the normalizers, the group advantages) is computed first, so each
+micro-batch backpropagates its exact share and the sum is the whole batch's gradient.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
+import torch.nn.functional as F
 
-from training.distill import sft_loss, teacher_advantages, topk_distillation
+from training import lora
+from training.distill import sft_loss, teacher_advantages, topk_divergence
+from training.logprobs import body_and_head, last_hidden_states, selected_logprobs
 from training.losses import advantages as group_advantages, normalize, policy_loss
 from training.rollouts import Rollout, ScoredBatch
+
+# Completion positions per lm_head chunk: one chunk's float32 logits at Qwen3's vocabulary are
+# 256 x 151,936 x 4 B = 156 MB, and its backward holds a few such buffers (training.logprobs).
+LOGIT_CHUNK_SIZE = 256
 
 
 @dataclass(frozen=True)
@@ -111,121 +127,296 @@ def pack(rollouts: Sequence[Rollout], pad_id: int) -> Packed:
                   teacher_logprobs)
 
 
-def completion_logits(model: Any, packed: Packed) -> torch.Tensor:
-    """The logits at every completion state, predicting y_t -> [B, T, V]."""
-    logits = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits  # [B, L, V]
-    width_t = packed.targets.shape[1]
-    # The token at position s + t is predicted by the logits at s + t - 1.
-    positions = packed.starts[:, None] - 1 + torch.arange(width_t)[None, :]  # [B, T]
-    positions = positions.clamp(max=logits.shape[1] - 1)
-    rows = torch.arange(logits.shape[0])[:, None]
-    return logits[rows, positions]  # [B, T, V]
+def completion_states(model: Any, packed: Packed) -> torch.Tensor:
+    """The body's last hidden state before each real completion token, row by row -> [M, H].
+
+    M = real completion tokens in the batch: padding never reaches the lm_head.
+    """
+    assert bool((packed.starts >= 1).all()), "every rollout needs a prompt token before its completion"
+    hidden = last_hidden_states(model, packed.input_ids, packed.attention_mask)  # [B, L, H]
+    # The token at position s + t is predicted by the state at s + t - 1.
+    positions = packed.starts[:, None] - 1 + torch.arange(packed.targets.shape[1])[None, :]  # [B, T]
+    rows = torch.arange(hidden.shape[0])[:, None].expand_as(positions)  # [B, T]
+    real = packed.target_mask.bool()  # [B, T]
+    return hidden[rows[real], positions[real]]  # [M, H]
 
 
-def completion_logprobs(model: Any, packed: Packed, logits: torch.Tensor | None = None) -> torch.Tensor:
+def token_logprobs(model: Any, packed: Packed, ids: torch.Tensor, *,
+                   chunk_size: int = LOGIT_CHUNK_SIZE) -> torch.Tensor:
+    """log pi(ids[b, t, j] | prompt, y_<t) at every completion state: int64 [B, T, J] -> [B, T, J], 0 where padded.
+
+    One pass of the body, then the lm_head `chunk_size` states at a time (training.logprobs):
+    no [B, T, V] tensor, with or without gradients.
+    """
+    real = packed.target_mask.bool()  # [B, T]
+    _, head = body_and_head(model)
+    values = selected_logprobs(completion_states(model, packed), head, ids[real], chunk=chunk_size)  # [M, J]
+    return values.new_zeros((*real.shape, ids.shape[-1])).index_put((real,), values)  # [B, T, J]
+
+
+def completion_logprobs(model: Any, packed: Packed, *, chunk_size: int = LOGIT_CHUNK_SIZE) -> torch.Tensor:
     """log pi(y_t | prompt, y_<t) of every completion token -> [B, T] (0 where padded)."""
-    if logits is None:
-        logits = completion_logits(model, packed)
-    logp = torch.log_softmax(logits.float(), dim=-1)  # [B, T, V]
-    picked = logp.gather(-1, packed.targets[..., None])[..., 0]  # [B, T]
-    return picked * packed.target_mask
+    return token_logprobs(model, packed, packed.targets[..., None], chunk_size=chunk_size)[..., 0]
+
+
+def enable_gradient_checkpointing(model: Any) -> None:
+    """Recompute each decoder layer in backward instead of keeping its activations (transformers'
+    own switch; it acts in train mode only)."""
+    base = model.get_base_model() if lora.is_lora(model) else model
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # Only reentrant checkpointing needs the embeddings' output to require grad (frozen embeddings
+    # under LoRA); the hook transformers adds for it would also fire in the in-process sampler.
+    base.disable_input_require_grads()
+
+
+def _padded_rows(parts: Sequence[torch.Tensor], width: int) -> torch.Tensor:
+    """Micro-batches' [b_i, T_i, ...] values -> [sum b_i, width, ...], zero beyond each T_i."""
+    return torch.cat([F.pad(p, (0, 0) * (p.dim() - 2) + (0, width - p.shape[1])) for p in parts])
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One update's rollouts (group order) and what any micro-batch of them needs from the whole batch."""
+
+    groups: list[Sequence[Rollout]]
+    rollouts: list[Rollout]
+    rewards: list[torch.Tensor]  # [G_g] per group
+    packed: Packed  # every row
+    chosen: torch.Tensor  # bool [B], the rows the sft/rft term trains on
+    shaped: torch.Tensor | None  # bool [B], the rows taking LUFFY's shaping
+    tokens: float  # real completion tokens of the batch
+    chosen_tokens: float  # ... of the chosen rows
 
 
 class Learner:
-    """Holds the model being trained, its optimizer and the frozen reference."""
+    """Holds the model being trained, its optimizer and the frozen reference.
 
-    def __init__(self, model: Any, *, learning_rate: float, kl_coef: float, pad_id: int) -> None:
-        self.model = model.train()
+    `micro_batch_size`: rollouts per forward and backward pass, their gradients accumulated
+    (None: the whole batch in one pass). `gradient_checkpointing`: recompute each decoder
+    layer in backward instead of keeping its activations. `logit_chunk_size`: completion
+    positions per lm_head chunk (training.logprobs).
+
+    The model is in train mode only during an update: between updates an in-process engine
+    (training.inprocess) samples the same weights with a KV cache, which transformers'
+    checkpointed layers drop in train mode.
+    """
+
+    def __init__(self, model: Any, *, learning_rate: float, kl_coef: float, pad_id: int,
+                 micro_batch_size: int | None = None, gradient_checkpointing: bool = False,
+                 logit_chunk_size: int = LOGIT_CHUNK_SIZE) -> None:
+        if micro_batch_size is not None and micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be at least 1 rollout (None: the whole batch), got {micro_batch_size}")
+        if logit_chunk_size < 1:
+            raise ValueError(f"logit_chunk_size must be at least 1 position, got {logit_chunk_size}")
+        self.model = model.eval()
         # Only what trains: with LoRA the base weights are frozen.
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=learning_rate)
         self.reference = copy.deepcopy(model).eval().requires_grad_(False) if kl_coef > 0 else None
+        if gradient_checkpointing:
+            enable_gradient_checkpointing(self.model)
         self.kl_coef = kl_coef
         self.pad_id = pad_id
+        self.micro_batch_size = micro_batch_size
+        self.logit_chunk_size = logit_chunk_size
 
     def train_step(self, batch: ScoredBatch, objective: Objective) -> dict[str, float]:
         started = time.perf_counter()
-        loss, metrics = self.loss(batch, objective)
         self.optimizer.zero_grad()
-        loss.backward()
+        metrics = self.accumulate_gradients(batch, objective)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
-        return {"loss": float(loss.detach()), **metrics, "grad_norm": float(grad_norm),
+        return {**metrics, "grad_norm": float(grad_norm),
                 "train_tokens_per_s": metrics["train_tokens"] / (time.perf_counter() - started)}
 
     def loss(self, batch: ScoredBatch, objective: Objective) -> tuple[torch.Tensor, dict[str, float]]:
         """The update's loss on `batch` (with its graph, nothing stepped) and its metrics.
 
-        Apart from `train_step` so that another trainer's loss can be checked against it
-        (tests/unit/test_training_trl.py compares TRL's path with this one).
+        The whole batch in one graph, whatever `micro_batch_size` (the lm_head still runs in
+        chunks). Apart from `train_step` so that another trainer's loss can be checked against
+        it (tests/unit/test_training_trl.py compares TRL's path with this one).
         """
+        return self._loss(self._prepare(batch, objective), objective)
+
+    def _loss(self, prepared: Prepared, objective: Objective) -> tuple[torch.Tensor, dict[str, float]]:
+        with self._training():
+            values = self._values(prepared.packed, objective)  # [B, T, J]
+        return self._whole_batch(prepared, objective, values, self._reference_logprobs(prepared.packed, objective))
+
+    def accumulate_gradients(self, batch: ScoredBatch, objective: Objective) -> dict[str, float]:
+        """Add the gradient of the update's loss on `batch` to the parameters' .grad; {"loss", **metrics}.
+
+        Micro-batch by micro-batch, each backpropagating its exact share of the whole batch's
+        loss: the whole batch's normalizers (training.losses.normalize) and advantages. The
+        "sequence" correction's advantages read every rollout's log pi_theta - log q*, so
+        they come from a first pass without gradients. The metrics are computed afterwards
+        on the whole batch's values, as `loss` computes them. Equal to
+        `loss(batch)[0].backward()` up to float round-off.
+        """
+        prepared = self._prepare(batch, objective)
+        size = self.micro_batch_size or len(prepared.rollouts)
+        if size >= len(prepared.rollouts):
+            loss, metrics = self._loss(prepared, objective)
+            loss.backward()
+            return {"loss": float(loss.detach()), **metrics}
+        slices = [slice(start, start + size) for start in range(0, len(prepared.rollouts), size)]
+        advantages = None
+        if objective.policy_gradient:
+            first = self._first_pass_logprobs(prepared, slices) if self._advantages_need_logprobs(objective) else None
+            advantages, _ = self._advantages(prepared, objective, first)
+        values, references = [], []
+        for rows in slices:
+            packed = pack(prepared.rollouts[rows], self.pad_id)
+            reference = self._reference_logprobs(packed, objective)
+            with self._training():
+                part = self._values(packed, objective)  # [b, T_b, J]
+                share, _ = self._terms(objective, prepared, packed, part, reference,
+                                       None if advantages is None else advantages[rows], rows)
+                if share.requires_grad:  # rows without real tokens add nothing
+                    share.backward()
+            values.append(part.detach())
+            references.append(reference)
+        width = prepared.packed.targets.shape[1]
+        reference = _padded_rows(references, width) if references[0] is not None else None
+        with torch.no_grad():
+            loss, metrics = self._whole_batch(prepared, objective, _padded_rows(values, width), reference)
+        return {"loss": float(loss), **metrics}
+
+    @contextlib.contextmanager
+    def _training(self) -> Iterator[None]:
+        self.model.train()
+        try:
+            yield
+        finally:
+            self.model.eval()
+
+    def _prepare(self, batch: ScoredBatch, objective: Objective) -> Prepared:
         groups = [g for g in batch.groups if len(g) >= objective.min_group]
         rewards = [torch.tensor([r.reward for r in g]) for g in groups]
         rollouts = [r for g in groups for r in g]
         packed = pack(rollouts, self.pad_id)
+        if objective.distill_coef > 0 and (packed.teacher_ids is None or packed.teacher_logprobs is None):
+            raise ValueError("the distillation term needs the teacher's top-k of every rollout; sample with "
+                             "record_topk")
+        all_rewards = torch.cat(rewards)
+        chosen = torch.ones_like(all_rewards, dtype=torch.bool)
+        if objective.method == "rft":
+            chosen = all_rewards >= objective.rft_min_reward
         mask = packed.target_mask
-        logits = completion_logits(self.model, packed)  # [B, T, V]
-        logp = completion_logprobs(self.model, packed, logits)  # [B, T]
-        loss = torch.zeros(())
-        metrics: dict[str, float] = {}
-        if objective.policy_gradient:
-            term, metrics = self._policy_gradient(packed, logp, rewards, groups, objective)
-            loss = loss + term
-        elif objective.method in ("sft", "rft"):
-            all_rewards = torch.cat(rewards)
-            chosen = all_rewards >= objective.rft_min_reward if objective.method == "rft" else torch.ones_like(
-                all_rewards, dtype=torch.bool)
-            loss = loss + sft_loss(logp, mask, chosen)
-            metrics["sft_rollouts"] = float(chosen.float().mean())
+        shaped = torch.tensor([not r.on_policy for r in rollouts]) if objective.shaping_gamma is not None else None
+        return Prepared(groups, rollouts, rewards, packed, chosen, shaped, float(mask.sum()),
+                        float((mask * chosen[:, None]).sum()))
+
+    def _values(self, packed: Packed, objective: Objective) -> torch.Tensor:
+        """log pi_theta of the sampled token, then at the teacher's top-k ids when distilling -> [B, T, 1 (+ K)]."""
+        ids = packed.targets[..., None]  # [B, T, 1]
         if objective.distill_coef > 0:
-            if packed.teacher_ids is None or packed.teacher_logprobs is None:
-                raise ValueError("the distillation term needs the teacher's top-k of every rollout; sample with "
-                                 "record_topk")
-            divergence = topk_distillation(logits, packed.teacher_ids, packed.teacher_logprobs,
-                                           beta=objective.distill_beta)  # [B, T]
-            distill = normalize(divergence, mask, "dapo")
-            loss = loss + objective.distill_coef * distill
-            metrics["distill_divergence"] = float(distill.detach())
+            assert packed.teacher_ids is not None, "checked by _prepare"
+            ids = torch.cat([ids, packed.teacher_ids], dim=-1)  # [B, T, 1 + K]
+        return token_logprobs(self.model, packed, ids, chunk_size=self.logit_chunk_size)
+
+    def _reference_logprobs(self, packed: Packed, objective: Objective) -> torch.Tensor | None:
+        if self.reference is None or not objective.policy_gradient:
+            return None
+        with torch.no_grad():
+            return completion_logprobs(self.reference, packed, chunk_size=self.logit_chunk_size)  # [B, T]
+
+    @staticmethod
+    def _advantages_need_logprobs(objective: Objective) -> bool:
+        """Only the "sequence" correction's advantages depend on log pi_theta (training.losses.advantages)."""
+        return objective.method == "grpo" and objective.correction == "sequence"
+
+    def _first_pass_logprobs(self, prepared: Prepared, slices: Sequence[slice]) -> torch.Tensor:
+        """log pi_theta of every completion token, micro-batch by micro-batch, without gradients -> [B, T]."""
+        with torch.no_grad():
+            parts = [completion_logprobs(self.model, pack(prepared.rollouts[rows], self.pad_id),
+                                         chunk_size=self.logit_chunk_size) for rows in slices]
+        return _padded_rows(parts, prepared.packed.targets.shape[1])
+
+    def _advantages(self, prepared: Prepared, objective: Objective,
+                    logp: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+        """Per-rollout advantages [B] and their metrics; `logp` [B, T] detached (None: only when the
+        correction does not read it, and then the metrics that do read it are wrong)."""
+        packed = prepared.packed
+        if logp is None:
+            assert not self._advantages_need_logprobs(objective), "the sequence correction needs log pi_theta"
+            log_ratio = torch.zeros(len(prepared.rollouts))
+        else:
+            log_ratio = ((logp - packed.logp_behaviour.float()) * packed.target_mask).sum(-1)  # [B]
+        correction = objective.correction if objective.method == "grpo" else "none"
+        advantages, metrics = group_advantages(
+            prepared.rewards, torch.split(log_ratio, [len(g) for g in prepared.groups]),
+            correction=correction,  # type: ignore[arg-type]
+            scale=objective.scale_advantages, share_cap=objective.share_cap)
+        if objective.method == "opd":  # the teacher's advantages alone
+            advantages = torch.zeros_like(advantages)
+        return advantages, metrics
+
+    def _whole_batch(self, prepared: Prepared, objective: Objective, values: torch.Tensor,
+                     reference: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss of the whole batch from its values [B, T, J] (with or without a graph) and the update's metrics."""
+        mask = prepared.packed.target_mask
+        logp = values[..., 0]  # [B, T]
+        advantages, metrics = None, {}
+        if objective.policy_gradient:
+            advantages, metrics = self._advantages(prepared, objective, logp.detach())
+        loss, term_metrics = self._terms(objective, prepared, prepared.packed, values, reference, advantages,
+                                         slice(None))
+        metrics.update(term_metrics)
         with torch.no_grad():
             entropy_proxy = -(logp * mask).sum() / mask.sum()
-            if bool(packed.logp_teacher.any()):  # how far the learner is from the teacher on its tokens
-                metrics["teacher_log_ratio"] = float(normalize((logp - packed.logp_teacher.float()), mask, "dapo"))
-        all_rewards = torch.cat(rewards)
+            if bool(prepared.packed.logp_teacher.any()):  # how far the learner is from the teacher on its tokens
+                metrics["teacher_log_ratio"] = float(normalize((logp - prepared.packed.logp_teacher.float()), mask,
+                                                               "dapo"))
+        all_rewards = torch.cat(prepared.rewards)
         return loss, {
             "reward_mean": float(all_rewards.mean()),
             "reward_std": float(all_rewards.std()) if len(all_rewards) > 1 else 0.0,
             "accuracy": float((all_rewards >= 1.0).float().mean()),
             # Groups whose rollouts all scored alike: no advantage, so no learning signal from them.
-            "zero_advantage_groups": sum(bool((r == r[0]).all()) for r in rewards) / len(rewards),
+            "zero_advantage_groups": sum(bool((r == r[0]).all()) for r in prepared.rewards) / len(prepared.rewards),
             "neg_logp_per_token": float(entropy_proxy),
-            "train_tokens": float(mask.sum()),
+            "train_tokens": prepared.tokens,
             **metrics,
         }
 
-    def _policy_gradient(self, packed: Packed, logp: torch.Tensor, rewards: list[torch.Tensor],
-                         groups: list[Sequence[Rollout]], objective: Objective) -> tuple[torch.Tensor, dict[str, float]]:
+    def _terms(self, objective: Objective, prepared: Prepared, packed: Packed, values: torch.Tensor,
+               reference: torch.Tensor | None, advantages: torch.Tensor | None,
+               rows: slice) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss of rows `rows` of the batch (all, or one micro-batch packed as `packed`), normalized by the
+        whole batch, and these rows' metrics. `values` [b, T, J] (`_values`), `advantages` [b]."""
+        mask = packed.target_mask  # [b, T]
+        logp = values[..., 0]  # [b, T]
+        loss = torch.zeros(())
+        metrics: dict[str, float] = {}
+        if objective.policy_gradient:
+            assert advantages is not None, "policy-gradient methods need the advantages"
+            term, metrics = self._policy_gradient(objective, prepared, packed, logp, reference, advantages, rows)
+            loss = loss + term
+        elif objective.method in ("sft", "rft"):
+            chosen = prepared.chosen[rows]
+            loss = loss + sft_loss(logp, mask, chosen, batch_tokens=prepared.chosen_tokens)
+            metrics["sft_rollouts"] = float(chosen.float().mean())
+        if objective.distill_coef > 0:
+            assert packed.teacher_logprobs is not None, "checked by _prepare"
+            divergence = topk_divergence(values[..., 1:], packed.teacher_logprobs, beta=objective.distill_beta)  # [b, T]
+            distill = normalize(divergence, mask, "dapo", batch_tokens=prepared.tokens)
+            loss = loss + objective.distill_coef * distill
+            metrics["distill_divergence"] = float(distill.detach())
+        return loss, metrics
+
+    def _policy_gradient(self, objective: Objective, prepared: Prepared, packed: Packed, logp: torch.Tensor,
+                         reference: torch.Tensor | None, advantages: torch.Tensor,
+                         rows: slice) -> tuple[torch.Tensor, dict[str, float]]:
         """GRPO's reward term (none under opd) with the teacher's per-token advantages and LUFFY's shaping."""
-        behaviour = packed.logp_behaviour.float()  # [B, T]
-        log_ratio = ((logp.detach() - behaviour) * packed.target_mask).sum(-1)  # [B]
-        correction = objective.correction if objective.method == "grpo" else "none"
-        advantages, metrics = group_advantages(
-            rewards, torch.split(log_ratio, [len(g) for g in groups]), correction=correction,  # type: ignore[arg-type]
-            scale=objective.scale_advantages, share_cap=objective.share_cap)
-        if objective.method == "opd":  # the teacher's advantages alone
-            advantages = torch.zeros_like(advantages)
         token_advantages = None
         if objective.teacher_advantage_coef > 0:
             token_advantages = teacher_advantages(logp, packed.logp_teacher.float(),
                                                   objective.teacher_advantage_coef) * packed.target_mask
-        shaped = None
-        if objective.shaping_gamma is not None:
-            shaped = torch.tensor([not r.on_policy for g in groups for r in g])
-        reference = None
-        if self.reference is not None:
-            with torch.no_grad():
-                reference = completion_logprobs(self.reference, packed)
-        loss, loss_metrics = policy_loss(
-            logp, behaviour, advantages.float(), packed.target_mask, correction=correction,  # type: ignore[arg-type]
+        return policy_loss(
+            logp, packed.logp_behaviour.float(), advantages.float(), packed.target_mask,
+            correction=objective.correction if objective.method == "grpo" else "none",  # type: ignore[arg-type]
             is_cap=objective.is_cap, normalization=objective.normalization,  # type: ignore[arg-type]
             max_completion_length=objective.max_completion_length, logp_reference=reference, kl_coef=self.kl_coef,
-            token_advantages=token_advantages, shaped=shaped, shaping_gamma=objective.shaping_gamma or 0.1)
-        return loss, {**metrics, **loss_metrics}
+            token_advantages=token_advantages, shaped=None if prepared.shaped is None else prepared.shaped[rows],
+            shaping_gamma=objective.shaping_gamma or 0.1, batch_rows=len(prepared.rollouts),
+            batch_tokens=prepared.tokens)

@@ -147,18 +147,27 @@ def k3_kl(logp_policy: torch.Tensor, logp_reference: torch.Tensor) -> torch.Tens
 
 
 def normalize(per_token: torch.Tensor, mask: torch.Tensor, how: Normalization,
-              max_completion_length: int | None = None) -> torch.Tensor:
-    """Reduce a [B, T] per-token loss over the real tokens (mask) to a scalar."""
+              max_completion_length: int | None = None, *, batch_rows: int | None = None,
+              batch_tokens: float | None = None) -> torch.Tensor:
+    """Reduce a [B, T] per-token loss over the real tokens (mask) to a scalar.
+
+    Every normalization is a sum over rows with denominators fixed by the whole batch (its
+    rows, its real tokens), so a batch cut into micro-batches is normalized by passing the
+    whole batch's `batch_rows` and `batch_tokens`: the micro-batches' values, and their
+    gradients, then sum to the whole batch's. None: `per_token` is the whole batch.
+    """
     mask = mask.to(per_token.dtype)
+    rows = per_token.shape[0] if batch_rows is None else batch_rows
     if how == "grpo":
         per_sequence = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)  # [B]
-        return per_sequence.mean()
+        return per_sequence.sum() / rows
     if how == "dr_grpo":
         if max_completion_length is None:
             raise ValueError("dr_grpo normalizes by max_completion_length; pass it")
-        return (per_token * mask).sum() / (per_token.shape[0] * max_completion_length)
+        return (per_token * mask).sum() / (rows * max_completion_length)
     if how == "dapo":
-        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+        tokens = mask.sum().clamp(min=1.0) if batch_tokens is None else max(batch_tokens, 1.0)
+        return (per_token * mask).sum() / tokens
     raise ValueError(f"unknown normalization {how!r}; use grpo, dr_grpo or dapo")
 
 
@@ -203,6 +212,8 @@ def policy_loss(
     token_advantages: torch.Tensor | None = None,  # [B, T] per-token advantages (on-policy distillation)
     shaped: torch.Tensor | None = None,  # bool [B]: rollouts whose tokens take LUFFY's shaping f(p)
     shaping_gamma: float = 0.1,
+    batch_rows: int | None = None,  # the whole batch's rows and real tokens when these rows are a micro-batch
+    batch_tokens: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The importance-corrected policy-gradient loss and its metrics (ratio stats, KL).
 
@@ -212,6 +223,9 @@ def policy_loss(
     the rollout's advantage at each token, weighed by min(pi/q*, is_cap) whatever the
     correction (a per-token term needs no sequence weight). Rows of `shaped` use
     -A f(pi_theta(y_t)) (training.distill.guided_shaping) instead of -w A log pi_theta(y_t).
+    Every term is per token given the rollout's advantage, so a micro-batch's loss with the
+    whole batch's `batch_rows` and `batch_tokens` is its exact share (`normalize`); its
+    metrics describe only these rows.
     """
     truncated, ratio = importance_weights(logp_policy, logp_behaviour, is_cap)  # [B, T]
     if correction == "token":
@@ -243,5 +257,6 @@ def policy_loss(
         kl = k3_kl(logp_policy, logp_reference)  # [B, T]
         per_token = per_token + kl_coef * kl
         metrics["kl_ref"] = float(normalize(kl.detach(), mask, "dapo"))
-    loss = normalize(per_token, mask, normalization, max_completion_length)
+    loss = normalize(per_token, mask, normalization, max_completion_length, batch_rows=batch_rows,
+                     batch_tokens=batch_tokens)
     return loss, metrics

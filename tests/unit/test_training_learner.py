@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 import tinymodels  # noqa: E402
 from training import checkpoint  # noqa: E402
 from training.checkpoint import RunState  # noqa: E402
-from training.learner import Learner, Objective, completion_logits, completion_logprobs, pack  # noqa: E402
+from training.learner import Learner, Objective, Packed, completion_logprobs, pack  # noqa: E402
 from training.rollouts import Rollout, ScoredBatch  # noqa: E402
 
 
@@ -24,6 +24,13 @@ def rollout(tokenizer, prompt: str, completion: str, reward: float, logq: float 
     return Rollout(prompt_ids=tuple(tokenizer(prompt, add_special_tokens=False)["input_ids"]),
                    completion_ids=tuple(ids), logprobs_q=(logq,) * len(ids), alphas=(0.3,) * len(ids),
                    text=completion, reward=reward, **kw)
+
+
+def full_completion_logits(model, packed: Packed) -> torch.Tensor:
+    """The plain forward's logits at every completion state, predicting y_t -> [B, T, V] (the learner never builds them)."""
+    logits = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits  # [B, L, V]
+    positions = (packed.starts[:, None] - 1 + torch.arange(packed.targets.shape[1])[None, :]).clamp(max=logits.shape[1] - 1)
+    return logits[torch.arange(logits.shape[0])[:, None], positions]  # [B, T, V]
 
 
 def one_update(tokenizer, rollouts, objective: Objective) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -117,7 +124,7 @@ def test_the_distillation_term_moves_the_learner_toward_the_teachers_top_k(token
     target = tokenizer("4", add_special_tokens=False)["input_ids"][0]  # the teacher's answer at the second state
     model = transformers.AutoModelForCausalLM.from_pretrained(tinymodels.BASE_DIR)
     with torch.no_grad():
-        logits = completion_logits(model, pack([r], 0))[0]  # [T, V]
+        logits = full_completion_logits(model, pack([r], 0))[0]  # [T, V]
     ids = np.argsort(-logits.numpy(), axis=-1)[:, :2].astype(np.int64)  # the learner's own top 2 ...
     logprobs = np.log(np.full((3, 2), 0.01))
     ids[1, 0], logprobs[1, 0] = target, np.log(0.98)  # ... except the second state, where the teacher says "4"
@@ -128,5 +135,5 @@ def test_the_distillation_term_moves_the_learner_toward_the_teachers_top_k(token
     # equal rewards: no reward advantage, the distillation term alone moves the learner
     metrics = learner.train_step(batch, Objective(correction="none", distill_coef=1.0))
     with torch.no_grad():
-        after = torch.log_softmax(completion_logits(model, pack([r], 0))[0, 1], -1)[target].item()
+        after = torch.log_softmax(full_completion_logits(model, pack([r], 0))[0, 1], -1)[target].item()
     assert after > before and metrics["distill_divergence"] > 0

@@ -103,6 +103,19 @@ def test_normalizations_by_hand():
         normalize(per_token, mask, "ppo")
 
 
+def test_micro_batches_normalized_by_the_whole_batch_sum_to_it():
+    per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    whole = dict(batch_rows=2, batch_tokens=4.0, max_completion_length=5)
+    first, second = (per_token[:1], mask[:1]), (per_token[1:], mask[1:])
+    # grpo: each row's mean over the 2 rows: 2 / 2 + 4 / 2; dapo: each row's sum over the 4 tokens: 6 / 4 + 4 / 4;
+    # dr_grpo: each row's sum over 2 rows x 5 positions: 6 / 10 + 4 / 10
+    for how, shares in (("grpo", (1.0, 2.0)), ("dapo", (1.5, 1.0)), ("dr_grpo", (0.6, 0.4))):
+        got = [normalize(p, m, how, **whole).item() for p, m in (first, second)]  # type: ignore[arg-type]
+        assert got == pytest.approx(shares)
+        assert sum(got) == pytest.approx(normalize(per_token, mask, how, max_completion_length=5).item())
+
+
 def test_policy_loss_value_gradient_and_metrics_by_hand():
     # One sequence, two tokens: pi = (0.5, 0.1), q* = (0.1, 0.2) -> w = (min(5, 2), 0.5) = (2, 0.5).
     logp = torch.log(torch.tensor([[0.5, 0.1]])).requires_grad_()
