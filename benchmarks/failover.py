@@ -174,7 +174,8 @@ async def part_generate(args: Any, servers: Servers, work: Path) -> dict[str, An
 
 async def part_train(args: Any, servers: Servers, work: Path) -> dict[str, Any]:
     out = work / "train"
-    run = Run(["train", "--output-dir", str(out), *servers.pool_flags(), "--steps", str(args.train_steps),
+    run = Run(["train", "--config", str(REPO / "recipes" / "tiny-arith.yaml"), "--output-dir", str(out),
+               *servers.pool_flags(), "--steps", str(args.train_steps),
                "--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "6", "--eval-prompts", "16",
                "--eval-every", str(args.train_steps), "--seed", str(args.seed)])
     while not any(r.get("step") == 2 and "event" not in r for r in jsonl(out / "metrics.jsonl")):

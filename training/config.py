@@ -109,7 +109,8 @@ class TrainConfig(TaskConfig):
                 f"{_either(owners)}; drop {'it' if len(names) == 1 else 'them'} or pass "
                 f"{f'--method {owners[0]}' if len(owners) == 1 else 'one of those methods'}"
                 for owners, names in foreign.items()))
-        if data.get("engine") == "transformers" and "mode" in (data.get("coordinator") or {}):
+        section = data.get("coordinator")
+        if data.get("engine") == "transformers" and isinstance(section, dict) and "mode" in section:
             raise ValueError("--engine transformers runs the coordinator per token in this process; drop "
                              "coordinator.mode or use --engine vllm")
         return data

@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from tests.processes import dualvllm
+from tests.recipes import TINY_ARITH
 from tests.waiting import eventually
 from tinymodels.task import problems
 
@@ -161,8 +162,8 @@ def test_train_pushes_verified_weights_and_resumes_after_a_kill(tmp_path, lora_r
     """Full fine-tuning rolls out in lockstep (weight pushes fence the base's lockstep
     sequences with /pause), LoRA per-token."""
     out = tmp_path / "run"
-    args = ["train", "--output-dir", str(out), "--steps", "4", "--prompts-per-step", "2", "--group-size", "4",
-            "--eval-every", "2", "--eval-prompts", "16", "--lora-rank", lora_rank, mode]
+    args = ["train", "--config", str(TINY_ARITH), "--output-dir", str(out), "--steps", "4", "--prompts-per-step", "2",
+            "--group-size", "4", "--eval-every", "2", "--eval-prompts", "16", "--lora-rank", lora_rank, mode]
     first = dualvllm(*args)
     try:
         wait_for((out / "checkpoints" / "step-000002").exists, first, "checkpoint step-000002")
@@ -193,8 +194,8 @@ def test_train_pushes_verified_weights_and_resumes_after_a_kill(tmp_path, lora_r
 @pytest.mark.parametrize("lora_rank", ["0", "4"])
 def test_train_dpo_mines_pairs_and_trains(tmp_path, lora_rank):
     out = tmp_path / "dpo"
-    run = dualvllm("train", "--method", "dpo", "--output-dir", str(out), "--steps", "2", "--prompts-per-step", "8",
-                   "--group-size", "4", "--eval-prompts", "16", "--lora-rank", lora_rank)
+    run = dualvllm("train", "--config", str(TINY_ARITH), "--method", "dpo", "--output-dir", str(out), "--steps", "2",
+                   "--prompts-per-step", "8", "--group-size", "4", "--eval-prompts", "16", "--lora-rank", lora_rank)
     stdout, stderr = run.communicate(timeout=900)
     assert run.returncode == 0, stderr[-3000:]
     pairs = [json.loads(line) for line in (out / "pairs.jsonl").read_text().splitlines()]

@@ -31,6 +31,7 @@ from coordinator import CoordinatorConfig, DualVLLMCoordinator
 from engines.launcher import VLLMServer, replica_configs
 from tests.integration.pairs import running_servers
 from tests.integration.test_cli import FILE_POLL_S, dualvllm
+from tests.recipes import TINY_ARITH
 from tests.waiting import eventually
 from tinymodels.task import problems
 from training.weight_sync import BasePusher
@@ -173,9 +174,9 @@ async def test_a_teacher_replica_restarted_with_chunked_prefill_stays_out_of_loc
 def test_training_goes_on_pushing_verified_weights_when_a_base_replica_dies(pools, tmp_path):
     out, log = tmp_path / "run", tmp_path / "train.log"
     with open(log, "w") as stderr:  # a file, not a pipe: nobody reads it while the run goes on
-        run = dualvllm("train", "--output-dir", str(out), "--theta-urls", pools[0].url, pools[2].url, "--t-urls",
-                       pools[1].url, pools[3].url, "--steps", "4", "--prompts-per-step", "2", "--group-size", "4",
-                       "--eval-prompts", "8", "--max-tokens", "4", "--eval-every", "4",
+        run = dualvllm("train", "--config", str(TINY_ARITH), "--output-dir", str(out), "--theta-urls", pools[0].url,
+                       pools[2].url, "--t-urls", pools[1].url, pools[3].url, "--steps", "4", "--prompts-per-step", "2",
+                       "--group-size", "4", "--eval-prompts", "8", "--max-tokens", "4", "--eval-every", "4",
                        stdout=subprocess.DEVNULL, stderr=stderr)
     try:
         metrics = out / "metrics.jsonl"

@@ -18,6 +18,7 @@ from coordinator import CoordinatorConfig, DualVLLMCoordinator
 from service.app import serve
 from service.config import ServiceConfig
 from tests import processes
+from tests.recipes import TINY_ARITH
 from tinymodels.task import problems
 
 REPO = Path(__file__).resolve().parents[2]
@@ -121,7 +122,7 @@ async def test_lm_eval_scores_q_star_as_dualvllm_eval_does(vllm_pair, tmp_path):
     from training.problems import load_problems
     from training.verifiers import verifier_pool
 
-    config = EvalConfig(arms=("base", "q*"), eval_samples=0, eval_prompts=10_000)
+    config = EvalConfig.parse(config_file=TINY_ARITH, arms=("base", "q*"), eval_samples=0, eval_prompts=10_000)
     held_out = load_problems(config, AutoTokenizer.from_pretrained(tinymodels.BASE_DIR))
     async with running_service(vllm_pair) as (url, coordinator):
         process = await asyncio.create_subprocess_exec(

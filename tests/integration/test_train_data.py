@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 from tests.integration.test_cli import dualvllm
+from tests.recipes import TINY_ARITH
 from tinymodels.task import problems
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -20,8 +21,9 @@ def records(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def run(*args: str, timeout: int = 900) -> str:
-    process = dualvllm(*args)
+def run(command: str, *args: str, timeout: int = 900) -> str:
+    """`dualvllm COMMAND` with the bundled models' recipe and `args` over it."""
+    process = dualvllm(command, "--config", str(TINY_ARITH), *args)
     stdout, stderr = process.communicate(timeout=timeout)
     assert process.returncode == 0, stderr[-3000:]
     return stdout
@@ -82,8 +84,8 @@ def test_eval_reports_every_arm(tmp_path):
 def test_bad_data_is_refused_before_any_server(tmp_path):
     data = tmp_path / "rows.jsonl"
     data.write_text(json.dumps({"question": "1+1="}) + "\n")
-    process = dualvllm("train", "--output-dir", str(tmp_path / "run"), "--dataset", str(data),
-                       "--prompt-template", "{question}")
+    process = dualvllm("train", "--config", str(TINY_ARITH), "--output-dir", str(tmp_path / "run"),
+                       "--dataset", str(data), "--prompt-template", "{question}")
     _, stderr = process.communicate(timeout=300)
     assert process.returncode == 2
     assert f"{data}:1: no 'answer' field, which the reward needs" in stderr

@@ -16,6 +16,7 @@ import pytest
 
 
 torch = pytest.importorskip("torch")
+from tests.recipes import TINY_ARITH  # noqa: E402
 from training.config import TrainConfig  # noqa: E402
 from training.grpo import train_grpo  # noqa: E402
 
@@ -38,9 +39,9 @@ METHODS = {
 @pytest.mark.parametrize("fields, metric", METHODS.values(), ids=METHODS.keys())
 async def test_each_method_trains_two_updates_with_verified_pushes(dev_pair, tmp_path, fields, metric):
     theta, t = dev_pair
-    config = TrainConfig(output_dir=tmp_path / "run", theta_urls=(theta.url,), t_urls=(t.url,), steps=2,
-                         prompts_per_step=2, group_size=4, eval_every=2, eval_prompts=8, max_tokens=4, seed=0,
-                         **fields)
+    config = TrainConfig.parse(config_file=TINY_ARITH, output_dir=tmp_path / "run", theta_urls=(theta.url,),
+                               t_urls=(t.url,), steps=2, prompts_per_step=2, group_size=4, eval_every=2,
+                               eval_prompts=8, max_tokens=4, seed=0, **fields)
     report = await train_grpo(config, show_progress=False)
 
     assert report.steps_done == 2
@@ -55,7 +56,7 @@ async def test_each_method_trains_two_updates_with_verified_pushes(dev_pair, tmp
             assert record["mean_alpha"] == pytest.approx(config.sampling_alpha)
     if config.method == "opd":  # the learner's tokens are its own: log pi_theta - log pi_t >= 0 on average
         assert all(r["teacher_log_ratio"] > 0 for r in updates)
-    if config.on_policy_rollouts:  # half of every group at alpha = 0, the other half from q*
+    if config.pooled_on_policy:  # half of every group at alpha = 0, the other half from q*
         assert all(0 < r["mean_alpha"] < 1 for r in updates)
-    if config.alpha_decay_steps:  # capped at 0.5 before the first update, at 0 after it (the sampler runs ahead)
+    if fields.get("alpha_decay_steps"):  # capped at 0.5 before the first update, at 0 after it (the sampler runs ahead)
         assert 0 < updates[0]["mean_alpha"] <= 0.5 and all(r["mean_alpha"] <= 0.5 for r in updates)
