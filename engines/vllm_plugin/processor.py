@@ -102,6 +102,21 @@ def check_address(address: object) -> None:
             f"elsewhere only to hosts listed in {ALLOWED_HOSTS_ENV} when it starts")
 
 
+def row_topk(logits: torch.Tensor, rows: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k log-softmax values and ids of `rows` of `logits` [B, V] -> ([R, k], [R, k]).
+
+    log_softmax(x) = x - logsumexp(x) shifts a row by one number, so the top-k of the raw
+    logits are the top-k of its log-softmax: the row is read twice (top-k, logsumexp) and
+    never copied or rewritten. At a real vocabulary these are the plugin's own cost per
+    token on CPU (V = 151,936: one [B, V] copy and one [B, V] write fewer than
+    log_softmax's, ~20% of the plugin's time measured; benchmarks/README.md).
+    """
+    whole = len(rows) == logits.shape[0] and rows == list(range(len(rows)))
+    selected = logits if whole else logits.index_select(0, torch.tensor(rows, device=logits.device))
+    top, ids = torch.topk(selected, k, dim=-1)
+    return top - torch.logsumexp(selected, dim=-1, keepdim=True), ids
+
+
 class LockstepSteps:
     """What the plugin does at each decode step, whichever runner calls it: report the lockstep
     rows' top-k to their coordinators, wait for the tokens, force them; count each request's
@@ -150,8 +165,7 @@ class LockstepSteps:
         asked: list[tuple[CoordinatorLink, list[int]]] = []
         for address, members in by_address.items():
             k = min(max(requests[i].top_k for i in members), vocab)
-            index = torch.tensor([rows[i] for i in members], device=logits.device)
-            values, ids = torch.topk(torch.log_softmax(logits.index_select(0, index), dim=-1), k, dim=-1)
+            values, ids = row_topk(logits, [rows[i] for i in members], k)
             link = self._links.get(address) or self._links.setdefault(address, CoordinatorLink(address))
             link.step += 1
             link.send(wire.encode_report(

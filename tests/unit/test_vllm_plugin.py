@@ -157,3 +157,12 @@ def test_the_coordinators_request_args_read_back_as_they_were_built():
     tag = wire.Tagged("tcp://127.0.0.1:5555", 2**61 + 5, offset=7, top_k=20, stop=STOP)
     assert processor.tagged(SamplingParams(stop_token_ids=[STOP], extra_args=wire.request_args(tag))) == tag
     assert set(wire.request_args(tag)) == set(wire.ARGS)  # every key the plugin requires, no other
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [2, 0], [3]], ids=["whole-batch", "some-rows", "one-row"])
+def test_row_topk_is_the_top_k_of_the_rows_log_softmax(rows):
+    logits = torch.randn(4, 5_000, generator=torch.Generator().manual_seed(0)) * 4  # [B, V]
+    values, ids = processor.row_topk(logits, rows, 7)
+    expected_values, expected_ids = torch.topk(torch.log_softmax(logits[rows], dim=-1), 7, dim=-1)
+    assert torch.equal(ids, expected_ids)
+    assert torch.allclose(values, expected_values, atol=1e-5)
