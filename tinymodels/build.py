@@ -5,6 +5,8 @@
     python -m tinymodels.build --measure-hard  # measures the models on hard_test, report "hard_task"
     python -m tinymodels.build --hint-base     # writes tinymodels/base-hint/, report "base_hint"
     python -m tinymodels.build --long-teacher  # writes tinymodels/teacher-long/, report "teacher_long"
+    python -m tinymodels.build --shape small   # a random pair at a real model's shape (tinymodels/shapes.py),
+                                               # built in the cache unless there; prints its two directories
 
 Both models learn the task in `tinymodels.task` with a plain next-token loss over the
 whole sequence "AB+CD=<reversed sum><eos>". The teacher trains until it is (nearly)
@@ -57,6 +59,7 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
 import tinymodels
+from tinymodels.shapes import SHAPES, ensure_pair
 from tinymodels.task import (EOS_TEXT, HARD_ROWS, LONG_DIGITS, LONG_ROWS, Problem, hard_problems, hinted, long_problems,
                              problems, score)
 
@@ -356,6 +359,12 @@ def main(argv: list[str] | None = None) -> int:
                       help="build only teacher-long/ (the long task), recorded as teacher_long")
     only.add_argument("--measure-hard", action="store_true",
                       help="build nothing: score base/, teacher/, teacher-hard/ on hard_test, recorded as hard_task")
+    only.add_argument("--shape", choices=sorted(SHAPES),
+                      help="build nothing here: make sure the cache holds the random pair of this shape "
+                           "(tinymodels/shapes.py), and print its base and teacher directories")
+    parser.add_argument("--tied", action="store_true", help="with --shape: tie the input and output embeddings")
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help="with --shape: the cache (default $DUALVLLM_CACHE_DIR/shapes or ~/.cache/dualvllm/shapes)")
     parser.add_argument("--teacher-steps", type=int, default=2500)
     parser.add_argument("--base-max-steps", type=int, default=2500)
     parser.add_argument("--hard-teacher-steps", type=int, default=HARD_TEACHER_STEPS, help="steps of --hard-teacher")
@@ -366,6 +375,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="most steps of --long-teacher")
     parser.add_argument("--batch-size", type=int, default=256)
     args = parser.parse_args(argv)
+    if args.shape:
+        for directory in ensure_pair(args.shape, tied=args.tied, root=args.cache_dir):
+            print(directory)
+        return 0
+    if args.tied or args.cache_dir:
+        parser.error("--tied and --cache-dir go with --shape")
     torch.set_num_threads(1)  # one thread: bitwise-reproducible float reductions
     command = ("python -m tinymodels.build " + shlex.join(argv if argv is not None else sys.argv[1:])).strip()
     if args.hard_teacher:
