@@ -26,7 +26,7 @@ in a temporary directory beside it and renamed into place, so a killed build lea
 pair, and builders of the same pair take turns on a lock file.
 
 Tokenizer: a byte-level BPE with Qwen2's pipeline (NFC, Qwen's split regex, byte-level
-alphabet), trained here on the repository's *.md and *.py files, then the special tokens
+alphabet), trained here on a frozen copy of the repository's prose (data/shapes_corpus.txt), then the special tokens
 `<|endoftext|>` (pad), `<|im_start|>`, `<|im_end|>` (EOS) right after the trained ones, as in
 Qwen's vocabulary, and `<|reserved_N|>` entries up to the model's vocabulary size. It is saved
 as a `Qwen2Tokenizer`, as Qwen3 checkpoints are: transformers 5 (and vLLM, through it) rebuild
@@ -71,7 +71,6 @@ if TYPE_CHECKING:
 
 # Bump when the build changes in a way the hashed fields below do not capture.
 BUILDER_VERSION = 1
-REPO = Path(__file__).resolve().parent.parent
 CACHE_ENV = "DUALVLLM_CACHE_DIR"
 DEFAULT_CACHE = Path("~/.cache/dualvllm")
 QWEN3_VOCAB_SIZE = 151_936  # Qwen3-0.6B's embedding rows (its tokenizer has 151,669 tokens)
@@ -195,25 +194,19 @@ class Corpus:
     sha256: str
 
 
+CORPUS_FILE = Path(__file__).resolve().parent / "data" / "shapes_corpus.txt"
+
+
 @functools.lru_cache(maxsize=1)
 def corpus() -> Corpus:
-    """The repository's *.md and *.py files, sorted by path, outside hidden and build directories.
+    """The tokenizer's training text: tinymodels/data/shapes_corpus.txt, a frozen copy of the
+    repository's prose (README, THEORY, docs, benchmarks/README as of the day it was taken).
 
-    Read once per process: people edit these files while tests run, and a pair must keep its
-    name (the hash of this text) for the life of a process.
+    A file of its own, not the live repository: a pair is named by the hash of this text, and
+    built from the live files every edit of any document would build (and cache) a new pair.
     """
-    skip = {"__pycache__", "build", "runs", "repeat-tests", "results"}
-    paths = []
-    for folder, dirs, files in os.walk(REPO):
-        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in skip and not d.endswith(".egg-info")]
-        paths += [Path(folder, f) for f in files if f.endswith((".md", ".py"))]
-    digest, texts, size = hashlib.sha256(), [], 0
-    for path in sorted(paths, key=lambda p: p.relative_to(REPO).as_posix()):
-        data = path.read_bytes()
-        digest.update(path.relative_to(REPO).as_posix().encode() + b"\0" + data + b"\0")
-        texts.append(data.decode("utf-8", errors="replace"))
-        size += len(data)
-    return Corpus(tuple(texts), len(texts), size, digest.hexdigest())
+    data = CORPUS_FILE.read_bytes()
+    return Corpus((data.decode("utf-8"),), 1, len(data), hashlib.sha256(data).hexdigest())
 
 
 def pair_key(shape: Shape, tied: bool) -> str:
