@@ -37,8 +37,8 @@ from common import loop  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from engines.launcher import ServerConfig, VLLMServer  # noqa: E402
 from engines.vllm_client import VLLMClient  # noqa: E402
-from training.weight_sync import (PUSH_TOLERANCE, compare_logprobs, learner_logprobs, reload_and_verify,  # noqa: E402
-                                  served_dtype, write_push)
+from training.weight_sync import (PUSH_TOLERANCE, checkpoint_logprobs, compare_logprobs,  # noqa: E402
+                                  learner_logprobs, reload_and_verify, served_dtype, write_push)
 
 PROBE_LENGTHS = (3, 5, 17, 33, 64, 120)  # prompt-like contexts, short to long
 PERTURBATION_STD = 1e-3
@@ -54,7 +54,7 @@ def spread(served, expected: np.ndarray) -> dict[str, float]:
     return {"max_nats": diff.max_abs_diff, "median_nats": diff.median_abs_diff}
 
 
-async def variant(shape: str, tied: bool, pushes: int, log_dir: Path) -> dict:
+async def variant(shape: str, tied: bool, pushes: int, log_dir: Path, tolerance: float | None) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -73,6 +73,10 @@ async def variant(shape: str, tied: bool, pushes: int, log_dir: Path) -> dict:
         async with VLLMClient(server.url, name="theta") as client:
             dtype = await served_dtype(client)
             learner = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+            start = await asyncio.to_thread(checkpoint_logprobs, base_dir, contexts, dtype=dtype)
+            before = spread(await client.next_token_topk(contexts, 20), start)  # the server as started
+            print(f"{shape} {'tied' if tied else 'untied'} as started: |server - checkpoint| max "
+                  f"{before['max_nats']:.3f} median {before['median_nats']:.3f} nats", flush=True)
             previous = None
             with tempfile.TemporaryDirectory() as scratch:
                 for push in range(pushes):
@@ -84,7 +88,7 @@ async def variant(shape: str, tied: bool, pushes: int, log_dir: Path) -> dict:
                     expected = await asyncio.to_thread(write_push, learner, tokenizer, out, contexts, dtype=dtype)
                     t1 = time.perf_counter()
                     report = await reload_and_verify(client, out, contexts, expected, top_k=20,
-                                                     tolerance=PUSH_TOLERANCE[dtype])
+                                                     tolerance=tolerance or PUSH_TOLERANCE[dtype])
                     t2 = time.perf_counter()
                     served = await client.next_token_topk(contexts, 20)
                     t3 = time.perf_counter()
@@ -107,6 +111,7 @@ async def variant(shape: str, tied: bool, pushes: int, log_dir: Path) -> dict:
     finally:
         server.stop()
     return {"shape": shape, "tied": tied, "served_dtype": dtype, "server_startup_s": startup_s,
+            **{f"as_started_{k}": v for k, v in before.items()},
             "tolerance_nats": PUSH_TOLERANCE[dtype], "rows": rows}
 
 
@@ -114,7 +119,7 @@ async def run(args: argparse.Namespace) -> dict:
     results = []
     with tempfile.TemporaryDirectory() as logs:
         for name in args.variants:
-            results.append(await variant(args.shape, name == "tied", args.pushes, Path(logs)))
+            results.append(await variant(args.shape, name == "tied", args.pushes, Path(logs), args.tolerance))
     return {"machine": harness.machine(), "command": " ".join(["python", *sys.argv]),
             "perturbation_std": PERTURBATION_STD, "variants": results}
 
@@ -136,6 +141,9 @@ def main() -> None:
     parser.add_argument("--shape", choices=harness.SHAPE_NAMES, default="small")
     parser.add_argument("--variants", nargs="+", choices=("untied", "tied"), default=["untied", "tied"])
     parser.add_argument("--pushes", type=int, default=3)
+    parser.add_argument("--tolerance", type=float,
+                        help="accept pushes this far off (nats; default: PUSH_TOLERANCE of the served dtype), to "
+                             "measure a variant that fails verification")
     parser.add_argument("--output", type=Path, default=harness.RESULTS_DIR / "weight_push.json")
     args = parser.parse_args()
     harness.finish(loop.run(run(args)), args.output, plot)
