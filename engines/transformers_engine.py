@@ -7,18 +7,32 @@ what the top-k approximation costs.
 
 KV cache across steps: the coordinator extends every active context by one token per
 step, so after each call the engine keeps the key/value states of exactly the contexts
-it just scored. A context whose prefix (all but its last token) is cached runs one
-token; any other context is prefilled. Rows of different lengths are batched by left
-padding with an attention mask. torch and transformers are imported only when the
-engine is entered, so importing `engines` stays light.
+it just scored, as one batch (rows of different lengths left-padded, with an attention
+mask). A context whose prefix (all but its last token) is cached runs one token; any
+other context is prefilled. When the same contexts come back one token longer in the same
+order (the coordinator's per-token steps), the batch's cache is extended in place;
+otherwise the rows that continue are gathered and the prefilled ones merged in, once, on
+that step. A context is matched to its row by length and last token and confirmed by one
+equality check, not by hashing whole contexts.
+
+Cost per token at a large vocabulary: the forward pass keeps only the last position's
+logits; `next_token_topk` takes their top k (a max pass, then torch.topk over the
+blocks that can hold them) and the normalizer from one float32 pass over the row
+(`topk_logprobs`), never a float64 [B, V] array; only
+`next_token_logprobs`, the full-distribution reference, builds one. torch and
+transformers are imported only when the engine is entered, so importing `engines` stays
+light.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import inspect
+import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Literal, Mapping, Sequence, TypeVar
 
 import numpy as np
 
@@ -30,7 +44,12 @@ if TYPE_CHECKING:
     import torch
 
 Device = Literal["auto", "cpu", "cuda"]
-RowCache = tuple[tuple["torch.Tensor", "torch.Tensor"], ...]  # per layer (keys, values) [H, L, D]
+PHASES = ("contexts", "kv", "forward", "vocab")  # the parts of a scoring call `phase_seconds` adds up
+# topk_logprobs' chunk of rows, 4 MB of float32: glibc maps every allocation above 32 MB afresh
+# (page faults on each step), smaller ones are reused.
+LOGITS_PER_PASS = 1 << 20
+TOPK_BLOCK = 64  # columns per block in _topk's first pass (64 to 256 ran alike at vocabulary 151,936)
+T = TypeVar("T")
 
 
 class TransformersEngine:
@@ -48,12 +67,17 @@ class TransformersEngine:
         self._tokenizer: Any = None
         self._torch: Any = None
         self._device: Any = None
-        self._cache: dict[tuple[int, ...], RowCache] = {}
+        self._vocab = 0  # logits past the config's vocabulary (padding columns) are cut off
+        self._last_logits_only: dict[str, int] = {}  # logits_to_keep=1 where the model takes it
+        self._batch: _Batch | None = None  # the contexts the last call scored, with their keys and values
         self._lock = asyncio.Lock()  # one forward pass at a time: the model and cache are shared
         self._state = "new"
         self.requests = 0  # batched scoring calls
         self.tokens_prefilled = 0  # context tokens run without a cache hit
         self.cache_hits = 0  # rows that ran one token on cached keys/values
+        # Seconds spent, over all calls, matching contexts to the cache, gathering and merging
+        # keys/values and masks, in the model's forward passes, and reducing logits to the answer.
+        self.phase_seconds = dict.fromkeys(PHASES, 0.0)
 
     @classmethod
     def live(cls, model: Any, tokenizer: Any, *, name: str = "model", kv_cache: bool = True,
@@ -81,34 +105,34 @@ class TransformersEngine:
             try:
                 yield
             finally:
-                self._cache.clear()
+                self._batch = None
 
     async def __aexit__(self, *exc_info: object) -> None:
-        self._model = self._tokenizer = None
-        self._cache.clear()
+        self._model = self._tokenizer = self._batch = None
         self._state = "closed"
 
     def _load(self) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        if self._model is not None:  # a live model: use it where it is
-            self._torch = torch
-            self._device = next(self._model.parameters()).device
-            return
-        if not Path(self.model_path).exists():
-            raise InvalidInputError(f"{self.name} model directory {self.model_path} does not exist")
-        cuda = torch.cuda.is_available()
-        if self._device_choice == "cuda" and not cuda:
-            raise InvalidInputError(f"{self.name} engine asked for device 'cuda' but torch sees no GPU")
-        self._device = torch.device("cuda" if self._device_choice == "cuda" or
-                                    (self._device_choice == "auto" and cuda) else "cpu")
-        dtype = getattr(torch, self._dtype_name, None)
-        if not isinstance(dtype, torch.dtype):
-            raise InvalidInputError(f"unknown dtype {self._dtype_name!r}; use float32, bfloat16 or float16")
         self._torch = torch
-        self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self._model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).to(self._device).eval()
+        if self._model is None:  # not a live model (that one is used where it is)
+            if not Path(self.model_path).exists():
+                raise InvalidInputError(f"{self.name} model directory {self.model_path} does not exist")
+            cuda = torch.cuda.is_available()
+            if self._device_choice == "cuda" and not cuda:
+                raise InvalidInputError(f"{self.name} engine asked for device 'cuda' but torch sees no GPU")
+            device = torch.device("cuda" if self._device_choice == "cuda" or
+                                  (self._device_choice == "auto" and cuda) else "cpu")
+            dtype = getattr(torch, self._dtype_name, None)
+            if not isinstance(dtype, torch.dtype):
+                raise InvalidInputError(f"unknown dtype {self._dtype_name!r}; use float32, bfloat16 or float16")
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            self._model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).to(device).eval()
+        self._device = next(self._model.parameters()).device
+        self._vocab = int(self._model.config.vocab_size)
+        if "logits_to_keep" in inspect.signature(self._model.forward).parameters:
+            self._last_logits_only = {"logits_to_keep": 1}
 
     # -- Engine protocol -------------------------------------------------------------
 
@@ -145,23 +169,24 @@ class TransformersEngine:
 
     async def next_token_topk(self, contexts: Sequence[Sequence[int]], k: int,
                               keys: Sequence[int] | None = None) -> TopKBatch:
-        """The k most likely next tokens per context (all of them when k >= vocabulary)."""
-        logprobs = await self.next_token_logprobs(contexts)  # [B, V]
-        width = min(k, logprobs.shape[1])
-        top = np.argpartition(-logprobs, width - 1, axis=1)[:, :width]  # [B, width], unordered
-        top_logprobs = np.take_along_axis(logprobs, top, axis=1)
-        order = np.argsort(-top_logprobs, axis=1, kind="stable")
-        token_ids = np.take_along_axis(top, order, axis=1).astype(np.int64)
+        """The k most likely next tokens per context (all of them when k >= vocabulary), sorted."""
+        token_ids, logprobs = await self._scored(contexts, lambda logits: topk_logprobs(logits, k))
         assert (token_ids != PAD_TOKEN_ID).all()
-        return TopKBatch(token_ids=token_ids, logprobs=np.take_along_axis(top_logprobs, order, axis=1))
+        return TopKBatch(token_ids=token_ids, logprobs=logprobs)
 
     async def next_token_logprobs(self, contexts: Sequence[Sequence[int]]) -> np.ndarray:
         """The full next-token log-distribution after each context -> float64 [B, vocab]."""
+        return await self._scored(contexts, full_logprobs)
+
+    async def _scored(self, contexts: Sequence[Sequence[int]], reduce: Callable[[torch.Tensor], T]) -> T:
         self._require_open()
         if not contexts or any(len(c) == 0 for c in contexts):
             raise InvalidInputError(f"{self.name} engine needs at least one non-empty context")
+        started = time.perf_counter()
+        snapshot = [tuple(c) for c in contexts]  # the callers' lists may change while we wait for the lock
         async with self._lock:
-            return await asyncio.to_thread(self._score, [tuple(int(t) for t in c) for c in contexts])
+            self.phase_seconds["contexts"] += time.perf_counter() - started
+            return await asyncio.to_thread(self._score, snapshot, reduce)
 
     # -- speculative rounds (engines.protocol.SpeculativeEngine) ------------------------
 
@@ -195,82 +220,263 @@ class TransformersEngine:
 
     # -- the forward passes ----------------------------------------------------------
 
-    def _score(self, contexts: list[tuple[int, ...]]) -> np.ndarray:
+    def _score(self, contexts: list[tuple[int, ...]], reduce: Callable[[torch.Tensor], T]) -> T:
+        """`reduce` of the last-position logits [B, V] after every context. The batch of the
+        previous call is taken out first: a pass that fails midway leaves no half-extended
+        cache behind."""
         torch = self._torch
         self.requests += 1
-        cached = [i for i, c in enumerate(contexts) if self._kv_cache and c[:-1] in self._cache]
-        fresh = [i for i in range(len(contexts)) if i not in set(cached)]
-        vocab = self._model.config.vocab_size
-        out = np.empty((len(contexts), vocab), dtype=np.float64)
-        new_cache: dict[tuple[int, ...], RowCache] = {}
+        previous, self._batch = self._batch, None
+        with self._timed("contexts"):
+            rows = [previous.row_of(c) for c in contexts] if previous is not None else [None] * len(contexts)
+        cached = [i for i, row in enumerate(rows) if row is not None]
+        fresh = [i for i, row in enumerate(rows) if row is None]
+        parts: list[tuple[list[int], torch.Tensor, _Batch | None]] = []
         with torch.inference_mode():
-            for rows, run in ((cached, self._extend), (fresh, self._prefill)):
-                if rows:
-                    logits, caches = run([contexts[i] for i in rows])
-                    out[rows] = torch.log_softmax(logits.double(), dim=-1)[:, :vocab].cpu().numpy()
-                    if self._kv_cache:
-                        new_cache.update(zip((contexts[i] for i in rows), caches))
+            if cached:
+                assert previous is not None
+                extended = self._extend(previous, [rows[i] for i in cached], [contexts[i] for i in cached])
+                parts.append((cached, *extended))
+            if fresh:
+                parts.append((fresh, *self._prefill([contexts[i] for i in fresh])))
+            with self._timed("kv"):
+                logits, batch = _combine(parts, contexts)
+            with self._timed("vocab"):
+                out = reduce(logits)
         self.cache_hits += len(cached)
         # Keep only what the next step can extend: the contexts just scored.
-        self._cache = new_cache
+        self._batch = batch if self._kv_cache else None
         return out
 
-    def _prefill(self, contexts: list[tuple[int, ...]]) -> tuple[torch.Tensor, list[RowCache]]:
-        """Run whole contexts, left-padded into one batch -> last-position logits [B, V], row caches."""
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, past: Any = None) -> Any:
+        """The model over ids [B, n] after `past` (None: nothing), keeping the last position's logits."""
+        with self._timed("forward"):
+            return self._model(input_ids=ids.to(self._device), attention_mask=mask.to(self._device),
+                               position_ids=positions.to(self._device), past_key_values=past,
+                               use_cache=self._kv_cache, **self._last_logits_only)
+
+    def _prefill(self, contexts: list[tuple[int, ...]]) -> tuple[torch.Tensor, _Batch | None]:
+        """Run whole contexts, left-padded into one batch -> last-position logits [B, V], their batch."""
         torch = self._torch
-        lengths = [len(c) for c in contexts]
-        width = max(lengths)
-        self.tokens_prefilled += sum(lengths)
-        ids = torch.zeros((len(contexts), width), dtype=torch.long)
-        mask = torch.zeros((len(contexts), width), dtype=torch.long)
-        for row, context in enumerate(contexts):
-            ids[row, width - len(context):] = torch.tensor(context)
-            mask[row, width - len(context):] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        result = self._model(input_ids=ids.to(self._device), attention_mask=mask.to(self._device),
-                             position_ids=positions.to(self._device), use_cache=self._kv_cache)
-        caches = self._split_cache(result.past_key_values, lengths, width) if self._kv_cache else []
-        return result.logits[:, -1], caches
+        with self._timed("kv"):
+            lengths = [len(c) for c in contexts]
+            width = max(lengths)
+            self.tokens_prefilled += sum(lengths)
+            ids = torch.zeros((len(contexts), width), dtype=torch.long)
+            mask = torch.zeros((len(contexts), width), dtype=torch.long)
+            for row, context in enumerate(contexts):
+                ids[row, width - len(context):] = torch.tensor(context)
+                mask[row, width - len(context):] = 1
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        result = self._forward(ids, mask, positions, _growing_cache([]) if self._kv_cache else None)
+        batch = _Batch(contexts, result.past_key_values, mask.to(self._device)) if self._kv_cache else None
+        return result.logits[:, -1, :self._vocab], batch
 
-    def _extend(self, contexts: list[tuple[int, ...]]) -> tuple[torch.Tensor, list[RowCache]]:
-        """Run each context's last token on its cached prefix -> logits [B, V], row caches."""
-        from transformers import DynamicCache
-
+    def _extend(self, previous: _Batch, rows: list[int],
+                contexts: list[tuple[int, ...]]) -> tuple[torch.Tensor, _Batch]:
+        """Run each context's last token on row `rows[i]` of `previous` (its prefix) -> logits [B, V],
+        their batch. When every row continues in order, the cache is extended in place."""
         torch = self._torch
-        pasts = [self._cache[c[:-1]] for c in contexts]
-        past_lengths = [len(c) - 1 for c in contexts]
-        width = max(past_lengths)
-        layers = []
-        for layer in range(len(pasts[0])):
-            keys, values = (torch.stack([_left_pad(torch, p[layer][j], width) for p in pasts])
-                            for j in (0, 1))  # [B, H, width, D]
-            layers.append((keys, values))
-        mask = torch.zeros((len(contexts), width + 1), dtype=torch.long)
-        for row, length in enumerate(past_lengths):
-            mask[row, width - length:] = 1
-        ids = torch.tensor([[c[-1]] for c in contexts])
-        positions = torch.tensor([[length] for length in past_lengths])
-        result = self._model(input_ids=ids.to(self._device), attention_mask=mask.to(self._device),
-                             position_ids=positions.to(self._device),
-                             past_key_values=DynamicCache(ddp_cache_data=layers), use_cache=True)
-        caches = self._split_cache(result.past_key_values, [n + 1 for n in past_lengths], width + 1)
-        return result.logits[:, -1], caches
+        with self._timed("kv"):
+            batch = previous if rows == list(range(len(previous.contexts))) else previous.select(rows)
+            mask = torch.cat([batch.mask, batch.mask.new_ones((len(rows), 1))], dim=1)  # [B, width + 1]
+            ids = torch.tensor([[c[-1]] for c in contexts])
+            positions = torch.tensor([[len(c) - 1] for c in contexts])
+        result = self._forward(ids, mask, positions, batch.cache)
+        return result.logits[:, -1, :self._vocab], _Batch(contexts, result.past_key_values, mask)
 
-    @staticmethod
-    def _split_cache(cache: Any, lengths: list[int], width: int) -> list[RowCache]:
-        """Per-row (keys, values) per layer with the left padding cut off."""
-        layers = [(entry[0], entry[1]) for entry in cache]  # [B, H, width, D] each
-        return [tuple((keys[row, :, width - n:], values[row, :, width - n:]) for keys, values in layers)
-                for row, n in enumerate(lengths)]
+    @contextlib.contextmanager
+    def _timed(self, phase: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phase_seconds[phase] += time.perf_counter() - started
 
     def _require_open(self) -> None:
         if self._state != "open" or self._model is None:
             raise LifecycleError(f"{self.name} engine is not open; use `async with TransformersEngine(...)`")
 
 
-def _left_pad(torch: Any, states: torch.Tensor, width: int) -> torch.Tensor:
-    """[H, L, D] -> [H, width, D] with zeros before the real positions (they are masked out)."""
-    missing = width - states.shape[1]
-    if missing == 0:
-        return states
-    return torch.cat([states.new_zeros((states.shape[0], missing, states.shape[2])), states], dim=1)
+class _Batch:
+    """The keys and values of the contexts one call scored: row i holds contexts[i], left-padded
+    to a common width (mask 0 on the padding).
+
+    `row_of` finds the row holding a context's prefix without hashing whole contexts: rows are
+    indexed by (length, last token) and a candidate is confirmed by one equality check.
+    """
+
+    def __init__(self, contexts: list[tuple[int, ...]], cache: Any, mask: torch.Tensor) -> None:
+        self.contexts = contexts
+        self.cache = cache  # a _growing_cache: per layer keys and values [B, H, width, D]
+        self.mask = mask  # long [B, width]
+        self._rows: dict[tuple[int, int], list[int]] = {}
+        for row, context in enumerate(contexts):
+            self._rows.setdefault((len(context), context[-1]), []).append(row)
+
+    @property
+    def width(self) -> int:
+        return self.mask.shape[1]
+
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(layer.keys, layer.values) for layer in self.cache.layers]
+
+    def row_of(self, context: tuple[int, ...]) -> int | None:
+        """The row holding context[:-1], if any."""
+        if len(context) < 2:
+            return None
+        for row in self._rows.get((len(context) - 1, context[-2]), ()):
+            if self.contexts[row] == context[:-1]:
+                return row
+        return None
+
+    def select(self, rows: list[int]) -> _Batch:
+        """These rows, in this order (repeats allowed), without the columns that are padding in all."""
+        import torch
+
+        contexts = [self.contexts[row] for row in rows]
+        cut = self.width - max(len(c) for c in contexts)
+        index = torch.tensor(rows, device=self.mask.device)
+        layers = [(keys[index, :, cut:], values[index, :, cut:]) for keys, values in self.layers()]
+        return _Batch(contexts, _growing_cache(layers), self.mask[index, cut:])
+
+
+def _combine(parts: list[tuple[list[int], torch.Tensor, _Batch | None]],
+             contexts: list[tuple[int, ...]]) -> tuple[torch.Tensor, _Batch | None]:
+    """The logits [B, V] and the batch of every context, in the callers' order, from parts that
+    each hold some of them (`indices` into `contexts`). One part is already in order (the
+    common step); two are merged once, so that the next step finds its rows in order."""
+    if len(parts) == 1:
+        return parts[0][1], parts[0][2]
+    import torch
+
+    size = len(contexts)
+    logits = parts[0][1].new_empty((size, parts[0][1].shape[1]))
+    for indices, part_logits, _ in parts:
+        logits[indices] = part_logits
+    batches = [(torch.tensor(indices, device=logits.device), batch) for indices, _, batch in parts]
+    assert all(batch is not None for _, batch in batches), "two parts mean cached rows, so a KV cache is kept"
+    width = max(batch.width for _, batch in batches)
+    layers = [tuple(_scatter_rows([(index, batch.layers()[layer][j]) for index, batch in batches], size, width, axis=2)
+                    for j in (0, 1))
+              for layer in range(len(batches[0][1].layers()))]
+    mask = _scatter_rows([(index, batch.mask) for index, batch in batches], size, width, axis=1)
+    return logits, _Batch(list(contexts), _growing_cache(layers), mask)
+
+
+def _scatter_rows(parts: list[tuple[torch.Tensor, torch.Tensor]], size: int, width: int, axis: int) -> torch.Tensor:
+    """Each part's rows put at its row `index` of a zero tensor `size` rows deep and `width` wide
+    on `axis`, right-aligned there (the padding is on the left)."""
+    like = parts[0][1]
+    shape = list(like.shape)
+    shape[0], shape[axis] = size, width
+    out = like.new_zeros(shape)
+    for index, part in parts:
+        out.narrow(axis, width - part.shape[axis], part.shape[axis]).index_copy_(0, index, part)
+    return out
+
+
+def _growing_cache(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """A transformers cache of `_growing_layer`s, holding these keys and values [B, H, L, D] per layer."""
+    from transformers.cache_utils import Cache
+
+    cache = Cache(layer_class_to_replicate=_growing_layer())
+    for index, (keys, values) in enumerate(layers):
+        cache.update(keys, values, index)
+    return cache
+
+
+@functools.cache
+def _growing_layer() -> type:
+    """transformers' DynamicLayer, appending in place (defined on first use: transformers is
+    imported only when an engine is entered)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):
+        """DynamicLayer.update appends a position by concatenating, a copy of the whole cache
+        on every step: O(context) per token, and at the benchmark's width several times the
+        attention over it (benchmarks/README.md, "In-process engine at a real vocabulary").
+        This layer keeps keys and values in buffers with room to spare, doubled when full, so
+        appending writes one position; `keys` and `values` are views of the filled part.
+        Only `update` is used: the engine gathers rows itself (`_Batch.select`)."""
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+                   **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+                self.filled, self.buffers = 0, ()
+            end = self.filled + key_states.shape[-2]
+            if not self.buffers or end > self.buffers[0].shape[-2]:
+                grown = []
+                for new, old in zip((key_states, value_states), self.buffers or (None, None)):
+                    buffer = new.new_empty((*new.shape[:-2], 2 * end, new.shape[-1]))  # [B, H, room, D]
+                    if old is not None:
+                        buffer[..., :self.filled, :] = old[..., :self.filled, :]
+                    grown.append(buffer)
+                self.buffers = tuple(grown)
+            for buffer, new in zip(self.buffers, (key_states, value_states)):
+                buffer[..., self.filled:end, :] = new
+            self.filled = end
+            self.keys, self.values = (buffer[..., :end, :] for buffer in self.buffers)
+            return self.keys, self.values
+
+    return GrowingLayer
+
+
+def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The min(k, V) largest logprobs per row, sorted -> (int64 ids [B, w], float64 logprobs [B, w]).
+
+    log p_i = (z_i - m) - log sum_j exp(z_j - m), m = max_j z_j. `_topk` picks the k largest
+    logits (m is the first); the sum is one float32 pass over the row; the differences and
+    the log are float64. Against a float64 log-softmax of the same logits the error is the
+    float32 sum's, ~1e-7 (summing in float64 gives ~3e-9 and costs a float64 copy of every
+    row). Rows are taken a few at a time (LOGITS_PER_PASS): the temporaries stay small
+    enough to be reused, and each chunk is still in cache for its second pass.
+    """
+    import torch
+
+    logits = logits.float().contiguous()  # [B, V]
+    batch, vocab = logits.shape
+    width = min(k, vocab)
+    rows = max(1, LOGITS_PER_PASS // vocab)
+    values = logits.new_empty((batch, width))
+    ids = torch.empty((batch, width), dtype=torch.long, device=logits.device)
+    totals = torch.empty((batch, 1), dtype=torch.float64, device=logits.device)  # sum_j exp(z_j - m), in [1, V]
+    for start in range(0, batch, rows):
+        chunk = logits[start:start + rows]
+        values[start:start + rows], ids[start:start + rows] = _topk(chunk, width)
+        totals[start:start + rows] = (chunk - values[start:start + rows, :1]).exp_().sum(dim=-1, keepdim=True)
+    logprobs = (values.double() - values[:, :1].double()) - totals.log()
+    return ids.cpu().numpy(), logprobs.cpu().numpy()
+
+
+def _topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk(logits, k) over rows [R, V] -> (values, ids) [R, k], descending, from a
+    fraction of each row.
+
+    The row is cut into blocks of TOPK_BLOCK columns. Each of the k largest logits lies in a
+    block whose maximum is at least it, so the k blocks with the largest maxima (plus the
+    columns past the last whole block) hold them all: one max pass over the row, then
+    torch.topk over k * TOPK_BLOCK candidates. torch.topk over the whole row costs about
+    three max passes on CPU.
+    """
+    import torch
+
+    rows, vocab = logits.shape
+    blocks = vocab // TOPK_BLOCK
+    if blocks <= k:
+        return torch.topk(logits, k, dim=-1)
+    maxima = logits[:, :blocks * TOPK_BLOCK].view(rows, blocks, TOPK_BLOCK).amax(dim=-1)  # [R, blocks]
+    best = torch.topk(maxima, k, dim=-1).indices  # [R, k]
+    columns = (best[:, :, None] * TOPK_BLOCK + torch.arange(TOPK_BLOCK, device=logits.device)).flatten(1)
+    tail = torch.arange(blocks * TOPK_BLOCK, vocab, device=logits.device).expand(rows, -1)
+    columns = torch.cat([columns, tail], dim=1)  # [R, k * TOPK_BLOCK + vocab % TOPK_BLOCK]
+    values, picked = torch.topk(logits.gather(1, columns), k, dim=-1)
+    return values, columns.gather(1, picked)
+
+
+def full_logprobs(logits: torch.Tensor) -> np.ndarray:
+    """The whole log-softmax of every row in float64 -> [B, V] (the reference the top-k is checked on)."""
+    import torch
+
+    return torch.log_softmax(logits.double(), dim=-1).cpu().numpy()

@@ -15,7 +15,7 @@ from tests.exact_q import chi_square_pvalue, exact_q_star
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-from engines.transformers_engine import TransformersEngine  # noqa: E402
+from engines.transformers_engine import TransformersEngine, topk_logprobs  # noqa: E402
 
 
 def reference_logprobs(model, context: list[int]) -> np.ndarray:
@@ -48,9 +48,25 @@ async def test_top_k_is_sorted_and_k_above_the_vocabulary_returns_everything():
         top = await engine.next_token_topk(context, 5)
         everything = await engine.next_token_topk(context, 10_000)
     np.testing.assert_array_equal(top.token_ids[0], np.argsort(-full)[:5])
-    np.testing.assert_allclose(top.logprobs[0], np.sort(full)[::-1][:5])
+    # The top-k's normalizer is a float32 sum over the row, the full distribution's a float64 one.
+    np.testing.assert_allclose(top.logprobs[0], np.sort(full)[::-1][:5], rtol=0, atol=1e-6)
     assert everything.token_ids.shape == (1, full.shape[0])
     assert sorted(everything.token_ids[0]) == list(range(full.shape[0]))
+
+
+@pytest.mark.parametrize("vocab", [98, 4096, 19_029, 151_936], ids=["no-blocks", "whole-blocks", "tail", "qwen"])
+def test_top_k_from_logits_equals_a_full_sort(vocab):
+    # Rows built so the top 20 sit in one block of 64, past the last whole block, one per
+    # block, or anywhere.
+    rng = np.random.default_rng(vocab)
+    logits = rng.normal(0.0, 3.0, (4, vocab))
+    logits[0, 64:84] += 50.0
+    logits[1, -(vocab % 64 or 20):] += 50.0
+    logits[2, ::64][:20] += 50.0
+    ids, logprobs = topk_logprobs(torch.tensor(logits, dtype=torch.float32), 20)
+    full = torch.log_softmax(torch.tensor(logits, dtype=torch.float32).double(), dim=-1).numpy()
+    np.testing.assert_array_equal(ids, np.argsort(-full, axis=1)[:, :20])
+    np.testing.assert_allclose(logprobs, np.take_along_axis(full, ids, axis=1), rtol=0, atol=1e-6)
 
 
 async def test_misuse_gets_clear_errors(tmp_path):
@@ -127,3 +143,35 @@ async def test_a_live_engine_samples_the_weights_as_updated_and_drops_its_cache(
         fresh = torch.log_softmax(model(torch.tensor([context + [5]])).logits[0, -1].double(), -1).numpy()
     np.testing.assert_allclose(after[0], fresh, atol=1e-5)  # the new weights, not a stale cache
     assert not np.allclose(before[0], after[0])
+
+
+async def test_top_k_path_equals_the_full_distribution_across_cached_steps():
+    # A vocabulary of 4,096, so the top-k is a real selection. Three engines over one model
+    # see the same calls: the top-k path with a KV cache, the full-distribution path with a KV
+    # cache (the same forward passes, so only the reduction differs), and the full path
+    # recomputing every context (so the batched cache is checked too).
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.from_pretrained(tinymodels.BASE_DIR)
+    config.vocab_size, config.initializer_range = 4096, 0.1
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tinymodels.BASE_DIR)
+    rng = np.random.default_rng(1)
+    contexts = [[int(t) for t in rng.integers(0, 4096, n)] for n in (5, 9, 2)]
+    async with TransformersEngine.live(model, tokenizer) as top_path, \
+            TransformersEngine.live(model, tokenizer) as full_path, \
+            TransformersEngine.live(model, tokenizer, kv_cache=False) as recomputed:
+        for step in range(6):
+            top = await top_path.next_token_topk(contexts, 20)
+            for engine, atol in ((full_path, 1e-6), (recomputed, 1e-5)):
+                full = await engine.next_token_logprobs(contexts)
+                np.testing.assert_array_equal(top.token_ids, np.argsort(-full, axis=1)[:, :20])
+                np.testing.assert_allclose(top.logprobs, np.take_along_axis(full, top.token_ids, axis=1), atol=atol)
+            grown = [c + [int(t[0])] for c, t in zip(contexts, top.token_ids)]
+            if step == 1:  # row 0 diverges into two, row 2 leaves, a new context joins
+                grown = [grown[0], contexts[0] + [int(top.token_ids[0, 1])], grown[1], [7, 8, 9]]
+            if step == 3:  # the same rows in another order
+                grown = grown[::-1]
+            contexts = grown
+        hits = top_path.cache_hits
+    # Steps 1-5 extend 3, 3 (both halves of row 0, and row 1), 4, 4 and 4 cached rows.
+    assert hits == 3 + 3 + 4 + 4 + 4
