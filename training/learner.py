@@ -42,7 +42,7 @@ LOGIT_CHUNK_SIZE = 256
 
 @dataclass(frozen=True)
 class Objective:
-    """What one update optimizes (see the module docstring); built by `from_config`."""
+    """What one update optimizes (see the module docstring); built by `training.grpo.objective`."""
 
     method: str = "grpo"  # grpo, sft, rft, opd or distill
     correction: str = "sequence"
@@ -56,14 +56,6 @@ class Objective:
     distill_beta: float = 0.0
     shaping_gamma: float | None = None
     rft_min_reward: float = 1.0
-
-    @classmethod
-    def from_config(cls, config: Any) -> Objective:
-        return cls(method=config.method, correction=config.correction, scale_advantages=config.scale_advantages,
-                   is_cap=config.is_cap, share_cap=config.share_cap, normalization=config.normalization,
-                   max_completion_length=config.max_tokens, teacher_advantage_coef=config.teacher_advantage_coef,
-                   distill_coef=config.distillation_coef, distill_beta=config.distill_beta,
-                   shaping_gamma=config.guided_shaping, rft_min_reward=config.rft_min_reward)
 
     @property
     def policy_gradient(self) -> bool:
