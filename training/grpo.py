@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from common.errors import InvalidInputError
 from common.tasks import stop
 from engines.transformers_engine import TransformersEngine
-from training import checkpoint, lora
+from training import checkpoint, lora, untie
 from training.checkpoint import RunState
 from training.config import StreamingTrainConfig
 from training.curriculum import Curriculum
@@ -123,6 +123,8 @@ class GRPORecipe:
             model = AutoModelForCausalLM.from_pretrained(start_dir, dtype=torch.float32)
             if config.lora_rank:
                 model = lora.wrap(model, rank=config.lora_rank, alpha=config.lora_alpha)
+        if config.engine == "vllm":
+            untie.refuse_tied(model, start_dir)
         self.learner = Learner(model, learning_rate=config.learning_rate, kl_coef=config.reference_kl_coef,
                                pad_id=self.tokenizer.pad_token_id or 0, micro_batch_size=config.micro_batch_size,
                                gradient_checkpointing=config.gradient_checkpointing)

