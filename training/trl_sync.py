@@ -25,7 +25,7 @@ from typing import Any, Sequence
 from transformers import TrainerCallback
 
 from common.errors import InvalidInputError
-from training import lora
+from training import lora, untie
 from training.trl_rollouts import QStarRollouts
 from training.weight_sync import BasePusher, PushReport, new_push_dir, prune_pushed, write_push
 
@@ -89,6 +89,7 @@ class QStarWeightSync(TrainerCallback):
             raise InvalidInputError("pushing a LoRA model trained under FSDP or ZeRO-3 is not supported: merge "
                                     "the adapter, or train without sharding")
         if self._pusher is None:
+            untie.refuse_tied(model, str(getattr(model, "name_or_path", "the trained model")))
             self._pusher = BasePusher(self.rollouts.coordinator.base_engine, probes, tolerance=self.tolerance)
         dtype = self.rollouts.run(self._pusher.served_dtype(), timeout_s=self.push_timeout_s,
                                   what="asking the base server's dtype")
