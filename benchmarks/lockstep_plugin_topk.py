@@ -6,7 +6,7 @@
 At every decode step the plugin (engines/vllm_plugin/processor.py) reads the lockstep rows'
 float32 logits [B, V]: their top-k log-softmax goes to the coordinator (`topk`), and after the
 answer every row is masked to its token (`mask`: one [B, V] write). This times both on one
-thread, as a server pinned to one core runs them, and the plugin's former top-k
+thread, as a server pinned to one core runs them, in CPU time, and the plugin's former top-k
 (`topk_log_softmax`: a row copy, a full log-softmax, then the top-k) for comparison; each is
 the median of `--repeats` timed calls after a warm-up. The model's forward pass and vLLM's
 own sampler (a softmax and a draw over the same [B, V]) come on top; both servers pay the
@@ -34,12 +34,14 @@ TOP_K = 20
 
 
 def median_ms(call, repeats: int) -> float:
+    """Median CPU time of `call` on this thread: with one torch thread the work runs here, and
+    CPU time, unlike wall time, does not grow when other processes share the cores."""
     call()  # warm-up
     times = []
     for _ in range(repeats):
-        started = time.perf_counter()
+        started = time.thread_time()
         call()
-        times.append(time.perf_counter() - started)
+        times.append(time.thread_time() - started)
     return statistics.median(times) * 1e3
 
 
