@@ -72,7 +72,8 @@ def generalized_jsd(student_log: torch.Tensor, teacher_log: torch.Tensor, beta: 
     return beta * _kl(teacher_log, mixture) + (1.0 - beta) * _kl(student_log, mixture)
 
 
-def topk_divergence(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, *, beta: float = 0.0) -> torch.Tensor:
+def topk_divergence(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, *,
+                    beta: float = 0.0) -> torch.Tensor:
     """Per-state JSD_beta over the teacher's top-k plus a tail bucket; [..., K], [..., K] -> [...].
 
     `student_logprobs`: the learner's log pi_theta at the teacher's top-k ids (with grad);

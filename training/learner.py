@@ -197,7 +197,8 @@ class Learner:
                  micro_batch_size: int | None = None, gradient_checkpointing: bool = False,
                  logit_chunk_size: int = LOGIT_CHUNK_SIZE) -> None:
         if micro_batch_size is not None and micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be at least 1 rollout (None: the whole batch), got {micro_batch_size}")
+            raise ValueError(f"micro_batch_size must be at least 1 rollout (None: the whole batch), "
+                             f"got {micro_batch_size}")
         if logit_chunk_size < 1:
             raise ValueError(f"logit_chunk_size must be at least 1 position, got {logit_chunk_size}")
         self.model = model.eval()
@@ -248,7 +249,8 @@ class Learner:
         size = self.micro_batch_size or len(prepared.rollouts)
         if size >= len(prepared.rollouts):
             loss, metrics = self._loss(prepared, objective)
-            loss.backward()
+            with self._training():  # checkpointed layers recompute in backward in the mode they ran in
+                loss.backward()
             return {"loss": float(loss.detach()), **metrics}
         slices = [slice(start, start + size) for start in range(0, len(prepared.rollouts), size)]
         advantages = None
@@ -390,7 +392,8 @@ class Learner:
             metrics["sft_rollouts"] = float(chosen.float().mean())
         if objective.distill_coef > 0:
             assert packed.teacher_logprobs is not None, "checked by _prepare"
-            divergence = topk_divergence(values[..., 1:], packed.teacher_logprobs, beta=objective.distill_beta)  # [b, T]
+            divergence = topk_divergence(values[..., 1:], packed.teacher_logprobs,
+                                         beta=objective.distill_beta)  # [b, T]
             distill = normalize(divergence, mask, "dapo", batch_tokens=prepared.tokens)
             loss = loss + objective.distill_coef * distill
             metrics["distill_divergence"] = float(distill.detach())

@@ -27,9 +27,11 @@ def rollout(tokenizer, prompt: str, completion: str, reward: float, logq: float 
 
 
 def full_completion_logits(model, packed: Packed) -> torch.Tensor:
-    """The plain forward's logits at every completion state, predicting y_t -> [B, T, V] (the learner never builds them)."""
+    """The plain forward's logits at every completion state, predicting y_t -> [B, T, V] (the learner never
+    builds them)."""
     logits = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits  # [B, L, V]
-    positions = (packed.starts[:, None] - 1 + torch.arange(packed.targets.shape[1])[None, :]).clamp(max=logits.shape[1] - 1)
+    positions = packed.starts[:, None] - 1 + torch.arange(packed.targets.shape[1])[None, :]  # [B, T]
+    positions = positions.clamp(max=logits.shape[1] - 1)
     return logits[torch.arange(logits.shape[0])[:, None], positions]  # [B, T, V]
 
 
