@@ -29,8 +29,8 @@ Tokenizer: a byte-level BPE with Qwen2's pipeline (NFC, Qwen's split regex, byte
 alphabet), trained here on a frozen copy of the repository's prose (data/shapes_corpus.txt),
 then the special tokens `<|endoftext|>` (pad), `<|im_start|>`, `<|im_end|>` (EOS) right after
 the trained ones, as in Qwen's vocabulary, and `<|reserved_N|>` entries up to the model's
-vocabulary size. It is saved as a `Qwen2Tokenizer`, as Qwen3 checkpoints are: transformers 5 (and vLLM, through it) rebuild
-a Qwen2Tokenizer from tokenizer.json's vocabulary and merges with the class's own pipeline,
+vocabulary size. It is saved as a `Qwen2Tokenizer`, as Qwen3 checkpoints are: transformers 5
+(and vLLM, through it) rebuild a Qwen2Tokenizer from tokenizer.json's vocabulary and merges with the class's own pipeline,
 and since the BPE was trained with that same pipeline, every tool splits text alike.
 
 Weights: seeded per tensor, so a rebuild writes identical bytes. The default init (std 0.02)
