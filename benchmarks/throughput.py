@@ -106,8 +106,9 @@ async def run(args: argparse.Namespace) -> dict:
                     assert body["usage"]["completion_tokens"] == batch * n, body["usage"]
                     return batch * n
 
-                arms = {"native": lambda s, n: native_arm(s, n, None),
-                        "native_topk": lambda s, n: native_arm(s, n, args.top_k)}
+                arms = {"native": lambda s, n: native_arm(s, n, None)}
+                if batch * tokens <= args.native_topk_max_tokens:
+                    arms["native_topk"] = lambda s, n: native_arm(s, n, args.top_k)
                 if batch <= args.per_token_max_batch:
                     arms["coordinator"] = coordinator_arm
                 if lockstep is not None:
@@ -142,15 +143,17 @@ def summarize(batch: int, tokens: int, runs: dict[str, list[dict[str, float]]]) 
         lock = [m["tokens_per_s"] for m in runs["lockstep"]]
         row["lockstep_over_native_ratio"] = statistics.median(
             x / n["tokens_per_s"] for x, n in zip(lock, runs["native"]))
-        row["lockstep_over_native_topk_ratio"] = statistics.median(
-            x / n["tokens_per_s"] for x, n in zip(lock, runs["native_topk"]))
+        if "native_topk" in runs:
+            row["lockstep_over_native_topk_ratio"] = statistics.median(
+                x / n["tokens_per_s"] for x, n in zip(lock, runs["native_topk"]))
     if "coordinator" not in runs:  # per-token mode skipped at this batch (--per-token-max-batch)
         return row
     coord = [m["tokens_per_s"] for m in runs["coordinator"]]
     row["coordinator_over_native_ratio"] = statistics.median(
         c / n["tokens_per_s"] for c, n in zip(coord, runs["native"]))
-    row["coordinator_over_native_topk_ratio"] = statistics.median(
-        c / n["tokens_per_s"] for c, n in zip(coord, runs["native_topk"]))
+    if "native_topk" in runs:
+        row["coordinator_over_native_topk_ratio"] = statistics.median(
+            c / n["tokens_per_s"] for c, n in zip(coord, runs["native_topk"]))
     if "lockstep" in runs:
         row["lockstep_over_coordinator_ratio"] = statistics.median(x / c for x, c in zip(lock, coord))
     if "reference" in runs:
@@ -170,7 +173,7 @@ def summarize(batch: int, tokens: int, runs: dict[str, list[dict[str, float]]]) 
 def print_row(row: dict) -> None:
     if "coordinator_tokens_per_s" not in row:
         print(f"batch {row['batch_size']:>4} x {row['tokens_per_sequence']:>3} tokens  tokens/s: native "
-              f"{row['native_tokens_per_s']:7.1f}  native+top-k {row['native_topk_tokens_per_s']:7.1f}  (per-token "
+              f"{row['native_tokens_per_s']:7.1f}  native+top-k {row.get('native_topk_tokens_per_s', float('nan')):7.1f}  (per-token "
               f"mode skipped); native theta CPU s per 1k tokens {row['native_theta_server_cpu_s_per_1k_tokens']:.2f}",
               flush=True)
     else:
@@ -182,7 +185,7 @@ def print_per_token_row(row: dict) -> None:
     ref = row.get("reference_tokens_per_s")
     print(f"batch {row['batch_size']:>4} x {row['tokens_per_sequence']:>3} tokens  tokens/s: coordinator "
           f"{row['coordinator_tokens_per_s']:7.1f}  reference {ref if ref is None else round(ref, 1)!s:>7}  "
-          f"native {row['native_tokens_per_s']:7.1f}  native+top-k {row['native_topk_tokens_per_s']:7.1f}  |  "
+          f"native {row['native_tokens_per_s']:7.1f}  native+top-k {row.get('native_topk_tokens_per_s', float('nan')):7.1f}  |  "
           f"coordinator/native {row['coordinator_over_native_ratio']:.2f}  coordinator/reference "
           f"{row.get('coordinator_over_reference_ratio', float('nan')):.1f}  |  CPU s per 1k tokens "
           f"(coordinator, theta, t): {row['coordinator_coordinator_cpu_s_per_1k_tokens']:.2f} "
@@ -201,7 +204,7 @@ def print_per_token_row(row: dict) -> None:
 def print_lockstep_row(row: dict) -> None:
     if "lockstep_tokens_per_s" in row:
         print(f"    lockstep: {row['lockstep_tokens_per_s']:7.1f} tokens/s, /native "
-              f"{row['lockstep_over_native_ratio']:.2f}, /native+top-k {row['lockstep_over_native_topk_ratio']:.2f}, "
+              f"{row['lockstep_over_native_ratio']:.2f}, /native+top-k {row.get('lockstep_over_native_topk_ratio', float('nan')):.2f}, "
               f"/per-token {row.get('lockstep_over_coordinator_ratio', float('nan')):.2f}; "
               f"CPU s per 1k tokens (coordinator, theta, t): {row['lockstep_coordinator_cpu_s_per_1k_tokens']:.3f} "
               f"{row['lockstep_theta_server_cpu_s_per_1k_tokens']:.2f} "
@@ -242,6 +245,9 @@ def main() -> None:
     parser.add_argument("--per-token-max-batch", type=int, default=1 << 30,
                         help="skip per-token mode (and the arm without tokenizers) above this batch size: at a real "
                              "vocabulary and thousands of tokens it takes hours")
+    parser.add_argument("--native-topk-max-tokens", type=int, default=1 << 30,
+                        help="skip the native+top-k arm in cells of more tokens than this (batch x tokens per "
+                             "sequence): at a real vocabulary it is the slowest arm, and lockstep's target is native")
     parser.add_argument("--warmup-tokens", type=int,
                         help="tokens per sequence of each arm's warm-up run (default: the measured length)")
     parser.add_argument("--no-lockstep", action="store_true",
