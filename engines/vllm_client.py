@@ -50,6 +50,7 @@ from engines.http import (
 )
 from engines.chat import render_chat
 from engines.protocol import Draft, ModelInfo, TopKBatch, score_by_prefixes
+from engines.weights_dir import checked_weights_dir
 
 # observer(server name, path, seconds, ok): one finished call, retries included.
 CallObserver = Callable[[str, str, float, bool], None]
@@ -264,17 +265,24 @@ class VLLMClient:
     async def reload_weights(self, weights_path: Path | str, *, timeout_s: float | None = None) -> None:
         """Load the HF-format checkpoint in `weights_path` into the running server, in place.
 
+        The path is sent absolute, and only once `engines.weights_dir.checked_weights_dir`
+        found a readable checkpoint there: the server reads it from its own working directory
+        and filesystem, and a reload of a path vLLM cannot read can kill the server. A
+        missing or corrupt checkpoint raises WeightSyncError and nothing is sent. On two
+        machines the directory must be at the same absolute path on both.
+
         Sent at most once unless the connection never opened (see the table above): a
         timeout, 5xx or lost connection raises its ServerError, and the server may or may
         not serve the new weights. `timeout_s` replaces the request timeout for this call
         (a large model's reload takes longer than a decode step). A server started without
         dev mode has no /collective_rpc: WeightSyncError says how to restart it.
         """
+        weights_dir = checked_weights_dir(weights_path)
         timeout = None if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s,
                                                                          connect=self._timeout.connect)
         try:
             await self.call("POST", "/collective_rpc",
-                            {"method": "reload_weights", "kwargs": {"weights_path": str(weights_path)}},
+                            {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}},
                             idempotent=False, timeout=timeout)
         except ServerRejectedError as err:
             if err.status == 404:

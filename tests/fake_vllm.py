@@ -67,9 +67,17 @@ class FakeModel:
 
 
 def write_fake_weights(directory: Path, seed: int) -> Path:
-    """A checkpoint directory the fake's reload_weights switches to: FakeModel(seed=seed)."""
+    """A checkpoint directory the fake's reload_weights switches to: FakeModel(seed=seed).
+
+    It also holds what a real checkpoint does, a config.json and a model.safetensors (one
+    tiny tensor), because every push checks them before it sends anything (engines.weights_dir).
+    """
+    from safetensors.numpy import save_file
+
     directory.mkdir(parents=True, exist_ok=True)
     (directory / FAKE_WEIGHTS_FILE).write_text(json.dumps({"seed": seed}))
+    (directory / "config.json").write_text(json.dumps({"model_type": "fake", "vocab_size": VOCAB_SIZE}))
+    save_file({"seed": np.array([seed], dtype=np.int64)}, str(directory / "model.safetensors"))
     return directory
 
 
@@ -81,6 +89,7 @@ class Failure:
     after_handling: bool = False  # handle the request first (the server acts), then delay and answer
     arrived: asyncio.Event | None = None  # set when this request arrives (see rendezvous)
     meet: asyncio.Event | None = None  # hold this request until it is set, before anything else
+    dies: bool = False  # the server stops once it answered (a crash): later requests find no one listening
 
     async def met(self) -> bool:
         """Mark this request arrived, then wait for the one it meets -> False if it never came."""
@@ -120,6 +129,7 @@ class FakeVLLM:
     call_times: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     running: asyncio.Event = field(default_factory=asyncio.Event)  # cleared between /pause and /resume
     server: TestServer | None = None
+    _died: asyncio.Task | None = None  # the close a Failure(dies=True) started
 
     @property
     def url(self) -> str:
@@ -151,8 +161,17 @@ class FakeVLLM:
         if self.server is not None:
             await self.server.close()
 
+    @property
+    def dead(self) -> bool:
+        """A Failure(dies=True) stopped this server, and it no longer listens."""
+        return self._died is not None and self._died.done()
+
     @web.middleware
     async def _middleware(self, request: web.Request, handler):
+        if self._died is not None:  # crashed, and still closing: drop the connection, as a dead server would
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response(status=503)
         body = await request.json() if request.can_read_body else None
         self.calls[request.path].append(body)
         self.call_times[request.path].append(time.monotonic())
@@ -169,6 +188,8 @@ class FakeVLLM:
         queue = self.failures.get(request.path)
         if queue:
             failure = queue.popleft()
+            if failure.dies:
+                self._died = asyncio.create_task(self.close())  # stops listening; this answer still goes out
             if not await failure.met():
                 return web.Response(status=500, text="rendezvous timed out: the other server never got its "
                                                      "request (were the two calls sent one after the other?)")

