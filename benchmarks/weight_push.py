@@ -1,17 +1,23 @@
-"""Weight pushes at a real shape: how long each phase takes, and how far a bf16 server's
-logprobs sit from the pushed checkpoint's own.
+"""Weight pushes at a real shape, through the disk and in memory: how long each phase takes,
+how long sampling stalls, and how far a bf16 server's logprobs sit from the pushed weights.
 
-    python benchmarks/weight_push.py --shape small                 # tied and untied, 3 pushes each
-    python benchmarks/weight_push.py --shape qwen3-0.6b --variants tied --pushes 2
+    python benchmarks/weight_push.py --shape small                 # tied and untied, 3 pushes each way
+    python benchmarks/weight_push.py --shape qwen3-0.6b --variants untied --pushes 2
+    python benchmarks/weight_push.py --shape tiny --via disk memory  # the bundled toy models
 
 For each variant (tied or untied embeddings) of the realistic-shape base (tinymodels.shapes,
 a 151,936-token vocabulary, bf16 checkpoint), one dev-mode vLLM server is started with
 `--dtype auto` (bfloat16: the checkpoint's dtype) and a float32 learner is loaded from the
 same checkpoint, as `dualvllm train` does. Each push perturbs every learner weight by
-N(0, 1e-3^2), then times the phases of training.weight_sync's push: `write` (the checkpoint
-saved in the server's dtype, and the expected logprobs computed from it at that dtype in
-transformers), `reload` (pause, /collective_rpc reload_weights, prefix-cache reset, resume)
-and `probe` (the server's top-k on the probe contexts). The |server - expected| logprobs
+N(0, 1e-3^2), then pushes with training.weight_sync.BasePusher, one way after the other
+(`--via`): `disk` (the checkpoint saved in the server's dtype with the expected logprobs
+computed from it, then pause, /collective_rpc reload_weights, prefix-cache reset, resume,
+probe) and `memory` (the expected logprobs from a copy of the weights in the server's dtype,
+then pause(keep), vLLM's four weight-transfer phases through dualvllm's shared-memory
+engine, a cache reset, resume, probe), with the seconds of each phase. Meanwhile `--streams`
+streaming requests keep the server sampling; the stall is the longest gap between two of
+their tokens that overlaps the push, and tokens/s during the push is set against tokens/s
+in the seconds before it. The |server - expected| logprobs
 over the probes' top-k are recorded (max and median): they are what PUSH_TOLERANCE must
 accept. For contrast, the same against the learner's float32 weights (`vs_float32_*`) and
 against the previous push's weights (`vs_previous_*`: the update itself, which a bf16
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import sys
 import tempfile
 import time
@@ -37,11 +44,14 @@ from common import loop  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from engines.launcher import ServerConfig, VLLMServer  # noqa: E402
 from engines.vllm_client import VLLMClient  # noqa: E402
-from training.weight_sync import (PUSH_TOLERANCE, checkpoint_logprobs, compare_logprobs,  # noqa: E402
-                                  learner_logprobs, reload_and_verify, served_dtype, write_push)
+from training import weight_transfer  # noqa: E402
+from training.weight_sync import (PUSH_TOLERANCE, BasePusher, checkpoint_logprobs, compare_logprobs,  # noqa: E402
+                                  learner_logprobs, served_dtype)
 
 PROBE_LENGTHS = (3, 5, 17, 33, 64, 120)  # prompt-like contexts, short to long
 PERTURBATION_STD = 1e-3
+STREAM_TOKENS = 256  # per streaming request; a new one starts when one ends
+BEFORE_S = 3.0  # seconds of undisturbed sampling before each push, the stall's baseline
 
 
 def probes(vocab_real: int, seed: int = 0) -> list[list[int]]:
@@ -54,16 +64,72 @@ def spread(served, expected: np.ndarray) -> dict[str, float]:
     return {"max_nats": diff.max_abs_diff, "median_nats": diff.median_abs_diff}
 
 
-async def variant(shape: str, tied: bool, pushes: int, log_dir: Path, tolerance: float | None) -> dict:
+def model_dirs(shape: str, tied: bool) -> tuple[Path, str]:
+    """(base checkpoint, the dtype to serve it in) of `shape`: "tiny" is the bundled base."""
+    if shape == "tiny":
+        import tinymodels
+
+        if tied:
+            raise SystemExit("--shape tiny has no tied variant: pass --variants untied")
+        return tinymodels.BASE_DIR, tinymodels.SERVER_DTYPE
+    from tinymodels.shapes import ensure_pair
+
+    return ensure_pair(shape, tied=tied)[0], "auto"
+
+
+class Streams:
+    """`n` streaming completions kept going against the server, each token's arrival time kept."""
+
+    def __init__(self, url: str, model: str, prompt: list[int], n: int) -> None:
+        self.url, self.model, self.prompt, self.n = url, model, prompt, n
+        self.arrivals: list[float] = []
+        self._tasks: list[asyncio.Task] = []
+
+    async def __aenter__(self) -> Streams:
+        import aiohttp
+
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=600))
+        self._tasks = [asyncio.create_task(self._keep_streaming(i)) for i in range(self.n)]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._session.close()
+
+    async def _keep_streaming(self, seed: int) -> None:
+        payload = {"model": self.model, "prompt": self.prompt, "max_tokens": STREAM_TOKENS, "ignore_eos": True,
+                   "temperature": 1.0, "stream": True}
+        while True:
+            payload["seed"] = seed = seed + self.n
+            async with self._session.post(self.url + "/v1/completions", json=payload) as response:
+                async for line in response.content:
+                    if line.startswith(b"data: {"):
+                        self.arrivals.append(time.perf_counter())
+
+    def around(self, start: float, end: float) -> dict[str, float]:
+        """Sampling during [start, end] against the BEFORE_S seconds before it."""
+        times = sorted(self.arrivals)
+        gaps = [(b - a) for a, b in zip(times, times[1:]) if b >= start and a <= end]
+        during = sum(start <= t <= end for t in times)
+        before = sum(start - BEFORE_S <= t < start for t in times)
+        return {"stall_s": max(gaps, default=end - start), "tokens_per_s_during": during / max(end - start, 1e-9),
+                "tokens_per_s_before": before / BEFORE_S}
+
+
+async def variant(shape: str, tied: bool, pushes: int, ways: list[str], streams: int, log_dir: Path,
+                  tolerance: float | None) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tinymodels.shapes import ensure_pair
-
-    base_dir, _ = ensure_pair(shape, tied=tied)
+    base_dir, serve_dtype = model_dirs(shape, tied)
+    name = f"{shape} {'tied' if tied else 'untied'}"
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    contexts = probes(len(tokenizer))
-    server = VLLMServer(ServerConfig(model=str(base_dir), dev_mode=True, lockstep=False,
+    contexts = probes(min(len(tokenizer), 90) if shape == "tiny" else len(tokenizer))
+    if shape == "tiny":
+        contexts = [c[:40] for c in contexts]  # within the toy's 64 positions
+    server = VLLMServer(ServerConfig(model=str(base_dir), dev_mode=True, lockstep=False, dtype=serve_dtype,
                                      log_path=log_dir / f"{shape}-{'tied' if tied else 'untied'}.log"), name="theta")
     started = time.perf_counter()
     await server.start()
@@ -75,39 +141,47 @@ async def variant(shape: str, tied: bool, pushes: int, log_dir: Path, tolerance:
             learner = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
             start = await asyncio.to_thread(checkpoint_logprobs, base_dir, contexts, dtype=dtype)
             before = spread(await client.next_token_topk(contexts, 20), start)  # the server as started
-            print(f"{shape} {'tied' if tied else 'untied'} as started: |server - checkpoint| max "
-                  f"{before['max_nats']:.3f} median {before['median_nats']:.3f} nats", flush=True)
+            print(f"{name} as started: |server - checkpoint| max {before['max_nats']:.3f} median "
+                  f"{before['median_nats']:.3f} nats", flush=True)
+            model = (await client.model_info()).name
             previous = None
-            with tempfile.TemporaryDirectory() as scratch:
-                for push in range(pushes):
-                    with torch.no_grad():
-                        for parameter in learner.parameters():
-                            parameter.add_(PERTURBATION_STD * torch.randn_like(parameter))
-                    out = Path(scratch) / f"push-{push}"
-                    t0 = time.perf_counter()
-                    expected = await asyncio.to_thread(write_push, learner, tokenizer, out, contexts, dtype=dtype)
-                    t1 = time.perf_counter()
-                    report = await reload_and_verify(client, out, contexts, expected, top_k=20,
-                                                     tolerance=tolerance or PUSH_TOLERANCE[dtype])
-                    t2 = time.perf_counter()
-                    served = await client.next_token_topk(contexts, 20)
-                    t3 = time.perf_counter()
-                    row = {"push": push, "write_s": t1 - t0, "reload_and_verify_s": t2 - t1, "probe_s": t3 - t2,
-                           "checkpoint_mb": sum(f.stat().st_size for f in out.glob("*.safetensors")) / 1e6,
-                           "reload_sends": report.reload_sends,
-                           **{f"vs_expected_{k}": v for k, v in spread(served, expected).items()},
-                           **{f"vs_float32_{k}": v for k, v in
-                              spread(served, learner_logprobs(learner, contexts)).items()}}
-                    if previous is not None:
-                        row |= {f"vs_previous_{k}": v for k, v in spread(served, previous).items()}
-                    previous = expected
-                    rows.append(row)
-                    print(f"{shape} {'tied' if tied else 'untied'} push {push}: write {row['write_s']:.2f} s, "
-                          f"reload+verify {row['reload_and_verify_s']:.2f} s, {row['checkpoint_mb']:.0f} MB; "
-                          f"|server - expected| max {row['vs_expected_max_nats']:.3f} median "
-                          f"{row['vs_expected_median_nats']:.3f} nats; vs float32 learner max "
-                          f"{row['vs_float32_max_nats']:.3f}; vs previous push max "
-                          f"{row.get('vs_previous_max_nats', float('nan')):.3f}", flush=True)
+            async with Streams(server.url, model, contexts[0][:8], streams) as sampling:
+                with tempfile.TemporaryDirectory() as scratch:
+                    for push in range(pushes):
+                        for via in ways:
+                            with torch.no_grad():
+                                for parameter in learner.parameters():
+                                    parameter.add_(PERTURBATION_STD * torch.randn_like(parameter))
+                            pusher = BasePusher(client, contexts, via=via, tolerance=tolerance)
+                            await asyncio.sleep(BEFORE_S)  # sampling undisturbed, to compare with
+                            t0 = time.perf_counter()
+                            report = await pusher.push(learner, tokenizer, Path(scratch) / f"push-{push}-{via}")
+                            t1 = time.perf_counter()
+                            served = await client.next_token_topk(contexts, 20)
+                            expected = (await asyncio.to_thread(
+                                checkpoint_logprobs, report.path, contexts, dtype=dtype) if report.path else
+                                await asyncio.to_thread(weight_transfer.expected_logprobs, learner, contexts, dtype))
+                            row = {"push": push, "via": report.via, "seconds": t1 - t0,
+                                   **{f"{phase}_s": v for phase, v in report.seconds.items()},
+                                   "bytes_mb": (report.bytes_moved or _checkpoint_bytes(report.path)) / 1e6,
+                                   "reload_sends": report.reload_sends, **sampling.around(t0, t1),
+                                   **{f"vs_expected_{k}": v for k, v in spread(served, expected).items()},
+                                   **{f"vs_float32_{k}": v for k, v in
+                                      spread(served, learner_logprobs(learner, contexts)).items()}}
+                            if previous is not None:
+                                row |= {f"vs_previous_{k}": v for k, v in spread(served, previous).items()}
+                            previous = expected
+                            rows.append(row)
+                            phases = ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in row.items()
+                                               if k.endswith("_s") and k not in ("stall_s",))
+                            print(f"{name} push {push} via {via}: {row['seconds']:.2f} s ({phases}), "
+                                  f"{row['bytes_mb']:.0f} MB; sampling stalled {row['stall_s']:.2f} s, "
+                                  f"{row['tokens_per_s_during']:.0f} tokens/s during vs "
+                                  f"{row['tokens_per_s_before']:.0f} before; |server - expected| max "
+                                  f"{row['vs_expected_max_nats']:.3f} median {row['vs_expected_median_nats']:.3f} "
+                                  f"nats", flush=True)
+                            if via == "disk":
+                                shutil.rmtree(report.path, ignore_errors=True)
     finally:
         server.stop()
     return {"shape": shape, "tied": tied, "served_dtype": dtype, "server_startup_s": startup_s,
@@ -115,30 +189,42 @@ async def variant(shape: str, tied: bool, pushes: int, log_dir: Path, tolerance:
             "tolerance_nats": PUSH_TOLERANCE[dtype], "rows": rows}
 
 
+def _checkpoint_bytes(path: Path | None) -> int:
+    return sum(f.stat().st_size for f in path.glob("*.safetensors")) if path is not None else 0
+
+
 async def run(args: argparse.Namespace) -> dict:
     results = []
     with tempfile.TemporaryDirectory() as logs:
         for name in args.variants:
-            results.append(await variant(args.shape, name == "tied", args.pushes, Path(logs), args.tolerance))
+            results.append(await variant(args.shape, name == "tied", args.pushes, args.via, args.streams, Path(logs),
+                                         args.tolerance))
     return {"machine": harness.machine(), "command": " ".join(["python", *sys.argv]),
             "perturbation_std": PERTURBATION_STD, "variants": results}
 
 
 def plot(report: dict, path: Path) -> None:
     plt = harness.pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, (time_ax, stall_ax) = plt.subplots(1, 2, figsize=(11, 4))
     for result in report["variants"]:
-        label = f"{result['shape']} {'tied' if result['tied'] else 'untied'}"
-        ax.plot([r["vs_expected_max_nats"] for r in result["rows"]], "o-", label=f"{label}: max")
-        ax.plot([r["vs_expected_median_nats"] for r in result["rows"]], "x--", label=f"{label}: median")
-    ax.set(xlabel="push", ylabel="|server - expected| (nats)", title="bf16 server vs the pushed checkpoint")
-    ax.legend(fontsize=8)
+        for via in sorted({r["via"] for r in result["rows"]}):
+            rows = [r for r in result["rows"] if r["via"] == via]
+            label = f"{result['shape']} {'tied' if result['tied'] else 'untied'}, {via}"
+            time_ax.plot([r["seconds"] for r in rows], "o-", label=label)
+            stall_ax.plot([r["stall_s"] for r in rows], "o-", label=label)
+    time_ax.set(xlabel="push", ylabel="seconds", title="push, all phases")
+    stall_ax.set(xlabel="push", ylabel="seconds", title="longest gap between sampled tokens")
+    time_ax.legend(fontsize=8)
     harness.save_figure(fig, path)
 
 
 def main() -> None:
     parser = harness.argument_parser(__doc__, live_servers=False)
-    parser.add_argument("--shape", choices=harness.SHAPE_NAMES, default="small")
+    parser.add_argument("--shape", choices=("tiny", *harness.SHAPE_NAMES), default="small",
+                        help="tiny: the bundled toy base (float32); else a realistic-shape base (bfloat16)")
+    parser.add_argument("--via", nargs="+", choices=("disk", "memory"), default=["disk", "memory"],
+                        help="how each push goes, in this order within every round")
+    parser.add_argument("--streams", type=int, default=4, help="streaming requests sampling during the pushes")
     parser.add_argument("--variants", nargs="+", choices=("untied", "tied"), default=["untied", "tied"])
     parser.add_argument("--pushes", type=int, default=3)
     parser.add_argument("--tolerance", type=float,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import importlib.metadata
+import json
 import os
 import shutil
 import signal
@@ -33,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from common.errors import LifecycleError, ServerStartupError
 from common.process import die_with_parent
 from common.validation import RaisesInvalidInput
+from engines import weight_transfer
 from engines.vllm_plugin import spin
 from engines.vllm_plugin.net import is_loopback
 
@@ -42,6 +44,7 @@ STOP_GRACE_S = 20.0
 LOG_TAIL_LINES = 40
 LOCKSTEP_PROCESSOR = "engines.vllm_plugin.processor:LockstepProcessor"
 LOCKSTEP_PROCESSOR_V2 = "engines.vllm_plugin.processor_v2:LockstepProcessorV2"  # Model Runner V2 (GPU builds)
+WEIGHT_TRANSFER_BACKEND = weight_transfer.BACKEND
 
 
 class ServerConfig(RaisesInvalidInput, BaseModel):
@@ -68,6 +71,8 @@ class ServerConfig(RaisesInvalidInput, BaseModel):
         0.45, gt=0, le=1, description="GPU build: share of GPU memory; 0.45 lets two servers share one GPU.")
     dev_mode: bool = Field(
         False, description="Set VLLM_SERVER_DEV_MODE=1 (enables /collective_rpc for weight pushes; in a pair, on the base only); loopback only.")
+    weight_transfer: str | None = Field(
+        WEIGHT_TRANSFER_BACKEND, description="With dev_mode: the weight-transfer engine the server loads (--weight-transfer-config backend), so a trainer can push weights from its memory (training.weight_transfer). The default is dualvllm's shared-memory engine, for a trainer on the same machine, CPU or GPU; 'nccl' is vLLM's, for GPUs; None: none, weights are pushed through the disk.")
     api_key: str | None = Field(None, description="If set, /v1/* requests need 'Authorization: Bearer KEY'.")
     log_path: Path | None = Field(None, description="Where the server's output goes; None = a temp file.")
     startup_timeout_s: float = Field(600.0, gt=0, description="How long to wait for /health before giving up.")
@@ -175,6 +180,8 @@ class VLLMServer:
             cmd += ["--served-model-name", c.served_model_name]
         if c.max_model_len:
             cmd += ["--max-model-len", str(c.max_model_len)]
+        if c.dev_mode and c.weight_transfer:
+            cmd += ["--weight-transfer-config", json.dumps({"backend": c.weight_transfer})]
         if c.lockstep:
             # Chunked prefill would show the plugin rows of half-computed prompts as steps.
             processor = LOCKSTEP_PROCESSOR_V2 if self._model_runner_v2() else LOCKSTEP_PROCESSOR

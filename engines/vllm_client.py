@@ -300,27 +300,46 @@ class VLLMClient:
         comparable at the same precision: `--dtype auto` serves a float32 checkpoint in
         bfloat16 on the CPU build, and a bf16 checkpoint in bf16 everywhere.
         """
+        config = await self._server_config()
+        if config is None:
+            return None
+        model = config.get("model_config", {})
+        dtype = str(model.get("dtype", "")) if isinstance(model, dict) else ""
+        expect(dtype.removeprefix("torch.") in SERVED_DTYPES, self.name, self.url,
+               f"/server_info names no model dtype among {sorted(SERVED_DTYPES)} (got {dtype!r})")
+        return dtype.removeprefix("torch.")
+
+    async def weight_transfer_backend(self) -> str | None:
+        """The weight-transfer engine the server was started with (--weight-transfer-config), from
+        the dev-mode GET /server_info; None if it has none, or no such route."""
+        config = await self._server_config()
+        transfer = (config or {}).get("weight_transfer_config")
+        return transfer.get("backend") if isinstance(transfer, dict) else None
+
+    async def _server_config(self) -> dict[str, Any] | None:
+        """The server's vllm_config from GET /server_info (dev mode); None without that route."""
         try:
             info = await self.call("GET", "/server_info?config_format=json")
         except ServerRejectedError as err:
             if err.status == 404:
                 return None
             raise
-        model = info.get("vllm_config", {}).get("model_config", {}) if isinstance(info, dict) else {}
-        dtype = str(model.get("dtype", "")) if isinstance(model, dict) else ""
-        expect(dtype.removeprefix("torch.") in SERVED_DTYPES, self.name, self.url,
-               f"/server_info names no model dtype among {sorted(SERVED_DTYPES)} (got {dtype!r})")
-        return dtype.removeprefix("torch.")
+        config = info.get("vllm_config") if isinstance(info, dict) else None
+        return config if isinstance(config, dict) else {}
 
     async def reset_prefix_cache(self, *, attempts: int = RESET_ATTEMPTS,
-                                 retry_delay_s: float = RESET_RETRY_DELAY_S) -> None:
+                                 retry_delay_s: float = RESET_RETRY_DELAY_S,
+                                 reset_running_requests: bool = False) -> None:
         """Drop every cached KV block, so that none computed with old weights is reused.
 
         vLLM answers `success: false` while running requests hold blocks: asked again up to
         `attempts` times, `retry_delay_s` apart; then WeightSyncError (call it inside `pause`).
+        `reset_running_requests` drops the blocks of running requests too: vLLM preempts them,
+        and they recompute their context when they are scheduled again.
         """
+        path = "/reset_prefix_cache" + ("?reset_running_requests=true" if reset_running_requests else "")
         for attempt in range(attempts):
-            answer = await self.call("POST", "/reset_prefix_cache", idempotent=True)
+            answer = await self.call("POST", path, idempotent=True)
             expect(isinstance(answer, dict) and "success" in answer, self.name, self.url,
                    f"/reset_prefix_cache answered {answer!r}, not {{'success': bool}}")
             if answer["success"]:
@@ -331,6 +350,43 @@ class VLLMClient:
             f"{self.name} server at {self.url} refused to reset its prefix cache {attempts} times, and stale KV "
             "blocks would give wrong logprobs; running requests hold blocks: reset inside pause(), and check "
             "that the server honours /pause")
+
+    # -- admin: vLLM's native weight transfer (training.weight_transfer); dev mode ----------
+    #
+    # Four phases, each sent once (a phase changes the server's state): init the transfer
+    # engine, start an update, update_weights per chunk, finish. None is resent after a
+    # timeout: the caller ends the update and verifies what the server serves.
+
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any], *, timeout_s: float) -> None:
+        """Set up the server's weight-transfer engine (its --weight-transfer-config backend)."""
+        await self._transfer_phase("/init_weight_transfer_engine", {"init_info": init_info}, timeout_s)
+
+    async def start_weight_update(self, *, timeout_s: float) -> None:
+        await self._transfer_phase("/start_weight_update", None, timeout_s)
+
+    async def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]], *, timeout_s: float) -> None:
+        """Send one chunk's description; the server loads the chunk before it answers."""
+        await self._transfer_phase("/update_weights", {"update_info": update_info}, timeout_s)
+
+    async def finish_weight_update(self, weight_version: str | None = None, *, timeout_s: float) -> None:
+        payload = None if weight_version is None else {"weight_version": weight_version}
+        await self._transfer_phase("/finish_weight_update", payload, timeout_s)
+
+    async def weight_version(self) -> str | None:
+        """The version the last finished update was tagged with (GET /weight_info)."""
+        body = await self.call("GET", "/weight_info")
+        return body.get("weight_version") if isinstance(body, dict) else None
+
+    async def _transfer_phase(self, path: str, payload: Any, timeout_s: float) -> None:
+        timeout = aiohttp.ClientTimeout(total=timeout_s, connect=self._timeout.connect)
+        try:
+            await self.call("POST", path, payload, idempotent=False, timeout=timeout)
+        except ServerRejectedError as err:
+            if err.status == 404:
+                raise WeightSyncError(
+                    f"{self.name} server at {self.url} has no {path}: it was started without dev mode. Restart it "
+                    "with VLLM_SERVER_DEV_MODE=1 (ServerConfig(dev_mode=True)), on a loopback host only") from err
+            raise
 
     # -- Engine protocol -------------------------------------------------------------
 

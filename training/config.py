@@ -58,6 +58,11 @@ class TrainConfig(TaskConfig):
         "vllm", description="vllm: sample from vLLM servers, pushing every update into the base's; transformers: "
                             "sample in this process from the learner's live weights and the teacher loaded beside "
                             "it (no server, no push: small models and fast sweeps; training/inprocess.py).")
+    weights_via: Literal["auto", "memory", "disk"] = Field(
+        "auto", description="How each update reaches the base servers (engine vllm): memory = vLLM's weight-transfer "
+                            "API, from the learner's memory into the servers' (servers started here load dualvllm's "
+                            "shared-memory engine; training/weight_transfer.py); disk = a checkpoint each server "
+                            "reloads; auto = memory when the servers can take it, else disk (logged once).")
     method: Method = Field("grpo", description=METHOD_HELP)
     steps: int = Field(
         1000, ge=1, description="Learner updates to run (about one pass over GSM8K's 7,473 training problems at 8 "

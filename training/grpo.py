@@ -41,7 +41,7 @@ from training.recipe import held_out, prepare
 from training.rollouts import Sampled, ScoredBatch, Task, produce, sample_batch
 from training.serving import serving
 from training.verifiers import verifier_pool
-from training.weight_sync import BasePusher, new_push_dir, prune_pushed
+from training.weight_sync import BasePusher, new_push_dir, prune_pushed, push_metrics
 
 log = logging.getLogger("dualvllm.training")
 
@@ -140,7 +140,7 @@ class GRPORecipe:
         self.coordinator = await self._stack.enter_async_context(
             serving(config, start_dir, log_dir=self.out, dev_mode=True, batch_size=batch_size))
         probes = [list(t.prompt_ids) for t in self.problems.held_out[:PUSH_PROBES]]
-        self.pusher = BasePusher(self.coordinator.base_engine, probes)
+        self.pusher = BasePusher(self.coordinator.base_engine, probes, via=config.weights_via)
         if config.theta_urls:  # servers started elsewhere serve whatever they were given: make it ours
             await self.pusher.push(self.learner.model, self.tokenizer, new_push_dir(self.out, self.state.step))
 
@@ -188,7 +188,7 @@ class GRPORecipe:
                 push = await self.pusher.push(self.learner.model, self.tokenizer, new_push_dir(self.out, step))
             version += 1
             metrics.update(push_max_abs_diff=push.max_abs_diff, push_replicas=push.replicas,
-                           push_replicas_dropped=len(push.dropped))
+                           push_replicas_dropped=len(push.dropped), **push_metrics(push))
             prune_pushed(self.out)
         self.state = RunState(step=step, data_position=batch.data_position, policy_version=version,
                               curriculum=batch.curriculum_state)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -68,17 +68,35 @@ def save_full(model: Any, out_dir: Path, *, dtype: str | None = None,
 
 def _merged_state(model: Any) -> dict[str, torch.Tensor]:
     """The LoRA model's weights with W + (alpha / r) B A in place of each adapted W, under the base's names."""
+    return dict(merged_items(model))
+
+
+def merged_items(model: Any, *, merge: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """The LoRA model's weights under the base's names, in state-dict order, one at a time:
+    each adapted W as W + (alpha / r) B A, computed when it is reached (`merge` False: W
+    itself, for names and shapes without the arithmetic)."""
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model()
-    state = {name.replace(".base_layer.", "."): tensor.detach()
-             for name, tensor in base.state_dict().items() if "lora_" not in name}
-    with torch.no_grad():
-        for module_name, module in base.named_modules():
-            if isinstance(module, LoraLayer):
-                delta = sum(module.get_delta_weight(adapter) for adapter in module.active_adapters)
-                state[f"{module_name}.weight"] = module.get_base_layer().weight.detach() + delta
-    return state
+    adapted = {f"{name}.weight": module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
+    for name, tensor in base.state_dict().items():
+        if "lora_" in name:
+            continue
+        name = name.replace(".base_layer.", ".")
+        module = adapted.get(name)
+        if module is None or not merge:
+            yield name, tensor.detach()
+            continue
+        with torch.no_grad():
+            delta = sum(module.get_delta_weight(adapter) for adapter in module.active_adapters)
+            yield name, module.get_base_layer().weight.detach() + delta
+
+
+def adapted_names(model: Any) -> set[str]:
+    """The checkpoint names of the weights a LoRA model adapts (what a push must carry)."""
+    from peft.tuners.lora import LoraLayer
+
+    return {f"{name}.weight" for name, module in model.get_base_model().named_modules() if isinstance(module, LoraLayer)}
 
 
 def _storage(tensor: torch.Tensor) -> tuple[int, tuple[int, ...]]:

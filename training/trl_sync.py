@@ -4,16 +4,17 @@
     the trainer's weights from the start):
       every rank   accelerator.get_state_dict(model)   the full weights; a collective under
                                                        FSDP and ZeRO-3, so all ranks call it
-      main only    save to a new directory -> the learner's logprobs on probe prompts
-                   -> inside coordinator.paused(): reload into every base replica and
-                   verify each (training.weight_sync.BasePusher)
+      main only    inside coordinator.paused(): push into every base replica and verify
+                   each (training.weight_sync.BasePusher): in memory through vLLM's
+                   weight-transfer API when the servers have a weight-transfer engine,
+                   else saved to a new directory and reloaded from there (`weights_via`)
       every rank   accelerator.wait_for_everyone()     no rank samples before the push is done
 
 Each rank owns its QStarRollouts (its own coordinator over the same servers); only the
 main process's pushes. Under FSDP or ZeRO-3 the main process holds only a shard, so the
-logprobs to verify against are computed from the saved checkpoint, loaded on the CPU
-(one more copy of the model in memory for the length of a push); otherwise from the live
-model. The push is the one `dualvllm train` makes, so its failures are the same
+push goes through the disk and the logprobs to verify against are computed from the saved
+checkpoint, loaded on the CPU (one more copy of the model in memory for the length of a
+push); otherwise from the live model. The push is the one `dualvllm train` makes, so its failures are the same
 WeightSyncErrors and it needs the servers in dev mode (VLLM_SERVER_DEV_MODE=1, loopback).
 """
 
@@ -27,7 +28,8 @@ from transformers import TrainerCallback
 from common.errors import InvalidInputError
 from training import lora, untie
 from training.trl_rollouts import QStarRollouts
-from training.weight_sync import BasePusher, PushReport, new_push_dir, prune_pushed, write_push
+from training.weight_sync import (BasePusher, PushReport, WeightsVia, new_push_dir, prune_pushed, push_metrics,
+                                  write_push)
 
 # A push of the bundled models takes well under a second; a large model's save and reload take
 # minutes, and a replica that restarts gets BasePusher's own health wait on top.
@@ -46,12 +48,14 @@ class QStarWeightSync(TrainerCallback):
 
     def __init__(self, trainer: Any, rollouts: QStarRollouts, *, sync_every: int = 1,
                  probes: Sequence[Sequence[int]] | None = None, push_dir: Path | None = None,
-                 tolerance: float | None = None, push_timeout_s: float = PUSH_TIMEOUT_S, sync_at_start: bool = True) -> None:
+                 tolerance: float | None = None, push_timeout_s: float = PUSH_TIMEOUT_S, sync_at_start: bool = True,
+                 weights_via: WeightsVia = "auto") -> None:
         if sync_every < 1:
             raise InvalidInputError(f"sync_every={sync_every}; push every N >= 1 optimizer steps")
         self.trainer, self.rollouts = trainer, rollouts
         self.sync_every, self.tolerance = sync_every, tolerance
         self.push_timeout_s, self.sync_at_start = push_timeout_s, sync_at_start
+        self.weights_via = weights_via
         self.out = Path(push_dir) if push_dir is not None else Path(trainer.args.output_dir)
         self._probes = [list(p) for p in probes] if probes is not None else None
         self._pusher: BasePusher | None = None
@@ -78,6 +82,9 @@ class QStarWeightSync(TrainerCallback):
                 metrics["push/max_abs_diff"].append(report.max_abs_diff)
                 metrics["push/replicas"].append(float(report.replicas))
                 metrics["push/replicas_dropped"].append(float(len(report.dropped)))
+                for key, value in push_metrics(report).items():
+                    if isinstance(value, (int, float)):
+                        metrics[key.replace("push_", "push/", 1)].append(float(value))
         accelerator.wait_for_everyone()
 
     def _push(self, step: int, state_dict: dict[str, Any] | None) -> PushReport:
@@ -90,7 +97,17 @@ class QStarWeightSync(TrainerCallback):
                                     "the adapter, or train without sharding")
         if self._pusher is None:
             untie.refuse_tied(model, str(getattr(model, "name_or_path", "the trained model")))
-            self._pusher = BasePusher(self.rollouts.coordinator.base_engine, probes, tolerance=self.tolerance)
+            via = "disk" if state_dict is not None else self.weights_via
+            if state_dict is not None and self.weights_via == "memory":
+                raise InvalidInputError("weights_via='memory' needs the whole model in this process; under FSDP or "
+                                        "ZeRO-3 each rank holds a shard: push via the disk")
+            self._pusher = BasePusher(self.rollouts.coordinator.base_engine, probes, tolerance=self.tolerance,
+                                      via=via)
+        if state_dict is None:  # in memory when the servers can take it (BasePusher.push)
+            report = self.rollouts.run(self._push_live(model, out_dir), timeout_s=self.push_timeout_s,
+                                       what=f"pushing the weights of step {step}")
+            prune_pushed(self.out)
+            return report
         dtype = self.rollouts.run(self._pusher.served_dtype(), timeout_s=self.push_timeout_s,
                                   what="asking the base server's dtype")
         # In the server's dtype, compared like with like (training.weight_sync.write_push); a
@@ -100,6 +117,11 @@ class QStarWeightSync(TrainerCallback):
                                    what=f"pushing the weights of step {step}")
         prune_pushed(self.out)
         return report
+
+    async def _push_live(self, model: Any, out_dir: Path) -> PushReport:
+        assert self._pusher is not None
+        async with self.rollouts.coordinator.paused():  # lockstep sequences resume on the new weights
+            return await self._pusher.push(model, self.trainer.processing_class, out_dir)
 
     async def _reload(self, out_dir: Path, expected: Any) -> PushReport:
         assert self._pusher is not None

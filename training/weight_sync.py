@@ -44,9 +44,9 @@ import json
 import logging
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Awaitable, Callable, Literal, Sequence
 
 import numpy as np
 
@@ -71,6 +71,10 @@ HEALTH_WAIT_S = 120.0
 # A replica in a pool is not waited on as long: the run goes on with the others, and the
 # replica gets the newest weights when it rejoins.
 REPLICA_HEALTH_WAIT_S = 5.0
+# How pushes reach the base servers: "memory" through vLLM's weight-transfer API (servers started
+# with a weight-transfer engine), "disk" through a checkpoint they reload, "auto" memory when the
+# servers can take it.
+WeightsVia = Literal["auto", "memory", "disk"]
 # The client knows a server by its URL only; a server that died says why in its own log.
 SERVER_LOG_HINT = ("Its log says why (`dualvllm train` writes <output-dir>/theta.log, theta-I.log with replicas; "
                    "`dualvllm serve --log-dir DIR` writes DIR/theta.log)")
@@ -92,12 +96,15 @@ MEDIAN_SHARE = 0.1
 
 @dataclass(frozen=True)
 class PushReport:
-    path: Path
+    path: Path | None  # the checkpoint reloaded from disk; None for a push in memory
     max_abs_diff: float  # largest |server - learner| logprob over the probe tokens (and replicas)
     probes: int
     reload_sends: int  # 2 when the first send failed without a clear answer and did not take
     replicas: int = 1  # base replicas that serve the pushed weights, verified
     dropped: tuple[str, ...] = ()  # URLs of replicas the push failed on, taken out of the pool
+    via: str = "disk"  # "memory": vLLM's weight-transfer API (training.weight_transfer); "disk": a reload
+    bytes_moved: int = 0  # in memory: bytes sent to each replica
+    seconds: dict[str, float] = field(default_factory=dict)  # by phase (the slowest replica's), and "total"
 
 
 @dataclass(frozen=True)
@@ -238,10 +245,22 @@ def _device(model: Any) -> Any:
     return next(model.parameters()).device
 
 
+def push_metrics(report: PushReport) -> dict[str, Any]:
+    """A push's cost for metrics.jsonl, the TRL callback's logs and /metrics: how it went, bytes
+    moved (in memory) and seconds by phase (memory: init, start, send, finish, reset, verify;
+    disk: save, reload; both: total)."""
+    return {"push_via": report.via, "push_bytes": report.bytes_moved,
+            **{f"push_seconds/{phase}": round(seconds, 4) for phase, seconds in report.seconds.items()}}
+
+
 class BasePusher:
     """Pushes the learner's weights into the base role: one server, or every healthy replica of a pool.
 
-    Each replica is reloaded and verified on its own, concurrently. A replica whose push
+    In memory (training.weight_transfer: vLLM's weight-transfer API, fenced by pause(mode=
+    "keep")) when every base server was started with a weight-transfer engine, else, or with
+    `via="disk"`, through a checkpoint each server reloads. `via="memory"` refuses the disk.
+
+    Each replica is pushed to and verified on its own, all at once. A replica whose push
     fails (it died, or serves other weights after its reload) is taken out of the pool and
     the run goes on with the others; WeightSyncError only when no replica took the push.
     The newest pushed weights stay at hand: a replica that comes back gets them, verified,
@@ -249,13 +268,16 @@ class BasePusher:
     """
 
     def __init__(self, base: Engine, probes: Sequence[Sequence[int]], *, top_k: int = 20,
-                 tolerance: float | None = None) -> None:
+                 tolerance: float | None = None, via: WeightsVia = "auto") -> None:
         self._pool = base if isinstance(base, ReplicaPool) else None
         self._single = base
         self._probes = [list(p) for p in probes]
         self._top_k, self._given_tolerance = top_k, tolerance
+        self._via = via
+        self._in_memory: bool | None = None  # decided at the first push
         self._dtype: str | None = None  # the base servers', asked once
-        self._newest: tuple[Path, np.ndarray] | None = None  # (weights dir, learner logprobs on the probes)
+        # The newest push: how to send it to one more replica, and what that replica must answer.
+        self._newest: tuple[Callable[[VLLMClient], Awaitable[PushReport]], np.ndarray] | None = None
         if self._pool is not None:
             self._pool.rejoin_hook = self._catch_up
 
@@ -263,9 +285,28 @@ class BasePusher:
         """The dtype the base servers compute in, which pushes are written and verified in
         (asked of one replica: a role's replicas are started alike)."""
         if self._dtype is None:
-            first = self._single if self._pool is None else self._pool.replicas[self._pool.healthy[0]]
-            self._dtype = await served_dtype(_vllm(first))
+            self._dtype = await served_dtype(_vllm(self._first()))
         return self._dtype
+
+    async def in_memory(self) -> bool:
+        """Whether pushes go through the servers' memory (decided once, logged once)."""
+        if self._in_memory is None:
+            backend = None if self._via == "disk" else await _vllm(self._first()).weight_transfer_backend()
+            if self._via == "memory" and backend is None:
+                raise WeightSyncError(f"weights_via is 'memory', but the base server at {_vllm(self._first()).url} "
+                                      "has no weight-transfer engine: start it with dev mode and "
+                                      "--weight-transfer-config (ServerConfig.weight_transfer), or push via the disk")
+            self._in_memory = backend is not None
+            if self._in_memory:
+                log.info("weights are pushed in memory, through the base servers' %r weight-transfer engine", backend)
+            else:
+                log.info("weights are pushed through the disk (a checkpoint the base servers reload): %s",
+                         "as asked (weights_via disk)" if self._via == "disk" else
+                         "the base server was started without --weight-transfer-config")
+        return self._in_memory
+
+    def _first(self) -> Engine:
+        return self._single if self._pool is None else self._pool.replicas[self._pool.healthy[0]]
 
     @property
     def _tolerance(self) -> float:
@@ -275,34 +316,61 @@ class BasePusher:
         return PUSH_TOLERANCE[self._dtype]
 
     async def push(self, model: Any, tokenizer: Any, out_dir: Path) -> PushReport:
-        """Save `model` in the servers' dtype to the new directory `out_dir`, reload it into every
-        base replica, verify each."""
+        """Push `model`'s weights into every base replica, in the servers' dtype, and verify each:
+        in memory, or saved to the new directory `out_dir` and reloaded from there."""
         dtype = await self.served_dtype()
-        return await self.push_saved(out_dir, await save_for_push(model, tokenizer, out_dir, self._probes, dtype=dtype))
+        if not await self.in_memory():
+            started = time.perf_counter()
+            expected = await save_for_push(model, tokenizer, out_dir, self._probes, dtype=dtype)
+            saved = time.perf_counter()
+            report = await self.push_saved(out_dir, expected)
+            return replace(report, seconds={"save": saved - started, **report.seconds,
+                                            "total": time.perf_counter() - started})
+        from training import weight_transfer  # imports vLLM's trainer-side classes
+
+        expected = await asyncio.to_thread(weight_transfer.expected_logprobs, model, self._probes, dtype)
+        previous = None if self._newest is None else self._newest[1]
+
+        async def send(client: VLLMClient, previous: np.ndarray | None = previous) -> PushReport:
+            return await weight_transfer.transfer_and_verify(
+                client, model, self._probes, expected, dtype=dtype, top_k=self._top_k, tolerance=self._tolerance,
+                previous=previous, weight_version=out_dir.name)
+
+        return await self._push_each(lambda client, wait_s: send(client), expected, f"the in-memory push {out_dir.name}",
+                                     catch_up=lambda client: send(client, None))
 
     async def push_saved(self, out_dir: Path, expected: np.ndarray) -> PushReport:
         """Reload the checkpoint in `out_dir` (written in `served_dtype()`, see `write_push`) into
         every base replica; `expected` is what they must answer on the probes [len(probes), vocab]."""
         await self.served_dtype()
         previous = None if self._newest is None else self._newest[1]
+        started = time.perf_counter()
+
+        def reload(client: VLLMClient, wait_s: float, previous: np.ndarray | None = previous) -> Awaitable[PushReport]:
+            return reload_and_verify(client, out_dir, self._probes, expected, top_k=self._top_k,
+                                     tolerance=self._tolerance, health_wait_s=wait_s, previous=previous)
+
+        report = await self._push_each(reload, expected, f"the weight push of {out_dir.name}",
+                                       catch_up=lambda client: reload(client, REPLICA_HEALTH_WAIT_S, None))
+        return replace(report, seconds={"reload_verify": time.perf_counter() - started})
+
+    async def _push_each(self, push: Callable[[VLLMClient, float], Awaitable[PushReport]], expected: np.ndarray,
+                         label: str, *, catch_up: Callable[[VLLMClient], Awaitable[PushReport]]) -> PushReport:
+        """`push` to every healthy replica at once; take out those it fails on."""
         if self._pool is None:
-            report = await reload_and_verify(_vllm(self._single), out_dir, self._probes, expected,
-                                             top_k=self._top_k, tolerance=self._tolerance, previous=previous)
-            self._newest = (out_dir, expected)
+            report = await push(_vllm(self._single), HEALTH_WAIT_S)
+            self._newest = (catch_up, expected)
             return report
         async with self._pool.membership:  # no replica rejoins halfway through a push
             indexes = self._pool.healthy
             # The last replica standing is waited on as a lone server is: the run needs it.
             wait_s = REPLICA_HEALTH_WAIT_S if len(indexes) > 1 else HEALTH_WAIT_S
-            results = await asyncio.gather(
-                *(reload_and_verify(_vllm(self._pool.replicas[i]), out_dir, self._probes, expected, top_k=self._top_k,
-                                    tolerance=self._tolerance, health_wait_s=wait_s, previous=previous)
-                  for i in indexes),
-                return_exceptions=True)
+            results = await asyncio.gather(*(push(_vllm(self._pool.replicas[i]), wait_s) for i in indexes),
+                                           return_exceptions=True)
             reports, dropped, errors = [], [], []
             for index, result in zip(indexes, results):
                 if isinstance(result, (WeightSyncError, ServerError)):
-                    self._pool.take_out(index, f"the weight push of {out_dir.name} failed: {result}")
+                    self._pool.take_out(index, f"{label} failed: {result}")
                     dropped.append(_vllm(self._pool.replicas[index]).url)
                     errors.append(result)
                 elif isinstance(result, BaseException):
@@ -310,20 +378,22 @@ class BasePusher:
                 else:
                     reports.append(result)
             if not reports:
-                raise WeightSyncError(f"no base replica serves the weights pushed to {out_dir}: "
+                raise WeightSyncError(f"no base replica serves the weights of {label}: "
                                       + "; ".join(str(e) for e in errors)) from (errors[0] if errors else None)
-            self._newest = (out_dir, expected)
+            self._newest = (catch_up, expected)
             await self._pool.refresh_reference()
-        return PushReport(path=out_dir, max_abs_diff=max(r.max_abs_diff for r in reports), probes=len(self._probes),
-                          reload_sends=max(r.reload_sends for r in reports), replicas=len(reports),
-                          dropped=tuple(dropped))
+        phases = {phase for r in reports for phase in r.seconds}
+        seconds = {phase: max(r.seconds.get(phase, 0.0) for r in reports) for phase in phases}  # the slowest replica's
+        return replace(reports[0], max_abs_diff=max(r.max_abs_diff for r in reports),
+                       reload_sends=max(r.reload_sends for r in reports), replicas=len(reports),
+                       dropped=tuple(dropped), seconds=seconds)
 
     async def _catch_up(self, replica: Engine) -> None:
-        """A replica back from the dead gets the newest pushed weights before it rejoins."""
+        """A replica back from the dead gets the newest pushed weights before it rejoins (in memory:
+        the learner's current ones, which fail the check if it has stepped since the push, and the
+        replica waits for the next push)."""
         if self._newest is not None:
-            weights_dir, expected = self._newest
-            await reload_and_verify(_vllm(replica), weights_dir, self._probes, expected, top_k=self._top_k,
-                                    tolerance=self._tolerance, health_wait_s=REPLICA_HEALTH_WAIT_S)
+            await self._newest[0](_vllm(replica))
 
 
 def _vllm(engine: Engine) -> VLLMClient:
