@@ -90,7 +90,8 @@ BROKEN = {
     "missing-dir": (lambda w: w.rename(w.with_name("elsewhere")), "no such directory"),
     "a-file": (lambda w: (w.rename(w.with_name("elsewhere")), w.write_text("")), "it is not a directory"),
     "no-config": (lambda w: (w / "config.json").unlink(), "it holds no config.json"),
-    "config-not-json": (lambda w: (w / "config.json").write_text("{'model_type':"), "config.json cannot be read as JSON"),
+    "config-not-json": (lambda w: (w / "config.json").write_text("{'model_type':"),
+                        "config.json cannot be read as JSON"),
     "config-a-list": (lambda w: (w / "config.json").write_text("[]"), "config.json holds a list"),
     "no-safetensors": (lambda w: (w / "model.safetensors").unlink(), "it holds no \\*.safetensors file"),
     "truncated-data": (lambda w: truncate(w / "model.safetensors", keep=-4),
@@ -115,7 +116,7 @@ async def test_a_missing_or_corrupt_checkpoint_is_refused_before_any_request(fak
     monkeypatch.chdir(tmp_path)  # given relative: the error names both paths
     async with client(fake_theta.url) as c:
         with pytest.raises(WeightSyncError, match=f"checkpoint {weights.resolve()} \\(given as 'step-000001'\\) "
-                                                  f"cannot be pushed: (its )?{problem}.*Nothing was sent to the server"):
+                                                  f"cannot be pushed: (its )?{problem}.*Nothing was sent"):
             await reload_and_verify(c, Path("step-000001"), PROBES, learner(NEW_SEED), top_k=5)
         assert c.requests == 0
     assert fake_theta.order == [] and fake_theta.model.seed == 1
