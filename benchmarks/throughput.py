@@ -69,7 +69,8 @@ async def run(args: argparse.Namespace) -> dict:
         coordinator = await stack.enter_async_context(DualVLLMCoordinator(config))
         reference = await stack.enter_async_context(
             ReferenceProtocolClient(theta_url, t_url, top_k=args.top_k, pool_size=args.pool_size))
-        native = await stack.enter_async_context(VLLMClient(theta_url, name="theta", request_timeout_s=600))
+        # One request carries a whole cell: 256 x 2,048 tokens at a real vocabulary take ~25 minutes here.
+        native = await stack.enter_async_context(VLLMClient(theta_url, name="theta", request_timeout_s=7200))
         bare = bare_cpus = None
         if not (args.theta_url and args.t_url) and not args.no_tokenizer_arm:
             bare_urls = await stack.enter_async_context(harness.servers(None, None, max_logprobs=logprobs,

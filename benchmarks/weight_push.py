@@ -1,9 +1,9 @@
 """Weight pushes at a real shape, through the disk and in memory: how long each phase takes,
 how long sampling stalls, and how far a bf16 server's logprobs sit from the pushed weights.
 
-    python benchmarks/weight_push.py --shape small                 # tied and untied, 3 pushes each way
-    python benchmarks/weight_push.py --shape qwen3-0.6b --variants untied --pushes 2
-    python benchmarks/weight_push.py --shape tiny --via disk memory  # the bundled toy models
+    python benchmarks/weight_push.py --shapes small                # tied and untied, 3 pushes each way
+    python benchmarks/weight_push.py --shapes tiny small --pushes 2 --tolerance 100
+    python benchmarks/weight_push.py --shapes qwen3-0.6b --variants untied --pushes 2
 
 For each variant (tied or untied embeddings) of the realistic-shape base (tinymodels.shapes,
 a 151,936-token vocabulary, bf16 checkpoint), one dev-mode vLLM server is started with
@@ -44,7 +44,7 @@ from common import loop  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from engines.launcher import ServerConfig, VLLMServer  # noqa: E402
 from engines.vllm_client import VLLMClient  # noqa: E402
-from training import weight_transfer  # noqa: E402
+from training import lora, weight_transfer  # noqa: E402
 from training.weight_sync import (PUSH_TOLERANCE, BasePusher, checkpoint_logprobs, compare_logprobs,  # noqa: E402
                                   learner_logprobs, served_dtype)
 
@@ -69,8 +69,6 @@ def model_dirs(shape: str, tied: bool) -> tuple[Path, str]:
     if shape == "tiny":
         import tinymodels
 
-        if tied:
-            raise SystemExit("--shape tiny has no tied variant: pass --variants untied")
         return tinymodels.BASE_DIR, tinymodels.SERVER_DTYPE
     from tinymodels.shapes import ensure_pair
 
@@ -119,7 +117,7 @@ class Streams:
 
 
 async def variant(shape: str, tied: bool, pushes: int, ways: list[str], streams: int, log_dir: Path,
-                  tolerance: float | None) -> dict:
+                  tolerance: float | None, lora_rank: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -147,41 +145,46 @@ async def variant(shape: str, tied: bool, pushes: int, ways: list[str], streams:
             previous = None
             async with Streams(server.url, model, contexts[0][:8], streams) as sampling:
                 with tempfile.TemporaryDirectory() as scratch:
-                    for push in range(pushes):
-                        for via in ways:
-                            with torch.no_grad():
-                                for parameter in learner.parameters():
+                    rounds = [(push, via) for push in range(pushes) for via in ways]
+                    if lora_rank:  # then one push of a LoRA learner: only its adapted layers move
+                        rounds.append((pushes, "memory-lora"))
+                    for push, via in rounds:
+                        if via == "memory-lora":
+                            learner = lora.wrap(learner, rank=lora_rank, alpha=2 * lora_rank)
+                        with torch.no_grad():
+                            for pname, parameter in learner.named_parameters():
+                                if via != "memory-lora" or "lora_B" in pname:
                                     parameter.add_(PERTURBATION_STD * torch.randn_like(parameter))
-                            pusher = BasePusher(client, contexts, via=via, tolerance=tolerance)
-                            await asyncio.sleep(BEFORE_S)  # sampling undisturbed, to compare with
-                            t0 = time.perf_counter()
-                            report = await pusher.push(learner, tokenizer, Path(scratch) / f"push-{push}-{via}")
-                            t1 = time.perf_counter()
-                            served = await client.next_token_topk(contexts, 20)
-                            expected = (await asyncio.to_thread(
-                                checkpoint_logprobs, report.path, contexts, dtype=dtype) if report.path else
-                                await asyncio.to_thread(weight_transfer.expected_logprobs, learner, contexts, dtype))
-                            row = {"push": push, "via": report.via, "seconds": t1 - t0,
-                                   **{f"{phase}_s": v for phase, v in report.seconds.items()},
-                                   "bytes_mb": (report.bytes_moved or _checkpoint_bytes(report.path)) / 1e6,
-                                   "reload_sends": report.reload_sends, **sampling.around(t0, t1),
-                                   **{f"vs_expected_{k}": v for k, v in spread(served, expected).items()},
-                                   **{f"vs_float32_{k}": v for k, v in
-                                      spread(served, learner_logprobs(learner, contexts)).items()}}
-                            if previous is not None:
-                                row |= {f"vs_previous_{k}": v for k, v in spread(served, previous).items()}
-                            previous = expected
-                            rows.append(row)
-                            phases = ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in row.items()
-                                               if k.endswith("_s") and k not in ("stall_s",))
-                            print(f"{name} push {push} via {via}: {row['seconds']:.2f} s ({phases}), "
-                                  f"{row['bytes_mb']:.0f} MB; sampling stalled {row['stall_s']:.2f} s, "
-                                  f"{row['tokens_per_s_during']:.0f} tokens/s during vs "
-                                  f"{row['tokens_per_s_before']:.0f} before; |server - expected| max "
-                                  f"{row['vs_expected_max_nats']:.3f} median {row['vs_expected_median_nats']:.3f} "
-                                  f"nats", flush=True)
-                            if via == "disk":
-                                shutil.rmtree(report.path, ignore_errors=True)
+                        pusher = BasePusher(client, contexts, via=via.removesuffix("-lora"), tolerance=tolerance)
+                        await asyncio.sleep(BEFORE_S)  # sampling undisturbed, to compare with
+                        t0 = time.perf_counter()
+                        report = await pusher.push(learner, tokenizer, Path(scratch) / f"push-{push}-{via}")
+                        t1 = time.perf_counter()
+                        served = await client.next_token_topk(contexts, 20)
+                        expected = (await asyncio.to_thread(
+                            checkpoint_logprobs, report.path, contexts, dtype=dtype) if report.path else
+                            await asyncio.to_thread(weight_transfer.expected_logprobs, learner, contexts, dtype))
+                        row = {"push": push, "via": via, "seconds": t1 - t0,
+                               **{f"{phase}_s": v for phase, v in report.seconds.items()},
+                               "bytes_mb": (report.bytes_moved or _checkpoint_bytes(report.path)) / 1e6,
+                               "reload_sends": report.reload_sends, **sampling.around(t0, t1),
+                               **{f"vs_expected_{k}": v for k, v in spread(served, expected).items()},
+                               **{f"vs_float32_{k}": v for k, v in
+                                  spread(served, learner_logprobs(learner, contexts)).items()}}
+                        if previous is not None:
+                            row |= {f"vs_previous_{k}": v for k, v in spread(served, previous).items()}
+                        previous = expected
+                        rows.append(row)
+                        phases = ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in row.items()
+                                           if k.endswith("_s") and k not in ("stall_s",))
+                        print(f"{name} push {push} via {via}: {row['seconds']:.2f} s ({phases}), "
+                              f"{row['bytes_mb']:.0f} MB; sampling stalled {row['stall_s']:.2f} s, "
+                              f"{row['tokens_per_s_during']:.0f} tokens/s during vs "
+                              f"{row['tokens_per_s_before']:.0f} before; |server - expected| max "
+                              f"{row['vs_expected_max_nats']:.3f} median {row['vs_expected_median_nats']:.3f} "
+                              f"nats", flush=True)
+                        if via == "disk":
+                            shutil.rmtree(report.path, ignore_errors=True)
     finally:
         server.stop()
     return {"shape": shape, "tied": tied, "served_dtype": dtype, "server_startup_s": startup_s,
@@ -196,9 +199,12 @@ def _checkpoint_bytes(path: Path | None) -> int:
 async def run(args: argparse.Namespace) -> dict:
     results = []
     with tempfile.TemporaryDirectory() as logs:
-        for name in args.variants:
-            results.append(await variant(args.shape, name == "tied", args.pushes, args.via, args.streams, Path(logs),
-                                         args.tolerance))
+        for shape in args.shapes:
+            for name in args.variants:
+                if shape == "tiny" and name == "tied":
+                    continue  # the bundled base is untied
+                results.append(await variant(shape, name == "tied", args.pushes, args.via, args.streams, Path(logs),
+                                             args.tolerance, args.lora_rank))
     return {"machine": harness.machine(), "command": " ".join(["python", *sys.argv]),
             "perturbation_std": PERTURBATION_STD, "variants": results}
 
@@ -220,11 +226,15 @@ def plot(report: dict, path: Path) -> None:
 
 def main() -> None:
     parser = harness.argument_parser(__doc__, live_servers=False)
-    parser.add_argument("--shape", choices=("tiny", *harness.SHAPE_NAMES), default="small",
-                        help="tiny: the bundled toy base (float32); else a realistic-shape base (bfloat16)")
+    parser.add_argument("--shapes", nargs="+", choices=("tiny", *harness.SHAPE_NAMES), default=["small"],
+                        help="tiny: the bundled toy base (float32, untied only); else a realistic-shape base "
+                             "(bfloat16), each variant of it")
     parser.add_argument("--via", nargs="+", choices=("disk", "memory"), default=["disk", "memory"],
                         help="how each push goes, in this order within every round")
     parser.add_argument("--streams", type=int, default=4, help="streaming requests sampling during the pushes")
+    parser.add_argument("--lora-rank", type=int, default=16,
+                        help="then one in-memory push of the learner with LoRA adapters of this rank on every "
+                             "projection (training.lora.wrap): only the adapted decoder layers move; 0: none")
     parser.add_argument("--variants", nargs="+", choices=("untied", "tied"), default=["untied", "tied"])
     parser.add_argument("--pushes", type=int, default=3)
     parser.add_argument("--tolerance", type=float,

@@ -184,6 +184,7 @@ def test_train_pushes_verified_weights_and_resumes_after_a_kill(tmp_path, lora_r
     steps = [r["step"] for r in records if "event" not in r]
     assert steps == sorted(set(steps)) and steps[-1] == 4, steps  # resumed, nothing trained twice
     assert all(r["push_max_abs_diff"] < 1e-3 for r in records if "push_max_abs_diff" in r)
+    assert all(r["push_via"] == "memory" for r in records if "push_via" in r)  # the servers it started can
     assert [p.name for p in sorted((out / "checkpoints").iterdir())][-1] == "step-000004"
     # A fresh run refuses to overwrite the finished one.
     third = dualvllm(*args)

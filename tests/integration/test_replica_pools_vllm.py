@@ -107,11 +107,15 @@ async def test_a_killed_base_replica_loses_no_token_and_rejoins_after_a_restart(
         learner = transformers.AutoModelForCausalLM.from_pretrained(tinymodels.TEACHER_DIR)
         probes = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts[:4]]
         push = await BasePusher(c.base_engine, probes).push(learner, tokenizer, tmp_path / "pushed")
+        # and the same through the disk, the path of servers without a weight-transfer engine
+        disk = await BasePusher(c.base_engine, probes, via="disk").push(learner, tokenizer, tmp_path / "on-disk")
         final = c.get_statistics()
 
     assert_lost_nothing(outputs, reference, after_kill, "theta", atol=1e-6)
     assert final["theta_replica_rejoins"] == 1
-    assert (push.replicas, push.dropped) == (2, ()) and push.max_abs_diff < 1e-3
+    assert push.via == "memory" and disk.via == "disk"
+    for report in (push, disk):
+        assert (report.replicas, report.dropped) == (2, ()) and report.max_abs_diff < 1e-3
 
 
 async def test_a_killed_teacher_replica_in_lockstep_mode_loses_no_token_and_rejoins(pools, tmp_path):
@@ -177,6 +181,7 @@ def test_training_goes_on_pushing_verified_weights_when_a_base_replica_dies(pool
         run = dualvllm("train", "--config", str(TINY_ARITH), "--output-dir", str(out), "--theta-urls", pools[0].url,
                        pools[2].url, "--t-urls", pools[1].url, pools[3].url, "--steps", "4", "--prompts-per-step", "2",
                        "--group-size", "4", "--eval-prompts", "8", "--max-tokens", "4", "--eval-every", "4",
+                       "--weights-via", "disk",  # the other tests of `train` push in memory
                        stdout=subprocess.DEVNULL, stderr=stderr)
     try:
         metrics = out / "metrics.jsonl"
@@ -195,6 +200,7 @@ def test_training_goes_on_pushing_verified_weights_when_a_base_replica_dies(pool
     steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if "event" not in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     assert steps[0]["push_replicas"] == 2  # both took the first update's weights
+    assert all(r["push_via"] == "disk" for r in steps)
     assert all(r["push_replicas"] == 1 for r in steps[1:])  # then the survivor alone, verified
     assert all(r["push_max_abs_diff"] < 1e-3 for r in steps)
     assert f"theta replica {pools[2].url} is down" in text  # the loss was logged, naming the replica
