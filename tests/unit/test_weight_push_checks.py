@@ -135,12 +135,20 @@ async def test_a_server_that_dies_on_the_probe_after_a_failed_reload_is_reported
     /health, and its engine dies on the next request (layers left on the meta device)."""
     fake_theta.fail_next("/collective_rpc", WORKER_FAILED)
     fake_theta.fail_next("/v1/completions", ENGINE_DEAD)
-    with pytest.raises(WeightSyncError, match="theta server at .* died: its first request after the reload of "
-                                              ".*step-000001 failed \\(.*Call to collective_rpc method failed: size "
-                                              "mismatch.*\\) failed: .*; it no longer answers /health \\(nothing "
+    with pytest.raises(WeightSyncError, match="theta server at .* died: the reload of .*step-000001 failed \\(.*Call "
+                                              "to collective_rpc method failed: size mismatch.*\\), and so did its "
+                                              "next request \\(.*\\); it no longer answers /health \\(nothing "
                                               "listens there any more\\). Its log says why"):
         await push(fake_theta, write_fake_weights(tmp_path / "step-000001", 3))
     assert fake_theta.dead and len(fake_theta.calls["/collective_rpc"]) == 1  # not resent into a dead server
+
+
+async def test_a_server_that_dies_on_the_probe_after_an_answered_reload_is_reported_dead(fake_theta, tmp_path):
+    fake_theta.fail_next("/v1/completions", ENGINE_DEAD)
+    with pytest.raises(WeightSyncError, match="died: its first request after the reload of .*step-000001 failed "
+                                              "\\(.*\\); it no longer answers /health"):
+        await push(fake_theta, write_fake_weights(tmp_path / "step-000001", NEW_SEED))
+    assert fake_theta.dead and len(fake_theta.calls["/collective_rpc"]) == 1
 
 
 @pytest.mark.parametrize("failure, said", [
