@@ -326,15 +326,18 @@ class BasePusher:
             report = await self.push_saved(out_dir, expected)
             return replace(report, seconds={"save": saved - started, **report.seconds,
                                             "total": time.perf_counter() - started})
-        from training import weight_transfer  # imports vLLM's trainer-side classes
+        from training import lora, weight_transfer  # imports vLLM's trainer-side classes
 
         expected = await asyncio.to_thread(weight_transfer.expected_logprobs, model, self._probes, dtype)
         previous = None if self._newest is None else self._newest[1]
+        # LoRA changes only the decoder layers it adapts: the servers keep the rest from their start
+        # (a restarted replica too, from the same base checkpoint).
+        only = lora.adapted_names(model) if lora.is_lora(model) else None
 
         async def send(client: VLLMClient, previous: np.ndarray | None = previous) -> PushReport:
             return await weight_transfer.transfer_and_verify(
                 client, model, self._probes, expected, dtype=dtype, top_k=self._top_k, tolerance=self._tolerance,
-                previous=previous, weight_version=out_dir.name)
+                previous=previous, weight_version=out_dir.name, only=only)
 
         return await self._push_each(lambda client, wait_s: send(client), expected, f"the in-memory push {out_dir.name}",
                                      catch_up=lambda client: send(client, None))
