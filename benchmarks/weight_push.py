@@ -78,8 +78,8 @@ def model_dirs(shape: str, tied: bool) -> tuple[Path, str]:
 class Streams:
     """`n` streaming completions kept going against the server, each token's arrival time kept."""
 
-    def __init__(self, url: str, model: str, prompt: list[int], n: int) -> None:
-        self.url, self.model, self.prompt, self.n = url, model, prompt, n
+    def __init__(self, url: str, model: str, prompt: list[int], n: int, max_tokens: int) -> None:
+        self.url, self.model, self.prompt, self.n, self.max_tokens = url, model, prompt, n, max_tokens
         self.arrivals: list[float] = []
         self._tasks: list[asyncio.Task] = []
 
@@ -97,7 +97,7 @@ class Streams:
         await self._session.close()
 
     async def _keep_streaming(self, seed: int) -> None:
-        payload = {"model": self.model, "prompt": self.prompt, "max_tokens": STREAM_TOKENS, "ignore_eos": True,
+        payload = {"model": self.model, "prompt": self.prompt, "max_tokens": self.max_tokens, "ignore_eos": True,
                    "temperature": 1.0, "stream": True}
         while True:
             payload["seed"] = seed = seed + self.n
@@ -127,7 +127,9 @@ async def variant(shape: str, tied: bool, pushes: int, ways: list[str], streams:
     contexts = probes(min(len(tokenizer), 90) if shape == "tiny" else len(tokenizer))
     if shape == "tiny":
         contexts = [c[:40] for c in contexts]  # within the toy's 64 positions
+    # Qwen3-0.6B's config allows 40,960 positions, more than the CPU build's 1 GiB of KV cache holds.
     server = VLLMServer(ServerConfig(model=str(base_dir), dev_mode=True, lockstep=False, dtype=serve_dtype,
+                                     max_model_len=None if shape == "tiny" else 4096,
                                      log_path=log_dir / f"{shape}-{'tied' if tied else 'untied'}.log"), name="theta")
     started = time.perf_counter()
     await server.start()
@@ -143,7 +145,8 @@ async def variant(shape: str, tied: bool, pushes: int, ways: list[str], streams:
                   f"{before['median_nats']:.3f} nats", flush=True)
             model = (await client.model_info()).name
             previous = None
-            async with Streams(server.url, model, contexts[0][:8], streams) as sampling:
+            stream_tokens = min(STREAM_TOKENS, (await client.model_info()).max_model_len - 9)  # the toy: 64 positions
+            async with Streams(server.url, model, contexts[0][:8], streams, stream_tokens) as sampling:
                 with tempfile.TemporaryDirectory() as scratch:
                     rounds = [(push, via) for push in range(pushes) for via in ways]
                     if lora_rank:  # then one push of a LoRA learner: only its adapted layers move

@@ -37,8 +37,8 @@ OLD_DEFAULTS = {
 }
 OLD_EVAL_DEFAULTS = {name: value for name, value in OLD_DEFAULTS.items() if name in EvalConfig.model_fields} | {
     "arms": ["base", "q*", "teacher"], "eval_samples": 8, "output": None}
-# The fields added since: the coordinator's options, and the learner's memory options.
-NEW_FIELDS = {"coordinator", "micro_batch_size", "gradient_checkpointing"}
+# The fields added since: the coordinator's options, the learner's memory options, and how pushes go.
+NEW_FIELDS = {"coordinator", "micro_batch_size", "gradient_checkpointing", "weights_via"}
 
 
 @pytest.fixture(autouse=True)
