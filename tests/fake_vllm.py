@@ -10,12 +10,14 @@ It is a test double for unit tests only; integration tests use real vLLM servers
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import AsyncIterator
 
 import numpy as np
 from aiohttp import web
@@ -328,3 +330,16 @@ class FakeVLLM:
         allowed = np.argsort(-logprobs)[:body.get("top_k") or len(logprobs)]
         scaled = logprobs[allowed] / temperature
         return int(rng.choice(allowed, p=np.exp(scaled - np.logaddexp.reduce(scaled))))
+
+
+@contextlib.asynccontextmanager
+async def running_fakes(*models: FakeModel) -> AsyncIterator[list[FakeVLLM]]:
+    """A started FakeVLLM per model (named fake-teacher for seed 2, fake-base otherwise), closed on the way out."""
+    started = [FakeVLLM(m, name="fake-base" if m.seed != 2 else "fake-teacher") for m in models]
+    for server in started:
+        await server.start()
+    try:
+        yield started
+    finally:
+        for server in started:
+            await server.close()

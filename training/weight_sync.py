@@ -339,7 +339,8 @@ class BasePusher:
                 client, model, self._probes, expected, dtype=dtype, top_k=self._top_k, tolerance=self._tolerance,
                 previous=previous, weight_version=out_dir.name, only=only)
 
-        return await self._push_each(lambda client, wait_s: send(client), expected, f"the in-memory push {out_dir.name}",
+        return await self._push_each(lambda client, wait_s: send(client), expected,
+                                     f"the in-memory push {out_dir.name}",
                                      catch_up=lambda client: send(client, None))
 
     async def push_saved(self, out_dir: Path, expected: np.ndarray) -> PushReport:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 from types import SimpleNamespace
-from typing import AsyncIterator
 
 import numpy as np
 import pytest
@@ -12,23 +10,11 @@ import pytest
 from common.errors import IncompatibleModelsError, InvalidInputError, WeightSyncError
 from coordinator import CoordinatorConfig, DualVLLMCoordinator
 from engines.pool import ReplicaPool
-from tests.fake_vllm import FakeModel, FakeVLLM, Failure, tokenize, write_fake_weights
+from tests.fake_vllm import FakeModel, FakeVLLM, Failure, running_fakes, tokenize, write_fake_weights
 from tests.waiting import eventually
 from training.weight_sync import BasePusher
 
 PROMPTS = ["abc", "de", "fgh", "ij", "klm", "no", "ab", "cd"]
-
-
-@contextlib.asynccontextmanager
-async def servers(*models: FakeModel) -> AsyncIterator[list[FakeVLLM]]:
-    started = [FakeVLLM(m, name="fake-base" if m.seed != 2 else "fake-teacher") for m in models]
-    for server in started:
-        await server.start()
-    try:
-        yield started
-    finally:
-        for server in started:
-            await server.close()
 
 
 def config(thetas: list[FakeVLLM], ts: list[FakeVLLM], **kw) -> CoordinatorConfig:
@@ -48,7 +34,8 @@ def owner(prompt: str, replicas: list[FakeVLLM], after: list[int]) -> list[int]:
 
 
 async def test_sequences_spread_over_replicas_and_each_stays_on_one():
-    async with servers(FakeModel(1, eos_after=30), FakeModel(1, eos_after=30), FakeModel(2, eos_after=30)) as (a, b, t):
+    models = (FakeModel(1, eos_after=30), FakeModel(1, eos_after=30), FakeModel(2, eos_after=30))
+    async with running_fakes(*models) as (a, b, t):
         async with DualVLLMCoordinator(config([a, b], [t])) as c:
             after = [len(a.calls["/v1/completions"]), len(b.calls["/v1/completions"])]  # past the start-up checks
             outputs = await c.generate_batch(PROMPTS, max_tokens=6, seed=1)
@@ -62,7 +49,7 @@ async def test_sequences_spread_over_replicas_and_each_stays_on_one():
 
 
 async def test_a_replica_that_dies_mid_run_hands_its_sequences_over_with_nothing_lost():
-    async with servers(FakeModel(1), FakeModel(1), FakeModel(2)) as (a, b, t):
+    async with running_fakes(FakeModel(1), FakeModel(1), FakeModel(2)) as (a, b, t):
         async with DualVLLMCoordinator(config([a], [t])) as c:
             reference = await c.generate_batch(PROMPTS, max_tokens=8, seed=3)
         async with DualVLLMCoordinator(config([a, b], [t])) as c:
@@ -78,7 +65,7 @@ async def test_a_replica_that_dies_mid_run_hands_its_sequences_over_with_nothing
 
 
 async def test_with_every_replica_of_a_role_down_its_sequences_fail_as_before():
-    async with servers(FakeModel(1), FakeModel(1), FakeModel(2)) as (a, b, t):
+    async with running_fakes(FakeModel(1), FakeModel(1), FakeModel(2)) as (a, b, t):
         async with DualVLLMCoordinator(config([a, b], [t])) as c:
             for replica in (a, b):
                 replica.fail_next("/v1/completions", *[Failure(503)] * 50)
@@ -87,7 +74,7 @@ async def test_with_every_replica_of_a_role_down_its_sequences_fail_as_before():
 
 
 async def test_a_down_replica_rejoins_once_it_answers_with_the_same_weights():
-    async with servers(FakeModel(1), FakeModel(1), FakeModel(2)) as (a, b, t):
+    async with running_fakes(FakeModel(1), FakeModel(1), FakeModel(2)) as (a, b, t):
         async with DualVLLMCoordinator(config([a, b], [t])) as c:
             a.fail_next("/v1/completions", Failure(503))
             await c.generate_batch(PROMPTS, max_tokens=4, seed=1)
@@ -101,7 +88,7 @@ async def test_a_down_replica_rejoins_once_it_answers_with_the_same_weights():
 
 
 async def test_a_replica_that_comes_back_with_other_weights_stays_out(caplog):
-    async with servers(FakeModel(1), FakeModel(1), FakeModel(2)) as (a, b, t):
+    async with running_fakes(FakeModel(1), FakeModel(1), FakeModel(2)) as (a, b, t):
         async with DualVLLMCoordinator(config([a, b], [t])) as c:
             a.model = FakeModel(7)  # it will come back from its failure with another checkpoint
             a.fail_next("/v1/completions", Failure(503))
@@ -122,7 +109,7 @@ async def test_a_replica_that_comes_back_with_other_weights_stays_out(caplog):
 
 
 async def test_replicas_with_different_weights_are_refused_by_url():
-    async with servers(FakeModel(1), FakeModel(5), FakeModel(2)) as (a, b, t):
+    async with running_fakes(FakeModel(1), FakeModel(5), FakeModel(2)) as (a, b, t):
         with pytest.raises(IncompatibleModelsError, match="serve different weights") as refused:
             async with DualVLLMCoordinator(config([a, b], [t])):
                 pass
@@ -155,7 +142,7 @@ def learner(seed: int, probes: list[list[int]]) -> np.ndarray:
 
 async def test_a_push_reaches_every_replica_and_one_that_fails_it_catches_up_before_it_rejoins(tmp_path):
     probes = [tokenize("abc"), tokenize("de")]
-    async with servers(FakeModel(1), FakeModel(1), FakeModel(2)) as (a, b, t):
+    async with running_fakes(FakeModel(1), FakeModel(1), FakeModel(2)) as (a, b, t):
         async with DualVLLMCoordinator(config([a, b], [t])) as c:
             pusher = BasePusher(c.base_engine, probes, top_k=5)
             b.fail_next("/pause", Failure(503))  # b fails the push; /health keeps answering
@@ -174,7 +161,7 @@ async def test_a_push_reaches_every_replica_and_one_that_fails_it_catches_up_bef
 
 async def test_a_push_no_replica_takes_fails_and_names_them(tmp_path):
     probes = [tokenize("abc")]
-    async with servers(FakeModel(1), FakeModel(1), FakeModel(2)) as (a, b, t):
+    async with running_fakes(FakeModel(1), FakeModel(1), FakeModel(2)) as (a, b, t):
         async with DualVLLMCoordinator(config([a, b], [t])) as c:
             pusher = BasePusher(c.base_engine, probes, top_k=5)
             with pytest.raises(WeightSyncError, match="no base replica serves") as failed:

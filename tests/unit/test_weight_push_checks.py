@@ -12,10 +12,9 @@ stops listening). Outcomes are read from the requests the fakes received, never 
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
-from typing import AsyncIterator, Callable
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -24,7 +23,7 @@ from common.errors import WeightSyncError
 from coordinator import CoordinatorConfig, DualVLLMCoordinator
 from engines.vllm_client import VLLMClient
 from engines.weights_dir import checked_weights_dir
-from tests.fake_vllm import Failure, FakeModel, FakeVLLM, tokenize, write_fake_weights
+from tests.fake_vllm import Failure, FakeModel, FakeVLLM, running_fakes, tokenize, write_fake_weights
 from training.weight_sync import BasePusher, reload_and_verify
 
 NEW_SEED = 7  # fake_theta starts on FakeModel(seed=1)
@@ -165,21 +164,9 @@ async def test_a_server_that_dies_on_the_reload_is_reported_dead_with_the_reload
     assert fake_theta.dead and "/v1/completions" not in fake_theta.calls
 
 
-@contextlib.asynccontextmanager
-async def servers(*models: FakeModel) -> AsyncIterator[list[FakeVLLM]]:
-    started = [FakeVLLM(m, name="fake-base" if m.seed != 2 else "fake-teacher") for m in models]
-    for server in started:
-        await server.start()
-    try:
-        yield started
-    finally:
-        for server in started:
-            await server.close()
-
-
 async def test_a_replica_a_push_kills_is_taken_out_and_the_pool_samples_on(tmp_path):
     probes = [tokenize("abc"), tokenize("de")]
-    async with servers(FakeModel(1), FakeModel(1), FakeModel(2)) as (a, b, t):
+    async with running_fakes(FakeModel(1), FakeModel(1), FakeModel(2)) as (a, b, t):
         config = CoordinatorConfig(theta_urls=[a.url, b.url], t_urls=[t.url], retry_delay=0.0, top_k=8,
                                    mode="per_token", max_retries=0, replica_probe_interval=0.05)
         async with DualVLLMCoordinator(config) as c:
