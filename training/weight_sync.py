@@ -164,7 +164,7 @@ async def verify_server_matches(client: VLLMClient, probes: Sequence[Sequence[in
     """
     diff = compare_logprobs(await client.next_token_topk(probes, top_k), expected)
     if not diff.within(tolerance):
-        raise WeightSyncError(_mismatch_message(client, diff, tolerance, []))
+        raise WeightSyncError(mismatch_message(client, diff, tolerance, []))
     return diff.max_abs_diff
 
 
@@ -450,7 +450,7 @@ async def reload_and_verify(client: VLLMClient, weights_dir: Path, probes: Seque
             log.warning("%s server does not serve %s after its reload failed (%s); sending the reload once more",
                         client.name, weights_dir, failure)
     stale = previous is not None and compare_logprobs(served, previous).within(tolerance)
-    raise WeightSyncError(_mismatch_message(client, diff, tolerance, failures, stale=stale,
+    raise WeightSyncError(mismatch_message(client, diff, tolerance, failures, stale=stale,
                                             tied=_ties_embeddings(weights_dir)))
 
 
@@ -481,20 +481,20 @@ async def _fenced_reload(client: VLLMClient, weights_dir: Path, health_wait_s: f
         await client.reset_prefix_cache()
     except BaseException:
         if fenced:
-            await _resume_after_failure(client)
+            await resume_after_failure(client)
         raise
     if fenced:
         await client.resume()
     return failure
 
 
-async def _resume_after_failure(client: VLLMClient) -> None:
-    """/resume after a failed reload; a server that died cannot take it, and the error being
-    raised already says what happened."""
+async def resume_after_failure(client: VLLMClient) -> None:
+    """/resume after a failed push (a reload, or an in-memory transfer); a server that died
+    cannot take it, and the error being raised already says what happened."""
     try:
         await client.resume()
     except ServerError as err:
-        log.warning("%s server at %s could not be resumed after its reload failed: %s", client.name, client.url, err)
+        log.warning("%s server at %s could not be resumed after a failed push: %s", client.name, client.url, err)
 
 
 async def _wait_healthy(client: VLLMClient, weights_dir: Path, failure: ServerError, wait_s: float) -> None:
@@ -524,7 +524,7 @@ async def _failure_message(client: VLLMClient, what: str) -> str:
             f"checkpoint into it or restart it before sampling from it. {SERVER_LOG_HINT}")
 
 
-def _mismatch_message(client: VLLMClient, diff: ProbeDiff, tolerance: float, failures: list[ServerError], *,
+def mismatch_message(client: VLLMClient, diff: ProbeDiff, tolerance: float, failures: list[ServerError], *,
                       stale: bool = False, tied: bool = False) -> str:
     """What went wrong, with the cause where the probe shows it and the advice for that cause alone."""
     message = (

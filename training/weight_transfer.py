@@ -45,8 +45,7 @@ from common.errors import ServerError, WeightSyncError
 from engines.vllm_client import VLLMClient
 from engines.weight_transfer import BACKEND, SEGMENT_PREFIX, ShmInitInfo, ShmUpdateInfo, aligned, segment_path
 from training import lora
-from training.weight_sync import PushReport, compare_logprobs, learner_logprobs
-from training.weight_sync import _mismatch_message as mismatch_message
+from training.weight_sync import PushReport, compare_logprobs, learner_logprobs, mismatch_message, resume_after_failure
 
 log = logging.getLogger("dualvllm.training")
 
@@ -353,9 +352,12 @@ async def transfer_and_verify(client: VLLMClient, model: Any, probes: Sequence[S
         reset = time.perf_counter()
         await client.reset_prefix_cache(reset_running_requests=True)
         stats.seconds["reset"] = time.perf_counter() - reset
-    finally:
+    except BaseException:
         if fenced:
-            await _resume(client)
+            await resume_after_failure(client)
+        raise
+    if fenced:
+        await client.resume()
     verify = time.perf_counter()
     diff = compare_logprobs(await client.next_token_topk(probes, top_k), expected)
     stats.seconds["verify"] = time.perf_counter() - verify
@@ -371,14 +373,6 @@ async def transfer_and_verify(client: VLLMClient, model: Any, probes: Sequence[S
              len(probes))
     return PushReport(path=None, max_abs_diff=diff.max_abs_diff, probes=len(probes), reload_sends=1, via="memory",
                       bytes_moved=stats.bytes, seconds=dict(stats.seconds))
-
-
-async def _resume(client: VLLMClient) -> None:
-    """Resume after a push; a server that died during it cannot be, and its error is the one to see."""
-    try:
-        await client.resume()
-    except ServerError as err:
-        log.warning("%s server at %s could not be resumed after the push: %s", client.name, client.url, err)
 
 
 def _ties(model: Any) -> bool:
