@@ -85,6 +85,7 @@ def _as_sigint(signum: int, frame: object) -> None:
 
 async def _serve(args: argparse.Namespace) -> int:
     from dualvllm.serve import serve_endpoint, serve_servers
+    from service.app import listening_socket
     from service.config import ServiceConfig
 
     if args.servers_only:
@@ -92,8 +93,9 @@ async def _serve(args: argparse.Namespace) -> int:
         return 0
     config = ServiceConfig(**_given(args, ServiceConfig, SERVICE_FLAGS))  # bad flags fail before servers start
     launched: list[Any] = []
-    async with _coordinator(args, default_local=True, launched=launched) as coordinator:
-        await serve_endpoint(coordinator, config, launched)
+    with listening_socket(config) as sock:  # a port in use fails before the servers start, too
+        async with _coordinator(args, default_local=True, launched=launched) as coordinator:
+            await serve_endpoint(coordinator, config, launched, sock)
     return 0
 
 

@@ -4,6 +4,7 @@ until interrupted."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import sys
 from typing import Sequence
 
@@ -43,9 +44,10 @@ async def serve_servers(pairs: list[tuple[ServerConfig, ServerConfig]]) -> None:
 
 
 async def serve_endpoint(coordinator: DualVLLMCoordinator, config: ServiceConfig,
-                         servers: Sequence[VLLMServer]) -> None:
+                         servers: Sequence[VLLMServer], sock: socket.socket | None = None) -> None:
     """Serve the q* endpoint until interrupted, or until a server started for it exits: with
-    replica pools, until every replica of a role has (the pool fails over until then)."""
+    replica pools, until every replica of a role has (the pool fails over until then).
+    `sock`: the endpoint's socket, bound before the servers started (service.app.listening_socket)."""
 
     def ready(url: str, model: str) -> None:
         if servers:
@@ -56,7 +58,7 @@ async def serve_endpoint(coordinator: DualVLLMCoordinator, config: ServiceConfig
               f"\"max_tokens\": 8}}'")
         print("Ctrl-C stops it" + (" and the servers." if servers else "."), flush=True)
 
-    endpoint = asyncio.create_task(serve(coordinator, config, ready=ready))
+    endpoint = asyncio.create_task(serve(coordinator, config, ready=ready, sock=sock))
     try:
         while not endpoint.done():
             dead = _role_lost(servers)

@@ -161,6 +161,17 @@ def test_other_commands_refuse_before_any_server(tmp_path, capsys, no_servers, a
     assert not (tmp_path / "run").exists()  # a refused run writes nothing
 
 
+def test_serve_on_a_port_in_use_refuses_before_any_server(capsys, no_servers):
+    """A second `dualvllm serve` on the default port once started both servers (~40 s) and then
+    died in aiohttp's traceback: the port is now taken first."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        code, stderr = run_cli(["serve", "--service-port", str(port)], capsys)
+    assert_one_line_error(code, stderr, rf"address 127\.0\.0\.1:{port} is in use .* --service-port 0 to pick one")
+
+
 def _open_coordinator_twice() -> None:
     async def go() -> None:
         coordinator = DualVLLMCoordinator(CoordinatorConfig())
