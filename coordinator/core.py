@@ -330,13 +330,15 @@ class DualVLLMCoordinator:
         assert self._theta is not None
         return await self._theta.detokenize(token_ids)
 
-    async def render_chat(self, messages: Sequence[Mapping[str, Any]], role: str = "theta") -> list[int]:
+    async def render_chat(self, messages: Sequence[Mapping[str, Any]], role: str = "theta",
+                          template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """Token ids of a chat, rendered with the chat template of the base (role "theta") or
-        the teacher ("t"), ending with the prompt for the assistant's turn."""
+        the teacher ("t"), ending with the prompt for the assistant's turn; `template_kwargs`:
+        extra template variables (vLLM's chat_template_kwargs)."""
         self._require_open()
         engine = self._theta if role == "theta" else self._t
         assert engine is not None
-        return await engine.tokenize_chat(messages)
+        return await engine.tokenize_chat(messages, template_kwargs)
 
     @property
     def is_open(self) -> bool:

@@ -143,8 +143,9 @@ class ReplicaPool:
     async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return await self._any(lambda r: r.tokenize(text, add_special_tokens=add_special_tokens))
 
-    async def tokenize_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        return await self._any(lambda r: r.tokenize_chat(messages))
+    async def tokenize_chat(self, messages: Sequence[Mapping[str, Any]],
+                            template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        return await self._any(lambda r: r.tokenize_chat(messages, template_kwargs))
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
         return await self._any(lambda r: r.detokenize(token_ids))

@@ -88,9 +88,11 @@ class Engine(Protocol):
 
     async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
-    async def tokenize_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    async def tokenize_chat(self, messages: Sequence[Mapping[str, Any]],
+                            template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """A chat ([{"role", "content"}, ...]) rendered with the model's chat template, ending
-        with the prompt of the assistant's turn; InvalidInputError if the model has none."""
+        with the prompt of the assistant's turn; InvalidInputError if the model has none.
+        `template_kwargs`: extra template variables (vLLM's chat_template_kwargs)."""
         ...
 
     async def detokenize(self, token_ids: Sequence[int]) -> str: ...

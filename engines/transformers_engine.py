@@ -149,9 +149,10 @@ class TransformersEngine:
         self._require_open()
         return list(self._tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    async def tokenize_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    async def tokenize_chat(self, messages: Sequence[Mapping[str, Any]],
+                            template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         self._require_open()
-        return render_chat(self._tokenizer, messages, self.name)
+        return render_chat(self._tokenizer, messages, self.name, template_kwargs)
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
         self._require_open()

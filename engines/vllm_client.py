@@ -436,15 +436,17 @@ class VLLMClient:
                "/tokenize answer has no 'tokens'")
         return [int(t) for t in body["tokens"]]
 
-    async def tokenize_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    async def tokenize_chat(self, messages: Sequence[Mapping[str, Any]],
+                            template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """A chat rendered with the model's chat template, up to the assistant's turn: the
         server's /tokenize with `messages`, or the local tokenizer's apply_chat_template."""
         if self._local_tokenizer:
-            return render_chat(await self._load_tokenizer(), messages, self.name)
+            return render_chat(await self._load_tokenizer(), messages, self.name, template_kwargs)
         info = await self.model_info()
-        body = await self.call("POST", "/tokenize", {
-            "model": info.name, "messages": list(messages), "add_generation_prompt": True,
-        })
+        request: dict[str, Any] = {"model": info.name, "messages": list(messages), "add_generation_prompt": True}
+        if template_kwargs:
+            request["chat_template_kwargs"] = dict(template_kwargs)
+        body = await self.call("POST", "/tokenize", request)
         expect(isinstance(body, dict) and "tokens" in body, self.name, self.url,
                "/tokenize answer has no 'tokens'")
         return [int(t) for t in body["tokens"]]

@@ -176,10 +176,11 @@ class QStarService:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = self._with_model(await _parse(request, ChatCompletionRequest))
         _refuse(body.unsupported())
-        theta_ids = await self.coordinator.render_chat([m.rendered() for m in body.messages], "theta")
+        extra = body.chat_template_kwargs
+        theta_ids = await self.coordinator.render_chat([m.rendered() for m in body.messages], "theta", extra)
         t_messages = body.dualvllm.t_messages
         t_ids = theta_ids if t_messages is None else await self.coordinator.render_chat(
-            [m.rendered() for m in t_messages], "t")
+            [m.rendered() for m in t_messages], "t", extra)
         budget = body.token_budget()
         if budget is None:  # OpenAI's chat default: the rest of the context, within the ceiling
             room = self.coordinator.max_model_len - max(len(theta_ids), len(t_ids))
@@ -308,8 +309,11 @@ class QStarService:
         choices = [form.choice(o.index, o, job.options,
                                form.logprobs(TokenLogprobs.of(o), texts, 0) if job.want_logprobs else None)
                    for o in outputs]
-        return responses.envelope(form.whole, form.request_id(), int(time.time()), self.model, choices,
+        body = responses.envelope(form.whole, form.request_id(), int(time.time()), self.model, choices,
                                   responses.usage(job.prompt_tokens, outputs))
+        if job.request.return_token_ids:  # vLLM's field, as TRL's client reads it
+            form.add_token_ids(body, [job.prompts[o.index // job.request.n][0] for o in outputs], outputs)
+        return body
 
     async def echo_response(self, job: Job, outputs: Sequence[GenerationOutput],
                             scores: list[PromptScores] | None) -> dict[str, Any]:
@@ -351,7 +355,7 @@ class QStarService:
         for prompt in scores or []:
             ids.update(prompt.token_ids)
             ids.update(i for row in prompt.top if row is not None for i in row)
-        return await self.texts.get(ids)
+        return await self.token_texts(ids, as_ids=bool(job.request.return_tokens_as_token_ids))
 
     # -- what a stream asks (service.streaming.Generation) -------------------------------
 
@@ -362,7 +366,11 @@ class QStarService:
     async def detokenize(self, token_ids: Sequence[int]) -> str:
         return await self.coordinator.detokenize(token_ids)
 
-    async def token_texts(self, token_ids: Iterable[int]) -> dict[int, str]:
+    async def token_texts(self, token_ids: Iterable[int], *, as_ids: bool = False) -> dict[int, str]:
+        """How logprobs name these tokens: their texts, or with `as_ids` (vLLM's
+        return_tokens_as_token_ids) "token_id:<id>", which stays exact where texts collide."""
+        if as_ids:
+            return {i: f"token_id:{i}" for i in token_ids}
         return await self.texts.get(token_ids)
 
 

@@ -57,6 +57,12 @@ class Format(Protocol):
         where the first token's text starts in the choice (what the tokens before it spelt)."""
         ...
 
+    def add_token_ids(self, body: dict[str, Any], prompts: Sequence[Sequence[int]],
+                      outputs: Sequence[GenerationOutput]) -> None:
+        """vLLM's return_token_ids: the prompt's ids (`prompts`, one per choice) and each
+        choice's generated ids, where vLLM's server puts them."""
+        ...
+
 
 class CompletionFormat:
     whole = chunk = "text_completion"
@@ -73,9 +79,17 @@ class CompletionFormat:
         return {"text": piece}
 
     def logprobs(self, tokens: TokenLogprobs, texts: Mapping[int, str], offset: int) -> dict[str, Any]:
-        """The legacy lists: log q* of each token, and of q*'s top candidates when asked for."""
-        top = None if tokens.top is None else [{texts[i]: v for i, v in row.items()} for row in tokens.top]
+        """The legacy lists: log q* of each token, and per token a dict of the token itself and
+        q*'s top candidates (as many as asked for, none for logprobs 0), as vLLM answers."""
+        rows = tokens.top or [{} for _ in tokens.ids]
+        top = [{texts[token]: value, **{texts[i]: v for i, v in row.items()}}
+               for token, value, row in zip(tokens.ids, tokens.logprobs, rows)]
         return responses.legacy_logprobs([texts[t] for t in tokens.ids], tokens.logprobs, top, offset)
+
+    def add_token_ids(self, body: dict[str, Any], prompts: Sequence[Sequence[int]],
+                      outputs: Sequence[GenerationOutput]) -> None:
+        for choice, prompt, output in zip(body["choices"], prompts, outputs):
+            choice["prompt_token_ids"], choice["token_ids"] = list(prompt), list(output.generated_tokens)
 
 
 class ChatFormat:
@@ -102,6 +116,12 @@ class ChatFormat:
             entry["top_logprobs"] = [_chat_token(texts[i], v) for i, v in top.items()]
             content.append(entry)
         return {"content": content}
+
+    def add_token_ids(self, body: dict[str, Any], prompts: Sequence[Sequence[int]],
+                      outputs: Sequence[GenerationOutput]) -> None:
+        body["prompt_token_ids"] = list(prompts[0])  # one conversation per chat request
+        for choice, output in zip(body["choices"], outputs):
+            choice["token_ids"] = list(output.generated_tokens)
 
 
 COMPLETION = CompletionFormat()

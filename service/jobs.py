@@ -46,7 +46,8 @@ class Job:
         body, options = self.request, self.options
         return SamplingParams(max(self.max_tokens, 1), temperature=body.temperature, stop=tuple(body.stop_strings()),
                               fixed_alpha=options.fixed_alpha, return_diagnostics=options.return_diagnostics,
-                              ignore_eos=options.ignore_eos, top_k=options.top_k, top_logprobs=self.top_logprobs)
+                              ignore_eos=options.ignore_eos or body.ignore_eos, top_k=options.top_k,
+                              top_logprobs=self.top_logprobs)
 
     @property
     def sequences(self) -> int:

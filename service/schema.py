@@ -105,6 +105,14 @@ class _Sampling(_Strict):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    # vLLM's own fields, as its server takes them (what TRL's VLLMClient and vLLM users send).
+    return_token_ids: bool | None = None  # completions: each choice's prompt_token_ids and token_ids
+    return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:<id>", not their text
+    ignore_eos: bool = False  # as dualvllm.ignore_eos
+    top_k: int | None = None  # vLLM's truncation: only 0 / -1 (none); q*'s candidates: dualvllm.top_k
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    structured_outputs: dict[str, Any] | None = None
     dualvllm: QStarOptions = Field(default_factory=QStarOptions)
 
     def unsupported(self) -> str | None:
@@ -116,6 +124,17 @@ class _Sampling(_Strict):
             return "presence_penalty and frequency_penalty are not supported by q* sampling; leave them 0"
         if self.logit_bias:
             return "logit_bias is not supported by q* sampling"
+        if self.top_k not in (None, 0, -1):
+            return (f"top_k={self.top_k} would truncate q* to its {self.top_k} likeliest tokens, which q* sampling "
+                    "does not do; leave top_k 0 (or -1), and set dualvllm.top_k to mix fewer candidates per model")
+        if self.min_p not in (None, 0.0):
+            return "min_p is not supported by q* sampling; leave it 0"
+        if self.repetition_penalty not in (None, 1.0):
+            return "repetition_penalty is not supported by q* sampling; leave it 1"
+        if self.structured_outputs:
+            return "structured_outputs (guided decoding) is not supported by q* sampling"
+        if self.return_token_ids and self.stream:
+            return "return_token_ids is not streamed; send stream=false, or dualvllm.return_token_ids per choice"
         return None
 
     def stop_strings(self) -> list[str]:
@@ -129,6 +148,7 @@ class CompletionRequest(_Sampling):
     echo: bool = False  # the prompt before the completion; with logprobs, each prompt token's log q*
     best_of: int | None = None
     suffix: str | None = None
+    prompt_logprobs: int | None = Field(None, ge=-1)  # vLLM's: each prompt token's top logprobs (service.scoring)
 
     @model_validator(mode="after")
     def _teacher_prompt_only_for_completions(self) -> CompletionRequest:
@@ -164,6 +184,17 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
+    chat_template: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+
+    def unsupported(self) -> str | None:
+        if self.chat_template is not None:
+            return "chat_template is not supported: each model renders with its own template"
+        if self.tools:
+            return "tools are not supported by the q* endpoint; render them into the messages yourself"
+        return super().unsupported()
 
     @model_validator(mode="after")
     def _teacher_messages_only_for_chat(self) -> ChatCompletionRequest:

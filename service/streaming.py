@@ -57,8 +57,8 @@ class Generation(Protocol):
 
     async def detokenize(self, token_ids: Sequence[int]) -> str: ...
 
-    async def token_texts(self, token_ids: Iterable[int]) -> dict[int, str]:
-        """The text of each single token (for logprobs)."""
+    async def token_texts(self, token_ids: Iterable[int], *, as_ids: bool = False) -> dict[int, str]:
+        """The text of each single token (for logprobs); with `as_ids` "token_id:<id>"."""
         ...
 
 
@@ -232,7 +232,8 @@ class _Chunks:
         """The logprobs of `tokens` (the choice's next ones), now counted as sent; None when not asked for."""
         if not self.job.want_logprobs:
             return None
-        texts = await self.source.token_texts(tokens.token_ids())
+        texts = await self.source.token_texts(tokens.token_ids(),
+                                              as_ids=bool(self.job.request.return_tokens_as_token_ids))
         logprobs = self.format.logprobs(tokens, texts, choice.offset)
         choice.logged += len(tokens.ids)
         choice.offset += sum(len(texts[t]) for t in tokens.ids)

@@ -142,10 +142,12 @@ async def test_logprobs_are_log_q_star_of_each_token_with_q_stars_top_candidates
     # the fake detokenizer drops <eos>, as vLLM's skips special tokens
     assert logprobs["tokens"] == [t if t != "<eos>" else "" for t in texts]
     assert logprobs["text_offset"][0] == 0
-    for top, chosen in zip(logprobs["top_logprobs"], logprobs["token_logprobs"]):
-        values = list(top.values())
-        assert 1 <= len(top) <= 3 and values == sorted(values, reverse=True)
-        assert max(values) >= chosen - 1e-9
+    # As vLLM answers: the token itself first, then q*'s top 3 (the token again if among them).
+    for top, token, chosen in zip(logprobs["top_logprobs"], logprobs["tokens"], logprobs["token_logprobs"]):
+        (first, value), *candidates = top.items()
+        assert (first, value) == (token, chosen) and 3 <= len(top) <= 4
+        values = [v for _, v in candidates]  # the top 3 but the token's own entry
+        assert values == sorted(values, reverse=True) and (len(top) == 3 or max(values) >= chosen - 1e-9)
 
 
 async def test_top_k_mixes_fewer_candidates_and_above_the_service_it_is_refused(service):

@@ -1,0 +1,96 @@
+"""vLLM's own request fields on the q* service, as TRL's stock client sends them (issue 44).
+
+TRL's `trl.generation.vllm_client.VLLMClient` (the client every TRL trainer uses in server
+mode) talks to the service here over real loopback HTTP, on a coordinator over two fake vLLM
+servers; tests/integration/test_service_trl.py runs it against real ones. The client is
+synchronous (requests): it runs in a thread while the service answers on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.fake_vllm import tokenize
+from tests.unit.test_service import MODEL, post, running
+
+vllm_client = pytest.importorskip("trl.generation.vllm_client")
+
+
+@pytest.fixture
+async def service(fake_theta, fake_t):
+    async with running(fake_theta, fake_t, coordinator={"top_k": 8}) as (url, coordinator):
+        yield url, coordinator
+
+
+def completion(**fields):
+    return {"model": MODEL, "prompt": "abc", "max_tokens": 6, "seed": 3, **fields}
+
+
+async def test_trl_generate_gets_ids_and_log_q_star_per_token(service):
+    url, _ = service
+    client = await asyncio.to_thread(vllm_client.VLLMClient, base_url=url)
+    assert client.model == MODEL
+    out = await asyncio.to_thread(client.generate, ["abc", "abcd"], n=2, max_tokens=5, logprobs=2,
+                                  generation_kwargs={"seed": 4})
+    # prompt-major: the n completions of a prompt come before the next prompt's
+    assert out["prompt_ids"] == [tokenize("abc"), tokenize("abcd")]
+    assert len(out["completion_ids"]) == 4
+    for ids, logprobs, logprob_ids in zip(out["completion_ids"], out["logprobs"], out["logprob_token_ids"]):
+        assert 1 <= len(ids) <= 5 and len(logprobs) == len(ids) == len(logprob_ids)
+        for token, row, row_ids in zip(ids, logprobs, logprob_ids):
+            assert token in row_ids and 2 <= len(row) <= 3  # the token and q*'s top 2
+            assert row == sorted(row, reverse=True)
+
+
+async def test_the_returned_ids_and_logprobs_are_the_coordinators_log_q_star(service):
+    url, _ = service
+    status, body = await post(url, "/v1/completions", completion(
+        n=2, logprobs=0, return_token_ids=True, return_tokens_as_token_ids=True, dualvllm={"return_token_ids": True}))
+    assert status == 200, body
+    for choice in body["choices"]:
+        record = choice["dualvllm"]
+        assert choice["prompt_token_ids"] == tokenize("abc")
+        assert choice["token_ids"] == record["token_ids"]
+        logprobs = choice["logprobs"]
+        assert logprobs["tokens"] == [f"token_id:{t}" for t in record["token_ids"]]
+        assert logprobs["token_logprobs"] == pytest.approx(record["logprobs_q"], abs=1e-12)
+        # logprobs 0: each position holds the token alone, as vLLM answers
+        assert logprobs["top_logprobs"] == [{f"token_id:{t}": v} for t, v in zip(record["token_ids"],
+                                                                               record["logprobs_q"])]
+
+
+async def test_trl_chat_gets_the_rendered_prompt_and_forwards_template_kwargs(service, fake_theta):
+    url, _ = service
+    client = await asyncio.to_thread(vllm_client.VLLMClient, base_url=url)
+    out = await asyncio.to_thread(client.chat, [[{"role": "user", "content": "abc"}]], n=2, max_tokens=4,
+                                  logprobs=1, chat_template_kwargs={"enable_thinking": False})
+    assert out["prompt_ids"] == [tokenize("abc")] and len(out["completion_ids"]) == 2
+    assert all(len(lp) == len(ids) for lp, ids in zip(out["logprobs"], out["completion_ids"]))
+    rendered = [c for c in fake_theta.calls["/tokenize"] if "messages" in c]
+    assert rendered[-1]["chat_template_kwargs"] == {"enable_thinking": False}
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"top_k": 5}, r"top_k=5 would truncate q\*.* dualvllm\.top_k"),
+    ({"repetition_penalty": 1.1}, "repetition_penalty is not supported"),
+    ({"min_p": 0.05}, "min_p is not supported"),
+    ({"structured_outputs": {"regex": "[0-9]+"}}, "structured_outputs"),
+    ({"return_token_ids": True, "stream": True}, "return_token_ids is not streamed"),
+], ids=["top_k", "repetition_penalty", "min_p", "structured_outputs", "streamed-ids"])
+async def test_what_q_star_cannot_honour_is_refused_with_its_reason(service, fields, message):
+    import re
+
+    url, _ = service
+    status, body = await post(url, "/v1/completions", completion(**fields))
+    assert status == 400 and re.search(message, body["error"]["message"]), body
+
+
+async def test_trl_defaults_are_accepted_as_neutral(service):
+    """TRL sends top_k 0, min_p 0 and repetition_penalty 1 on every request: no truncation, no penalty."""
+    url, _ = service
+    status, body = await post(url, "/v1/completions", completion(top_k=0, min_p=0.0, repetition_penalty=1.0,
+                                                                  ignore_eos=True, max_tokens=6))
+    assert status == 200, body
+    assert body["usage"]["completion_tokens"] == 6  # ignore_eos, vLLM's top-level field: full length
