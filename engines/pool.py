@@ -158,6 +158,10 @@ class ReplicaPool:
         hold the same weights (checked at start-up)."""
         return await self._any(lambda r: r.prompt_topk(prompts, k))  # type: ignore[attr-defined]
 
+    async def prompt_logprobs(self, prompts: Sequence[Sequence[int]], k: int) -> list[list[dict[str, Any] | None]]:
+        """vLLM's prompt logprobs (engines.protocol.PromptScoringEngine), from any healthy replica."""
+        return await self._any(lambda r: r.prompt_logprobs(prompts, k))  # type: ignore[attr-defined]
+
     async def next_token_topk(self, contexts: Sequence[Sequence[int]], k: int,
                               keys: Sequence[int] | None = None) -> TopKBatch:
         """Top-k after each context; `keys` name the sequences (None: one-off rows, spread anew)."""

@@ -160,6 +160,11 @@ class PromptScoringEngine(Engine, Protocol):
         """
         ...
 
+    async def prompt_logprobs(self, prompts: Sequence[Sequence[int]], k: int) -> list[list[dict[str, Any] | None]]:
+        """vLLM's prompt logprobs of each prompt, in its answer's shape: None, then per position
+        {"<id>": {"logprob", "rank", "decoded_token"}}, the top k and the position's token."""
+        ...
+
 
 async def score_by_prefixes(engine: Engine, contexts: Sequence[Sequence[int]],
                             continuations: Sequence[Sequence[int]], k: int) -> list[TopKBatch]:

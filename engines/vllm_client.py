@@ -528,6 +528,30 @@ class VLLMClient:
             answers[index] = self._prompt_rows(choice.get("logprobs") or {}, prompts[index], k)
         return answers  # type: ignore[return-value]
 
+    async def prompt_logprobs(self, prompts: Sequence[Sequence[int]], k: int) -> list[list[dict[str, Any] | None]]:
+        """vLLM's own prompt logprobs of each prompt, as its server gives them: per position
+        None (position 0), then {"<token id>": {"logprob", "rank", "decoded_token"}} with the
+        top k and the position's own token at its true rank (k = -1: the whole vocabulary,
+        if the server allows it). One batched request; a q* service passes them through
+        when a request scores with one model alone."""
+        info = await self.model_info()
+        payload = {"model": info.name, "prompt": [list(p) for p in prompts], "max_tokens": 1,
+                   "temperature": 0.0, "prompt_logprobs": k}
+        body = await self._completions(payload, k)
+        choices = body.get("choices") if isinstance(body, dict) else None
+        expect(isinstance(choices, list) and len(choices) == len(prompts), self.name, self.url,
+               f"expected {len(prompts)} choices")
+        answers: list[list[dict[str, Any] | None] | None] = [None] * len(prompts)
+        for choice in choices:
+            index, rows = choice.get("index"), choice.get("prompt_logprobs")
+            expect(isinstance(index, int) and 0 <= index < len(prompts) and answers[index] is None,
+                   self.name, self.url, f"choice index {index!r} is not one of 0..{len(prompts) - 1}, once each")
+            expect(isinstance(rows, list) and len(rows) == len(prompts[index]) and
+                   all(isinstance(row, dict) and str(token) in row for row, token in zip(rows[1:], prompts[index][1:])),
+                   self.name, self.url, "prompt_logprobs do not cover the prompt, each position with its own token")
+            answers[index] = rows
+        return answers  # type: ignore[return-value]
+
     def _prompt_rows(self, logprobs: dict[str, Any], prompt: Sequence[int], k: int) -> TopKBatch:
         """One echoed prompt's top-k rows (positions 1..), checked against the prompt sent."""
         tokens, top = logprobs.get("tokens") or [], logprobs.get("top_logprobs") or []

@@ -42,7 +42,7 @@ from common.errors import (
 from coordinator.core import DualVLLMCoordinator
 from coordinator.outputs import GenerationOutput
 from coordinator.sequence import TokenListener
-from engines.protocol import Engine
+from engines.protocol import Engine, PromptScoringEngine
 from service import responses
 from service.config import ServiceConfig
 from service.errors import RequestError, error_body, error_of
@@ -50,7 +50,7 @@ from service.formats import CHAT, COMPLETION, Format, TokenLogprobs
 from service.jobs import Admission, Job
 from service.metrics import ServiceMetrics
 from service.schema import ChatCompletionRequest, CompletionRequest
-from service.scoring import PromptScores, ScoringSettings, score_prompts
+from service.scoring import PromptScores, ScoringSettings, score_prompts, vllm_prompt_logprobs
 from service.streaming import stream_choices
 from service.tokens import TokenTexts
 
@@ -170,7 +170,7 @@ class QStarService:
         logprobs = body.logprobs
         max_tokens = self.config.default_max_tokens if body.max_tokens is None else body.max_tokens
         job = self._job(COMPLETION, body, encoded, max_tokens, top_logprobs=logprobs or 0,
-                        want_logprobs=logprobs is not None, echo=body.echo)
+                        want_logprobs=logprobs is not None, echo=body.echo, prompt_logprobs=body.prompt_logprobs)
         return await self._run(request, job)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -228,7 +228,7 @@ class QStarService:
 
     def _job(self, form: Format, body: CompletionRequest | ChatCompletionRequest,
              prompts: list[tuple[list[int], list[int]]], max_tokens: int, *, top_logprobs: int,
-             want_logprobs: bool, echo: bool = False) -> Job:
+             want_logprobs: bool, echo: bool = False, prompt_logprobs: int | None = None) -> Job:
         limit = self.coordinator.max_model_len
         for i, (theta_ids, t_ids) in enumerate(prompts):
             if not theta_ids or not t_ids:
@@ -239,7 +239,7 @@ class QStarService:
                     f"this model's maximum context length is {limit} tokens; prompt {i} has {longest} tokens and "
                     f"max_tokens is {max_tokens} ({longest + max_tokens} in all). Shorten the prompt or lower "
                     "max_tokens", code="context_length_exceeded", param="max_tokens")
-        job = Job(form, body, prompts, max_tokens, top_logprobs, want_logprobs, echo)
+        job = Job(form, body, prompts, max_tokens, top_logprobs, want_logprobs, echo, prompt_logprobs)
         ceiling, generated = self.config.max_request_tokens, job.sequences * max_tokens
         if generated > ceiling:
             raise RequestError(
@@ -247,11 +247,11 @@ class QStarService:
                 f"{body.n} x max_tokens={max_tokens}); the service allows {ceiling} per "
                 "request. Split it, or lower n or max_tokens", code="request_too_large", param="n")
         # Scoring costs each server a top-k row per prompt token, as generating costs a step.
-        scored = job.prompt_tokens if echo and want_logprobs else 0
+        scored = job.prompt_tokens if (echo and want_logprobs) or prompt_logprobs is not None else 0
         if generated + scored > ceiling:
             raise RequestError(
-                f"this request scores {scored} prompt tokens (echo with logprobs) and generates up to {generated}; "
-                f"the service allows {ceiling} tokens per request. Send fewer prompts per request",
+                f"this request scores {scored} prompt tokens (echo with logprobs, or prompt_logprobs) and generates "
+                f"up to {generated}; the service allows {ceiling} tokens per request. Send fewer prompts per request",
                 code="request_too_large", param="prompt")
         return job
 
@@ -261,10 +261,13 @@ class QStarService:
                                  lambda: self.coordinator.get_statistics()["tokens_per_s"]):
             if job.request.stream:
                 return await stream_choices(request, self, job)
-            if not job.echo:
+            if not job.echo and job.prompt_logprobs is None:
                 async with self.generate(job) as outputs:
                     ordered = await _collect(outputs, job.sequences)
                 return web.json_response(await self.response(job, ordered), dumps=_dumps)
+            if not job.echo:  # vLLM's prompt_logprobs, scored while the completion is generated
+                ordered, rows = await _both(self._generated(job), self.prompt_logprobs(job))
+                return web.json_response(await self.response(job, ordered, rows), dumps=_dumps)
             # The prompt is scored while the completion is generated: both wait on the servers.
             ordered, scores = await _both(self._generated(job), self._scored(job))
             return web.json_response(await self.echo_response(job, ordered, scores), dumps=_dumps)
@@ -302,13 +305,18 @@ class QStarService:
         finally:
             self.metrics.cancelled(len(prompts) - delivered)
 
-    async def response(self, job: Job, outputs: Sequence[GenerationOutput]) -> dict[str, Any]:
-        """The whole (non-streamed) response of a job whose outputs are all in."""
+    async def response(self, job: Job, outputs: Sequence[GenerationOutput],
+                       prompt_logprobs: Sequence[list[dict[str, Any] | None]] | None = None) -> dict[str, Any]:
+        """The whole (non-streamed) response of a job whose outputs are all in; with vLLM's
+        `prompt_logprobs` (one list per prompt) in each choice."""
         texts = await self.logprob_texts(job, outputs)
         form = job.format
         choices = [form.choice(o.index, o, job.options,
                                form.logprobs(TokenLogprobs.of(o), texts, 0) if job.want_logprobs else None)
                    for o in outputs]
+        for choice, output in zip(choices, outputs):
+            if prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs[output.index // job.request.n]
         body = responses.envelope(form.whole, form.request_id(), int(time.time()), self.model, choices,
                                   responses.usage(job.prompt_tokens, outputs))
         if job.request.return_token_ids:  # vLLM's field, as TRL's client reads it
@@ -332,8 +340,33 @@ class QStarService:
         return responses.envelope(job.format.whole, job.format.request_id(), int(time.time()), self.model,
                                   choices, responses.usage(job.prompt_tokens, outputs))
 
-    async def score(self, job: Job) -> list[PromptScores]:
-        """Every prompt token's log q* (service.scoring), once per prompt whatever n is."""
+    async def prompt_logprobs(self, job: Job) -> list[list[dict[str, Any] | None]]:
+        """vLLM's `prompt_logprobs` of each prompt, by the model asked for: the base alone
+        (alpha 0) or the teacher alone (alpha 1) answer with their server's own prompt logprobs
+        (exact ranks over the whole vocabulary); q* (any other alpha, or alpha*) with log q*
+        over the merged candidates (service.scoring), ranks among them."""
+        k, alpha = job.prompt_logprobs, job.options.fixed_alpha
+        assert k is not None
+        if alpha in (0.0, 1.0):
+            side = 0 if alpha == 0.0 else 1
+            engine = _engines(self.coordinator)[side]
+            if not isinstance(engine, PromptScoringEngine):
+                raise RequestError(f"prompt_logprobs needs model servers that score prompts (vLLM); the {engine.name} "
+                                   "engine cannot", code="unsupported_parameter", param="prompt_logprobs")
+            return await engine.prompt_logprobs([prompt[side] for prompt in job.prompts], k)
+        if k == -1:
+            raise RequestError("prompt_logprobs=-1 (the whole vocabulary) is for one model alone: q* is defined "
+                               f"over each model's top-k candidates; ask for at most that many, or use "
+                               f"{self.model}{ALPHA_SUFFIX}0 (the base) or {ALPHA_SUFFIX}1 (the teacher)",
+                               param="prompt_logprobs")
+        scores = await self.score(job, top_n=k)
+        ids = {i for s in scores for i in s.token_ids} | {i for s in scores for row in s.top if row for i in row}
+        texts = await self.token_texts(ids, as_ids=bool(job.request.return_tokens_as_token_ids))
+        return [vllm_prompt_logprobs(s, texts) for s in scores]
+
+    async def score(self, job: Job, top_n: int | None = None) -> list[PromptScores]:
+        """Every prompt token's log q* (service.scoring), once per prompt whatever n is; `top_n`
+        of q*'s candidates per position (default: the request's top logprobs)."""
         config, options = self.coordinator.config, job.options
         prompts = []
         for i, (theta_ids, t_ids) in enumerate(job.prompts):
@@ -344,7 +377,7 @@ class QStarService:
         settings = ScoringSettings(top_k=options.top_k or config.top_k, fill=config.fill_rule,
                                    vocab_size=self.coordinator.vocab_size, alpha_tol=config.alpha_tol,
                                    alpha_max_iter=config.alpha_max_iter, fixed_alpha=options.fixed_alpha,
-                                   top_n=job.top_logprobs)
+                                   top_n=job.top_logprobs if top_n is None else top_n)
         return await score_prompts(*_engines(self.coordinator), prompts, settings)
 
     async def logprob_texts(self, job: Job, outputs: Sequence[GenerationOutput],

@@ -34,6 +34,7 @@ class Job:
     top_logprobs: int
     want_logprobs: bool
     echo: bool = False  # completions: the prompt comes first in each choice, scored when want_logprobs
+    prompt_logprobs: int | None = None  # completions: vLLM's top-N logprobs of every prompt position
 
     @property
     def options(self) -> QStarOptions:

@@ -157,6 +157,9 @@ class CompletionRequest(_Sampling):
         return self
 
     def unsupported(self) -> str | None:
+        if self.prompt_logprobs is not None and (self.stream or self.echo):
+            return ("prompt_logprobs goes with stream=false and echo=false (echo with logprobs scores the "
+                    "prompt in OpenAI's shape instead)")
         if self.echo and self.stream:
             return "echo is not streamed; send stream=false (the prompt's logprobs come in one answer)"
         if self.echo and self.dualvllm.t_prompt is not None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -53,6 +53,7 @@ class RowScores:
     logprob_theta: np.ndarray  # float64 [R], the base's raw logprob of the token
     logprob_t: np.ndarray  # float64 [R]
     top: list[dict[int, float]]  # per row, q*'s top_n candidates {id: log q*}, most likely first
+    rank: np.ndarray  # int64 [R], the token's rank under q* among the merged candidates (1 = likeliest)
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class PromptScores:
     logprob_theta: list[float | None]
     logprob_t: list[float | None]
     top: list[dict[int, float] | None]
+    rank: list[int | None]  # the token's rank under q* (1 = likeliest)
 
 
 def score_rows(theta: TopKBatch, t: TopKBatch, tokens: np.ndarray, settings: ScoringSettings) -> RowScores:
@@ -79,9 +81,11 @@ def score_rows(theta: TopKBatch, t: TopKBatch, tokens: np.ndarray, settings: Sco
     assert bool(np.all(hits.sum(axis=1) == 1)), "every scored token must be one of its row's candidates"
     column = np.argmax(hits, axis=1)  # [R]
     at = np.arange(rows)
-    return RowScores(alpha=target.alpha, logprob_q=target.logq[at, column],
+    logprob_q = target.logq[at, column]
+    return RowScores(alpha=target.alpha, logprob_q=logprob_q,
                      logprob_theta=merged.logp_theta[at, column], logprob_t=merged.logp_t[at, column],
-                     top=top_candidates(merged.token_ids, target.logq, settings.top_n))
+                     top=top_candidates(merged.token_ids, target.logq, settings.top_n),
+                     rank=1 + (target.logq > logprob_q[:, None]).sum(axis=1))
 
 
 async def score_prompts(theta: Engine, t: Engine, prompts: Sequence[Sequence[int]],
@@ -104,9 +108,23 @@ async def score_prompts(theta: Engine, t: Engine, prompts: Sequence[Sequence[int
             logprob_q=[None, *_finite(scores.logprob_q[start:end])],
             logprob_theta=[None, *_finite(scores.logprob_theta[start:end])],
             logprob_t=[None, *_finite(scores.logprob_t[start:end])],
-            top=[None, *scores.top[start:end]]))
+            top=[None, *scores.top[start:end]],
+            rank=[None, *scores.rank[start:end].tolist()]))
         start = end
     return answers
+
+
+def vllm_prompt_logprobs(scores: PromptScores, texts: Mapping[int, str]) -> list[dict[str, dict] | None]:
+    """One scored prompt in vLLM's `prompt_logprobs` shape: None at position 0, then per position
+    {"<id>": {"logprob", "rank", "decoded_token"}} over q*'s top candidates (ranks 1, 2, ...)
+    and the position's own token at its rank under q*. `texts`: every id's text."""
+    rows: list[dict[str, dict] | None] = [None]
+    for token, value, rank, top in zip(scores.token_ids[1:], scores.logprob_q[1:], scores.rank[1:], scores.top[1:]):
+        assert top is not None and value is not None and rank is not None, "positions after the first are scored"
+        row = {str(i): {"logprob": v, "rank": r, "decoded_token": texts[i]} for r, (i, v) in enumerate(top.items(), 1)}
+        row[str(token)] = {"logprob": value, "rank": rank, "decoded_token": texts[token]}
+        rows.append(row)
+    return rows
 
 
 # What JSON carries for a token a model gives probability 0 (vLLM's and OpenAI's value for -inf).

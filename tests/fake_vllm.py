@@ -269,6 +269,10 @@ class FakeVLLM:
         if k > self.max_logprobs:
             return web.Response(status=400, text=f"Requested sample logprobs of {k}, which is "
                                                  f"greater than max allowed: {self.max_logprobs}")
+        scored = body.get("prompt_logprobs")
+        if scored is not None and (scored == -1 or scored > self.max_logprobs):
+            return web.Response(status=400, text=f"Requested prompt logprobs of {scored}, which is greater than "
+                                                 f"max allowed: {self.max_logprobs}")
         prompts = body["prompt"]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):  # a single prompt
             prompts = [prompts]
@@ -299,6 +303,8 @@ class FakeVLLM:
                 sequence.append(token)
             choices.append({"index": index, "text": "", "finish_reason": "length",
                             "logprobs": {"tokens": tokens, "top_logprobs": tops} if k else None})
+            if body.get("prompt_logprobs") is not None:
+                choices[-1]["prompt_logprobs"] = self._prompt_logprobs(context, body["prompt_logprobs"])
         if body.get("stream"):  # like vLLM: server-sent events, one chunk per choice here, then [DONE]
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await response.prepare(request)
@@ -321,6 +327,20 @@ class FakeVLLM:
         return {"index": index, "text": detokenize(prompt), "finish_reason": "length",
                 "logprobs": {"tokens": [key(t) for t in prompt], "token_logprobs": [None] + [
                     row[key(t)] for row, t in zip(tops[1:], prompt[1:])], "top_logprobs": tops} if k else None}
+
+    def _prompt_logprobs(self, prompt: list[int], k: int) -> list[dict | None]:
+        """vLLM's `prompt_logprobs`: None, then per position {"<id>": {logprob, rank, decoded_token}}
+        over the top k (-1: all) and the position's own token at its true rank (1 = likeliest)."""
+        rows: list[dict | None] = [None]
+        for j in range(1, len(prompt)):
+            logprobs = self.model.logprobs(prompt[:j])
+            order = np.argsort(-logprobs, kind="stable")
+            ranks = np.empty_like(order)
+            ranks[order] = np.arange(1, len(order) + 1)
+            chosen = [*(order if k == -1 else order[:k]), prompt[j]]
+            rows.append({str(int(t)): {"logprob": float(logprobs[t]), "rank": int(ranks[t]),
+                                       "decoded_token": token_text(int(t))} for t in chosen})
+        return rows
 
     def _sample(self, logprobs: np.ndarray, body: dict, rng: np.random.Generator) -> int:
         """vLLM's sampler: argmax at temperature 0, else softmax(lp/T) over the top_k (0 = all)."""

@@ -94,3 +94,67 @@ async def test_trl_defaults_are_accepted_as_neutral(service):
                                                                   ignore_eos=True, max_tokens=6))
     assert status == 200, body
     assert body["usage"]["completion_tokens"] == 6  # ignore_eos, vLLM's top-level field: full length
+
+
+# -- prompt_logprobs: what TRL's get_sequence_logprobs asks (teacher scoring) -----------------------
+
+def model_logprobs(seed: int, prompt: list[int], position: int):
+    from tests.fake_vllm import FakeModel
+
+    return FakeModel(seed=seed).logprobs(prompt[:position])
+
+
+async def test_trl_sequence_logprobs_from_the_teacher_alone_are_the_teachers_own(service):
+    """`<name>@alpha=1` scores with the teacher's server alone: its own logprobs, its own ranks."""
+    url, _ = service
+    client = await asyncio.to_thread(vllm_client.VLLMClient, base_url=url)
+    client.model = f"{MODEL}@alpha=1"  # what a distillation trainer's teacher client is pointed at
+    sequences = [tokenize("abcdef"), tokenize("abchgf")]
+    out = await asyncio.to_thread(client.get_sequence_logprobs, sequences, [3, 2], top_logprobs=4)
+    for sequence, start, top, top_ids, actual in zip(sequences, [3, 2], out["logprobs"], out["logprob_token_ids"],
+                                                     out["actual_logprobs"]):
+        assert len(top) == len(sequence) - start
+        for row, ids, (value,), position in zip(top, top_ids, actual, range(start, len(sequence))):
+            exact = model_logprobs(2, sequence, position)  # fake_t is FakeModel(seed=2)
+            assert value == pytest.approx(exact[sequence[position]], abs=1e-6)
+            assert ids == [int(i) for i in (-exact).argsort(kind="stable")[:4]]
+            assert row == pytest.approx(exact[ids], abs=1e-6)
+
+
+async def test_q_star_prompt_logprobs_are_the_echoed_log_q_star_with_ranks(service):
+    url, _ = service
+    prompt = tokenize("abcdef")
+    status, scored = await post(url, "/v1/completions", completion(prompt=prompt, max_tokens=1, prompt_logprobs=3))
+    assert status == 200, scored
+    status, echoed = await post(url, "/v1/completions", completion(prompt=prompt, max_tokens=0, echo=True,
+                                                                   logprobs=3, return_tokens_as_token_ids=True))
+    assert status == 200, echoed
+    rows, echo = scored["choices"][0]["prompt_logprobs"], echoed["choices"][0]["logprobs"]
+    assert rows[0] is None and len(rows) == len(prompt)
+    for position, (row, value) in enumerate(zip(rows[1:], echo["token_logprobs"][1:]), start=1):
+        own = row[str(prompt[position])]
+        assert own["logprob"] == pytest.approx(value, abs=1e-9)  # the same log q* as echo's
+        # q*'s top 3 at ranks 1-3, and the token itself at its own rank (one of them, or below)
+        ranks = sorted(e["rank"] for e in row.values())
+        assert ranks == ([1, 2, 3] if own["rank"] <= 3 else [1, 2, 3, own["rank"]])
+        values = [e["logprob"] for e in sorted(row.values(), key=lambda e: e["rank"])]
+        assert values == sorted(values, reverse=True)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"prompt_logprobs": -1}, r"prompt_logprobs=-1 .* one model alone"),
+    ({"prompt_logprobs": 2, "echo": True, "max_tokens": 0}, "prompt_logprobs goes with stream=false and echo=false"),
+], ids=["whole-vocabulary-q*", "with-echo"])
+async def test_prompt_logprobs_that_cannot_be_answered_are_refused(service, fields, message):
+    import re
+
+    url, _ = service
+    status, body = await post(url, "/v1/completions", completion(**fields))
+    assert status == 400 and re.search(message, body["error"]["message"]), body
+
+
+async def test_prompt_logprobs_above_the_servers_limit_name_the_flag(service, fake_t):
+    url, _ = service
+    status, body = await post(url, "/v1/completions", completion(model=f"{MODEL}@alpha=1",
+                                                                  prompt_logprobs=fake_t.max_logprobs + 1))
+    assert status == 400 and "--max-logprobs" in body["error"]["message"], body
