@@ -91,7 +91,8 @@ async def _serve(args: argparse.Namespace) -> int:
     if args.servers_only:
         await serve_servers(_server_configs(args))
         return 0
-    config = ServiceConfig(**_given(args, ServiceConfig, SERVICE_FLAGS))  # bad flags fail before servers start
+    # bad flags fail before servers start; --dev-mode opens the servers' dev routes and the service's
+    config = ServiceConfig(**_given(args, ServiceConfig, SERVICE_FLAGS), dev_mode=bool(args.dev_mode))
     launched: list[Any] = []
     with listening_socket(config) as sock:  # a port in use fails before the servers start, too
         async with _coordinator(args, default_local=True, launched=launched) as coordinator:

@@ -300,7 +300,7 @@ class VLLMClient:
         comparable at the same precision: `--dtype auto` serves a float32 checkpoint in
         bfloat16 on the CPU build, and a bf16 checkpoint in bf16 everywhere.
         """
-        config = await self._server_config()
+        config = await self.server_config()
         if config is None:
             return None
         model = config.get("model_config", {})
@@ -312,11 +312,11 @@ class VLLMClient:
     async def weight_transfer_backend(self) -> str | None:
         """The weight-transfer engine the server was started with (--weight-transfer-config), from
         the dev-mode GET /server_info; None if it has none, or no such route."""
-        config = await self._server_config()
+        config = await self.server_config()
         transfer = (config or {}).get("weight_transfer_config")
         return transfer.get("backend") if isinstance(transfer, dict) else None
 
-    async def _server_config(self) -> dict[str, Any] | None:
+    async def server_config(self) -> dict[str, Any] | None:
         """The server's vllm_config from GET /server_info (dev mode); None without that route."""
         try:
             info = await self.call("GET", "/server_info?config_format=json")

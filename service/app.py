@@ -45,6 +45,7 @@ from coordinator.sequence import TokenListener
 from engines.protocol import Engine, PromptScoringEngine
 from service import responses
 from service.config import ServiceConfig
+from service.dev_routes import DevRoutes
 from service.errors import RequestError, error_body, error_of
 from service.formats import CHAT, COMPLETION, Format, TokenLogprobs
 from service.jobs import Admission, Job
@@ -82,6 +83,8 @@ class QStarService:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
+        if self.config.dev_mode:
+            DevRoutes(self.coordinator).add_to(app)
         return app
 
     # -- middlewares --------------------------------------------------------------------

@@ -32,6 +32,7 @@ class ServiceConfig(RaisesInvalidInput, BaseSettings):
         65536, ge=1, description="Ceiling on n x max_tokens x prompts of one request, plus the prompt tokens echo with logprobs scores, so one client cannot take the whole service.")
     max_body_bytes: int = Field(8 * 2**20, ge=1024, description="Largest request body accepted (HTTP 413 above).")
     default_max_tokens: int = Field(16, ge=1, description="max_tokens of a completion request that gives none (OpenAI's default); chat requests default to the room left in the context.")
+    dev_mode: bool = Field(False, description="Serve vLLM's dev routes (server_info, the weight-transfer phases, reset_prefix_cache), forwarded to the base servers, so a trainer written for vLLM (TRL) can push weights through the service (service.dev_routes). Off loopback the API key guards them, as every route.")
 
     @model_validator(mode="after")
     def _key_off_loopback(self) -> ServiceConfig:

@@ -10,7 +10,7 @@ import logging
 from typing import Any
 
 from common.errors import (GenerationFailedError, InvalidInputError, LifecycleError, ServerError, ServerRejectedError,
-                           ServiceBusyError, TopKUnsupportedError, UnknownModelError)
+                           ServiceBusyError, TopKUnsupportedError, UnknownModelError, WeightSyncError)
 
 log = logging.getLogger("dualvllm.service")
 
@@ -46,6 +46,8 @@ def error_of(exc: Exception) -> tuple[int, dict[str, Any]]:
         return answer(400, str(exc), "invalid_request_error")
     if isinstance(exc, (ServerError, GenerationFailedError)):
         return answer(502, f"a model server failed: {exc}", "upstream_error")
+    if isinstance(exc, WeightSyncError):
+        return answer(502, f"a weight update of the base servers failed: {exc}", "upstream_error")
     if isinstance(exc, LifecycleError):
         return answer(503, f"the coordinator is not running: {exc}", "server_error")
     log.error("unexpected error in the q* service", exc_info=exc)

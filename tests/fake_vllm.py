@@ -155,6 +155,12 @@ class FakeVLLM:
         app.router.add_post("/pause", self._pause)
         app.router.add_post("/resume", self._resume)
         app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
+        if self.dtype is not None:  # dev mode: vLLM's RL routes (the phases are recorded, nothing moves)
+            app.router.add_get("/get_world_size", self._world_size)
+            app.router.add_get("/weight_info", self._weight_info)
+            for phase in ("init_weight_transfer_engine", "start_weight_update", "update_weights",
+                          "finish_weight_update"):
+                app.router.add_post(f"/{phase}", self._transfer_phase)
         self.running.set()
         self.server = TestServer(app, host="127.0.0.1")
         await self.server.start_server()
@@ -236,8 +242,21 @@ class FakeVLLM:
 
     async def _server_info(self, request: web.Request) -> web.Response:
         # vLLM dumps its config with fallback=str, so the dtype reads "torch.bfloat16".
-        return web.json_response({"vllm_config": {"model_config": {"dtype": f"torch.{self.dtype}"}},
+        return web.json_response({"vllm_config": {"model_config": {"dtype": f"torch.{self.dtype}",
+                                                                   "logprobs_mode": "raw_logprobs"},
+                                                  "weight_transfer_config": {"backend": "dualvllm_shm"},
+                                                  "parallel_config": {"data_parallel_size": 1}, "lora_config": None},
                                   "vllm_env": {}, "system_env": {}})
+
+    async def _world_size(self, request: web.Request) -> web.Response:
+        return web.json_response({"world_size": 1})
+
+    async def _weight_info(self, request: web.Request) -> web.Response:
+        finished = [b for b in self.calls["/finish_weight_update"] if b]
+        return web.json_response({"weight_version": finished[-1].get("weight_version") if finished else None})
+
+    async def _transfer_phase(self, request: web.Request) -> web.Response:
+        return web.json_response({"message": f"{request.path} done"})
 
     async def _collective_rpc(self, request: web.Request) -> web.Response:
         """reload_weights only: the model becomes the one write_fake_weights put in weights_path."""
