@@ -46,7 +46,7 @@ SERVICE_FLAGS = ("service_host", "service_port", "api_key", "served_model_name",
                  "max_request_tokens", "max_body_bytes", "default_max_tokens")
 # Server fields exposed as flags; the model directories are --base/--teacher.
 SERVER_FLAGS = ("host", "max_logprobs", "max_model_len", "dtype", "kv_cache_space_gib", "gpu_memory_utilization",
-                "skip_tokenizer_init", "dev_mode", "lockstep", "lockstep_timeout_s")
+                "skip_tokenizer_init", "dev_mode", "weight_transfer", "lockstep", "lockstep_timeout_s")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,20 +7,22 @@ TRL's `trl.generation.vllm_client.VLLMClient` is synchronous. Then, with TRL's o
 - the client: health, model, server info, generate (completion and chat) and
   get_sequence_logprobs; the logprobs it gets are the coordinator's log q*, and the
   teacher's scores (model "<name>@alpha=1") equal the teacher server's own to 1e-4;
-- a stock `GRPOTrainer` with `use_vllm=True, vllm_mode="server"` pointed at the service,
-  with TRL's importance-sampling correction on. TRL's trainer-side weight sync needs CUDA
-  (`init_communicator` refuses other devices): here its push is replaced by the CPU
-  weight-transfer engine (training.weight_transfer) driven through the service's own four
-  forwarded phases, and the base server is then checked to serve the trained weights. The
-  CUDA/NCCL path through the service has not run (no GPU).
+- examples/trl_stock_grpo.py: a stock `GRPOTrainer` with `use_vllm=True, vllm_mode="server"`
+  pointed at the service, with TRL's importance-sampling correction on. TRL's trainer-side
+  weight sync needs CUDA (`init_communicator` refuses other devices): on CPU the example
+  replaces its push with the CPU weight-transfer engine (training.weight_transfer) driven
+  through the service's own four forwarded phases, and the base server is then checked to
+  serve the trained weights. The CUDA/NCCL path through the service has not run (no GPU).
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import threading
 import warnings
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any, Coroutine
 
 import numpy as np
@@ -35,6 +37,19 @@ from service.config import ServiceConfig
 datasets = pytest.importorskip("datasets")
 trl = pytest.importorskip("trl")
 from trl.generation.vllm_client import VLLMClient as TRLClient  # noqa: E402
+
+
+EXAMPLE_PATH = Path(__file__).resolve().parents[3] / "examples" / "trl_stock_grpo.py"
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("trl_stock_grpo", EXAMPLE_PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+EXAMPLE = _example()
 
 ROWS = [{"prompt": "57+44=", "answer": "101"}, {"prompt": "85+10=", "answer": "95"},
         {"prompt": "45+27=", "answer": "72"}, {"prompt": "90+61=", "answer": "151"}]
@@ -135,49 +150,19 @@ def test_trls_client_gets_q_star_samples_and_the_teachers_own_scores(service, de
         np.testing.assert_allclose(np.array(ours[key]), np.array(theirs[key]), atol=1e-4)
 
 
-def exact(prompts, completions, answer, **_):
-    return [float(c.strip() == a) for c, a in zip(completions, answer)]
-
-
-def test_a_stock_grpo_trainer_samples_q_star_and_pushes_through_the_service(service, dev_pair, tmp_path,
-                                                                           monkeypatch):
+def test_the_stock_grpo_example_samples_q_star_and_pushes_through_the_service(service, dev_pair, tmp_path):
+    """examples/trl_stock_grpo.py: a stock GRPOTrainer whose only change is vllm_server_base_url."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
 
     from engines.vllm_client import VLLMClient
-    from training import weight_transfer
-    from training.weight_sync import learner_logprobs
+    from training.weight_sync import compare_logprobs, learner_logprobs
 
     theta, _ = dev_pair
-    url = service.url.result()
-    trainer: dict[str, Any] = {}
-    pushes: list[Any] = []
-
-    def cpu_push(self, metadata, named_params):
-        """TRL's update_named_params, on the CPU engine: the same four phases, through the service."""
-        async def push() -> Any:
-            async with VLLMClient(url, name="q* service") as through_service:
-                return await weight_transfer.send_weights(through_service, trainer["model"], dtype="float32",
-                                                          weight_version=f"step-{len(pushes)}")
-        pushes.append(service.run(push()))
-
-    monkeypatch.setattr(TRLClient, "init_communicator", lambda self, device=0: None)
-    monkeypatch.setattr(TRLClient, "update_named_params", cpu_push)
-    config = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
-                        max_completion_length=5, max_steps=STEPS, learning_rate=1e-3, report_to=[], use_cpu=True,
-                        bf16=False, logging_steps=1, save_strategy="no", temperature=1.0, seed=0, use_vllm=True,
-                        vllm_mode="server", vllm_server_base_url=url, vllm_importance_sampling_correction=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        grpo = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tinymodels.BASE_DIR), reward_funcs=exact,
-                           args=config, train_dataset=datasets.Dataset.from_list(ROWS),
-                           processing_class=AutoTokenizer.from_pretrained(tinymodels.BASE_DIR))
-        trainer["model"] = grpo.model
-        grpo.train()
-        grpo.vllm_generation.sync_weights()  # TRL pushes before each generation: once more for the last step
+    trainer, pushes = EXAMPLE.train(service.url.result(), tmp_path, max_steps=STEPS, rows=ROWS)
     assert len(pushes) >= 2 and all(p.bytes > 0 for p in pushes)
-    logged = [e for e in grpo.state.log_history if "reward" in e]
+    logged = [e for e in trainer.state.log_history if "reward" in e]
     assert len(logged) == STEPS
+    # TRL's own IS correction ran on the log q* the service returned
     assert all(any(k.startswith("sampling/importance_sampling_ratio") for k in e) for e in logged), logged[0]
     # After the last push the base server serves the trained weights (float32: to 1e-3).
     probes = [AutoTokenizer.from_pretrained(tinymodels.BASE_DIR)(r["prompt"])["input_ids"] for r in ROWS]
@@ -186,9 +171,7 @@ def test_a_stock_grpo_trainer_samples_q_star_and_pushes_through_the_service(serv
         async with VLLMClient(theta.url, name="theta") as base:
             return await base.next_token_topk(probes, 20)
 
-    from training.weight_sync import compare_logprobs
-
-    trained = learner_logprobs(grpo.model, probes)
+    trained = learner_logprobs(trainer.model, probes)
     diff = compare_logprobs(service.run(served()), trained)
     assert diff.max_abs_diff <= 1e-3, diff
     start = learner_logprobs(AutoModelForCausalLM.from_pretrained(tinymodels.BASE_DIR), probes)
