@@ -109,6 +109,14 @@ class QStarGRPOConfig(GRPOConfig):
             raise InvalidInputError("opd_coef and distill_coef must be >= 0 and distill_beta within [0, 1]")
 
 
+# GRPOTrainer's private methods this subclass overrides, with TRL's signatures: a TRL release that
+# renames or reshapes one would leave the override silently unused (tests/unit/test_training_trl.py
+# fails loudly instead). The tested range is pyproject.toml's.
+OVERRIDDEN = {"_calculate_rewards": ("self", "inputs", "prompts", "completions", "completion_ids_list"),
+              "_generate_and_score_completions": ("self", "inputs"),
+              "_compute_loss": ("self", "model", "inputs")}
+
+
 class QStarGRPOTrainer(GRPOTrainer):
     """GRPOTrainer whose advantages and loss are this project's, with q* as the behaviour policy.
 

@@ -267,3 +267,24 @@ def test_trls_own_training_loop_moves_the_weights_as_the_learner_does(tmp_path, 
     assert float(own_update.norm()) > 0.1, "the steps must move the weights, or the comparison says nothing"
     assert float((trl_update - own_update).norm()) < 1e-2 * float(own_update.norm())
     assert float((trl_update - own_update).abs().max()) < learning_rate
+
+
+def test_every_trl_private_method_overridden_still_exists_with_its_signature():
+    """A TRL upgrade that renames or reshapes a private method QStarGRPOTrainer overrides would
+    leave the override unused and the q* corrections silently off: this fails first."""
+    import inspect
+
+    from trl import GRPOTrainer, __version__
+
+    from training.trl_trainer import OVERRIDDEN
+
+    for name, parameters in OVERRIDDEN.items():
+        assert hasattr(GRPOTrainer, name), (
+            f"TRL {__version__}'s GRPOTrainer has no {name} any more: QStarGRPOTrainer's override of it is dead; "
+            "port it to the new method before widening pyproject.toml's TRL range")
+        found = tuple(inspect.signature(getattr(GRPOTrainer, name)).parameters)
+        assert found == parameters, f"TRL {__version__} changed GRPOTrainer.{name}{found}; the override takes {parameters}"
+        assert tuple(inspect.signature(getattr(QStarGRPOTrainer, name)).parameters) == parameters
+    # and no private method of ours shadows one of TRL's by accident
+    ours = {n for n, f in vars(QStarGRPOTrainer).items() if n.startswith("_") and not n.startswith("__") and callable(f)}
+    assert {n for n in ours if hasattr(GRPOTrainer, n)} == set(OVERRIDDEN)
