@@ -42,7 +42,7 @@ from common.errors import (
 from coordinator.core import DualVLLMCoordinator
 from coordinator.outputs import GenerationOutput
 from coordinator.sequence import TokenListener
-from engines.protocol import Engine, PromptScoringEngine
+from engines.protocol import Engine
 from service import responses
 from service.config import ServiceConfig
 from service.dev_routes import DevRoutes
@@ -51,7 +51,8 @@ from service.formats import CHAT, COMPLETION, Format, TokenLogprobs
 from service.jobs import Admission, Job
 from service.metrics import ServiceMetrics
 from service.schema import ChatCompletionRequest, CompletionRequest
-from service.scoring import PromptScores, ScoringSettings, score_prompts, vllm_prompt_logprobs
+from service.batching import BatchedScoring
+from service.scoring import PromptScores, ScoringSettings, score_prompts, scoring_engine, vllm_prompt_logprobs
 from service.streaming import stream_choices
 from service.tokens import TokenTexts
 
@@ -74,6 +75,7 @@ class QStarService:
         self.metrics = ServiceMetrics(coordinator, self.admission)
         self.texts = TokenTexts(coordinator)
         self.created = int(time.time())
+        self._scorers: tuple[BatchedScoring, BatchedScoring] | None = None
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes,
@@ -260,7 +262,9 @@ class QStarService:
 
     async def _run(self, request: web.Request, job: Job) -> web.StreamResponse:
         self.coordinator.check(job.params)  # what the coordinator would refuse, refused before a stream's first byte
-        with self.admission.hold(job.sequences, job.sequences * job.max_tokens,
+        # A scoring-only request (echo, max_tokens 0) never enters the coordinator's batch: it takes no place there.
+        sequences = job.sequences if job.max_tokens else 0
+        with self.admission.hold(sequences, sequences * job.max_tokens,
                                  lambda: self.coordinator.get_statistics()["tokens_per_s"]):
             if job.request.stream:
                 return await stream_choices(request, self, job)
@@ -352,11 +356,8 @@ class QStarService:
         assert k is not None
         if alpha in (0.0, 1.0):
             side = 0 if alpha == 0.0 else 1
-            engine = _engines(self.coordinator)[side]
-            if not isinstance(engine, PromptScoringEngine):
-                raise RequestError(f"prompt_logprobs needs model servers that score prompts (vLLM); the {engine.name} "
-                                   "engine cannot", code="unsupported_parameter", param="prompt_logprobs")
-            return await engine.prompt_logprobs([prompt[side] for prompt in job.prompts], k)
+            scorer = self.scorers("prompt_logprobs")[side]
+            return await scorer.prompt_logprobs([prompt[side] for prompt in job.prompts], k)
         if k == -1:
             raise RequestError("prompt_logprobs=-1 (the whole vocabulary) is for one model alone: q* is defined "
                                f"over each model's top-k candidates; ask for at most that many, or use "
@@ -381,7 +382,16 @@ class QStarService:
                                    vocab_size=self.coordinator.vocab_size, alpha_tol=config.alpha_tol,
                                    alpha_max_iter=config.alpha_max_iter, fixed_alpha=options.fixed_alpha,
                                    top_n=job.top_logprobs if top_n is None else top_n)
-        return await score_prompts(*_engines(self.coordinator), prompts, settings)
+        return await score_prompts(*self.scorers("prompt_logprobs" if job.prompt_logprobs is not None else "echo"),
+                                   prompts, settings)
+
+    def scorers(self, param: str) -> tuple[BatchedScoring, BatchedScoring]:
+        """The base's and the teacher's prompt scoring, concurrent requests merged into one call
+        per server (service.batching); a 400 naming `param` if an engine cannot score prompts."""
+        if self._scorers is None:
+            theta, t = (scoring_engine(e, param) for e in _engines(self.coordinator))
+            self._scorers = BatchedScoring(theta), BatchedScoring(t)
+        return self._scorers
 
     async def logprob_texts(self, job: Job, outputs: Sequence[GenerationOutput],
                             scores: Sequence[PromptScores] | None = None) -> dict[int, str]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import math
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -88,13 +88,24 @@ def score_rows(theta: TopKBatch, t: TopKBatch, tokens: np.ndarray, settings: Sco
                      rank=1 + (target.logq > logprob_q[:, None]).sum(axis=1))
 
 
-async def score_prompts(theta: Engine, t: Engine, prompts: Sequence[Sequence[int]],
+class PromptScorer(Protocol):
+    """What scoring needs of each model: PromptScoringEngine's prompt_topk (an engine, or the
+    service's batched front of one, service.batching)."""
+
+    async def prompt_topk(self, prompts: Sequence[Sequence[int]], k: int) -> list[TopKBatch]: ...
+
+
+def scoring_engine(engine: Engine, param: str) -> PromptScoringEngine:
+    """`engine`, checked to score prompts (vLLM's prompt logprobs), else a 400 naming `param`."""
+    if not isinstance(engine, PromptScoringEngine):
+        raise RequestError(f"{param} needs model servers that score prompts (vLLM); the {engine.name} engine "
+                           "cannot", code="unsupported_parameter", param=param)
+    return engine
+
+
+async def score_prompts(theta: PromptScorer, t: PromptScorer, prompts: Sequence[Sequence[int]],
                         settings: ScoringSettings) -> list[PromptScores]:
     """Every prompt token's log q*: one prompt-logprobs request per server for all prompts."""
-    for engine in (theta, t):
-        if not isinstance(engine, PromptScoringEngine):
-            raise RequestError(f"echo with logprobs needs model servers that score prompts (vLLM); the "
-                               f"{engine.name} engine cannot", code="unsupported_parameter", param="echo")
     theta_rows, t_rows = await asyncio.gather(theta.prompt_topk(prompts, settings.top_k),
                                               t.prompt_topk(prompts, settings.top_k))
     tokens = np.fromiter((tok for p in prompts for tok in p[1:]), np.int64)  # [R], every prompt's rows in turn
