@@ -127,11 +127,12 @@ async def measured(args: Any, theta: str, t: str, request: Callable[[int], Await
 
 
 @contextlib.asynccontextmanager
-async def running_service(args: Any, theta: str, t: str) -> AsyncIterator[tuple[str, str, int]]:
-    """(API base URL, model name, pid) of `dualvllm serve` on the two servers, in its own process."""
+async def running_service(args: Any, theta: str, t: str, *flags: str) -> AsyncIterator[tuple[str, str, int]]:
+    """(API base URL, model name, pid) of `dualvllm serve` on the two servers, in its own process
+    (`flags`: more of its flags)."""
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "dualvllm", "serve", "--theta-url", theta, "--t-url", t, "--service-port", "0",
-        "--top-k", str(args.top_k), "--mode", args.mode, "--max-batch-size", "64",
+        "--top-k", str(args.top_k), "--mode", args.mode, "--max-batch-size", "64", *flags,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=REPO)
     try:
         assert process.stdout is not None

@@ -43,7 +43,7 @@ COORDINATOR_FLAGS = ("theta_url", "t_url", "theta_urls", "t_urls", "top_k", "fil
                      "local_tokenizers", "mode", "replica_probe_interval")
 # q* endpoint fields exposed as flags of `serve`.
 SERVICE_FLAGS = ("service_host", "service_port", "api_key", "served_model_name", "max_queued_sequences",
-                 "max_request_tokens", "max_body_bytes", "default_max_tokens")
+                 "max_request_tokens", "max_body_bytes", "default_max_tokens", "scoring_call_tokens")
 # Server fields exposed as flags; the model directories are --base/--teacher.
 SERVER_FLAGS = ("host", "max_logprobs", "max_model_len", "dtype", "kv_cache_space_gib", "gpu_memory_utilization",
                 "skip_tokenizer_init", "dev_mode", "weight_transfer", "lockstep", "lockstep_timeout_s")

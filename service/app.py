@@ -42,7 +42,7 @@ from common.errors import (
 from coordinator.core import DualVLLMCoordinator
 from coordinator.outputs import GenerationOutput
 from coordinator.sequence import TokenListener
-from engines.protocol import Engine
+from engines.protocol import Engine, PromptScoringEngine
 from service import responses
 from service.config import ServiceConfig
 from service.dev_routes import DevRoutes
@@ -75,7 +75,7 @@ class QStarService:
         self.metrics = ServiceMetrics(coordinator, self.admission)
         self.texts = TokenTexts(coordinator)
         self.created = int(time.time())
-        self._scorers: tuple[BatchedScoring, BatchedScoring] | None = None
+        self._scorers: tuple[BatchedScoring | PromptScoringEngine, BatchedScoring | PromptScoringEngine] | None = None
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes,
@@ -385,12 +385,14 @@ class QStarService:
         return await score_prompts(*self.scorers("prompt_logprobs" if job.prompt_logprobs is not None else "echo"),
                                    prompts, settings)
 
-    def scorers(self, param: str) -> tuple[BatchedScoring, BatchedScoring]:
+    def scorers(self, param: str) -> tuple[BatchedScoring | PromptScoringEngine, BatchedScoring | PromptScoringEngine]:
         """The base's and the teacher's prompt scoring, concurrent requests merged into one call
-        per server (service.batching); a 400 naming `param` if an engine cannot score prompts."""
+        per server (service.batching; the engines themselves with scoring_call_tokens 0); a 400
+        naming `param` if an engine cannot score prompts."""
         if self._scorers is None:
             theta, t = (scoring_engine(e, param) for e in _engines(self.coordinator))
-            self._scorers = BatchedScoring(theta), BatchedScoring(t)
+            tokens = self.config.scoring_call_tokens
+            self._scorers = (BatchedScoring(theta, tokens), BatchedScoring(t, tokens)) if tokens else (theta, t)
         return self._scorers
 
     async def logprob_texts(self, job: Job, outputs: Sequence[GenerationOutput],

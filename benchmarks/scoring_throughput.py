@@ -1,0 +1,163 @@
+"""Prompt scoring through the q* service against vLLM's own prompt logprobs on the same server.
+
+    python benchmarks/scoring_throughput.py                     # starts the bundled tiny models
+    python benchmarks/scoring_throughput.py --clients 16 --seconds 30 --repeats 2
+    python benchmarks/scoring_throughput.py --theta-url URL --t-url URL
+
+What lm-eval's loglikelihood requests do (`local-completions`: one prompt per request, echo,
+max_tokens 0, logprobs 1), from `--clients` concurrent clients, in three arms alternating
+`--repeats` times on the same two servers:
+- `vllm`: straight to the base server, which scores the prompt alone: vLLM's own
+  prompt-logprobs throughput, the reference;
+- `service_unmerged`: through `dualvllm serve --scoring-call-tokens 0`: each request its own
+  prompt-logprobs call per server (the service before issue 44);
+- `service`: through `dualvllm serve` as shipped: concurrent requests merged into one call per
+  server while one is in flight (service.batching).
+A service request costs both servers a prompt-logprobs pass (q* needs both models' top-k at
+every position) where the reference costs one. Each arm runs `--seconds` after a warm-up;
+requests finished inside the window count. Reported: requests/s, latency p50/p95, the
+servers' CPU seconds per 1,000 requests, and each service arm's requests/s over the vllm
+arm's of the same repeat (issue 44's target: at least 0.8). Writes
+benchmarks/results/scoring_throughput.json and .png.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import aiohttp
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
+
+from common import loop  # noqa: E402
+from benchmarks import harness  # noqa: E402
+from benchmarks.service_load import running_service  # noqa: E402
+
+WARMUP_S = 3.0
+ARMS = ("vllm", "service_unmerged", "service")
+TARGET_RATIO = 0.8
+LOGPROBS = 1  # lm-eval's local-completions loglikelihood
+
+
+async def drive(request: Callable[[aiohttp.ClientSession, int], Awaitable[None]], clients: int,
+                seconds: float) -> dict[str, Any]:
+    """`clients` loops of `request` for `seconds` after a warm-up: the requests finished in the window."""
+    latencies: list[float] = []
+    window = [0.0, 0.0]
+
+    async def client(session: aiohttp.ClientSession, number: int) -> None:
+        index = number
+        while True:
+            started = time.perf_counter()
+            await request(session, index)
+            finished = time.perf_counter()
+            index += clients
+            if window[0] and started >= window[0] and finished <= window[1]:
+                latencies.append(finished - started)
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients)) as session:
+        tasks = [asyncio.create_task(client(session, i)) for i in range(clients)]
+        try:
+            await asyncio.sleep(WARMUP_S)
+            window[:] = [time.perf_counter(), time.perf_counter() + seconds]
+            await asyncio.sleep(seconds)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    failed = next((t.exception() for t in tasks if not t.cancelled() and t.exception()), None)
+    if failed is not None:
+        raise failed
+    ms = np.asarray(latencies) * 1e3
+    return {"requests": len(latencies), "requests_per_s": len(latencies) / seconds,
+            "latency_p50_ms": float(np.percentile(ms, 50)) if ms.size else float("nan"),
+            "latency_p95_ms": float(np.percentile(ms, 95)) if ms.size else float("nan")}
+
+
+def echo_request(url: str, model: str, prompts: list[str]) -> Callable[[aiohttp.ClientSession, int], Awaitable[None]]:
+    async def request(session: aiohttp.ClientSession, index: int) -> None:
+        body = {"model": model, "prompt": prompts[index % len(prompts)], "max_tokens": 0, "echo": True,
+                "logprobs": LOGPROBS, "temperature": 0.0}
+        async with session.post(url + "/completions", json=body) as answer:
+            text = await answer.text()
+            if answer.status != 200:
+                raise RuntimeError(f"{url} answered {answer.status}: {text[:300]}")
+    return request
+
+
+async def measured(args: Any, theta: str, t: str, request: Callable[..., Awaitable[None]]) -> dict[str, Any]:
+    cpus = (harness.ServerCPU(theta), harness.ServerCPU(t))
+    before = [c.seconds() for c in cpus]
+    result = await drive(request, args.clients, args.seconds)
+    used = sum(c.seconds() for c in cpus) - sum(before)
+    # the CPU also covers the warm-up and the requests cut at the window's edges: per request, an upper bound
+    result["servers_cpu_s_per_1k_requests"] = used / max(result["requests"], 1) * 1000
+    return result
+
+
+async def arm(name: str, args: Any, theta: str, t: str, prompts: list[str]) -> dict[str, Any]:
+    if name == "vllm":
+        async with aiohttp.ClientSession() as session:
+            async with session.get(theta + "/v1/models") as answer:
+                model = (await answer.json())["data"][0]["id"]
+        return await measured(args, theta, t, echo_request(theta + "/v1", model, prompts))
+    flags = ("--scoring-call-tokens", "0") if name == "service_unmerged" else ()
+    async with running_service(args, theta, t, *flags) as (url, model, _):
+        return await measured(args, theta, t, echo_request(url, model, prompts))
+
+
+async def run(args: Any) -> dict[str, Any]:
+    prompts = [p + " " + p for p in harness.prompts_for(400, seed=0)]  # ~12 tokens, like a short MC choice
+    rows = []
+    async with harness.servers(args.theta_url, args.t_url, max_logprobs=args.top_k,
+                               lockstep=args.mode != "per_token") as (theta, t):
+        for repeat in range(args.repeats):
+            found = {}
+            for name in ARMS:
+                found[name] = await arm(name, args, theta, t, prompts)
+                print(f"repeat {repeat} {name:<17} {found[name]['requests_per_s']:7.1f} requests/s  p50 "
+                      f"{found[name]['latency_p50_ms']:6.1f} ms  p95 {found[name]['latency_p95_ms']:6.1f} ms  "
+                      f"servers {found[name]['servers_cpu_s_per_1k_requests']:.1f} CPU s / 1k requests", flush=True)
+            for name in ARMS:
+                ratio = found[name]["requests_per_s"] / max(found["vllm"]["requests_per_s"], 1e-9)
+                rows.append({"repeat": repeat, "arm": name, **found[name], "ratio_to_vllm": ratio})
+    return {"machine": harness.machine(), "command": " ".join(["python", *sys.argv]), "clients": args.clients,
+            "seconds": args.seconds, "target_ratio": TARGET_RATIO, "rows": rows}
+
+
+def plot(report: dict, path: Path) -> None:
+    plt = harness.pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name in ARMS:
+        values = [r["requests_per_s"] for r in report["rows"] if r["arm"] == name]
+        ax.bar(name, float(np.median(values)))
+    ax.set(ylabel="requests/s (median of repeats)",
+           title=f"echo scoring, {report['clients']} clients: vLLM alone against the q* service")
+    harness.save_figure(fig, path)
+
+
+def main() -> None:
+    parser = harness.argument_parser(__doc__, live_servers=True)
+    parser.add_argument("--clients", type=int, default=16, help="concurrent requests (lm-eval's default here)")
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--top-k", type=int, default=20)
+    parser.add_argument("--mode", default="lockstep", choices=["lockstep", "per_token"])
+    parser.add_argument("--output", type=Path, default=Path("benchmarks/results/scoring_throughput.json"))
+    args = parser.parse_args()
+    report = loop.run(run(args))
+    for row in report["rows"]:
+        if row["arm"] != "vllm":
+            print(f"repeat {row['repeat']} {row['arm']}: {row['ratio_to_vllm']:.2f}x vLLM's own requests/s "
+                  f"(target {TARGET_RATIO})")
+    harness.finish(report, args.output, plot)
+
+
+if __name__ == "__main__":
+    main()
