@@ -60,6 +60,8 @@ log = logging.getLogger("dualvllm.service")
 # "<served name>@alpha=0.25" names the pair with dualvllm.fixed_alpha 0.25: how clients that
 # send no extra body fields (lm-eval's loglikelihood requests) choose the base or the teacher.
 ALPHA_SUFFIX = "@alpha="
+# Route prefixes whose model list names one model alone first (see QStarService.app).
+ROLE_ALPHAS = {"teacher": 1.0, "base": 0.0}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 A = TypeVar("A")
 B = TypeVar("B")
@@ -80,10 +82,14 @@ class QStarService:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes,
                               middlewares=[self._errors, self._auth])
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
+        # "/teacher/..." and "/base/...": the same routes, whose model list names that model alone
+        # first, for clients that take the first model of a base URL (TRL's VLLMClient: a
+        # distillation trainer's teacher_model_server_url=http://HOST:PORT/teacher).
+        for prefix in ("", *(f"/{role}" for role in ROLE_ALPHAS)):
+            app.router.add_post(prefix + "/v1/completions", self.completions)
+            app.router.add_post(prefix + "/v1/chat/completions", self.chat_completions)
+            app.router.add_get(prefix + "/v1/models", self.models)
+            app.router.add_get(prefix + "/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
         if self.config.dev_mode:
             DevRoutes(self.coordinator).add_to(app)
@@ -147,9 +153,13 @@ class QStarService:
                 "dualvllm": {"base": theta, "teacher": t, "mode": self.coordinator.mode,
                              "top_k": self.coordinator.config.top_k}}
         # The base alone and the teacher alone; any alpha in [0, 1] works, these two are listed.
-        aliases = [{**card, "id": f"{self.model}{ALPHA_SUFFIX}{alpha:g}",
-                    "dualvllm": {**card["dualvllm"], "fixed_alpha": alpha}} for alpha in (0.0, 1.0)]
-        return web.json_response({"object": "list", "data": [card, *aliases]})
+        aliases = {alpha: {**card, "id": f"{self.model}{ALPHA_SUFFIX}{alpha:g}",
+                           "dualvllm": {**card["dualvllm"], "fixed_alpha": alpha}} for alpha in (0.0, 1.0)}
+        role = request.path.split("/")[1]
+        if role in ROLE_ALPHAS:  # under /teacher or /base: that model first
+            first = aliases.pop(ROLE_ALPHAS[role])
+            return web.json_response({"object": "list", "data": [first, card, *aliases.values()]})
+        return web.json_response({"object": "list", "data": [card, *aliases.values()]})
 
     async def prometheus(self, request: web.Request) -> web.Response:
         body, content_type = self.metrics.render()

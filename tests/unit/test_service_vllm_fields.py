@@ -158,3 +158,16 @@ async def test_prompt_logprobs_above_the_servers_limit_name_the_flag(service, fa
     status, body = await post(url, "/v1/completions", completion(model=f"{MODEL}@alpha=1",
                                                                   prompt_logprobs=fake_t.max_logprobs + 1))
     assert status == 400 and "--max-logprobs" in body["error"]["message"], body
+
+
+async def test_a_client_pointed_at_the_teacher_prefix_scores_with_the_teacher_alone(service):
+    """TRL's distillation trainers take the first model of teacher_model_server_url: /teacher lists it first."""
+    url, _ = service
+    teacher = await asyncio.to_thread(vllm_client.VLLMClient, base_url=url + "/teacher")
+    assert teacher.model == f"{MODEL}@alpha=1"
+    base = await asyncio.to_thread(vllm_client.VLLMClient, base_url=url + "/base")
+    assert base.model == f"{MODEL}@alpha=0"
+    sequence = tokenize("abcdef")
+    out = await asyncio.to_thread(teacher.get_sequence_logprobs, [sequence], [2], top_logprobs=3)
+    exact = model_logprobs(2, sequence, 2)
+    assert out["actual_logprobs"][0][0][0] == pytest.approx(exact[sequence[2]], abs=1e-6)

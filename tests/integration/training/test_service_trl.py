@@ -142,8 +142,9 @@ def test_trls_client_gets_q_star_samples_and_the_teachers_own_scores(service, de
     # Teacher scoring: the service's teacher alone against the teacher server itself.
     sequences = [out["prompt_ids"][0] + out["completion_ids"][0], out["prompt_ids"][1] + out["completion_ids"][2]]
     starts = [len(out["prompt_ids"][0]), len(out["prompt_ids"][1])]
-    trl_client.model = f"{trl_client.model}@alpha=1"
-    ours = trl_client.get_sequence_logprobs(sequences, starts, top_logprobs=5)
+    teacher = client(url + "/teacher")  # what a distillation trainer's teacher_model_server_url points at
+    assert teacher.model == f"{trl_client.model}@alpha=1"
+    ours = teacher.get_sequence_logprobs(sequences, starts, top_logprobs=5)
     theirs = client(t.url).get_sequence_logprobs(sequences, starts, top_logprobs=5)
     assert ours["logprob_token_ids"] == theirs["logprob_token_ids"]
     for key in ("logprobs", "actual_logprobs"):
