@@ -118,7 +118,10 @@ class QStarService:
             status = response.status
             return response
         finally:
-            self.metrics.request_done(request.path, status, time.perf_counter() - started)
+            # labelled by the route it matched (the app's own table: a bounded set), not the raw path
+            resource = request.match_info.route.resource
+            self.metrics.request_done(resource.canonical if resource is not None else "other", status,
+                                      time.perf_counter() - started)
 
     def _answer(self, exc: Exception) -> web.Response:
         status, body = error_of(exc)

@@ -177,3 +177,32 @@ def test_the_stock_grpo_example_samples_q_star_and_pushes_through_the_service(se
     assert diff.max_abs_diff <= 1e-3, diff
     start = learner_logprobs(AutoModelForCausalLM.from_pretrained(tinymodels.BASE_DIR), probes)
     assert abs(trained - start).max() > 1e-2  # training moved them: the check above tells the two apart
+
+
+def test_trls_server_distillation_trains_at_q_star_states_with_the_teacher_route(service, dev_pair, tmp_path):
+    """TRL's ServerDistillationTrainer: the student's on-policy completions come from the service
+    (q* states, `vllm_server_base_url`), the teacher's top-k from its /teacher route
+    (`teacher_model_server_url`); forward KL (beta 0) over the teacher's top 5 with the tail."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl.experimental.server_distillation import ServerDistillationConfig, ServerDistillationTrainer
+
+    url = service.url.result()
+    config = ServerDistillationConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, max_completion_length=5, max_steps=STEPS,
+        learning_rate=1e-3, report_to=[], use_cpu=True, bf16=False, logging_steps=1, save_strategy="no", seed=0,
+        beta=0.0, loss_top_k=5, use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
+        teacher_model_server_url=url + "/teacher")
+    holder: dict[str, Any] = {}
+    with EXAMPLE.cpu_weight_sync(url, lambda: holder["trainer"].model) as pushes, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = holder["trainer"] = ServerDistillationTrainer(
+            model=AutoModelForCausalLM.from_pretrained(tinymodels.BASE_DIR), args=config,
+            train_dataset=datasets.Dataset.from_list([{"prompt": r["prompt"]} for r in ROWS]),
+            processing_class=AutoTokenizer.from_pretrained(tinymodels.BASE_DIR))
+        trainer.train()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert len(losses) == STEPS and all(np.isfinite(losses)), trainer.state.log_history
+    assert pushes, "the student's weights reached the base server before it sampled"
+    answered = requests.get(f"{url}/metrics", timeout=30).text  # which routes the trainer used, from the service
+    for route in ("/v1/completions", "/teacher/v1/completions", "/start_weight_update"):
+        assert f'dualvllm_requests_total{{route="{route}",status="200"}}' in answered, route
