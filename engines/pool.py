@@ -334,3 +334,9 @@ def _reassemble(size: int, parts: list[tuple[list[int], TopKBatch]]) -> TopKBatc
         w = batch.token_ids.shape[1]
         ids[rows, :w], logprobs[rows, :w] = batch.token_ids, batch.logprobs
     return TopKBatch(token_ids=ids, logprobs=logprobs)
+
+
+def live_members(engine: Engine) -> list[Engine]:
+    """The engines a role's calls reach: a pool's healthy replicas, or the engine itself (one
+    server). Kept here so that nothing outside engines/ tells a pool from a server."""
+    return [engine.replicas[i] for i in engine.healthy] if isinstance(engine, ReplicaPool) else [engine]

@@ -372,6 +372,13 @@ class VLLMClient:
         payload = None if weight_version is None else {"weight_version": weight_version}
         await self._transfer_phase("/finish_weight_update", payload, timeout_s)
 
+    async def world_size(self, include_dp: bool = True) -> int:
+        """The server's worker count (TP x PP, x DP with `include_dp`): GET /get_world_size (dev mode)."""
+        body = await self.call("GET", "/get_world_size" + ("" if include_dp else "?include_dp=false"))
+        expect(isinstance(body, dict) and isinstance(body.get("world_size"), int), self.name, self.url,
+               f"/get_world_size answered {body!r}, not {{'world_size': int}}")
+        return body["world_size"]
+
     async def weight_version(self) -> str | None:
         """The version the last finished update was tagged with (GET /weight_info)."""
         body = await self.call("GET", "/weight_info")

@@ -33,8 +33,8 @@ from aiohttp import web
 
 from common.errors import WeightSyncError
 from coordinator.core import DualVLLMCoordinator
-from engines.pool import ReplicaPool
-from engines.vllm_client import VLLMClient
+from engines.pool import live_members
+from engines.protocol import WeightTransferServer
 from service.errors import RequestError
 
 log = logging.getLogger("dualvllm.service")
@@ -102,16 +102,15 @@ class DevRoutes:
 
     # -- the base replicas --------------------------------------------------------------
 
-    def bases(self) -> list[VLLMClient]:
+    def bases(self) -> list[WeightTransferServer]:
         """Every healthy base replica (one without a pool)."""
-        engine = self.coordinator.base_engine
-        clients = [engine.replicas[i] for i in engine.healthy] if isinstance(engine, ReplicaPool) else [engine]
-        if not clients or not all(isinstance(c, VLLMClient) for c in clients):
-            raise RequestError("the dev routes forward to vLLM base servers; this coordinator's base is "
-                               f"{type(engine).__name__}", code="unsupported_parameter")
-        return clients  # type: ignore[return-value]
+        members = live_members(self.coordinator.base_engine)
+        if not members or not all(isinstance(m, WeightTransferServer) for m in members):
+            raise RequestError("the dev routes forward to vLLM base servers; this coordinator's base engine "
+                               f"{self.coordinator.base_engine.name!r} is not one", code="unsupported_parameter")
+        return members  # type: ignore[return-value]
 
-    async def _each(self, call: Callable[[VLLMClient], Awaitable[Any]]) -> list[Any]:
+    async def _each(self, call: Callable[[WeightTransferServer], Awaitable[Any]]) -> list[Any]:
         return list(await asyncio.gather(*(call(c) for c in self.bases())))
 
     # -- read-only ----------------------------------------------------------------------
@@ -130,8 +129,8 @@ class DevRoutes:
                          "mode": self.coordinator.mode}}})
 
     async def get_world_size(self, request: web.Request) -> web.Response:
-        query = "" if request.query.get("include_dp", "true").lower() != "false" else "?include_dp=false"
-        return web.json_response(await self.bases()[0].call("GET", "/get_world_size" + query))
+        include_dp = request.query.get("include_dp", "true").lower() != "false"
+        return web.json_response({"world_size": await self.bases()[0].world_size(include_dp)})
 
     async def weight_info(self, request: web.Request) -> web.Response:
         return web.json_response({"weight_version": await self.bases()[0].weight_version()})
@@ -194,7 +193,7 @@ class DevRoutes:
             self.watchdog.cancel()
         self.watchdog = None
         errors: list[BaseException] = []
-        steps: list[Callable[[VLLMClient], Awaitable[Any]]] = [
+        steps: list[Callable[[WeightTransferServer], Awaitable[Any]]] = [
             lambda c: c.reset_prefix_cache(reset_running_requests=True), lambda c: c.resume()]
         if finish:
             steps.insert(0, lambda c: c.finish_weight_update(version, timeout_s=PHASE_TIMEOUT_S))
@@ -238,7 +237,7 @@ async def _json(request: web.Request) -> dict[str, Any]:
     return body
 
 
-def _not_dev_mode(base: VLLMClient) -> web.Response:
+def _not_dev_mode(base: WeightTransferServer) -> web.Response:
     from service.errors import error_body
 
     return web.json_response(error_body(
