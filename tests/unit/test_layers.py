@@ -33,8 +33,8 @@ def test_theory_has_no_io_dependencies():
 # service/'s own layers, bottom to top: a module imports only from layers below its own, so
 # none needs TYPE_CHECKING or an import order to load (an errors <-> responses <-> scoring
 # circle once made `import service.errors` fail on its own).
-SERVICE_LAYERS = [{"errors", "schema", "config", "tokens"}, {"scoring"}, {"responses"}, {"formats"}, {"jobs"},
-                  {"metrics", "streaming"}, {"app"}]
+SERVICE_LAYERS = [{"errors", "schema", "config", "tokens", "batching"}, {"scoring"}, {"responses"}, {"formats"}, {"jobs"},
+                  {"metrics", "streaming", "dev_routes"}, {"app"}]
 
 
 def test_service_modules_import_one_way():
