@@ -6,7 +6,7 @@
 
 What lm-eval's loglikelihood requests do (`local-completions`: one prompt per request, echo,
 max_tokens 0, logprobs 1), from `--clients` concurrent clients, in three arms alternating
-`--repeats` times on the same two servers:
+`--repeats` times on the same two servers (service_load.drive: a warm-up, then the window):
 - `vllm`: straight to the base server, which scores the prompt alone: vLLM's own
   prompt-logprobs throughput, the reference;
 - `service_unmerged`: through `dualvllm serve --scoring-call-tokens 0`: each request its own
@@ -23,9 +23,7 @@ benchmarks/results/scoring_throughput.json and .png.
 
 from __future__ import annotations
 
-import asyncio
 import sys
-import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -37,64 +35,32 @@ sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 
 from common import loop  # noqa: E402
 from benchmarks import harness  # noqa: E402
-from benchmarks.service_load import running_service  # noqa: E402
+from benchmarks.service_load import drive, running_service  # noqa: E402
 
-WARMUP_S = 3.0
 ARMS = ("vllm", "service_unmerged", "service")
 TARGET_RATIO = 0.8
 LOGPROBS = 1  # lm-eval's local-completions loglikelihood
 
 
-async def drive(request: Callable[[aiohttp.ClientSession, int], Awaitable[None]], clients: int,
-                seconds: float) -> dict[str, Any]:
-    """`clients` loops of `request` for `seconds` after a warm-up: the requests finished in the window."""
-    latencies: list[float] = []
-    window = [0.0, 0.0]
-
-    async def client(session: aiohttp.ClientSession, number: int) -> None:
-        index = number
-        while True:
-            started = time.perf_counter()
-            await request(session, index)
-            finished = time.perf_counter()
-            index += clients
-            if window[0] and started >= window[0] and finished <= window[1]:
-                latencies.append(finished - started)
-
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients)) as session:
-        tasks = [asyncio.create_task(client(session, i)) for i in range(clients)]
-        try:
-            await asyncio.sleep(WARMUP_S)
-            window[:] = [time.perf_counter(), time.perf_counter() + seconds]
-            await asyncio.sleep(seconds)
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-    failed = next((t.exception() for t in tasks if not t.cancelled() and t.exception()), None)
-    if failed is not None:
-        raise failed
-    ms = np.asarray(latencies) * 1e3
-    return {"requests": len(latencies), "requests_per_s": len(latencies) / seconds,
-            "latency_p50_ms": float(np.percentile(ms, 50)) if ms.size else float("nan"),
-            "latency_p95_ms": float(np.percentile(ms, 95)) if ms.size else float("nan")}
-
-
-def echo_request(url: str, model: str, prompts: list[str]) -> Callable[[aiohttp.ClientSession, int], Awaitable[None]]:
-    async def request(session: aiohttp.ClientSession, index: int) -> None:
+def echo_request(url: str, model: str, prompts: list[str]) -> Callable[[aiohttp.ClientSession, int], Awaitable[int]]:
+    async def request(session: aiohttp.ClientSession, index: int) -> int:
         body = {"model": model, "prompt": prompts[index % len(prompts)], "max_tokens": 0, "echo": True,
                 "logprobs": LOGPROBS, "temperature": 0.0}
         async with session.post(url + "/completions", json=body) as answer:
             text = await answer.text()
             if answer.status != 200:
                 raise RuntimeError(f"{url} answered {answer.status}: {text[:300]}")
+        return 1  # service_load.drive counts what a request returns: here requests
     return request
 
 
-async def measured(args: Any, theta: str, t: str, request: Callable[..., Awaitable[None]]) -> dict[str, Any]:
+async def measured(args: Any, theta: str, t: str, request: Callable[..., Awaitable[int]]) -> dict[str, Any]:
     cpus = (harness.ServerCPU(theta), harness.ServerCPU(t))
     before = [c.seconds() for c in cpus]
-    result = await drive(request, args.clients, args.seconds)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=args.clients)) as session:
+        result = await drive(lambda index: request(session, index), args.clients, args.seconds)
+    result["requests_per_s"] = result.pop("tokens_per_s")
+    del result["tokens"]
     used = sum(c.seconds() for c in cpus) - sum(before)
     # the CPU also covers the warm-up and the requests cut at the window's edges: per request, an upper bound
     result["servers_cpu_s_per_1k_requests"] = used / max(result["requests"], 1) * 1000
