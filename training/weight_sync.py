@@ -76,8 +76,8 @@ REPLICA_HEALTH_WAIT_S = 5.0
 # with a weight-transfer engine), "disk" through a checkpoint they reload, "auto" memory when the
 # servers can take it.
 WeightsVia = Literal["auto", "memory", "disk"]
-# What the servers must answer on the probes [len(probes), vocab]: known, or computed on demand.
-Expected: TypeAlias = "np.ndarray | LazyExpected"
+# What the servers must answer on the probes [len(probes), vocab]: known, or still being computed.
+Expected: TypeAlias = "np.ndarray | asyncio.Future[np.ndarray]"
 # The client knows a server by its URL only; a server that died says why in its own log.
 SERVER_LOG_HINT = ("Its log says why (`dualvllm train` writes <output-dir>/theta.log, theta-I.log with replicas; "
                    "`dualvllm serve --log-dir DIR` writes DIR/theta.log)")
@@ -332,12 +332,13 @@ class BasePusher:
         from training import lora, weight_transfer  # imports vLLM's trainer-side classes
 
         # What the servers must answer (a forward pass over a copy of the weights in their dtype)
-        # does not depend on the transfer: it is computed in a thread from the moment a server
-        # resumes, beside the server's own answer to the probes. Not during the pause: on shared
-        # CPU cores it would slow the transfer and lengthen the sampling stall (measured:
-        # benchmarks/README.md, "weight_push.py").
+        # does not depend on the transfer: it is computed in a thread meanwhile and waited for only
+        # to compare, which takes it off the push's critical path.
         started = time.perf_counter()
-        expected = LazyExpected(lambda: weight_transfer.expected_logprobs(model, self._probes, dtype))
+        expected = asyncio.ensure_future(asyncio.to_thread(weight_transfer.expected_logprobs, model, self._probes,
+                                                           dtype))
+        expected_s: list[float] = []
+        expected.add_done_callback(lambda _: expected_s.append(time.perf_counter() - started))
         previous = None if self._newest is None else self._newest[1]
         # LoRA changes only the decoder layers it adapts: the servers keep the rest from their start
         # (a restarted replica too, from the same base checkpoint).
@@ -355,10 +356,9 @@ class BasePusher:
         finally:
             # The thread reads the learner's weights, which the next step writes: it ends before
             # the push does, on every path (it is a bounded forward pass over the probes).
-            if expected.future is not None:
-                with contextlib.suppress(Exception):
-                    await expected.future
-        return replace(report, seconds={**report.seconds, "expected": expected.seconds or 0.0,
+            with contextlib.suppress(Exception):
+                await expected
+        return replace(report, seconds={**report.seconds, "expected": expected_s[0],
                                         "total": time.perf_counter() - started})
 
     async def push_saved(self, out_dir: Path, expected: np.ndarray) -> PushReport:
@@ -418,26 +418,10 @@ class BasePusher:
             await self._newest[0](_vllm(replica))
 
 
-class LazyExpected:
-    """Expected logprobs computed in a thread from the first `start()` on, once for every
-    replica's push; `seconds` is how long the computation took."""
-
-    def __init__(self, compute: Callable[[], np.ndarray]) -> None:
-        self._compute = compute
-        self.future: asyncio.Future[np.ndarray] | None = None
-        self.seconds: float | None = None
-
-    def start(self) -> asyncio.Future[np.ndarray]:
-        if self.future is None:
-            began = time.perf_counter()
-            self.future = asyncio.ensure_future(asyncio.to_thread(self._compute))
-            self.future.add_done_callback(lambda _: setattr(self, "seconds", time.perf_counter() - began))
-        return self.future
-
-
 async def resolved(expected: Expected) -> np.ndarray:
-    """The expected logprobs, computed (once) and waited for if they are not known yet."""
-    return expected if isinstance(expected, np.ndarray) else await expected.start()
+    """The expected logprobs, waited for if still being computed (a Future can be awaited by
+    every replica's push at once)."""
+    return expected if isinstance(expected, np.ndarray) else await expected
 
 
 def _vllm(engine: Engine) -> VLLMClient:

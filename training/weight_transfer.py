@@ -347,8 +347,8 @@ async def transfer_and_verify(client: VLLMClient, model: Any, probes: Sequence[S
                               weight_version: str | None = None, only: set[str] | None = None,
                               chunk_bytes: int = CHUNK_BYTES) -> PushReport:
     """Push `model`'s weights into the server's memory, fenced by pause(mode="keep"), then check
-    on the probes that it serves them (`expected`: `expected_logprobs`, or a LazyExpected of them,
-    started once the server resumes and waited for once the server's answer is in)."""
+    on the probes that it serves them (`expected`: `expected_logprobs`, or a Future of them still
+    being computed: it is waited for only once the server's answer is in)."""
     started = time.perf_counter()
     fenced = await client.pause(mode="keep")
     if not fenced:
@@ -367,8 +367,6 @@ async def transfer_and_verify(client: VLLMClient, model: Any, probes: Sequence[S
         raise
     if fenced:
         await client.resume()
-    if not isinstance(expected, np.ndarray):
-        expected.start()  # computed beside the server's answer to the probes, never during the pause
     verify = time.perf_counter()
     served = await client.next_token_topk(probes, top_k)
     stats.seconds["verify"] = time.perf_counter() - verify

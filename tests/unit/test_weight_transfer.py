@@ -165,8 +165,8 @@ def test_a_lora_push_sends_merged_weights_and_can_be_limited_to_adapted_layers()
 class OverlapProbe:
     """Stands in for the two halves of an in-memory push: `expected` (the learner's side, a
     forward pass in a thread) waits until `transfer` (the server's side) has started, which only
-    a push that computes it after the transfer starts gets past; `transfer` then starts and
-    awaits the expected answer as transfer_and_verify does once the server resumes."""
+    a push that runs them at once gets past; `transfer` then awaits the expected answer as
+    transfer_and_verify does."""
 
     def __init__(self, transfer_fails: bool = False) -> None:
         import threading
@@ -189,7 +189,6 @@ class OverlapProbe:
         self.transfer_started.set()
         if self.transfer_fails:
             raise WeightSyncError("the transfer failed in its update phase")
-        assert expected.future is None  # nothing computed during the transfer (the pause)
         assert await resolved(expected) is self.answer
         return PushReport(path=None, max_abs_diff=0.0, probes=1, reload_sends=1, via="memory", bytes_moved=1,
                           seconds={"send": 0.0})
@@ -212,16 +211,15 @@ def memory_pusher(monkeypatch, probe: OverlapProbe):
     return pusher
 
 
-async def test_the_expected_logprobs_are_computed_after_the_transfer_and_beside_the_verification(monkeypatch, tmp_path):
+async def test_the_expected_logprobs_are_computed_while_the_weights_travel(monkeypatch, tmp_path):
     probe = OverlapProbe()
     report = await memory_pusher(monkeypatch, probe).push(small_model(), None, tmp_path / "step-1")
     assert report.via == "memory" and {"expected", "total", "send"} <= set(report.seconds)
 
 
-async def test_a_failed_transfer_computes_nothing_and_leaves_no_thread(monkeypatch, tmp_path):
-    """The thread would read the learner's weights, which the next step writes: a transfer that
-    fails before its server resumes never starts it."""
+async def test_a_failed_transfer_waits_for_the_expected_thread_before_it_raises(monkeypatch, tmp_path):
+    """The thread reads the learner's weights, which the next step writes: it never outlives the push."""
     probe = OverlapProbe(transfer_fails=True)
     with pytest.raises(WeightSyncError, match="update phase"):
         await memory_pusher(monkeypatch, probe).push(small_model(), None, tmp_path / "step-1")
-    assert not probe.expected_ended.is_set()
+    assert probe.expected_ended.is_set()
