@@ -40,14 +40,13 @@ a push killed is reported as dead, and a pool takes that replica out (BasePusher
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Literal, Sequence, TypeAlias
+from typing import Any, Awaitable, Callable, Literal, Sequence
 
 import numpy as np
 
@@ -76,8 +75,6 @@ REPLICA_HEALTH_WAIT_S = 5.0
 # with a weight-transfer engine), "disk" through a checkpoint they reload, "auto" memory when the
 # servers can take it.
 WeightsVia = Literal["auto", "memory", "disk"]
-# What the servers must answer on the probes [len(probes), vocab]: known, or still being computed.
-Expected: TypeAlias = "np.ndarray | asyncio.Future[np.ndarray]"
 # The client knows a server by its URL only; a server that died says why in its own log.
 SERVER_LOG_HINT = ("Its log says why (`dualvllm train` writes <output-dir>/theta.log, theta-I.log with replicas; "
                    "`dualvllm serve --log-dir DIR` writes DIR/theta.log)")
@@ -331,14 +328,7 @@ class BasePusher:
                                             "total": time.perf_counter() - started})
         from training import lora, weight_transfer  # imports vLLM's trainer-side classes
 
-        # What the servers must answer (a forward pass over a copy of the weights in their dtype)
-        # does not depend on the transfer: it is computed in a thread meanwhile and waited for only
-        # to compare, which takes it off the push's critical path.
-        started = time.perf_counter()
-        expected = asyncio.ensure_future(asyncio.to_thread(weight_transfer.expected_logprobs, model, self._probes,
-                                                           dtype))
-        expected_s: list[float] = []
-        expected.add_done_callback(lambda _: expected_s.append(time.perf_counter() - started))
+        expected = await asyncio.to_thread(weight_transfer.expected_logprobs, model, self._probes, dtype)
         previous = None if self._newest is None else self._newest[1]
         # LoRA changes only the decoder layers it adapts: the servers keep the rest from their start
         # (a restarted replica too, from the same base checkpoint).
@@ -349,17 +339,9 @@ class BasePusher:
                 client, model, self._probes, expected, dtype=dtype, top_k=self._top_k, tolerance=self._tolerance,
                 previous=previous, weight_version=out_dir.name, only=only)
 
-        try:
-            report = await self._push_each(lambda client, wait_s: send(client), expected,
-                                           f"the in-memory push {out_dir.name}",
-                                           catch_up=lambda client: send(client, None))
-        finally:
-            # The thread reads the learner's weights, which the next step writes: it ends before
-            # the push does, on every path (it is a bounded forward pass over the probes).
-            with contextlib.suppress(Exception):
-                await expected
-        return replace(report, seconds={**report.seconds, "expected": expected_s[0],
-                                        "total": time.perf_counter() - started})
+        return await self._push_each(lambda client, wait_s: send(client), expected,
+                                     f"the in-memory push {out_dir.name}",
+                                     catch_up=lambda client: send(client, None))
 
     async def push_saved(self, out_dir: Path, expected: np.ndarray) -> PushReport:
         """Reload the checkpoint in `out_dir` (written in `served_dtype()`, see `write_push`) into
@@ -376,12 +358,12 @@ class BasePusher:
                                        catch_up=lambda client: reload(client, REPLICA_HEALTH_WAIT_S, None))
         return replace(report, seconds={"reload_verify": time.perf_counter() - started})
 
-    async def _push_each(self, push: Callable[[VLLMClient, float], Awaitable[PushReport]], expected: Expected,
+    async def _push_each(self, push: Callable[[VLLMClient, float], Awaitable[PushReport]], expected: np.ndarray,
                          label: str, *, catch_up: Callable[[VLLMClient], Awaitable[PushReport]]) -> PushReport:
         """`push` to every healthy replica at once; take out those it fails on."""
         if self._pool is None:
             report = await push(_vllm(self._single), HEALTH_WAIT_S)
-            self._newest = (catch_up, await resolved(expected))
+            self._newest = (catch_up, expected)
             return report
         async with self._pool.membership:  # no replica rejoins halfway through a push
             indexes = self._pool.healthy
@@ -402,7 +384,7 @@ class BasePusher:
             if not reports:
                 raise WeightSyncError(f"no base replica serves the weights of {label}: "
                                       + "; ".join(str(e) for e in errors)) from (errors[0] if errors else None)
-            self._newest = (catch_up, await resolved(expected))
+            self._newest = (catch_up, expected)
             await self._pool.refresh_reference()
         phases = {phase for r in reports for phase in r.seconds}
         seconds = {phase: max(r.seconds.get(phase, 0.0) for r in reports) for phase in phases}  # the slowest replica's
@@ -416,12 +398,6 @@ class BasePusher:
         replica waits for the next push)."""
         if self._newest is not None:
             await self._newest[0](_vllm(replica))
-
-
-async def resolved(expected: Expected) -> np.ndarray:
-    """The expected logprobs, waited for if still being computed (a Future can be awaited by
-    every replica's push at once)."""
-    return expected if isinstance(expected, np.ndarray) else await expected
 
 
 def _vllm(engine: Engine) -> VLLMClient:

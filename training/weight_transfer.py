@@ -45,15 +45,7 @@ from common.errors import ServerError, WeightSyncError
 from engines.vllm_client import VLLMClient
 from engines.weight_transfer import BACKEND, SEGMENT_PREFIX, ShmInitInfo, ShmUpdateInfo, aligned, segment_path
 from training import lora
-from training.weight_sync import (
-    Expected,
-    PushReport,
-    compare_logprobs,
-    learner_logprobs,
-    mismatch_message,
-    resolved,
-    resume_after_failure,
-)
+from training.weight_sync import PushReport, compare_logprobs, learner_logprobs, mismatch_message, resume_after_failure
 
 log = logging.getLogger("dualvllm.training")
 
@@ -342,13 +334,12 @@ def expected_logprobs(model: Any, probes: Sequence[Sequence[int]], dtype: str) -
         del copy
 
 
-async def transfer_and_verify(client: VLLMClient, model: Any, probes: Sequence[Sequence[int]], expected: Expected,
+async def transfer_and_verify(client: VLLMClient, model: Any, probes: Sequence[Sequence[int]], expected: np.ndarray,
                               *, dtype: str, top_k: int, tolerance: float, previous: np.ndarray | None = None,
                               weight_version: str | None = None, only: set[str] | None = None,
                               chunk_bytes: int = CHUNK_BYTES) -> PushReport:
     """Push `model`'s weights into the server's memory, fenced by pause(mode="keep"), then check
-    on the probes that it serves them (`expected`: `expected_logprobs`, or a Future of them still
-    being computed: it is waited for only once the server's answer is in)."""
+    on the probes that it serves them (`expected`: `expected_logprobs`)."""
     started = time.perf_counter()
     fenced = await client.pause(mode="keep")
     if not fenced:
@@ -368,11 +359,11 @@ async def transfer_and_verify(client: VLLMClient, model: Any, probes: Sequence[S
     if fenced:
         await client.resume()
     verify = time.perf_counter()
-    served = await client.next_token_topk(probes, top_k)
+    diff = compare_logprobs(await client.next_token_topk(probes, top_k), expected)
     stats.seconds["verify"] = time.perf_counter() - verify
-    diff = compare_logprobs(served, await resolved(expected))
     if not diff.within(tolerance):
-        stale = previous is not None and compare_logprobs(served, previous).within(tolerance)
+        stale = previous is not None and compare_logprobs(await client.next_token_topk(probes, top_k),
+                                                          previous).within(tolerance)
         raise WeightSyncError("after an in-memory push whose four phases all answered, "
                               + mismatch_message(client, diff, tolerance, [], stale=stale, tied=_ties(model)))
     stats.seconds["total"] = time.perf_counter() - started

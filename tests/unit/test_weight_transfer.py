@@ -10,10 +10,7 @@ from __future__ import annotations
 import mmap
 import os
 
-import numpy as np
 import pytest
-
-from common.errors import WeightSyncError
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -158,68 +155,3 @@ def test_a_lora_push_sends_merged_weights_and_can_be_limited_to_adapted_layers()
     # Whole decoder layers only (vLLM loads a layer whole or keeps the old one): layer 1, all of it.
     assert set(only.received) == {n for n in merged if n.startswith("model.layers.1.")}
     assert stats.bytes < sum(t.numel() * 4 for t in merged.values()) / 3
-
-
-# -- the push: what the servers must answer is computed while the weights travel ------------------
-
-class OverlapProbe:
-    """Stands in for the two halves of an in-memory push: `expected` (the learner's side, a
-    forward pass in a thread) waits until `transfer` (the server's side) has started, which only
-    a push that runs them at once gets past; `transfer` then awaits the expected answer as
-    transfer_and_verify does."""
-
-    def __init__(self, transfer_fails: bool = False) -> None:
-        import threading
-
-        self.transfer_started = threading.Event()
-        self.expected_ended = threading.Event()
-        self.transfer_fails = transfer_fails
-        self.answer = np.zeros((1, 4))
-
-    def expected(self, model, probes, dtype):
-        if not self.transfer_started.wait(timeout=30):
-            raise AssertionError("the transfer never started while the expected logprobs were being computed: "
-                                 "the push runs them one after the other")
-        self.expected_ended.set()
-        return self.answer
-
-    async def transfer(self, client, model, probes, expected, **kw):
-        from training.weight_sync import PushReport, resolved
-
-        self.transfer_started.set()
-        if self.transfer_fails:
-            raise WeightSyncError("the transfer failed in its update phase")
-        assert await resolved(expected) is self.answer
-        return PushReport(path=None, max_abs_diff=0.0, probes=1, reload_sends=1, via="memory", bytes_moved=1,
-                          seconds={"send": 0.0})
-
-
-def memory_pusher(monkeypatch, probe: OverlapProbe):
-    from engines.vllm_client import VLLMClient
-    from training import weight_transfer
-    from training.weight_sync import BasePusher
-
-    monkeypatch.setattr(weight_transfer, "expected_logprobs", probe.expected)
-    monkeypatch.setattr(weight_transfer, "transfer_and_verify", probe.transfer)
-    pusher = BasePusher(VLLMClient("http://127.0.0.1:9", name="theta"), [[1, 2]], via="memory")
-
-    async def decided(*_):
-        return True
-
-    monkeypatch.setattr(pusher, "in_memory", decided)
-    pusher._dtype = "bfloat16"  # as if asked of the server
-    return pusher
-
-
-async def test_the_expected_logprobs_are_computed_while_the_weights_travel(monkeypatch, tmp_path):
-    probe = OverlapProbe()
-    report = await memory_pusher(monkeypatch, probe).push(small_model(), None, tmp_path / "step-1")
-    assert report.via == "memory" and {"expected", "total", "send"} <= set(report.seconds)
-
-
-async def test_a_failed_transfer_waits_for_the_expected_thread_before_it_raises(monkeypatch, tmp_path):
-    """The thread reads the learner's weights, which the next step writes: it never outlives the push."""
-    probe = OverlapProbe(transfer_fails=True)
-    with pytest.raises(WeightSyncError, match="update phase"):
-        await memory_pusher(monkeypatch, probe).push(small_model(), None, tmp_path / "step-1")
-    assert probe.expected_ended.is_set()
