@@ -328,6 +328,9 @@ class BasePusher:
                                             "total": time.perf_counter() - started})
         from training import lora, weight_transfer  # imports vLLM's trainer-side classes
 
+        # Computed before the pause, not beside the transfer or the verification: on CPU cores the
+        # server shares, either overlap stretched the sampling stall from 3.5 s to 7-9 s at Qwen3-0.6B's
+        # shape for at most 1.3 s of push time (benchmarks/README.md, "weight_push.py").
         expected = await asyncio.to_thread(weight_transfer.expected_logprobs, model, self._probes, dtype)
         previous = None if self._newest is None else self._newest[1]
         # LoRA changes only the decoder layers it adapts: the servers keep the rest from their start
