@@ -334,8 +334,8 @@ class QStarService:
         choices = [form.choice(o.index, o, job.options,
                                form.logprobs(TokenLogprobs.of(o), texts, 0) if job.want_logprobs else None)
                    for o in outputs]
-        for choice, output in zip(choices, outputs):
-            if prompt_logprobs is not None:
+        if prompt_logprobs is not None:
+            for choice, output in zip(choices, outputs):
                 choice["prompt_logprobs"] = prompt_logprobs[output.index // job.request.n]
         body = responses.envelope(form.whole, form.request_id(), int(time.time()), self.model, choices,
                                   responses.usage(job.prompt_tokens, outputs))
@@ -377,8 +377,7 @@ class QStarService:
                                f"{self.model}{ALPHA_SUFFIX}0 (the base) or {ALPHA_SUFFIX}1 (the teacher)",
                                param="prompt_logprobs")
         scores = await self.score(job, top_n=k)
-        ids = {i for s in scores for i in s.token_ids} | {i for s in scores for row in s.top if row for i in row}
-        texts = await self.token_texts(ids, as_ids=bool(job.request.return_tokens_as_token_ids))
+        texts = await self.token_texts(_scored_ids(scores), as_ids=bool(job.request.return_tokens_as_token_ids))
         return [vllm_prompt_logprobs(s, texts) for s in scores]
 
     async def score(self, job: Job, top_n: int | None = None) -> list[PromptScores]:
@@ -412,10 +411,7 @@ class QStarService:
                             scores: Sequence[PromptScores] | None = None) -> dict[int, str]:
         if not job.want_logprobs:
             return {}
-        ids = {i for o in outputs for i in TokenLogprobs.of(o).token_ids()}
-        for prompt in scores or []:
-            ids.update(prompt.token_ids)
-            ids.update(i for row in prompt.top if row is not None for i in row)
+        ids = {i for o in outputs for i in TokenLogprobs.of(o).token_ids()} | _scored_ids(scores or [])
         return await self.token_texts(ids, as_ids=bool(job.request.return_tokens_as_token_ids))
 
     # -- what a stream asks (service.streaming.Generation) -------------------------------
@@ -433,6 +429,11 @@ class QStarService:
         if as_ids:
             return {i: f"token_id:{i}" for i in token_ids}
         return await self.texts.get(token_ids)
+
+
+def _scored_ids(scores: Sequence[PromptScores]) -> set[int]:
+    """Every token id scored prompts show: their own and their positions' top candidates."""
+    return {i for s in scores for i in s.token_ids} | {i for s in scores for row in s.top if row for i in row}
 
 
 def _engines(coordinator: DualVLLMCoordinator) -> tuple[Engine, Engine]:
