@@ -3,6 +3,8 @@
     POST /v1/completions        prompt(s) -> q* completions (stream: server-sent events)
     POST /v1/chat/completions   messages rendered with the base's chat template -> q* replies
     GET  /v1/models             the pair, under the name requests give as `model`
+    POST /inference/v1/generate vLLM's tokens in, tokens out (service.generate)
+    POST /v1/chat/completions/render  a chat request as the /inference/v1/generate request it becomes
     GET  /health                200 while the coordinator is open (no key needed)
     GET  /metrics               Prometheus text (service.metrics)
 
@@ -30,7 +32,7 @@ from pathlib import PurePath
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Sequence, TypeVar
 
 from aiohttp import web
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from common.errors import (
     GenerationFailedError,
@@ -50,7 +52,8 @@ from service.errors import RequestError, error_body, error_of
 from service.formats import CHAT, COMPLETION, Format, TokenLogprobs
 from service.jobs import Admission, Job
 from service.metrics import ServiceMetrics
-from service.schema import ChatCompletionRequest, CompletionRequest
+from service.generate import generate_response, render_response
+from service.schema import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from service.batching import BatchedScoring
 from service.scoring import PromptScores, ScoringSettings, score_prompts, scoring_engine, vllm_prompt_logprobs
 from service.streaming import stream_choices
@@ -63,6 +66,10 @@ ALPHA_SUFFIX = "@alpha="
 # Route prefixes whose model list names one model alone first (see QStarService.app).
 ROLE_ALPHAS = {"teacher": 1.0, "base": 0.0}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# Writes a whole response: (job, outputs in choice order, vLLM's prompt logprobs per prompt or None).
+Answer = Callable[[Job, Sequence[GenerationOutput], Sequence[list[dict[str, Any] | None]] | None],
+                  Awaitable[dict[str, Any]]]
+S = TypeVar("S", bound=BaseModel)
 A = TypeVar("A")
 B = TypeVar("B")
 
@@ -90,6 +97,8 @@ class QStarService:
             app.router.add_post(prefix + "/v1/chat/completions", self.chat_completions)
             app.router.add_get(prefix + "/v1/models", self.models)
             app.router.add_get(prefix + "/health", self.health)
+            app.router.add_post(prefix + "/inference/v1/generate", self.generate_tokens)
+            app.router.add_post(prefix + "/v1/chat/completions/render", self.render_chat)
         app.router.add_get("/metrics", self.prometheus)
         if self.config.dev_mode:
             DevRoutes(self.coordinator).add_to(app)
@@ -170,6 +179,23 @@ class QStarService:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = self._with_model(await _parse(request, CompletionRequest))
+        return await self._run(request, await self._completion_job(body))
+
+    async def generate_tokens(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's POST /inference/v1/generate: token ids in, token ids out (service.generate),
+        checked and run as the same request to /v1/completions would be."""
+        raw = await _parse(request, GenerateRequest)
+        _refuse(raw.unsupported())
+        body = self._with_model(_validated(CompletionRequest, raw.as_completion(self._default_model(request))))
+        job = await self._completion_job(body)
+
+        async def answer(job: Job, outputs: Sequence[GenerationOutput],
+                         rows: Sequence[list[dict[str, Any] | None]] | None) -> dict[str, Any]:
+            texts = await self.logprob_texts(job, outputs) if raw.output_mode == "text" else {}
+            return generate_response(raw, job, outputs, body.model, None if rows is None else rows[0], texts)
+        return await self._run(request, job, answer)
+
+    async def _completion_job(self, body: CompletionRequest) -> Job:
         _refuse(body.unsupported())
         if body.max_tokens == 0 and not body.echo:
             raise RequestError("max_tokens=0 generates nothing; it goes with echo=true (score the prompt), else "
@@ -187,12 +213,28 @@ class QStarService:
         encoded = await self.coordinator.encode([p if t_prompt is None else (p, t_prompt) for p in prompts])
         logprobs = body.logprobs
         max_tokens = self.config.default_max_tokens if body.max_tokens is None else body.max_tokens
-        job = self._job(COMPLETION, body, encoded, max_tokens, top_logprobs=logprobs or 0,
-                        want_logprobs=logprobs is not None, echo=body.echo, prompt_logprobs=body.prompt_logprobs)
-        return await self._run(request, job)
+        return self._job(COMPLETION, body, encoded, max_tokens, top_logprobs=logprobs or 0,
+                         want_logprobs=logprobs is not None, echo=body.echo, prompt_logprobs=body.prompt_logprobs)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = self._with_model(await _parse(request, ChatCompletionRequest))
+        theta_ids, t_ids, budget = await self._rendered(body)
+        job = self._job(CHAT, body, [(theta_ids, t_ids)], budget, top_logprobs=body.top_logprobs or 0,
+                        want_logprobs=body.logprobs)
+        return await self._run(request, job)
+
+    async def render_chat(self, request: web.Request) -> web.Response:
+        """vLLM's POST /v1/chat/completions/render: the chat request as the generate request
+        (/inference/v1/generate) that samples the same reply (service.generate)."""
+        body = self._with_model(await _parse(request, ChatCompletionRequest))
+        theta_ids, t_ids, budget = await self._rendered(body)
+        self._job(CHAT, body, [(theta_ids, t_ids)], budget, top_logprobs=body.top_logprobs or 0,
+                  want_logprobs=body.logprobs)  # the checks the chat request itself would pass
+        return web.json_response(render_response(body, body.model, theta_ids, t_ids, budget), dumps=_dumps)
+
+    async def _rendered(self, body: ChatCompletionRequest) -> tuple[list[int], list[int], int]:
+        """The base's and the teacher's prompt ids of a chat request (each model's own template),
+        and its token budget."""
         _refuse(body.unsupported())
         extra = body.chat_template_kwargs
         theta_ids = await self.coordinator.render_chat([m.rendered() for m in body.messages], "theta", extra)
@@ -203,9 +245,7 @@ class QStarService:
         if budget is None:  # OpenAI's chat default: the rest of the context, within the ceiling
             room = self.coordinator.max_model_len - max(len(theta_ids), len(t_ids))
             budget = max(1, min(room, self.config.max_request_tokens // body.n))
-        job = self._job(CHAT, body, [(theta_ids, t_ids)], budget, top_logprobs=body.top_logprobs or 0,
-                        want_logprobs=body.logprobs)
-        return await self._run(request, job)
+        return theta_ids, t_ids, budget
 
     # -- generation ---------------------------------------------------------------------
 
@@ -230,6 +270,11 @@ class QStarService:
             raise RequestError(f"the model {model!r} fixes alpha at {alpha:g} and dualvllm.fixed_alpha is {fixed:g}; "
                                "give one of them", param="dualvllm.fixed_alpha")
         return body.model_copy(update={"dualvllm": body.dualvllm.model_copy(update={"fixed_alpha": alpha})})
+
+    def _default_model(self, request: web.Request) -> str:
+        """The model a request that names none asks for: the first its route lists (GET /v1/models)."""
+        role = request.path.split("/")[1]
+        return f"{self.model}{ALPHA_SUFFIX}{ROLE_ALPHAS[role]:g}" if role in ROLE_ALPHAS else self.model
 
     def _check_ids(self, prompts: list[str | list[int]], param: str) -> None:
         """Token ids outside the vocabulary refused here, not by a model server (which would be a 502)."""
@@ -273,7 +318,10 @@ class QStarService:
                 code="request_too_large", param="prompt")
         return job
 
-    async def _run(self, request: web.Request, job: Job) -> web.StreamResponse:
+    async def _run(self, request: web.Request, job: Job, answer: Answer | None = None) -> web.StreamResponse:
+        """Admit and run the job; `answer` writes a whole (non-echo) response from the outputs
+        and vLLM's prompt logprobs (default: the job's OpenAI format)."""
+        answer = answer or self.response
         self.coordinator.check(job.params)  # what the coordinator would refuse, refused before a stream's first byte
         # A scoring-only request (echo, max_tokens 0) never enters the coordinator's batch: it takes no place there.
         sequences = job.sequences if job.max_tokens else 0
@@ -284,10 +332,10 @@ class QStarService:
             if not job.echo and job.prompt_logprobs is None:
                 async with self.generate(job) as outputs:
                     ordered = await _collect(outputs, job.sequences)
-                return web.json_response(await self.response(job, ordered), dumps=_dumps)
+                return web.json_response(await answer(job, ordered, None), dumps=_dumps)
             if not job.echo:  # vLLM's prompt_logprobs, scored while the completion is generated
                 ordered, rows = await _both(self._generated(job), self.prompt_logprobs(job))
-                return web.json_response(await self.response(job, ordered, rows), dumps=_dumps)
+                return web.json_response(await answer(job, ordered, rows), dumps=_dumps)
             # The prompt is scored while the completion is generated: both wait on the servers.
             ordered, scores = await _both(self._generated(job), self._scored(job))
             return web.json_response(await self.echo_response(job, ordered, scores), dumps=_dumps)
@@ -462,13 +510,17 @@ async def _both(first: Awaitable[A], second: Awaitable[B]) -> tuple[A, B]:
     return one.result(), two.result()
 
 
-async def _parse(request: web.Request, schema: type[CompletionRequest] | type[ChatCompletionRequest]) -> Any:
+async def _parse(request: web.Request, schema: type[S]) -> S:
     try:
         raw = await request.json()
     except json.JSONDecodeError as exc:
         raise RequestError(f"the body is not valid JSON: {exc}") from exc
     if not isinstance(raw, dict):
         raise RequestError(f"the body must be a JSON object, got {type(raw).__name__}")
+    return _validated(schema, raw)
+
+
+def _validated(schema: type[S], raw: dict[str, Any]) -> S:
     try:
         return schema.model_validate(raw)
     except ValidationError as exc:

@@ -46,6 +46,7 @@ class Job:
         gets those of a one-token call: the same settings shape its q*."""
         body, options = self.request, self.options
         return SamplingParams(max(self.max_tokens, 1), temperature=body.temperature, stop=tuple(body.stop_strings()),
+                              stop_token_ids=body.stop_ids(),
                               fixed_alpha=options.fixed_alpha, return_diagnostics=options.return_diagnostics,
                               ignore_eos=options.ignore_eos or body.ignore_eos, top_k=options.top_k,
                               top_logprobs=self.top_logprobs)

@@ -97,6 +97,7 @@ class _Sampling(_Strict):
     temperature: float = Field(1.0, ge=0)
     n: int = Field(1, ge=1)
     stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] | None = None  # vLLM's: stop after any of these ids (in token_ids, not in text)
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -139,6 +140,9 @@ class _Sampling(_Strict):
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def stop_ids(self) -> frozenset[int]:
+        return frozenset(self.stop_token_ids or ())
 
 
 class CompletionRequest(_Sampling):
@@ -210,3 +214,77 @@ class ChatCompletionRequest(_Sampling):
     def token_budget(self) -> int | None:
         """max_completion_tokens (OpenAI's current name) or max_tokens (its older one)."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# -- vLLM's tokens-in, tokens-out API (/inference/v1/generate and the render routes) ----------
+
+
+class GenerateSampling(_Strict):
+    """`sampling_params` of vLLM's GenerateRequest: the fields of its SamplingParams that q*
+    sampling honours, and the rest only at their neutral values (checked as completions
+    check them). `output_kind` and the detokenizer switches change nothing in an answer that
+    is never streamed and carries token ids, so any value is taken."""
+
+    n: int = Field(1, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    max_tokens: int | None = Field(None, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    prompt_logprobs: int | None = Field(None, ge=-1)
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None
+    structured_outputs: dict[str, Any] | None = None
+    output_kind: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class GenerateRequest(_Strict):
+    """vLLM's POST /inference/v1/generate body, text models only: token ids in, token ids (and
+    with output_mode "text", text) out. `dualvllm` as on the other routes; with `t_prompt`
+    (token ids) the teacher reads its own prompt, as /v1/chat/completions/render gives it."""
+
+    token_ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
+    sampling_params: GenerateSampling = Field(default_factory=GenerateSampling)
+    model: str | None = None
+    request_id: str | None = None
+    output_mode: Literal["tokens", "text"] = "tokens"
+    return_token_ids: bool | None = None
+    stream: bool = False
+    features: dict[str, Any] | None = None
+    content_parts: list[dict[str, Any]] | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+    dualvllm: QStarOptions = Field(default_factory=QStarOptions)
+
+    def unsupported(self) -> str | None:
+        """Why the request asks for what the q* endpoint cannot do, or None."""
+        if self.features is not None or self.content_parts:
+            return ("multimodal features and content parts are not supported: q* mixes two text models; send "
+                    "token ids alone")
+        if self.stream:
+            return "/inference/v1/generate is not streamed here; send stream=false, or stream /v1/completions"
+        if self.priority:
+            return "priority is not supported: the coordinator runs one first-come batch; leave it 0"
+        if self.sampling_params.include_stop_str_in_output:
+            return "include_stop_str_in_output is not supported; leave it false"
+        return None
+
+    def as_completion(self, model: str) -> CompletionRequest:
+        """The same request as /v1/completions takes it (token ids as the prompt), so it passes
+        the same checks; `model` when the body names none."""
+        params = self.sampling_params.model_dump(exclude={"output_kind", "detokenize", "skip_special_tokens",
+                                                          "spaces_between_special_tokens",
+                                                          "include_stop_str_in_output"})
+        return CompletionRequest.model_validate(
+            {**params, "model": self.model or model, "prompt": self.token_ids, "return_token_ids": True,
+             "return_tokens_as_token_ids": self.output_mode == "tokens", "dualvllm": self.dualvllm})

@@ -223,3 +223,28 @@ async def test_lm_eval_multiple_choice_puts_q_star_between_the_base_and_the_teac
     accuracy = {arm: row["mc_accuracy"] for arm, row in arms.items()}
     assert accuracy["base"] < accuracy["q*"] <= accuracy["teacher"], accuracy
     assert all(0 < row["bits_per_byte"] < 10 for row in arms.values()), arms
+
+
+async def test_tokens_in_tokens_out_answers_parse_as_the_pinned_vllms_own(vllm_pair):
+    """/v1/chat/completions/render and /inference/v1/generate, read by vLLM's own protocol models
+    (vllm.entrypoints.scale_out): the shapes are the pinned server's, not a guess."""
+    protocol = pytest.importorskip("vllm.entrypoints.scale_out.token_in_token_out.protocol")
+    import aiohttp
+
+    async with running_service(vllm_pair) as (url, _), aiohttp.ClientSession() as session:
+        root = url.removesuffix("/v1")
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": prompts(1)[0]}], "max_tokens": 5,
+                "n": 2, "seed": 1, "logprobs": True, "top_logprobs": 3}
+        async with session.post(root + "/v1/chat/completions/render", json=chat) as response:
+            rendered = await response.json()
+            assert response.status == 200, rendered
+        request = protocol.GenerateRequest.model_validate(rendered)  # vLLM takes our render as its request
+        assert request.sampling_params.n == 2 and request.sampling_params.logprobs == 3
+        async with session.post(root + "/inference/v1/generate", json=rendered) as response:
+            body = await response.json()
+            assert response.status == 200, body
+    answer = protocol.GenerateTokensResponse.model_validate(body)
+    assert len(answer.choices) == 2 and answer.usage.prompt_tokens == len(rendered["token_ids"])
+    for choice in answer.choices:
+        assert choice.token_ids and len(choice.logprobs.content) == len(choice.token_ids)
+        assert all(len(entry.top_logprobs) == 3 for entry in choice.logprobs.content)
