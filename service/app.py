@@ -388,7 +388,8 @@ class QStarService:
         body = responses.envelope(form.whole, form.request_id(), int(time.time()), self.model, choices,
                                   responses.usage(job.prompt_tokens, outputs))
         if job.request.return_token_ids:  # vLLM's field, as TRL's client reads it
-            form.add_token_ids(body, [job.prompts[o.index // job.request.n][0] for o in outputs], outputs)
+            form.add_token_ids(body, [job.prompts[o.index // job.request.n][0] for o in outputs],
+                               [o.generated_tokens for o in outputs])
         return body
 
     async def echo_response(self, job: Job, outputs: Sequence[GenerationOutput],

@@ -57,10 +57,11 @@ class Format(Protocol):
         where the first token's text starts in the choice (what the tokens before it spelt)."""
         ...
 
-    def add_token_ids(self, body: dict[str, Any], prompts: Sequence[Sequence[int]],
-                      outputs: Sequence[GenerationOutput]) -> None:
-        """vLLM's return_token_ids: the prompt's ids (`prompts`, one per choice) and each
-        choice's generated ids, where vLLM's server puts them."""
+    def add_token_ids(self, body: dict[str, Any], prompts: Sequence[Sequence[int]] | None,
+                      generated: Sequence[Sequence[int]]) -> None:
+        """vLLM's return_token_ids: the prompt's ids (`prompts`, one per choice of `body`; None in
+        a stream chunk after a choice's first) and each choice's generated ids (a stream chunk's:
+        those decided since the choice's last chunk), where vLLM's server puts them."""
         ...
 
 
@@ -86,10 +87,12 @@ class CompletionFormat:
                for token, value, row in zip(tokens.ids, tokens.logprobs, rows)]
         return responses.legacy_logprobs([texts[t] for t in tokens.ids], tokens.logprobs, top, offset)
 
-    def add_token_ids(self, body: dict[str, Any], prompts: Sequence[Sequence[int]],
-                      outputs: Sequence[GenerationOutput]) -> None:
-        for choice, prompt, output in zip(body["choices"], prompts, outputs):
-            choice["prompt_token_ids"], choice["token_ids"] = list(prompt), list(output.generated_tokens)
+    def add_token_ids(self, body: dict[str, Any], prompts: Sequence[Sequence[int]] | None,
+                      generated: Sequence[Sequence[int]]) -> None:
+        for i, (choice, ids) in enumerate(zip(body["choices"], generated)):
+            choice["token_ids"] = list(ids)
+            if prompts is not None:
+                choice["prompt_token_ids"] = list(prompts[i])
 
 
 class ChatFormat:
@@ -117,11 +120,12 @@ class ChatFormat:
             content.append(entry)
         return {"content": content}
 
-    def add_token_ids(self, body: dict[str, Any], prompts: Sequence[Sequence[int]],
-                      outputs: Sequence[GenerationOutput]) -> None:
-        body["prompt_token_ids"] = list(prompts[0])  # one conversation per chat request
-        for choice, output in zip(body["choices"], outputs):
-            choice["token_ids"] = list(output.generated_tokens)
+    def add_token_ids(self, body: dict[str, Any], prompts: Sequence[Sequence[int]] | None,
+                      generated: Sequence[Sequence[int]]) -> None:
+        if prompts is not None:
+            body["prompt_token_ids"] = list(prompts[0])  # one conversation per chat request
+        for choice, ids in zip(body["choices"], generated):
+            choice["token_ids"] = list(ids)
 
 
 COMPLETION = CompletionFormat()

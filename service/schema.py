@@ -134,8 +134,6 @@ class _Sampling(_Strict):
             return "repetition_penalty is not supported by q* sampling; leave it 1"
         if self.structured_outputs:
             return "structured_outputs (guided decoding) is not supported by q* sampling"
-        if self.return_token_ids and self.stream:
-            return "return_token_ids is not streamed; send stream=false, or dualvllm.return_token_ids per choice"
         return None
 
     def stop_strings(self) -> list[str]:

@@ -84,6 +84,7 @@ class ChoiceText:
     sent: str = ""
     opened: bool = False  # the first chunk (chat: with the role) went out
     logged: int = 0  # tokens whose logprobs went out
+    shown: int = 0  # tokens whose ids went out (return_token_ids)
     offset: int = 0  # where the next logged token's text starts (the logged tokens' texts, summed)
 
     def add(self, decided: Decided) -> None:
@@ -216,7 +217,8 @@ class _Chunks:
     async def delta(self, choice: ChoiceText, index: int, piece: str) -> dict[str, Any] | None:
         """The chunk of an unfinished choice, or None when it has nothing new to show."""
         tokens = choice.unlogged(with_top=self.job.top_logprobs > 0)
-        if not piece and not (self.job.want_logprobs and tokens.ids):
+        new_ids = self.job.request.return_token_ids and len(choice.tokens) > choice.shown
+        if not piece and not (self.job.want_logprobs and tokens.ids) and not new_ids:
             return None
         return self._chunk(choice, index, piece, await self._logprobs(choice, tokens))
 
@@ -244,7 +246,13 @@ class _Chunks:
         entry: dict[str, Any] = {"index": index, **self.format.delta(piece, first=not choice.opened),
                                  "logprobs": logprobs,
                                  "finish_reason": None if finish is None else responses.finish_reason(finish)}
-        choice.opened = True
+        first, choice.opened = not choice.opened, True
         if finish is not None:
             entry["dualvllm"] = responses.qstar_record(finish, self.job.options)
-        return responses.envelope(self.format.chunk, self.id, self.created, self.source.model, [entry], None)
+        chunk = responses.envelope(self.format.chunk, self.id, self.created, self.source.model, [entry], None)
+        if self.job.request.return_token_ids:  # vLLM's: each chunk's new ids, the prompt's with a choice's first
+            tokens = choice.tokens if finish is None else finish.generated_tokens
+            prompt = self.job.prompts[index // self.job.request.n][0]
+            self.format.add_token_ids(chunk, [prompt] if first else None, [tokens[choice.shown:]])
+            choice.shown = len(tokens)
+        return chunk

@@ -13,7 +13,7 @@ import asyncio
 import pytest
 
 from tests.fake_vllm import tokenize
-from tests.unit.test_service import MODEL, post, running
+from tests.unit.test_service import MODEL, events, post, running
 
 vllm_client = pytest.importorskip("trl.generation.vllm_client")
 
@@ -77,14 +77,34 @@ async def test_trl_chat_gets_the_rendered_prompt_and_forwards_template_kwargs(se
     ({"repetition_penalty": 1.1}, "repetition_penalty is not supported"),
     ({"min_p": 0.05}, "min_p is not supported"),
     ({"structured_outputs": {"regex": "[0-9]+"}}, "structured_outputs"),
-    ({"return_token_ids": True, "stream": True}, "return_token_ids is not streamed"),
-], ids=["top_k", "repetition_penalty", "min_p", "structured_outputs", "streamed-ids"])
+], ids=["top_k", "repetition_penalty", "min_p", "structured_outputs"])
 async def test_what_q_star_cannot_honour_is_refused_with_its_reason(service, fields, message):
     import re
 
     url, _ = service
     status, body = await post(url, "/v1/completions", completion(**fields))
     assert status == 400 and re.search(message, body["error"]["message"]), body
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "abc"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "abc"}]}),
+], ids=["completion", "chat"])
+async def test_streamed_token_ids_put_together_are_the_whole_answers(service, path, body):
+    """vLLM's return_token_ids in a stream: each chunk's new ids, the prompt's ids once per choice."""
+    url, _ = service
+    request = {"model": MODEL, "max_tokens": 6, "seed": 5, "n": 2, "return_token_ids": True, **body}
+    status, whole = await post(url, path, request)
+    assert status == 200, whole
+    chunks = [c for c in await events(url, path, {**request, "stream": True}) if c != "[DONE]"]
+    streamed: dict[int, list[int]] = {0: [], 1: []}
+    prompts = []
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            streamed[choice["index"]] += choice["token_ids"]
+            prompts += [ids for ids in (choice.get("prompt_token_ids"), chunk.get("prompt_token_ids")) if ids]
+    assert [streamed[0], streamed[1]] == [c["token_ids"] for c in whole["choices"]]
+    assert prompts == [tokenize("abc")] * 2  # with each choice's first chunk only
 
 
 async def test_trl_defaults_are_accepted_as_neutral(service):
