@@ -4,6 +4,7 @@ how long sampling stalls, and how far a bf16 server's logprobs sit from the push
     python benchmarks/weight_push.py --shapes small                # tied and untied, 3 pushes each way
     python benchmarks/weight_push.py --shapes tiny small --pushes 2 --tolerance 100
     python benchmarks/weight_push.py --shapes qwen3-0.6b --variants untied --pushes 2
+    python benchmarks/weight_push.py --shapes small --variants untied --replicas 1 2 --lora-rank 0   # a pool
 
 For each variant (tied or untied embeddings) of the realistic-shape base (tinymodels.shapes,
 a 151,936-token vocabulary, bf16 checkpoint), one dev-mode vLLM server is started with
@@ -22,13 +23,16 @@ over the probes' top-k are recorded (max and median): they are what PUSH_TOLERAN
 accept. For contrast, the same against the learner's float32 weights (`vs_float32_*`) and
 against the previous push's weights (`vs_previous_*`: the update itself, which a bf16
 verification cannot tell from round-off when it is as small as this).
-Writes benchmarks/results/weight_push.json (units in the keys).
+With `--replicas N`, N servers form a ReplicaPool that every push reaches (all at once, each
+verified on its own); the streams sample from the first, and a push's phases are the slowest
+replica's. Writes benchmarks/results/weight_push.json (units in the keys).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import shutil
 import sys
 import tempfile
@@ -43,6 +47,7 @@ sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 from common import loop  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from engines.launcher import ServerConfig, VLLMServer  # noqa: E402
+from engines.pool import ReplicaPool  # noqa: E402
 from engines.vllm_client import VLLMClient  # noqa: E402
 from training import lora, weight_transfer  # noqa: E402
 from training.weight_sync import (PUSH_TOLERANCE, BasePusher, checkpoint_logprobs, compare_logprobs,  # noqa: E402
@@ -117,81 +122,96 @@ class Streams:
 
 
 async def variant(shape: str, tied: bool, pushes: int, ways: list[str], streams: int, log_dir: Path,
-                  tolerance: float | None, lora_rank: int) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+                  tolerance: float | None, lora_rank: int, replicas: int = 1) -> dict:
+    from transformers import AutoTokenizer
 
     base_dir, serve_dtype = model_dirs(shape, tied)
-    name = f"{shape} {'tied' if tied else 'untied'}"
+    name = f"{shape} {'tied' if tied else 'untied'}" + (f" x{replicas} replicas" if replicas > 1 else "")
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     contexts = probes(min(len(tokenizer), 90) if shape == "tiny" else len(tokenizer))
     if shape == "tiny":
         contexts = [c[:40] for c in contexts]  # within the toy's 64 positions
     # Qwen3-0.6B's config allows 40,960 positions, more than the CPU build's 1 GiB of KV cache holds.
-    server = VLLMServer(ServerConfig(model=str(base_dir), dev_mode=True, lockstep=False, dtype=serve_dtype,
-                                     max_model_len=None if shape == "tiny" else 4096,
-                                     log_path=log_dir / f"{shape}-{'tied' if tied else 'untied'}.log"), name="theta")
+    servers = [VLLMServer(ServerConfig(model=str(base_dir), dev_mode=True, lockstep=False, dtype=serve_dtype,
+                                       max_model_len=None if shape == "tiny" else 4096,
+                                       log_path=log_dir / f"{shape}-{'tied' if tied else 'untied'}-{i}.log"),
+                          name=f"theta{i}") for i in range(replicas)]
     started = time.perf_counter()
-    await server.start()
-    startup_s = time.perf_counter() - started
-    rows = []
     try:
-        async with VLLMClient(server.url, name="theta") as client:
-            dtype = await served_dtype(client)
-            learner = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-            start = await asyncio.to_thread(checkpoint_logprobs, base_dir, contexts, dtype=dtype)
-            before = spread(await client.next_token_topk(contexts, 20), start)  # the server as started
-            print(f"{name} as started: |server - checkpoint| max {before['max_nats']:.3f} median "
-                  f"{before['median_nats']:.3f} nats", flush=True)
-            model = (await client.model_info()).name
-            previous = None
-            stream_tokens = min(STREAM_TOKENS, (await client.model_info()).max_model_len - 9)  # the toy: 64 positions
-            async with Streams(server.url, model, contexts[0][:8], streams, stream_tokens) as sampling:
-                with tempfile.TemporaryDirectory() as scratch:
-                    rounds = [(push, via) for push in range(pushes) for via in ways]
-                    if lora_rank:  # then one push of a LoRA learner: only its adapted layers move
-                        rounds.append((pushes, "memory-lora"))
-                    for push, via in rounds:
-                        if via == "memory-lora":
-                            learner = lora.wrap(learner, rank=lora_rank, alpha=2 * lora_rank)
-                        with torch.no_grad():
-                            for pname, parameter in learner.named_parameters():
-                                if via != "memory-lora" or "lora_B" in pname:
-                                    parameter.add_(PERTURBATION_STD * torch.randn_like(parameter))
-                        pusher = BasePusher(client, contexts, via=via.removesuffix("-lora"), tolerance=tolerance)
-                        await asyncio.sleep(BEFORE_S)  # sampling undisturbed, to compare with
-                        t0 = time.perf_counter()
-                        report = await pusher.push(learner, tokenizer, Path(scratch) / f"push-{push}-{via}")
-                        t1 = time.perf_counter()
-                        served = await client.next_token_topk(contexts, 20)
-                        expected = (await asyncio.to_thread(
-                            checkpoint_logprobs, report.path, contexts, dtype=dtype) if report.path else
-                            await asyncio.to_thread(weight_transfer.expected_logprobs, learner, contexts, dtype))
-                        row = {"push": push, "via": via, "seconds": t1 - t0,
-                               **{f"{phase}_s": v for phase, v in report.seconds.items()},
-                               "bytes_mb": (report.bytes_moved or _checkpoint_bytes(report.path)) / 1e6,
-                               "reload_sends": report.reload_sends, **sampling.around(t0, t1),
-                               **{f"vs_expected_{k}": v for k, v in spread(served, expected).items()},
-                               **{f"vs_float32_{k}": v for k, v in
-                                  spread(served, learner_logprobs(learner, contexts)).items()}}
-                        if previous is not None:
-                            row |= {f"vs_previous_{k}": v for k, v in spread(served, previous).items()}
-                        previous = expected
-                        rows.append(row)
-                        phases = ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in row.items()
-                                           if k.endswith("_s") and k not in ("stall_s",))
-                        print(f"{name} push {push} via {via}: {row['seconds']:.2f} s ({phases}), "
-                              f"{row['bytes_mb']:.0f} MB; sampling stalled {row['stall_s']:.2f} s, "
-                              f"{row['tokens_per_s_during']:.0f} tokens/s during vs "
-                              f"{row['tokens_per_s_before']:.0f} before; |server - expected| max "
-                              f"{row['vs_expected_max_nats']:.3f} median {row['vs_expected_median_nats']:.3f} "
-                              f"nats", flush=True)
-                        if via == "disk":
-                            shutil.rmtree(report.path, ignore_errors=True)
+        await asyncio.gather(*(server.start() for server in servers))
+        startup_s = time.perf_counter() - started
+        rows = await _pushes(servers, name, shape, base_dir, tokenizer, contexts, pushes, ways, streams,
+                             tolerance, lora_rank)
     finally:
-        server.stop()
-    return {"shape": shape, "tied": tied, "served_dtype": dtype, "server_startup_s": startup_s,
-            **{f"as_started_{k}": v for k, v in before.items()},
+        for server in servers:
+            server.stop()
+    return {"shape": shape, "tied": tied, "replicas": replicas, "server_startup_s": startup_s, **rows}
+
+
+async def _pushes(servers: list[VLLMServer], name: str, shape: str, base_dir: Path, tokenizer, contexts,
+                  pushes: int, ways: list[str], streams: int, tolerance: float | None, lora_rank: int) -> dict:
+    """The pushes of one variant, to every server (a ReplicaPool when there are several); the
+    streams sample from the first, whose answers are compared with the pushed weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    rows = []
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(VLLMClient(s.url, name=f"theta{i}")) for i, s in enumerate(servers)]
+        client = clients[0]
+        base = clients[0] if len(clients) == 1 else ReplicaPool(clients, name="theta", probe_contexts=contexts)
+        dtype = await served_dtype(client)
+        learner = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        start = await asyncio.to_thread(checkpoint_logprobs, base_dir, contexts, dtype=dtype)
+        before = spread(await client.next_token_topk(contexts, 20), start)  # the server as started
+        print(f"{name} as started: |server - checkpoint| max {before['max_nats']:.3f} median "
+              f"{before['median_nats']:.3f} nats", flush=True)
+        model = (await client.model_info()).name
+        previous = None
+        stream_tokens = min(STREAM_TOKENS, (await client.model_info()).max_model_len - 9)  # the toy: 64 positions
+        async with Streams(client.url, model, contexts[0][:8], streams, stream_tokens) as sampling:
+            with tempfile.TemporaryDirectory() as scratch:
+                rounds = [(push, via) for push in range(pushes) for via in ways]
+                if lora_rank:  # then one push of a LoRA learner: only its adapted layers move
+                    rounds.append((pushes, "memory-lora"))
+                for push, via in rounds:
+                    if via == "memory-lora":
+                        learner = lora.wrap(learner, rank=lora_rank, alpha=2 * lora_rank)
+                    with torch.no_grad():
+                        for pname, parameter in learner.named_parameters():
+                            if via != "memory-lora" or "lora_B" in pname:
+                                parameter.add_(PERTURBATION_STD * torch.randn_like(parameter))
+                    pusher = BasePusher(base, contexts, via=via.removesuffix("-lora"), tolerance=tolerance)
+                    await asyncio.sleep(BEFORE_S)  # sampling undisturbed, to compare with
+                    t0 = time.perf_counter()
+                    report = await pusher.push(learner, tokenizer, Path(scratch) / f"push-{push}-{via}")
+                    t1 = time.perf_counter()
+                    served = await client.next_token_topk(contexts, 20)
+                    expected = (await asyncio.to_thread(
+                        checkpoint_logprobs, report.path, contexts, dtype=dtype) if report.path else
+                        await asyncio.to_thread(weight_transfer.expected_logprobs, learner, contexts, dtype))
+                    row = {"push": push, "via": via, "seconds": t1 - t0,
+                           **{f"{phase}_s": v for phase, v in report.seconds.items()},
+                           "bytes_mb": (report.bytes_moved or _checkpoint_bytes(report.path)) / 1e6,
+                           "reload_sends": report.reload_sends, **sampling.around(t0, t1),
+                           **{f"vs_expected_{k}": v for k, v in spread(served, expected).items()},
+                           **{f"vs_float32_{k}": v for k, v in
+                              spread(served, learner_logprobs(learner, contexts)).items()}}
+                    if previous is not None:
+                        row |= {f"vs_previous_{k}": v for k, v in spread(served, previous).items()}
+                    previous = expected
+                    rows.append(row)
+                    phases = ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in row.items()
+                                       if k.endswith("_s") and k not in ("stall_s",))
+                    print(f"{name} push {push} via {via}: {row['seconds']:.2f} s ({phases}), "
+                          f"{row['bytes_mb']:.0f} MB; sampling stalled {row['stall_s']:.2f} s, "
+                          f"{row['tokens_per_s_during']:.0f} tokens/s during vs "
+                          f"{row['tokens_per_s_before']:.0f} before; |server - expected| max "
+                          f"{row['vs_expected_max_nats']:.3f} median {row['vs_expected_median_nats']:.3f} "
+                          f"nats", flush=True)
+                    if via == "disk":
+                        shutil.rmtree(report.path, ignore_errors=True)
+    return {"served_dtype": dtype, **{f"as_started_{k}": v for k, v in before.items()},
             "tolerance_nats": PUSH_TOLERANCE[dtype], "rows": rows}
 
 
@@ -206,8 +226,9 @@ async def run(args: argparse.Namespace) -> dict:
             for name in args.variants:
                 if shape == "tiny" and name == "tied":
                     continue  # the bundled base is untied
-                results.append(await variant(shape, name == "tied", args.pushes, args.via, args.streams, Path(logs),
-                                             args.tolerance, args.lora_rank))
+                for replicas in args.replicas:
+                    results.append(await variant(shape, name == "tied", args.pushes, args.via, args.streams,
+                                                 Path(logs), args.tolerance, args.lora_rank, replicas))
     return {"machine": harness.machine(), "command": " ".join(["python", *sys.argv]),
             "perturbation_std": PERTURBATION_STD, "variants": results}
 
@@ -218,7 +239,7 @@ def plot(report: dict, path: Path) -> None:
     for result in report["variants"]:
         for via in sorted({r["via"] for r in result["rows"]}):
             rows = [r for r in result["rows"] if r["via"] == via]
-            label = f"{result['shape']} {'tied' if result['tied'] else 'untied'}, {via}"
+            label = f"{result['shape']} {'tied' if result['tied'] else 'untied'} x{result['replicas']}, {via}"
             time_ax.plot([r["seconds"] for r in rows], "o-", label=label)
             stall_ax.plot([r["stall_s"] for r in rows], "o-", label=label)
     time_ax.set(xlabel="push", ylabel="seconds", title="push, all phases")
@@ -240,6 +261,9 @@ def main() -> None:
                              "projection (training.lora.wrap): only the adapted decoder layers move; 0: none")
     parser.add_argument("--variants", nargs="+", choices=("untied", "tied"), default=["untied", "tied"])
     parser.add_argument("--pushes", type=int, default=3)
+    parser.add_argument("--replicas", type=int, nargs="+", default=[1],
+                        help="base servers in a ReplicaPool, each pushed to (all at once, as dualvllm train does); "
+                             "several counts run one after the other")
     parser.add_argument("--tolerance", type=float,
                         help="accept pushes this far off (nats; default: PUSH_TOLERANCE of the served dtype), to "
                              "measure a variant that fails verification")
