@@ -20,7 +20,8 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
-from typing import Any, Coroutine, TypeVar
+from typing import Any, TypeVar
+from collections.abc import Coroutine
 
 from common.errors import InvalidInputError
 

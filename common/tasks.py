@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Awaitable, TypeVar
+from typing import TypeVar
+from collections.abc import Awaitable
 
 from common.errors import ShutdownTimeoutError
 

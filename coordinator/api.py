@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from coordinator.config import CoordinatorConfig
 from coordinator.core import DualVLLMCoordinator

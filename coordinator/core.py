@@ -15,7 +15,8 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from typing import Any, AsyncIterator, Mapping, Sequence
+from typing import Any
+from collections.abc import AsyncIterator, Mapping, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -156,7 +157,7 @@ class DualVLLMCoordinator:
                 raise LockstepUnavailableError("lockstep mode needs vLLM servers (VLLMClient engines)")
             return None
         channel = LockstepChannel(cfg.lockstep_host)
-        probe = await probe_servers(channel, servers, await theta.tokenize("Hello"), stop_token,  # type: ignore[arg-type]
+        probe = await probe_servers(channel, servers, await theta.tokenize("Hello"), stop_token,
                                     cfg.request_timeout)
         if probe.unavailable is not None:
             channel.close()
@@ -164,12 +165,12 @@ class DualVLLMCoordinator:
                 raise LockstepUnavailableError(f"lockstep mode: {probe.unavailable}")
             log.info("per-token mode: %s", probe.unavailable)
             return None
-        scheduler = LockstepScheduler(theta, t, config=cfg, eos_ids=eos_ids, max_len=max_len,  # type: ignore[arg-type]
+        scheduler = LockstepScheduler(theta, t, config=cfg, eos_ids=eos_ids, max_len=max_len,
                                       stats=self._stats, channel=channel, stop_token=stop_token,
                                       capacity=probe.capacity, vocab_size=vocab_size)
         for pool in (theta, t):
             if isinstance(pool, ReplicaPool):  # a replica restarted without the plugin stays out
-                pool.rejoin_checks.append(scheduler.check_plugin)  # type: ignore[arg-type]
+                pool.rejoin_checks.append(scheduler.check_plugin)
         if scheduler.capacity < cfg.max_batch_size:
             log.info("lockstep: at most %d sequences at once (%d per server, the servers' max_num_seqs), not "
                      "max_batch_size=%d", scheduler.capacity, probe.capacity, cfg.max_batch_size)
@@ -253,7 +254,7 @@ class DualVLLMCoordinator:
             raise InvalidInputError(f"got {len(seeds)} seeds for {len(prompts)} prompts; give one per prompt")
         base_seed = int(self._seed_source.integers(2**63)) if seed is None else seed
         rng_keys = [[int(s)] for s in seeds] if seeds is not None else [[base_seed, i] for i in range(len(prompts))]
-        sink: "asyncio.Queue[GenerationOutput]" = asyncio.Queue()
+        sink: asyncio.Queue[GenerationOutput] = asyncio.Queue()
         sequences = [
             SequenceState(index=i, prompt=prompt, theta_prompt_ids=ids_theta, t_prompt_ids=ids_t,
                           params=params, rng=np.random.default_rng(rng_keys[i]), sink=sink, listener=on_tokens,

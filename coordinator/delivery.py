@@ -8,7 +8,7 @@ in every mode.
 from __future__ import annotations
 
 import asyncio
-from typing import Sequence
+from collections.abc import Sequence
 
 from common.errors import DualVLLMError
 from coordinator.sequence import SequenceState

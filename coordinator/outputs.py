@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, Sequence, Union
+from typing import Any, Literal, Union
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Sequence
+from collections.abc import Sequence
 
 from coordinator.outputs import Prompt, PromptPart
 from common.errors import InvalidInputError
@@ -18,7 +18,7 @@ def split_prompt(index: int, prompt: Prompt) -> tuple[PromptPart, PromptPart]:
     problem = prompt_problem(prompt)
     if problem is not None:
         raise InvalidInputError(f"prompt {index}: {problem}")
-    return prompt if isinstance(prompt, tuple) else (prompt, prompt)  # type: ignore[return-value]
+    return prompt if isinstance(prompt, tuple) else (prompt, prompt)
 
 
 def prompt_problem(prompt: object) -> str | None:

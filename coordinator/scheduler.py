@@ -14,7 +14,8 @@ import logging
 import time
 from collections import deque
 from types import MappingProxyType
-from typing import AsyncContextManager, AsyncIterator, Awaitable, Mapping, Protocol, TypeVar
+from typing import AsyncContextManager, Protocol, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Mapping
 
 import numpy as np
 

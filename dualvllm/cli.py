@@ -26,7 +26,8 @@ import sys
 import types
 import typing
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterable, Sequence
+from typing import Any
+from collections.abc import AsyncIterator, Iterable, Sequence
 
 from pydantic import BaseModel
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from common.errors import ServerStartupError
 from coordinator.core import DualVLLMCoordinator

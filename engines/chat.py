@@ -6,7 +6,8 @@ tokenizers) share it; a vLLM server renders with the same template behind /token
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 from common.errors import InvalidInputError
 

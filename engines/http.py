@@ -21,7 +21,8 @@ import asyncio
 import json
 import random
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import aiohttp
 import msgspec
@@ -131,7 +132,7 @@ async def _request_once(
             server, url, f"cannot connect ({type(exc).__name__}: {exc}); nothing was sent; is it "
             "running, and is the URL right?"
         ) from exc
-    except asyncio.TimeoutError as exc:
+    except TimeoutError as exc:
         raise ServerTimeoutError(
             server, url, "no answer within the request timeout; raise request_timeout if the "
             "server is just slow (long contexts, large batches)"

@@ -26,7 +26,8 @@ import tempfile
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator, Literal
+from typing import Any, Literal
+from collections.abc import AsyncIterator
 
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -276,7 +277,7 @@ class VLLMServer:
                     async with session.get(self.url + "/health") as response:
                         if response.status == 200:
                             return
-                except (aiohttp.ClientError, asyncio.TimeoutError):
+                except (TimeoutError, aiohttp.ClientError):
                     pass  # not listening yet
                 if time.monotonic() > deadline:
                     raise ServerStartupError(

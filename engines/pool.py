@@ -30,7 +30,8 @@ import asyncio
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
+from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import numpy as np
 

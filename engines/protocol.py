@@ -8,7 +8,8 @@ model (engines/transformers_engine.py). The coordinator only ever talks to this 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 

@@ -32,7 +32,8 @@ import functools
 import inspect
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Literal, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 

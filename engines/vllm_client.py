@@ -21,7 +21,8 @@ import itertools
 import json
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
+from typing import Any, Literal
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import aiohttp
 import msgspec

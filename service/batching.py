@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Generic, Hashable, Sequence, TypeVar
+from typing import Generic, TypeVar
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 
 from common.errors import LifecycleError, ServerRejectedError
 from engines.protocol import PromptScoringEngine, TopKBatch
@@ -94,7 +95,7 @@ class Batcher(Generic[R]):
                 for waiting in batch:
                     await self._call([waiting], key)
             return
-        except Exception as err:  # noqa: BLE001 - handed to exactly the requests this call carried
+        except Exception as err:
             for waiting in batch:
                 _fail(waiting, err)
             return

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Awaitable, Callable
+from typing import Any
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
@@ -76,7 +77,7 @@ class UpdateInProgress:
         self.release.set()
         try:
             await asyncio.wait_for(asyncio.shield(self.task), HOLD_TIMEOUT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.error("the coordinator took over %.0f s to resume after a weight update", HOLD_TIMEOUT_S)
 
 
@@ -200,7 +201,7 @@ class DevRoutes:
         for step in steps:
             try:
                 await self._each(step)
-            except Exception as exc:  # noqa: BLE001 - the servers must be resumed whatever failed before
+            except Exception as exc:
                 errors.append(exc)
         if update is not None:
             await update.end()
@@ -213,14 +214,14 @@ class DevRoutes:
             update.touched.clear()
             try:
                 await asyncio.wait_for(update.touched.wait(), self.idle_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 break
         if self.update is update:
             log.error("a weight update went %.0f s without a phase; its trainer is gone: ending it (the base servers "
                       "keep what arrived) and resuming sampling", self.idle_s)
             try:
                 await self._end(finish=True)
-            except Exception:  # noqa: BLE001 - logged: nobody waits on the watchdog
+            except Exception:
                 log.exception("ending the abandoned weight update failed")
 
     async def _close(self, app: web.Application) -> None:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 from coordinator.outputs import GenerationOutput
 from service import responses

@@ -11,7 +11,7 @@ import contextlib
 import functools
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from common.errors import ServiceBusyError
 from coordinator.sequence import SamplingParams

@@ -9,7 +9,8 @@ from the service active and queued sequences and its live asyncio tasks.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily

@@ -12,7 +12,8 @@ log pi_theta and log pi_t (None at position 0, as OpenAI's echoed logprobs).
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 from coordinator.outputs import GenerationOutput
 from service.schema import QStarOptions

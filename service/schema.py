@@ -19,7 +19,7 @@ the `openai` package):
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
@@ -47,8 +47,8 @@ def _prompts(value: Any) -> Any:
     raise ValueError(f"must be {PROMPT_FORMS} (true/false are not token ids)")
 
 
-PromptField = Annotated[Union[str, list[str], TokenIds, list[TokenIds]], BeforeValidator(_prompts)]
-OnePrompt = Annotated[Union[str, TokenIds], BeforeValidator(_one_prompt)]
+PromptField = Annotated[str | list[str] | TokenIds | list[TokenIds], BeforeValidator(_prompts)]
+OnePrompt = Annotated[str | TokenIds, BeforeValidator(_one_prompt)]
 
 
 class _Strict(BaseModel):
@@ -62,7 +62,7 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[TextPart]]
+    content: str | list[TextPart]
     name: str | None = None
 
     def rendered(self) -> dict[str, Any]:
@@ -96,7 +96,7 @@ class _Sampling(_Strict):
     model: str
     temperature: float = Field(1.0, ge=0)
     n: int = Field(1, ge=1)
-    stop: Union[str, list[str], None] = None
+    stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM's: stop after any of these ids (in token_ids, not in text)
     seed: int | None = None
     stream: bool = False
@@ -229,7 +229,7 @@ class GenerateSampling(_Strict):
     logprobs: int | None = Field(None, ge=0, le=20)
     prompt_logprobs: int | None = Field(None, ge=-1)
     seed: int | None = None
-    stop: Union[str, list[str], None] = None
+    stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     top_p: float = 1.0
@@ -277,12 +277,11 @@ class GenerateRequest(_Strict):
             return "include_stop_str_in_output is not supported; leave it false"
         return None
 
-    def as_completion(self, model: str) -> CompletionRequest:
-        """The same request as /v1/completions takes it (token ids as the prompt), so it passes
-        the same checks; `model` when the body names none."""
+    def as_completion(self, model: str) -> dict[str, Any]:
+        """The same request as /v1/completions takes it (token ids as the prompt), to be checked
+        as a CompletionRequest; `model` when the body names none."""
         params = self.sampling_params.model_dump(exclude={"output_kind", "detokenize", "skip_special_tokens",
                                                           "spaces_between_special_tokens",
                                                           "include_stop_str_in_output"})
-        return CompletionRequest.model_validate(
-            {**params, "model": self.model or model, "prompt": self.token_ids, "return_token_ids": True,
-             "return_tokens_as_token_ids": self.output_mode == "tokens", "dualvllm": self.dualvllm})
+        return {**params, "model": self.model or model, "prompt": self.token_ids, "return_token_ids": True,
+                "return_tokens_as_token_ids": self.output_mode == "tokens", "dualvllm": self.dualvllm}

@@ -21,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import math
 from dataclasses import dataclass
-from typing import Mapping, Protocol, Sequence
+from typing import Protocol
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 

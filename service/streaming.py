@@ -27,7 +27,8 @@ import logging
 import time
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterable, Mapping, Protocol, Sequence
+from typing import Any, Protocol
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 
 from aiohttp import web
 
@@ -144,7 +145,7 @@ async def stream_choices(request: web.Request, source: Generation, job: Job) -> 
             await _relay(response, source, chunks, choices, events)
         except ConnectionError:  # the client is gone: nobody to tell
             raise
-        except Exception as exc:  # noqa: BLE001 - headers are sent: the error goes in the stream
+        except Exception as exc:
             await _send(response, error_of(exc)[1])
         finally:
             pump.cancel()
@@ -186,7 +187,7 @@ async def _pump(outputs: AsyncIterator[GenerationOutput], events: asyncio.Queue[
     try:
         async for output in outputs:
             events.put_nowait((output.index, output))
-    except Exception as exc:  # noqa: BLE001 - handed to the relay, which answers with it
+    except Exception as exc:
         events.put_nowait((-1, exc))
 
 

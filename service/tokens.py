@@ -7,7 +7,7 @@ at most MAX_CONCURRENT_DETOKENIZE at a time.
 from __future__ import annotations
 
 import asyncio
-from typing import Iterable
+from collections.abc import Iterable
 
 from coordinator.core import DualVLLMCoordinator
 

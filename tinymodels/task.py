@@ -32,7 +32,8 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
+from collections.abc import Callable
 
 OPERANDS = range(10, 100)
 EOS_TEXT = "<eos>"

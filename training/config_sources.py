@@ -35,7 +35,8 @@ import difflib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Collection, Mapping
+from typing import Any
+from collections.abc import Collection, Mapping
 
 from pydantic_settings import BaseSettings, SettingsConfigDict, YamlConfigSettingsSource
 

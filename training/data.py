@@ -32,7 +32,8 @@ import re
 import string
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from common.errors import InputFormatError, InvalidInputError
 from common.jsonl import read_objects

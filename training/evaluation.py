@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 from concurrent.futures import Executor
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 

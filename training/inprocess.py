@@ -13,7 +13,8 @@ no cached key/value survives an update.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, AsyncIterator
+from typing import Any
+from collections.abc import AsyncIterator
 
 import tinymodels
 from coordinator import DualVLLMCoordinator

@@ -24,7 +24,8 @@ import contextlib
 import copy
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -339,7 +340,7 @@ class Learner:
         correction = objective.correction if objective.method == "grpo" else "none"
         advantages, metrics = group_advantages(
             prepared.rewards, torch.split(log_ratio, [len(g) for g in prepared.groups]),
-            correction=correction,  # type: ignore[arg-type]
+            correction=correction,
             scale=objective.scale_advantages, share_cap=objective.share_cap)
         if objective.method == "opd":  # the teacher's advantages alone
             advantages = torch.zeros_like(advantages)
@@ -409,8 +410,8 @@ class Learner:
                                                   objective.teacher_advantage_coef) * packed.target_mask
         return policy_loss(
             logp, packed.logp_behaviour.float(), advantages.float(), packed.target_mask,
-            correction=objective.correction if objective.method == "grpo" else "none",  # type: ignore[arg-type]
-            is_cap=objective.is_cap, normalization=objective.normalization,  # type: ignore[arg-type]
+            correction=objective.correction if objective.method == "grpo" else "none",
+            is_cap=objective.is_cap, normalization=objective.normalization,
             max_completion_length=objective.max_completion_length, logp_reference=reference, kl_coef=self.kl_coef,
             token_advantages=token_advantages, shaped=None if prepared.shaped is None else prepared.shaped[rows],
             shaping_gamma=objective.shaping_gamma or 0.1, batch_rows=len(prepared.rollouts),

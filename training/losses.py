@@ -46,7 +46,8 @@ exp(ref - logp) - (ref - logp) - 1 >= 0 (Schulman 2020), per token, normalized t
 from __future__ import annotations
 
 import math
-from typing import Literal, Sequence
+from typing import Literal
+from collections.abc import Sequence
 
 import torch
 

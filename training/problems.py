@@ -13,7 +13,8 @@ import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from common.errors import InvalidInputError
 from training.task_config import SELF_TEACHERS, TaskConfig

@@ -12,7 +12,8 @@ import logging
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Mapping, Sequence
+from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import numpy as np
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import tinymodels
 from coordinator import CoordinatorConfig, DualVLLMCoordinator

@@ -27,7 +27,8 @@ import concurrent.futures
 import contextlib
 import json
 import threading
-from typing import Any, Awaitable, Iterable, Mapping, Sequence, TypeVar
+from typing import Any, TypeVar
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 
 import numpy as np
 

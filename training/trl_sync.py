@@ -21,7 +21,8 @@ WeightSyncErrors and it needs the servers in dev mode (VLLM_SERVER_DEV_MODE=1, l
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from transformers import TrainerCallback
 

@@ -133,7 +133,7 @@ class QStarGRPOTrainer(GRPOTrainer):
                                     "whose logprobs are log q*")
         self._rewards: torch.Tensor | None = None
 
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):  # noqa: ANN001, ANN202
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         # TRL gathers every process's rewards here; the advantages below need them, summed as TRL sums them.
         per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         total = (per_func * self.reward_weights.to(per_func.device)).nansum(dim=1)
@@ -183,7 +183,7 @@ class QStarGRPOTrainer(GRPOTrainer):
                 kept_ratios.append(log_ratio[rows].cpu().double())
                 kept_rows.append(rows)
         if kept_rows:
-            values, metrics = project_advantages(kept_rewards, kept_ratios, correction=args.correction,  # type: ignore[arg-type]
+            values, metrics = project_advantages(kept_rewards, kept_ratios, correction=args.correction,
                                                  scale=args.scale_rewards == "group", share_cap=args.share_cap)
             advantages[torch.cat(kept_rows)] = values.to(advantages.dtype).to(advantages.device)
             if args.correction == "sequence":
@@ -229,8 +229,8 @@ class QStarGRPOTrainer(GRPOTrainer):
         if args.opd_coef > 0:
             token_advantages = teacher_advantages(logp, inputs["teacher_per_token_logps"], args.opd_coef) * mask
         loss, metrics = policy_loss(
-            logp, behaviour, inputs["advantages"].float(), mask, correction=args.correction,  # type: ignore[arg-type]
-            is_cap=args.is_cap, normalization=args.loss_type, max_completion_length=self.max_completion_length,  # type: ignore[arg-type]
+            logp, behaviour, inputs["advantages"].float(), mask, correction=args.correction,
+            is_cap=args.is_cap, normalization=args.loss_type, max_completion_length=self.max_completion_length,
             logp_reference=inputs.get("ref_per_token_logps"), kl_coef=self.beta, token_advantages=token_advantages)
         loss = loss * self._accumulation_scale(args.loss_type, mask, inputs)
         if logits is not None:

@@ -23,7 +23,7 @@ import re
 import signal
 from concurrent.futures import Executor, ProcessPoolExecutor
 from fractions import Fraction
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from common.process import die_with_parent
 from training.sandbox import SandboxLimits, run_tests
@@ -75,7 +75,7 @@ def math_reward(completion: str, reference: str) -> float:
             return 0.0
         return 1.0 if verify(gold, answer) else 0.0
     # Model output is arbitrary text: any failure inside the parser means "not verified".
-    except Exception:  # noqa: BLE001
+    except Exception:
         return 0.0
 
 

@@ -46,7 +46,8 @@ import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Literal, Sequence
+from typing import Any, Literal
+from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 from coordinator.admission import MAX_HOLD_S, AdmissionGate
 from coordinator.config import CoordinatorConfig
@@ -104,7 +104,7 @@ class Admission:
         while self.room() and not self._holding():
             started.append(self._start())
         hold_s = self.gate.opened([tuple((s.engine.url, s.id) for s in live.streams if s is not None)
-                                   for live in started])  # type: ignore[misc]
+                                   for live in started])
         streams = [stream for live in started for stream in live.streams if stream is not None]
         if streams:
             self.held_rounds += 1

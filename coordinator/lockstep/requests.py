@@ -13,7 +13,7 @@ import functools
 import itertools
 import secrets
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 from coordinator.lockstep.table import THETA, Live, LockstepTable, Stream
 from engines.vllm_plugin import wire

@@ -23,7 +23,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any, AsyncIterator, Coroutine
+from typing import Any
+from collections.abc import AsyncIterator, Coroutine
 
 from common.errors import LifecycleError
 from common.tasks import bounded, stop

@@ -4,7 +4,8 @@ background tasks, and the step that follows any change of state."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Coroutine, Protocol
+from typing import Any, Protocol
+from collections.abc import Coroutine
 
 
 class Shell(Protocol):

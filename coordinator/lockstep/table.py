@@ -49,7 +49,7 @@ class Blocked:
     server: str | None  # the server the rows belong to (None: no known rows)
     # The other server's reports whose rows were paired with these: more than one means that
     # server reported these sequences over several of its steps (one server ran ahead).
-    partners: set["Blocked"] = field(default_factory=set)
+    partners: set[Blocked] = field(default_factory=set)
     # The servers its rows' other halves run on, taken as the rows arrived: a superset of what
     # its undecided rows wait on, enough to rule a deadlock out without a pass over the rows.
     needs: set[str] = field(default_factory=set)
@@ -65,7 +65,7 @@ class Live:
     seq: SequenceState
     # The server of each role it runs on (the shell's client: anything with a `.url`).
     engines: list[Any] = field(default_factory=lambda: [None, None])
-    streams: list["Stream | None"] = field(default_factory=lambda: [None, None])
+    streams: list[Stream | None] = field(default_factory=lambda: [None, None])
     rows: list[tuple[Blocked, int] | None] = field(default_factory=lambda: [None, None])
     resubmissions: int = 0  # requests the servers ended on their own (parks are not counted)
     request_failures: int = 0  # requests that broke and were resent

@@ -65,7 +65,7 @@ class CoordinatorLink:
                 if step == self.step:
                     return tokens
                 # A late reply to a report this side gave up on: not for this step.
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             return self._fail("did not answer in time")
         except (OSError, wire.WireError) as err:
             return self._fail(f"broke the connection ({err})")

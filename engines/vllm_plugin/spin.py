@@ -53,6 +53,6 @@ def register() -> None:
             original(self, is_reader, context, notify_address, busy_loop_s=condition._dualvllm_spin_s)
 
         condition.__init__ = __init__  # type: ignore[method-assign]
-    condition._dualvllm_spin_s = spin_s  # type: ignore[attr-defined]
+    condition._dualvllm_spin_s = spin_s
     log.info("dualvllm: the engine busy-waits %g s after a read (vLLM: 1 s), rechecks every %d ms (vLLM: 5000)",
              spin_s, recheck_ms)
