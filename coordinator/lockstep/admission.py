@@ -95,7 +95,7 @@ class Admission:
             self.gate.arm()
             self._shell.spawn(self._open_after(MAX_HOLD_S, self.gate.armed_at))
 
-    async def open_gate(self, *, force: bool = False) -> None:
+    def open_gate(self, *, force: bool = False) -> None:
         """Start the waiting sequences if both servers are blocked here (or `force`), and hold
         the servers' replies (`_hold`)."""
         if not self.gate.armed or not (force or self._placement.servers() <= waits.blocked_servers(self._table)):
@@ -130,7 +130,7 @@ class Admission:
         finally:
             async with self._shell.lock:
                 self.held_rounds -= 1
-                await self._shell.settle()
+                self._shell.settle()
 
     async def _open_after(self, delay_s: float, armed_at: float | None) -> None:
         """A server that does not block here within `delay_s` (its batch busy with other work)
@@ -141,5 +141,5 @@ class Admission:
                 log.info("lockstep: a server did not reach a step boundary within %.2f s; admitting unaligned",
                          delay_s)
                 self.gate.counters.forced += 1
-                await self.open_gate(force=True)
-                await self._shell.send_ready()
+                self.open_gate(force=True)
+                self._shell.send_ready()

@@ -83,11 +83,11 @@ class Recovery:
             try:
                 self._admission.gate.forget((stream.engine.url, stream.id))
                 self._continue_after(stream, task)
-                await self._shell.settle()
+                self._shell.settle()
             except Exception as exc:  # a bug must not strand the sequence: fail it, loudly
                 log.exception("lockstep: handling the end of a request failed")
                 self._table.fail(stream.live, f"internal error in the lockstep coordinator: {exc!r}")
-                await self._shell.send_ready()
+                self._shell.send_ready()
 
     def _continue_after(self, stream: Stream, task: asyncio.Task[str]) -> None:
         live = stream.live
@@ -139,10 +139,10 @@ class Recovery:
                 self.dead[engine.url] = reason
                 self._admission.fail_waiting(reason)
                 self._table.fail_all(reason)
-                await self._shell.send_ready()
+                self._shell.send_ready()
             return
         async with self._shell.lock:
             self._recovering.discard(engine.url)
             log.info("lockstep: %s server at %s answers again; resuming %d sequences", engine.name, engine.url,
                      self._admission.suspended)
-            await self._shell.settle()
+            self._shell.settle()

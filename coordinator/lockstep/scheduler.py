@@ -148,7 +148,7 @@ class LockstepScheduler:
             self._table.closing = True
             self._table.fail_all("the coordinator was closed before this sequence finished")
             self._admission.fail_waiting("the coordinator was closed before this sequence finished")
-            await self.send_ready()
+            self.send_ready()
         finally:
             self.lock.release()
         await self._requests.drain(DRAIN_S)  # each ends at its server's next report, answered END here
@@ -171,13 +171,13 @@ class LockstepScheduler:
             async with self.lock:
                 for live in self._table.live:
                     self._recovery.take_off(live)
-                await self.send_ready()
+                self.send_ready()
             await self._requests.drain(DRAIN_S)  # each ends at its server's next step: END is the answer now
             yield
         finally:
             async with self.lock:
                 self._recovery.pauses -= 1
-                await self.settle()
+                self.settle()
 
     def spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coroutine)
@@ -192,13 +192,13 @@ class LockstepScheduler:
             async with self.lock:
                 try:
                     self._on_reports(received)
-                    await self.settle()
+                    self.settle()
                 except Exception as exc:  # a bug must not hang the servers or the callers
                     log.exception("lockstep step failed")
                     self._table.fail_all(f"internal error in the lockstep coordinator: {exc!r}")
                     self._table.end_undecided()
                     self.gate.disarm()
-                    await self.send_ready()
+                    self.send_ready()
 
     def _on_reports(self, received: list[tuple[bytes, wire.Report | wire.WireError]]) -> None:
         """Take in the reports that arrived together (usually one per server), then decide
@@ -227,14 +227,14 @@ class LockstepScheduler:
         if ready:
             self._decide(ready)
 
-    async def settle(self) -> None:
+    def settle(self) -> None:
         """After any change: break a deadlock, start what can start, answer what is decided.
         While an admission round holds the servers they wait on us, not on each other."""
         if not self._admission.held_rounds and waits.break_deadlock(self._table):
             self._recovery.resubmit_parked()
         self._admission.admit()
-        await self._admission.open_gate()
-        await self.send_ready()
+        self._admission.open_gate()
+        self.send_ready()
 
     def _decide(self, ready: list[Live]) -> None:
         """Sample the next token of every sequence whose two rows are in, and answer both rows."""
@@ -277,9 +277,9 @@ class LockstepScheduler:
                 ready = self._table.release(lives)
                 if ready:
                     self._decide(ready)
-                await self.settle()
+                self.settle()
 
-    async def send_ready(self) -> None:
+    def send_ready(self) -> None:
         """Hand finished sequences to their callers, and reply to every report whose rows are
         all decided, unless the admission gate holds them."""
         finished, self._table.out.finished = self._table.out.finished, []
@@ -299,11 +299,11 @@ class LockstepScheduler:
             await asyncio.sleep(every)
             async with self.lock:
                 if not self._recovery.holding and self._admission.room():
-                    await self.settle()
+                    self.settle()
                 waited = waits.park_stalled(self._table, time.perf_counter(), limit)
                 for wait_s in waited:
                     log.info("a lockstep report waited %.2f s on rows the other server has not reached; "
                              "parking them", wait_s)
                 if waited:
                     self._recovery.resubmit_parked()
-                    await self.send_ready()
+                    self.send_ready()

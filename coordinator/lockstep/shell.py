@@ -15,9 +15,9 @@ class Shell(Protocol):
     def spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
         """Run `coroutine` as a task that close() stops."""
 
-    async def settle(self) -> None:
+    def settle(self) -> None:
         """After a change (under the lock): break a deadlock, start what can start, answer
         what is decided."""
 
-    async def send_ready(self) -> None:
+    def send_ready(self) -> None:
         """Hand finished sequences to their callers and answer every decided report (under the lock)."""
