@@ -51,7 +51,7 @@ from service.config import ServiceConfig
 from service.dev_routes import DevRoutes
 from service.errors import RequestError, error_body, error_of
 from service.formats import CHAT, COMPLETION, Format, TokenLogprobs
-from service.jobs import Admission, Job
+from service.jobs import RequestQueue, Job
 from service.metrics import ServiceMetrics
 from service.generate import generate_response, render_response
 from service.schema import ChatCompletionRequest, CompletionRequest, GenerateRequest
@@ -81,7 +81,7 @@ class QStarService:
         self.config = config
         theta, t = coordinator.model_names
         self.model = config.served_model_name or f"{_short(theta)}+{_short(t)}"
-        self.admission = Admission(coordinator.capacity, config.max_queued_sequences)
+        self.admission = RequestQueue(coordinator.capacity, config.max_queued_sequences)
         self.metrics = ServiceMetrics(coordinator, self.admission)
         self.texts = TokenTexts(coordinator)
         self.created = int(time.time())

@@ -1,4 +1,4 @@
-"""What a validated request becomes (Job) and the service's bounded queue (Admission).
+"""What a validated request becomes (Job) and the service's bounded queue (RequestQueue).
 
 A leaf of service/: it imports the request schema and the two response formats, nothing
 that serves. The handlers (service.app) build Jobs; streaming, metrics and the handlers
@@ -60,7 +60,7 @@ class Job:
         return sum(len(theta) for theta, _ in self.prompts)
 
 
-class Admission:
+class RequestQueue:
     """The service's bounded queue: sequences admitted and not yet finished."""
 
     def __init__(self, capacity: int, max_queued: int) -> None:

@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 
 from coordinator.core import DualVLLMCoordinator
 from coordinator.outputs import GenerationOutput
-from service.jobs import Admission
+from service.jobs import RequestQueue
 
 # Request latency buckets (s): a q* request runs from a few ms (one token) to minutes.
 REQUEST_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -27,7 +27,7 @@ SERVER_CALL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 
 
 class ServiceMetrics:
-    def __init__(self, coordinator: DualVLLMCoordinator, admission: Admission) -> None:
+    def __init__(self, coordinator: DualVLLMCoordinator, admission: RequestQueue) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self._requests = Counter("dualvllm_requests", "HTTP requests answered, by route and status",
@@ -73,7 +73,7 @@ class ServiceMetrics:
 class _CoordinatorCollector(Collector):
     """Gauges read from the coordinator and the service's queue at scrape time."""
 
-    def __init__(self, coordinator: DualVLLMCoordinator, admission: Admission) -> None:
+    def __init__(self, coordinator: DualVLLMCoordinator, admission: RequestQueue) -> None:
         self._coordinator = coordinator
         self._admission = admission
 
