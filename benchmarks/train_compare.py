@@ -291,15 +291,22 @@ def finished_with(arm_dir: Path, config: TrainConfig) -> bool:
     return same and (records[-1].get("event") == "eval" if records else False)  # the run's final evaluation
 
 
-def summary(runs: dict[str, dict[int, dict]], metric: str) -> dict[str, dict[int, tuple[float, float]]]:
-    """arm -> step -> (mean, half the range) of `metric` over seeds."""
-    table: dict[str, dict[int, tuple[float, float]]] = {}
+def summary(runs: dict[str, dict[int, dict]], metric: str) -> dict[str, dict[int, tuple[float, float, float]]]:
+    """arm -> step -> (median, 25th, 75th percentile) of `metric` over the arm's seeds. A seed
+    that stopped early (--stop-at-accuracy, --stop-without-signal) counts at every later step
+    with its last value, so the later medians are over every seed, not over the ones still
+    running."""
+    table: dict[str, dict[int, tuple[float, float, float]]] = {}
     for arm, by_seed in runs.items():
-        steps: dict[int, list[float]] = {}
-        for run in by_seed.values():
-            for step, value in run["curves"][metric]:
-                steps.setdefault(step, []).append(value)
-        table[arm] = {s: (float(np.mean(v)), float(np.ptp(v) / 2)) for s, v in sorted(steps.items())}
+        curves = [dict(run["curves"][metric]) for run in by_seed.values()]
+        steps = sorted({step for curve in curves for step in curve})
+        rows: dict[int, tuple[float, float, float]] = {}
+        for step in steps:
+            values = [curve[max(s for s in curve if s <= step)] for curve in curves
+                      if any(s <= step for s in curve)]  # a seed's last value at or before the step
+            low, median, high = np.percentile(values, [25, 50, 75])
+            rows[step] = (float(median), float(low), float(high))
+        table[arm] = rows
     return table
 
 
@@ -323,14 +330,15 @@ def print_milestones(runs: dict[str, dict[int, dict]]) -> None:
         print(f"{arm:>42}: " + "; ".join(cells))
 
 
-def print_table(table: dict[str, dict[int, tuple[float, float]]], title: str) -> None:
-    print(f"\n{title} (mean ± half-range over seeds)")
+def print_table(table: dict[str, dict[int, tuple[float, float, float]]], title: str) -> None:
+    print(f"\n{title} (median [interquartile range] over seeds)")
     steps = sorted({s for arm in table.values() for s in arm})
     width = max(28, *(len(name) + 2 for name in table))
     print(f"{'step':>6}" + "".join(f"{name:>{width}}" for name in table))
     for step in steps:
         cells = [table[arm].get(step) for arm in table]
-        print(f"{step:>6}" + "".join(f"{'-' if c is None else f'{c[0]:.3f} ± {c[1]:.3f}':>{width}}" for c in cells))
+        print(f"{step:>6}" + "".join(f"{'-' if c is None else f'{c[0]:.3f} [{c[1]:.3f}, {c[2]:.3f}]':>{width}}"
+                                     for c in cells))
 
 
 def main() -> None:
@@ -397,14 +405,14 @@ def plot(tables: dict, path: Path, title: str) -> None:
         for arm, points in table.items():
             if points:
                 steps = list(points)
-                mean = np.array([points[s][0] for s in steps])
-                spread = np.array([points[s][1] for s in steps])
-                ax.errorbar(steps, mean, yerr=spread, marker="o", markersize=3, capsize=2, label=arm)
+                median, low, high = (np.array([points[s][i] for s in steps]) for i in range(3))
+                ax.errorbar(steps, median, yerr=[median - low, high - median], marker="o", markersize=3, capsize=2,
+                            label=arm)
         ax.set(xlabel="update", title=metric)
     # One legend for all panels, under them: the arms' names are long.
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=7, bbox_to_anchor=(0.5, 0.0))
-    fig.suptitle(f"{title} (mean, bars: half-range over seeds)")
+    fig.suptitle(f"{title} (median, bars: interquartile range over seeds)")
     fig.tight_layout(rect=(0, 0.04 + 0.018 * -(-len(labels) // 2), 1, 1))
     fig.savefig(path, dpi=110)
     print(f"wrote {path.with_name('train_compare.json')} and {path.name}")

@@ -76,6 +76,10 @@ class TrainConfig(TaskConfig):
         1e-6, gt=0, description="AdamW learning rate: TRL's default for the method (GRPOConfig's, DPOConfig's and "
                                 "DistillationConfig's 1e-6; SFTConfig's 2e-5 for sft and rft). The bundled tiny "
                                 "models train at 2e-4 (recipes/tiny-arith.yaml); 1e-3 collapsed every GRPO arm there.")
+    weight_decay: float = Field(
+        0.0, ge=0, description="AdamW's decoupled weight decay: TRL's default (transformers' TrainingArguments) 0. "
+                               "torch's AdamW default, 0.01, was the learner's until this was a setting; the tiny "
+                               "recipes keep it, as their tables were measured with it.")
     lora_rank: int = Field(0, ge=0, description="LoRA rank of the learner's adapters (peft); 0 = train every weight.")
     lora_alpha: int = Field(32, ge=1, description="LoRA scaling numerator (peft's lora_alpha); used when lora_rank > 0.")
 

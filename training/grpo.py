@@ -128,7 +128,8 @@ class GRPORecipe:
             untie.refuse_tied(model, start_dir)
         self.learner = Learner(model, learning_rate=config.learning_rate, kl_coef=config.reference_kl_coef,
                                pad_id=self.tokenizer.pad_token_id or 0, micro_batch_size=config.micro_batch_size,
-                               gradient_checkpointing=config.gradient_checkpointing)
+                               gradient_checkpointing=config.gradient_checkpointing,
+                               weight_decay=config.weight_decay)
         self.state = checkpoint.load_state(newest, self.learner.optimizer) if newest is not None else RunState(0, 0, 0)
         if newest is not None:
             log.info("resuming from %s (step %d)", newest, self.state.step)

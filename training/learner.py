@@ -196,7 +196,7 @@ class Learner:
 
     def __init__(self, model: Any, *, learning_rate: float, kl_coef: float, pad_id: int,
                  micro_batch_size: int | None = None, gradient_checkpointing: bool = False,
-                 logit_chunk_size: int = LOGIT_CHUNK_SIZE) -> None:
+                 logit_chunk_size: int = LOGIT_CHUNK_SIZE, weight_decay: float = 0.0) -> None:
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be at least 1 rollout (None: the whole batch), "
                              f"got {micro_batch_size}")
@@ -204,7 +204,8 @@ class Learner:
             raise ValueError(f"logit_chunk_size must be at least 1 position, got {logit_chunk_size}")
         self.model = model.eval()
         # Only what trains: with LoRA the base weights are frozen.
-        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=learning_rate)
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=learning_rate,
+                                           weight_decay=weight_decay)
         self.reference = copy.deepcopy(model).eval().requires_grad_(False) if kl_coef > 0 else None
         if gradient_checkpointing:
             enable_gradient_checkpointing(self.model)

@@ -61,3 +61,16 @@ def test_the_long_task_runs_its_core_arms_with_the_long_teacher():
     task = train_config(output_dir="x", **TASKS["long-methods"])
     assert task.teacher == str(tinymodels.TEACHER_LONG_DIR)
     assert task.max_tokens == 21  # 20 answer digits and <eos>
+
+
+def test_a_seed_that_stopped_early_counts_with_its_last_value_in_later_medians():
+    from benchmarks.train_compare import summary
+
+    curve = lambda *points: {"curves": {"held_out_accuracy": list(points)}}  # noqa: E731
+    runs = {"arm": {0: curve((0, 0.1), (50, 0.9)),  # stopped at 50: reached the threshold
+                    1: curve((0, 0.0), (50, 0.2), (100, 0.3)),
+                    2: curve((0, 0.0), (50, 0.1), (100, 0.5))}}
+    table = summary(runs, "held_out_accuracy")["arm"]
+    assert table[50] == pytest.approx((0.2, 0.15, 0.55))
+    # at 100 the first seed still counts, with 0.9: the median is over three seeds, not two
+    assert table[100] == pytest.approx((0.5, 0.4, 0.7))

@@ -34,6 +34,7 @@ OLD_DEFAULTS = {
     "reward_weights": None, "rft_min_reward": 1.0, "scale_advantages": True, "seed": 0, "share_cap": 3.0,
     "steps": 200, "stop_at_accuracy": None, "stop_without_signal": None, "t_urls": [], "teacher": None,
     "teacher_template": None, "temperature": 1.0, "theta_urls": [], "top_k": 20,
+    "weight_decay": 0.01,  # torch AdamW's default, implicit then
 }
 OLD_EVAL_DEFAULTS = {name: value for name, value in OLD_DEFAULTS.items() if name in EvalConfig.model_fields} | {
     "arms": ["base", "q*", "teacher"], "eval_samples": 8, "output": None}

@@ -139,3 +139,19 @@ def test_the_distillation_term_moves_the_learner_toward_the_teachers_top_k(token
     with torch.no_grad():
         after = torch.log_softmax(full_completion_logits(model, pack([r], 0))[0, 1], -1)[target].item()
     assert after > before and metrics["distill_divergence"] > 0
+
+
+def test_weight_decay_is_trls_zero_unless_set_and_then_decays_weights_without_signal(tokenizer):
+    """A batch whose advantages are all zero moves no weight, unless AdamW's decay is on."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(tinymodels.BASE_DIR)
+    assert Learner(model, learning_rate=1e-3, kl_coef=0.0, pad_id=0).optimizer.param_groups[0]["weight_decay"] == 0.0
+    flat = [rollout(tokenizer, "12+34=", answer, 1.0) for answer in ("64", "46", "47")]  # one reward: advantages 0
+    batch = ScoredBatch(groups=(tuple(flat),), policy_version=0, data_position=1, sample_seconds=1.0, tokens=6)
+    moved = {}
+    for decay in (0.0, 0.1):
+        model = transformers.AutoModelForCausalLM.from_pretrained(tinymodels.BASE_DIR)
+        start = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+        Learner(model, learning_rate=1e-3, kl_coef=0.0, pad_id=0, weight_decay=decay).train_step(
+            batch, Objective(method="grpo"))
+        moved[decay] = float((torch.nn.utils.parameters_to_vector(model.parameters()) - start).abs().max())
+    assert moved[0.0] == 0.0 and moved[0.1] > 0.0
