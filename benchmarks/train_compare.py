@@ -152,13 +152,14 @@ def uses_teacher(config: TrainConfig) -> bool:
 
 def curves(metrics_path: Path, teacher: bool = True) -> dict[str, list[tuple[int, float]]]:
     """Per metric, (step, value): evaluations as they are; training metrics averaged since the last
-    evaluation; teacher_tokens summed over every update so far (0 for an arm without a teacher)."""
+    evaluation; teacher_tokens summed over every batch sampled so far, the batches dropped as stale
+    included (the teacher was queried for them), 0 for an arm without a teacher."""
     records = [json.loads(line) for line in metrics_path.read_text().splitlines()]
     out: dict[str, dict[int, float]] = {name: {} for name in CURVES}
     pending: dict[str, list[float]] = {name: [] for name in TRAINING_CURVES}
     consumed = 0.0
     for record in records:
-        if teacher and "event" not in record:
+        if teacher and record.get("event") in (None, "dropped_stale"):
             consumed += record.get("rollout_tokens", 0)
         if "held_out_accuracy" in record:
             out["teacher_tokens"][record["step"]] = consumed

@@ -176,8 +176,12 @@ class GRPORecipe:
             log.warning("a batch had no group with enough scored rollouts (%d); skipped", self.objective.min_group)
             return None
         staleness = state.policy_version - batch.policy_version
-        if staleness > config.max_staleness:
+        if staleness > config.max_staleness:  # logged: its tokens were sampled (and the teacher queried) all the same
             self.dropped += 1
+            log.info("batch of policy version %d dropped: %d updates stale (max_staleness %d)",
+                     batch.policy_version, staleness, config.max_staleness)
+            _log_metrics(self.metrics_path, {"step": state.step, "event": "dropped_stale", "staleness": staleness,
+                                             "rollout_tokens": batch.tokens, "dropped_stale_batches": self.dropped})
             return None
         started = time.perf_counter()
         async with self._live.updating() if self._live is not None else contextlib.nullcontext():
@@ -200,7 +204,7 @@ class GRPORecipe:
         metrics.update({f"reward/{name}": mean for name, mean in batch.reward_means.items()})
         metrics.update(batch.curriculum_stats)
         metrics.update(step=step, staleness=staleness, policy_version=version, unscored=batch.unscored,
-                       rollout_tokens=batch.tokens,
+                       rollout_tokens=batch.tokens, dropped_stale_batches=self.dropped,
                        mean_alpha=sum(alphas) / max(len(alphas), 1),
                        sample_tokens_per_s=batch.tokens / max(batch.sample_seconds, 1e-9),
                        step_seconds=time.perf_counter() - started)

@@ -74,3 +74,16 @@ def test_a_seed_that_stopped_early_counts_with_its_last_value_in_later_medians()
     assert table[50] == pytest.approx((0.2, 0.15, 0.55))
     # at 100 the first seed still counts, with 0.9: the median is over three seeds, not two
     assert table[100] == pytest.approx((0.5, 0.4, 0.7))
+
+
+def test_teacher_tokens_count_the_batches_dropped_as_stale(tmp_path):
+    from benchmarks.train_compare import curves
+
+    records = [{"step": 0, "event": "eval", "held_out_accuracy": 0.0, "held_out_pass@8": 0.0},
+               {"step": 1, "rollout_tokens": 100},
+               {"step": 1, "event": "dropped_stale", "staleness": 2, "rollout_tokens": 40, "dropped_stale_batches": 1},
+               {"step": 2, "rollout_tokens": 100, "held_out_accuracy": 0.5, "held_out_pass@8": 0.5}]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert dict(curves(path)["teacher_tokens"]) == {0: 0.0, 2: 240.0}
+    assert dict(curves(path, teacher=False)["teacher_tokens"]) == {0: 0.0, 2: 0.0}
