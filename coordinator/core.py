@@ -16,7 +16,7 @@ import contextlib
 import itertools
 import logging
 from typing import Any
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -220,7 +220,7 @@ class DualVLLMCoordinator:
         show_progress: bool = False,
         on_tokens: TokenListener | None = None,
         **settings: Any,
-    ) -> AsyncIterator[GenerationOutput]:
+    ) -> AsyncGenerator[GenerationOutput, None]:
         """Yield each prompt's output as soon as it finishes (any order; see `.index`).
 
         `params`: a SamplingParams (coordinator/sequence.py documents each field), or its

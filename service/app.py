@@ -161,7 +161,7 @@ class QStarService:
 
     async def models(self, request: web.Request) -> web.Response:
         theta, t = self.coordinator.model_names
-        card = {"id": self.model, "object": "model", "created": self.created, "owned_by": "dualvllm",
+        card: dict[str, Any] = {"id": self.model, "object": "model", "created": self.created, "owned_by": "dualvllm",
                 "max_model_len": self.coordinator.max_model_len,
                 "dualvllm": {"base": theta, "teacher": t, "mode": self.coordinator.mode,
                              "top_k": self.coordinator.config.top_k}}
@@ -501,12 +501,18 @@ async def _collect(outputs: AsyncIterator[GenerationOutput], count: int) -> list
     return ordered  # type: ignore[return-value]
 
 
+async def _awaited(awaitable: Awaitable[A]) -> A:
+    return await awaitable
+
+
 async def _both(first: Awaitable[A], second: Awaitable[B]) -> tuple[A, B]:
     """Both results, computed at once; the first failure cancels the other and is raised as
     itself (not as the ExceptionGroup a TaskGroup raises), so the error middleware maps it."""
+    one: asyncio.Task[A]
+    two: asyncio.Task[B]
     try:
         async with asyncio.TaskGroup() as group:
-            one, two = group.create_task(first), group.create_task(second)  # type: ignore[arg-type]
+            one, two = group.create_task(_awaited(first)), group.create_task(_awaited(second))
     except BaseExceptionGroup as failed:
         raise failed.exceptions[0] from None
     return one.result(), two.result()

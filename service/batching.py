@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
-from collections.abc import Awaitable, Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from common.errors import LifecycleError, ServerRejectedError
 from engines.protocol import PromptScoringEngine, TopKBatch
@@ -45,18 +45,18 @@ class _Waiting(Generic[R]):
 
 
 class Batcher(Generic[R]):
-    """Merges concurrent `score(prompts, key)` calls with the same key into calls of
-    `send(prompts, key) -> one answer per prompt`."""
+    """Merges concurrent `score(prompts, key)` calls with the same key (the top-k or the number of
+    logprobs asked for) into calls of `send(prompts, key) -> one answer per prompt`."""
 
-    def __init__(self, send: Callable[[Prompts, Hashable], Awaitable[list[R]]],
+    def __init__(self, send: Callable[[Prompts, int], Awaitable[list[R]]],
                  max_tokens: int = MAX_CALL_TOKENS) -> None:
         self._send = send
         self._max_tokens = max_tokens
-        self._queues: dict[Hashable, list[_Waiting[R]]] = {}
-        self._senders: dict[Hashable, asyncio.Task[None]] = {}
+        self._queues: dict[int, list[_Waiting[R]]] = {}
+        self._senders: dict[int, asyncio.Task[None]] = {}
         self.calls = 0  # server calls made (for tests and metrics)
 
-    async def score(self, prompts: Prompts, key: Hashable) -> list[R]:
+    async def score(self, prompts: Prompts, key: int) -> list[R]:
         waiting: _Waiting[R] = _Waiting(prompts)
         self._queues.setdefault(key, []).append(waiting)
         if key not in self._senders:
@@ -64,7 +64,7 @@ class Batcher(Generic[R]):
         # shield: a caller that leaves (its client disconnected) must not cancel a call others share
         return await asyncio.shield(waiting.answer)
 
-    async def _drain(self, key: Hashable) -> None:
+    async def _drain(self, key: int) -> None:
         """Send what is queued under `key`, call after call, until the queue is empty."""
         try:
             while self._queues.get(key):
@@ -75,15 +75,16 @@ class Batcher(Generic[R]):
             for waiting in self._queues.pop(key, []):
                 _fail(waiting, LifecycleError("the service stopped before this prompt was scored"))
 
-    def _take(self, key: Hashable) -> list[_Waiting[R]]:
+    def _take(self, key: int) -> list[_Waiting[R]]:
         queue = self._queues[key]
-        batch, tokens = [], 0
+        batch: list[_Waiting[R]] = []
+        tokens = 0
         while queue and (not batch or tokens + queue[0].tokens <= self._max_tokens):
             tokens += queue[0].tokens
             batch.append(queue.pop(0))
         return batch
 
-    async def _call(self, batch: list[_Waiting[R]], key: Hashable) -> None:
+    async def _call(self, batch: list[_Waiting[R]], key: int) -> None:
         prompts = [p for w in batch for p in w.prompts]
         self.calls += 1
         try:

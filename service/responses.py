@@ -66,8 +66,8 @@ def echo_logprobs(scores: PromptScores, output: GenerationOutput | None, texts: 
     return legacy_logprobs([texts[t] for t in ids], values, top)
 
 
-def legacy_logprobs(tokens: list[str], values: Sequence[float | None], top: list[dict[str, float] | None] | None,
-                    offset: int = 0) -> dict[str, Any]:
+def legacy_logprobs(tokens: list[str], values: Sequence[float | None],
+                    top: Sequence[Mapping[str, float | None] | None] | None, offset: int = 0) -> dict[str, Any]:
     """OpenAI's completion logprobs of tokens with these texts; the first starts at `offset` in the
     choice's text (a stream chunk's tokens follow the earlier chunks')."""
     offsets, at = [], offset
@@ -81,6 +81,7 @@ def echo_choice(index: int, prompt_text: str, scores: PromptScores | None, outpu
                 options: QStarOptions, texts: Mapping[int, str]) -> dict[str, Any]:
     """A completion choice that starts with its prompt; `scores` when logprobs were asked for,
     `output` unless max_tokens was 0 (then the finish reason is "length", as vLLM gives)."""
+    record: dict[str, Any]
     if output is None:
         text, reason, record = prompt_text, "length", {"mean_alpha": None, "finish_reason": "max_tokens"}
     else:
