@@ -452,15 +452,23 @@ async def test_a_pause_takes_every_sequence_off_the_servers_and_resumes_it_on_th
         theta.release()
 
     releasing = asyncio.create_task(release_once_taken_off())
+    late = make_sequences(5, max_tokens=10)[4:]  # submitted during the pause
     async with scheduler.paused():
         await releasing
         assert theta.idle and t.idle  # every request ended: a /pause?mode=wait would not wait
-        steps = (theta.steps, t.steps)
+        sent = (len(theta.requests), len(t.requests))
         theta.model = pushed  # a weight push
-        await asyncio.sleep(0.05)
-        assert (theta.steps, t.steps) == steps  # nothing started while paused
+        # Whatever could start a request is asked to (a submission, a settle), then the loop runs what
+        # that scheduled (one yield, no timed wait): a request started would have reached its server.
+        scheduler.submit(late)
+        async with scheduler.lock:
+            scheduler.settle()
+        await asyncio.sleep(0)
+        assert (len(theta.requests), len(t.requests)) == sent  # nothing started while paused
     outputs = await collect(sequences)
+    late_output = await asyncio.wait_for(late[0].sink.get(), OUTPUT_TIMEOUT_S)
     await scheduler.close()
+    assert late_output.ok and len(late_output.generated_tokens) == 10  # it ran once the pause ended
 
     assert scheduler.counters.suspensions == 4
     for out in outputs:
