@@ -170,7 +170,7 @@ class DualVLLMCoordinator:
                                       capacity=probe.capacity, vocab_size=vocab_size)
         for pool in (theta, t):
             if isinstance(pool, ReplicaPool):  # a replica restarted without the plugin stays out
-                pool.rejoin_checks.append(scheduler.check_plugin)
+                pool.add_rejoin_check(scheduler.check_plugin)
         if scheduler.capacity < cfg.max_batch_size:
             log.info("lockstep: at most %d sequences at once (%d per server, the servers' max_num_seqs), not "
                      "max_batch_size=%d", scheduler.capacity, probe.capacity, cfg.max_batch_size)

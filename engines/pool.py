@@ -11,9 +11,9 @@ same weights can continue a sequence from its recorded tokens. The pool:
   4xx: the request was wrong, not the server), moves its rows to the healthy replicas and
   sends them there in the same call. The caller sees one answer or, when no replica of
   the role is left, the last error;
-- probes a down replica in the background (/health, then the `rejoin_checks` and the
-  `rejoin_hook` if set, then the weights probe) and lets it rejoin when it answers with the same weights as the
-  others. A trainer sets the hook to push its newest weights first, takes a replica that
+- probes a down replica in the background (/health, then the checks added with
+  `add_rejoin_check`, then the weights probe) and lets it rejoin when it answers with the same weights as the
+  others. A trainer adds a check that pushes its newest weights first, takes a replica that
   failed a push out (`take_out`), and after each push makes the pushed weights the ones a
   rejoining replica must match (`refresh_reference`).
 
@@ -89,15 +89,19 @@ class ReplicaPool:
         # Down replicas that answer /health but failed to rejoin: replica -> (retry at, delay, reason).
         self._refused: dict[int, tuple[float, float, str]] = {}
         self.counters = PoolCounters()
-        # Awaited in order on a down replica that passed /health, then the hook, then its
-        # weights probe; a raise keeps it down. Checks: can it serve what the coordinator
-        # asks (lockstep mode: does it carry the plugin). The hook: e.g. a trainer pushing
-        # its newest weights, which did not take.
-        self.rejoin_checks: list[Callable[[Engine], Awaitable[None]]] = []
-        self.rejoin_hook: Callable[[Engine], Awaitable[None]] | None = None
+        # Awaited in the order added on a down replica that passed /health, before its weights
+        # probe; a raise keeps it down (add_rejoin_check).
+        self._rejoin_checks: list[Callable[[Engine], Awaitable[None]]] = []
         # Held while a replica rejoins, and by a trainer while it pushes weights: a replica
         # then either got the push or rejoins after it (through the hook), never between.
         self.membership = asyncio.Lock()
+
+    def add_rejoin_check(self, check: Callable[[Engine], Awaitable[None]]) -> None:
+        """Await `check(replica)` on every down replica that answers /health again, after the
+        checks added before it and before the weights probe; a raise keeps the replica down.
+        The coordinator adds one (lockstep: does it carry the plugin), a trainer another (push
+        it the newest weights, which it missed while down)."""
+        self._rejoin_checks.append(check)
 
     @property
     def healthy(self) -> list[int]:
@@ -278,10 +282,8 @@ class ReplicaPool:
             self._refused.pop(replica, None)  # down again: whatever comes back is probed afresh
             return False  # still down: no log line every probe interval
         try:
-            for check in self.rejoin_checks:
+            for check in self._rejoin_checks:
                 await check(engine)
-            if self.rejoin_hook is not None:
-                await self.rejoin_hook(engine)
             if self._reference is None or not self._probe_contexts:
                 return True
             gap = _gap(self._reference, await self._probe(engine))

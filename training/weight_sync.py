@@ -265,7 +265,7 @@ class BasePusher:
     fails (it died, or serves other weights after its reload) is taken out of the pool and
     the run goes on with the others; WeightSyncError only when no replica took the push.
     The newest pushed weights stay at hand: a replica that comes back gets them, verified,
-    before it rejoins (the pool's rejoin hook), so no replica ever samples stale weights.
+    before it rejoins (a rejoin check it adds to the pool), so no replica ever samples stale weights.
     """
 
     def __init__(self, base: Engine, probes: Sequence[Sequence[int]], *, top_k: int = 20,
@@ -280,7 +280,7 @@ class BasePusher:
         # The newest push: how to send it to one more replica, and what that replica must answer.
         self._newest: tuple[Callable[[VLLMClient], Awaitable[PushReport]], np.ndarray] | None = None
         if self._pool is not None:
-            self._pool.rejoin_hook = self._catch_up
+            self._pool.add_rejoin_check(self._catch_up)
 
     async def served_dtype(self) -> str:
         """The dtype the base servers compute in, which pushes are written and verified in

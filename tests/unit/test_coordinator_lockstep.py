@@ -979,7 +979,7 @@ async def test_a_replica_restarted_with_other_settings_stays_out_of_the_pool(rig
     """The rejoin check is the start-up probe: a replica restarted without the plugin, with chunked
     prefill, or with a smaller max_num_seqs than this coordinator places on it stays out."""
     pools = PoolRig(rig)
-    pools.pools[0].rejoin_checks.append(pools.scheduler.check_plugin)
+    pools.pools[0].add_rejoin_check(pools.scheduler.check_plugin)
     pools.pools[0].start_probing()
     try:
         plain = pools.replicas[0][0]
