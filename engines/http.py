@@ -120,8 +120,9 @@ async def _request_once(
     on_headers: Callable[[], None] | None = None,
 ) -> Any:
     try:
+        options: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}  # else the session's
         async with session.request(method, url, data=data, headers=JSON_HEADERS if data else None,
-                                   **({"timeout": timeout} if timeout is not None else {})) as response:
+                                   **options) as response:
             status = response.status
             if on_headers is not None and status < 400:
                 on_headers()

@@ -137,7 +137,7 @@ def split_cores(n_servers: int, n_cores: int | None = None) -> list[str]:
 
 def parse_cores(cores: str) -> list[int]:
     """The cores of a list like VLLM_CPU_OMP_THREADS_BIND's: '0-2,5' -> [0, 1, 2, 5]."""
-    ids = []
+    ids: list[int] = []
     for part in cores.split(","):
         lo, _, hi = part.partition("-")
         ids += range(int(lo), int(hi or lo) + 1)

@@ -59,16 +59,19 @@ class CoordinatorLink:
                     self._socket.settimeout(_left(deadline))
                     data = self._socket.recv(_READ_SIZE)
                     if not data:
-                        return self._fail("closed the connection")
+                        self._fail("closed the connection")
+                        return None
                     self._pending = self._splitter.feed(data)
                 step, tokens = wire.decode_reply(self._pending.pop(0))
                 if step == self.step:
                     return tokens
                 # A late reply to a report this side gave up on: not for this step.
         except TimeoutError:
-            return self._fail("did not answer in time")
+            self._fail("did not answer in time")
+            return None
         except (OSError, wire.WireError) as err:
-            return self._fail(f"broke the connection ({err})")
+            self._fail(f"broke the connection ({err})")
+            return None
 
     def close(self) -> None:
         if self._socket is not None:
@@ -80,7 +83,6 @@ class CoordinatorLink:
     def _fail(self, problem: str) -> None:
         self.problem = problem
         self.close()
-        return None
 
 
 def _left(deadline: float) -> float:

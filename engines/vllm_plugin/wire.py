@@ -139,7 +139,7 @@ def decode_reply(message: bytes) -> tuple[int, np.ndarray]:
     return step, np.frombuffer(message, dtype="<i8", count=n, offset=FRAME.size + _REPLY_HEADER.size)
 
 
-def message_length(frame_header: bytes) -> int:
+def message_length(frame_header: bytes | bytearray) -> int:
     """The whole length of the message that starts with this frame header (FRAME.size bytes);
     WireError if the stream is not a dualvllm lockstep stream or the length cannot be a message."""
     magic, length = FRAME.unpack_from(frame_header)
