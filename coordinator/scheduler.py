@@ -303,6 +303,6 @@ async def _timed(call: Awaitable[T]) -> tuple[T | BaseException, float]:
     started = time.perf_counter()
     try:
         result: T | BaseException = await call
-    except Exception as exc:  # handed to the step, which decides what fails
+    except Exception as exc:  # noqa: BLE001 - handed to the step, which decides what fails
         result = exc
     return result, time.perf_counter() - started

@@ -123,7 +123,7 @@ class QStarService:
             status = exc.status
             kind = "invalid_request_error" if exc.status < 500 else "server_error"
             return _error(exc.status, f"{exc.reason}: {request.method} {request.path}", kind)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the boundary where errors become HTTP answers
             response = self._answer(exc)
             status = response.status
             return response

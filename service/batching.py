@@ -96,7 +96,7 @@ class Batcher(Generic[R]):
                 for waiting in batch:
                     await self._call([waiting], key)
             return
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - handed to exactly the requests this call carried
             for waiting in batch:
                 _fail(waiting, err)
             return

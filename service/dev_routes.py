@@ -201,7 +201,7 @@ class DevRoutes:
         for step in steps:
             try:
                 await self._each(step)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - the servers must be resumed whatever failed before
                 errors.append(exc)
         if update is not None:
             await update.end()
@@ -221,7 +221,7 @@ class DevRoutes:
                       "keep what arrived) and resuming sampling", self.idle_s)
             try:
                 await self._end(finish=True)
-            except Exception:
+            except Exception:  # logged: nobody waits on the watchdog
                 log.exception("ending the abandoned weight update failed")
 
     async def _close(self, app: web.Application) -> None:

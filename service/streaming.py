@@ -145,7 +145,7 @@ async def stream_choices(request: web.Request, source: Generation, job: Job) -> 
             await _relay(response, source, chunks, choices, events)
         except ConnectionError:  # the client is gone: nobody to tell
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - headers are sent: the error goes in the stream
             await _send(response, error_of(exc)[1])
         finally:
             pump.cancel()
@@ -187,7 +187,7 @@ async def _pump(outputs: AsyncIterator[GenerationOutput], events: asyncio.Queue[
     try:
         async for output in outputs:
             events.put_nowait((output.index, output))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - handed to the relay, which answers with it
         events.put_nowait((-1, exc))
 
 

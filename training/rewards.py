@@ -242,7 +242,7 @@ async def _score_one(spec: RewardSpec, name: str, prompts: list[str], completion
     except BrokenExecutor:
         raise
     # A user's function may raise anything; it costs this batch its scores, not the run.
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001
         if isinstance(exc, TimeoutError) and bound.expired():  # our timeout, not the reward's own
             log.warning("reward %r did not finish within %g s; its %d completions score None "
                         "(its pool worker stays busy until the function returns)", name, timeout_s, n)
@@ -323,7 +323,7 @@ def _check_user_function(name: str, import_path: tuple[str, ...]) -> None:
     except AttributeError as exc:
         raise InvalidInputError(f"reward {name!r}: module {module_name!r} has no {attribute!r}; "
                                 "check the function's name") from exc
-    except Exception as exc:
+    except Exception as exc:  # the module's own code failed while importing
         raise InvalidInputError(f"reward {name!r}: importing {module_name!r} raised "
                                 f"{type(exc).__name__}: {exc}; fix the module") from exc
     if not callable(function):

@@ -75,7 +75,7 @@ def math_reward(completion: str, reference: str) -> float:
             return 0.0
         return 1.0 if verify(gold, answer) else 0.0
     # Model output is arbitrary text: any failure inside the parser means "not verified".
-    except Exception:
+    except Exception:  # noqa: BLE001
         return 0.0
 
 
