@@ -458,13 +458,14 @@ async def test_a_pause_takes_every_sequence_off_the_servers_and_resumes_it_on_th
         assert theta.idle and t.idle  # every request ended: a /pause?mode=wait would not wait
         sent = (len(theta.requests), len(t.requests))
         theta.model = pushed  # a weight push
-        # Whatever could start a request is asked to (a submission, a settle), then the loop runs what
-        # that scheduled (one yield, no timed wait): a request started would have reached its server.
+        # Whatever could start a request is asked to (a submission, a settle); a request starts as a
+        # task created on the spot, so no new task means nothing started (no waiting needed).
+        tasks = asyncio.all_tasks()
         scheduler.submit(late)
         async with scheduler.lock:
             scheduler.settle()
-        await asyncio.sleep(0)
-        assert (len(theta.requests), len(t.requests)) == sent  # nothing started while paused
+        assert asyncio.all_tasks() == tasks  # nothing started while paused
+        assert (len(theta.requests), len(t.requests)) == sent
     outputs = await collect(sequences)
     late_output = await asyncio.wait_for(late[0].sink.get(), OUTPUT_TIMEOUT_S)
     await scheduler.close()
