@@ -60,8 +60,8 @@ from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2T
 
 import tinymodels
 from tinymodels.shapes import SHAPES, ensure_pair
-from tinymodels.task import (EOS_TEXT, HARD_ROWS, LONG_DIGITS, LONG_ROWS, Problem, hard_problems, hinted, long_problems,
-                             problems, score)
+from tinymodels.task import (EOS_TEXT, HARD_ROWS, LONG_DIGITS, LONG_ROWS, MIXED_DIFFICULTIES, LongProblem, Problem, hard_problems,
+                             hinted, long_problems, mixed_problems, problems, retained_problems, score)
 
 PAD_TEXT = "<pad>"
 # The byte-level BPE alphabet spells these bytes as other characters (GPT-2's bytes_to_unicode).
@@ -91,6 +91,16 @@ LONG_TEACHER_TARGET = 0.99
 # Half the others' batch: its sequences are ~5x longer, and 128 learned the task by step 1,400.
 LONG_TEACHER_BATCH = 128
 LONG_TEACHER_POOL = 300_000
+# The mixed task's pair (--mixed-pair). Its base keeps the base's own answers on unhinted
+# prompts (replayed from its samples) while it learns the retained skill (copying a hint);
+# its teacher is the hard teacher trained further on the long task, with the two others
+# kept in every batch. Both stop at MIXED_TARGET of their held-out slice.
+MIXED_TARGET = 0.99
+MIXED_BASE_STEPS = 3000  # at most
+MIXED_TEACHER_STEPS = 4000  # at most
+MIXED_BATCH = 192  # 64 of each difficulty for the teacher
+MIXED_BASE_BATCH = 250  # 50 from each of its five pools
+REPLAY_ROWS = 4_000  # of the base's own samples per difficulty
 
 
 @dataclass(frozen=True)
@@ -163,7 +173,7 @@ def complete(model: Qwen2ForCausalLM, tokenizer: Qwen2Tokenizer, batch: list[Pro
     return tokenizer.batch_decode(ids[:, len(batch[0].prompt):], skip_special_tokens=False)
 
 
-def greedy_accuracy(model: Qwen2ForCausalLM, tokenizer: Qwen2Tokenizer, batch: list[Problem],
+def greedy_accuracy(model: Qwen2ForCausalLM, tokenizer: Qwen2Tokenizer, batch: Sequence[Problem | LongProblem],
                     max_len: int = MAX_LEN) -> float:
     """Exact-match accuracy of greedy completions (`complete` runs each prompt length apart)."""
     model.eval()
@@ -325,6 +335,61 @@ def build_long_teacher(args: argparse.Namespace, tokenizer: Qwen2Tokenizer) -> d
     return record
 
 
+@dataclass(frozen=True)
+class Replayed:
+    """A prompt with a completion a model sampled, trained on as if it were the answer."""
+
+    prompt: str
+    answer: str
+
+
+def replay(model: Qwen2ForCausalLM, tokenizer: Qwen2Tokenizer, batch: list, seed: int) -> list[Replayed]:
+    """`model`'s own temperature-1 completions of `batch` (prompts of one length), cut at <eos>
+    and to what fits LONG_MAX_LEN with its <eos>."""
+    model.eval()
+    texts = complete(model, tokenizer, batch, LONG_MAX_LEN, torch.Generator().manual_seed(seed))
+    room = LONG_MAX_LEN - len(batch[0].prompt) - 1
+    return [Replayed(p.prompt, t.split(EOS_TEXT, 1)[0][:room]) for p, t in zip(batch, texts)]
+
+
+def difficulty_accuracy(model: Qwen2ForCausalLM, tokenizer: Qwen2Tokenizer, split: str) -> dict[str, float]:
+    """Greedy accuracy per difficulty of the mixed task's `split`, and on the retained skill."""
+    rows = mixed_problems(split)
+    accuracy = {d: greedy_accuracy(model, tokenizer, [p for k, p in rows if k == d], LONG_MAX_LEN)
+                for d in MIXED_DIFFICULTIES}
+    return accuracy | {"retained (hint copying)": greedy_accuracy(model, tokenizer, retained_problems(), HINT_MAX_LEN)}
+
+
+def build_mixed_pair(args: argparse.Namespace, tokenizer: Qwen2Tokenizer) -> dict:
+    """Writes base-mixed/ and teacher-mixed/ for the mixed task; returns their records."""
+    base = Qwen2ForCausalLM.from_pretrained(args.out / "base")
+    torch.manual_seed(6)
+    train_rows = mixed_problems("train")
+    by_difficulty = [[p for d, p in train_rows if d == k] for k in MIXED_DIFFICULTIES]
+    replays = [replay(base, tokenizer, (rows * (REPLAY_ROWS // len(rows) + 1))[:REPLAY_ROWS], seed=i)
+               for i, rows in enumerate(by_difficulty)]
+    hint_two = hinted(problems("train", seed=0)[EVAL_PROBLEMS:])
+    hint_hard = hinted(hard_problems("train", HARD_ROWS["train"]))
+    held_out, hint_hard = hint_hard[:EVAL_PROBLEMS], hint_hard[EVAL_PROBLEMS:]
+    records = {"base": {"record": difficulty_accuracy(base, tokenizer, "test")}}
+    plans = (
+        (TrainPlan("base-mixed", seed=6, max_steps=args.mixed_base_steps, stop_at_accuracy=MIXED_TARGET,
+                   lr=HARD_TEACHER_LR, max_len=LONG_MAX_LEN, init=args.out / "base", prompt_loss=False),
+         [hint_two, hint_hard, *replays], held_out, MIXED_BASE_BATCH),
+        (TrainPlan("teacher-mixed", seed=7, max_steps=args.mixed_teacher_steps, stop_at_accuracy=MIXED_TARGET,
+                   lr=HARD_TEACHER_LR, max_len=LONG_MAX_LEN, init=args.out / "teacher-hard", prompt_loss=False),
+         by_difficulty, [p for _, p in mixed_problems("val")], MIXED_BATCH))
+    for plan, pools, stop_on, batch_size in plans:
+        model, record = train(plan, tokenizer, pools, stop_on, batch_size)
+        record |= {"init": plan.init.name if plan.init else None, "lr": plan.lr, "batch_size": batch_size,
+                   "test_greedy_accuracy": difficulty_accuracy(model, tokenizer, "test"),
+                   "parameters": sum(p.numel() for p in model.parameters())}
+        save(model, tokenizer, args.out / plan.name)
+        records[plan.name] = record
+        print(f"{plan.name}: {record}")
+    return records
+
+
 def measure_hard(out: Path) -> dict:
     """Greedy accuracy, pass@1 and pass@MEASURE_SAMPLES at temperature 1, and the mean log-probability
     of the right answer, of the checkpoints in `out` on hard_test."""
@@ -357,6 +422,9 @@ def main(argv: list[str] | None = None) -> int:
                       help="build only base-hint/ (the base taught to copy a hint), recorded as base_hint")
     only.add_argument("--long-teacher", action="store_true",
                       help="build only teacher-long/ (the long task), recorded as teacher_long")
+    only.add_argument("--mixed-pair", action="store_true",
+                      help="build only base-mixed/ (the base that keeps copying hints) and teacher-mixed/ (all three "
+                           "difficulties) for the mixed task, recorded as mixed_pair")
     only.add_argument("--measure-hard", action="store_true",
                       help="build nothing: score base/, teacher/, teacher-hard/ on hard_test, recorded as hard_task")
     only.add_argument("--shape", choices=sorted(SHAPES),
@@ -373,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hint-base-steps", type=int, default=HINT_BASE_STEPS, help="most steps of --hint-base")
     parser.add_argument("--long-teacher-steps", type=int, default=LONG_TEACHER_STEPS,
                         help="most steps of --long-teacher")
+    parser.add_argument("--mixed-base-steps", type=int, default=MIXED_BASE_STEPS, help="most steps of base-mixed")
+    parser.add_argument("--mixed-teacher-steps", type=int, default=MIXED_TEACHER_STEPS,
+                        help="most steps of teacher-mixed")
     parser.add_argument("--batch-size", type=int, default=256)
     args = parser.parse_args(argv)
     if args.shape:
@@ -389,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
         entries = {"base_hint": {"command": command, **build_hint_base(args, build_tokenizer())}}
     elif args.long_teacher:
         entries = {"teacher_long": {"command": command, **build_long_teacher(args, build_tokenizer())}}
+    elif args.mixed_pair:
+        entries = {"mixed_pair": {"command": command, **build_mixed_pair(args, build_tokenizer())}}
     elif args.measure_hard:
         entries = {"hard_task": {"command": command, **measure_hard(args.out)}}
     else:

@@ -56,6 +56,17 @@ LONG_TRAIN = DATA_DIR / "long_train.jsonl"
 LONG_TEST = DATA_DIR / "long_test.jsonl"
 # Rejection sampling needs distinct pairs to stay plentiful: half the ~50,600 hard test pairs.
 HARD_MAX_SAMPLE = 25_000
+# The mixed task mixes the three difficulties in one dataset, as real datasets do; each row
+# names its own ("difficulty"), so that accuracy is reported per difficulty. Rows per
+# difficulty and split: "val" is drawn from the train split, disjoint from "train", so that
+# every selection (early stopping, best-on-the-way, a tuned threshold) is made off the test set.
+MIXED_DIFFICULTIES = ("two-digit", "three-digit", "long")
+MIXED_ROWS = {"train": 3_000, "val": 100, "test": 200}
+MIXED_DATA = {split: DATA_DIR / f"mixed_{split}.jsonl" for split in MIXED_ROWS}
+# The skill the mixed task's base keeps and its training set never asks for (tinymodels/
+# base-mixed): copying a hint, on two- and three-digit test problems, RETAINED_ROWS of each.
+RETAINED_ROWS = 200
+RETAINED_TEST = DATA_DIR / "retained_test.jsonl"
 
 
 @dataclass(frozen=True)
@@ -181,6 +192,36 @@ def write_dataset(split: str, path: Path, hard: bool = False, long: bool = False
     path.write_text("".join(rows), encoding="utf-8")
 
 
+def mixed_problems(split: str) -> list[tuple[str, Problem | LongProblem]]:
+    """(difficulty, problem) rows of the mixed task's `split` ("train", "val" or "test"): MIXED_ROWS
+    of each difficulty, interleaved so that any prefix mixes them. "val" is the first rows of a
+    train-split draw and "train" the rows after them, so the two never share a problem."""
+    if split not in MIXED_ROWS:
+        raise ValueError(f"unknown split {split!r}; use one of {tuple(MIXED_ROWS)}")
+    n, source = MIXED_ROWS[split], "test" if split == "test" else "train"
+    skip = MIXED_ROWS["val"] if split == "train" else 0
+    drawn: list[list[Problem] | list[LongProblem]] = [
+        problems(source, seed=1)[skip:skip + n], hard_problems(source, skip + n, seed=1)[skip:],
+        long_problems(source, skip + n, seed=1)[skip:]]
+    return [(difficulty, rows[i]) for i in range(n) for difficulty, rows in zip(MIXED_DIFFICULTIES, drawn)]
+
+
+def retained_problems() -> list[HintedProblem]:
+    """The retained-skill test: RETAINED_ROWS hinted two-digit and as many three-digit test problems."""
+    return hinted(problems("test", seed=1)[:RETAINED_ROWS]) + hinted(hard_problems("test", RETAINED_ROWS, seed=1))
+
+
+def write_mixed_datasets(directory: Path = DATA_DIR) -> None:
+    """MIXED_DATA's three files ({"prompt", "answer", "difficulty"} rows) and RETAINED_TEST, in `directory`."""
+    for split, path in MIXED_DATA.items():
+        (directory / path.name).write_text("".join(json.dumps({"prompt": p.prompt, "answer": p.answer, "difficulty": d}) + "\n"
+                                for d, p in mixed_problems(split)), encoding="utf-8")
+    (directory / RETAINED_TEST.name).write_text("".join(
+        json.dumps({"prompt": p.prompt, "answer": p.answer,
+                    "difficulty": "hint, two-digit" if p.a < 100 else "hint, three-digit"}) + "\n"
+        for p in retained_problems()), encoding="utf-8")
+
+
 if __name__ == "__main__":
     for name in SPLITS:
         write_dataset(name, DATA_DIR / f"{name}.jsonl")
@@ -188,3 +229,4 @@ if __name__ == "__main__":
     write_dataset("test", HARD_TEST, hard=True)
     write_dataset("train", LONG_TRAIN, long=True)
     write_dataset("test", LONG_TEST, long=True)
+    write_mixed_datasets()

@@ -11,8 +11,9 @@ import pytest
 
 import tinymodels
 from tinymodels.task import (HARD_MAX_SAMPLE, HARD_ROWS, HARD_TEST, HARD_TRAIN, HINT_TEMPLATE, LONG_DIGITS, LONG_ROWS,
-                             LONG_TEST, LONG_TRAIN, LongProblem, Problem, hard_problems, hinted, long_problems, problems,
-                             score, write_dataset)
+                             LONG_TEST, LONG_TRAIN, MIXED_DATA, MIXED_DIFFICULTIES, MIXED_ROWS, RETAINED_ROWS,
+                             RETAINED_TEST, LongProblem, Problem, hard_problems, hinted, long_problems, problems,
+                             score, write_dataset, write_mixed_datasets)
 
 
 def test_answers_are_reversed_sums():
@@ -248,3 +249,25 @@ def test_the_hint_base_reads_a_hint_and_is_the_base_without_one():
     assert greedy_accuracy(model, tokenizer, hard, HARD_MAX_LEN) <= 0.1
     report = json.loads(tinymodels.BUILD_REPORT.read_text())["base_hint"]
     assert report["hard_test_greedy_accuracy_with_hint"] >= 0.95 and report["hard_test_greedy_accuracy"] <= 0.05
+
+
+def test_mixed_dataset_files_are_what_the_generator_writes_and_mix_three_difficulties(tmp_path):
+    write_mixed_datasets(tmp_path)
+    for path in [*MIXED_DATA.values(), RETAINED_TEST]:
+        assert path.read_bytes() == (tmp_path / path.name).read_bytes(), (
+            f"{path} drifted from tinymodels.task: python -m tinymodels.task")
+    rows = {split: [json.loads(line) for line in path.read_text().splitlines()] for split, path in MIXED_DATA.items()}
+    for split, split_rows in rows.items():
+        counts = {d: sum(r["difficulty"] == d for r in split_rows) for d in MIXED_DIFFICULTIES}
+        assert counts == dict.fromkeys(MIXED_DIFFICULTIES, MIXED_ROWS[split])
+        assert [r["difficulty"] for r in split_rows[:3]] == list(MIXED_DIFFICULTIES)  # interleaved
+        for row in split_rows:
+            a, b = row["prompt"].removesuffix("=").split("+")
+            expected = (LongProblem(a, b) if row["difficulty"] == "long" else Problem(int(a), int(b))).answer
+            assert row["answer"] == expected, row
+    prompts = {split: {r["prompt"] for r in split_rows} for split, split_rows in rows.items()}
+    assert not prompts["train"] & prompts["val"] and not prompts["train"] & prompts["test"]
+    assert not prompts["val"] & prompts["test"]
+    retained = [json.loads(line) for line in RETAINED_TEST.read_text().splitlines()]
+    assert len(retained) == 2 * RETAINED_ROWS
+    assert all(r["prompt"].startswith(r["answer"] + " ") for r in retained)  # the hint is the answer
