@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import Executor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 from collections.abc import Sequence
 
@@ -24,6 +24,8 @@ from training.config import EvalConfig
 from training.rewards import RewardSpec, score_completions
 from training.rollouts import Task, reward_fields
 
+# The group of a row without the group_by field.
+GROUP_MISSING = "(none)"
 # fixed_alpha of each arm; None = alpha* per token.
 ARMS: dict[str, float | None] = {"base": 0.0, "q*": None, "teacher": 1.0}
 
@@ -37,11 +39,13 @@ class ArmResult:
     mean_alpha: float  # of the greedy completions' tokens
     tasks: int
     samples: int  # per task, for pass@k
+    by_group: dict[str, float] = field(default_factory=dict)  # greedy accuracy per value of the group_by field
 
     def metrics(self, prefix: str = "") -> dict[str, float]:
-        """Flat metrics for metrics.jsonl: greedy_accuracy, pass@k, ... with `prefix`."""
+        """Flat metrics for metrics.jsonl: greedy_accuracy, greedy_accuracy/<group>, pass@k, ... with `prefix`."""
         flat: dict[str, Any] = {f"{prefix}greedy_accuracy": self.greedy_accuracy,
                                 f"{prefix}mean_reward": self.mean_reward}
+        flat.update({f"{prefix}greedy_accuracy/{group}": v for group, v in self.by_group.items()})
         flat.update({f"{prefix}pass@{k}": v for k, v in self.pass_at.items()})
         return flat
 
@@ -52,8 +56,10 @@ class ArmResult:
 async def evaluate(coordinator: DualVLLMCoordinator, tasks: Sequence[Task], spec: RewardSpec, executor: Executor, *,
                    arms: Sequence[str], max_tokens: int, samples: int = 0, ks: Sequence[int] = (),
                    temperature: float = 1.0, seed: int = 0, success: float = 1.0,
-                   reward_timeout_s: float = 60.0, show_progress: bool = False) -> list[ArmResult]:
-    """Greedy accuracy and pass@k of each arm on `tasks`, in the order of `arms`."""
+                   reward_timeout_s: float = 60.0, show_progress: bool = False,
+                   group_by: str | None = None) -> list[ArmResult]:
+    """Greedy accuracy and pass@k of each arm on `tasks`, in the order of `arms`; with `group_by`,
+    greedy accuracy also per value of that row field (rows without it: GROUP_MISSING)."""
     if any(k > samples for k in ks):
         raise ValueError(f"pass@{max(ks)} needs at least {max(ks)} samples per task, got {samples}")
     results = []
@@ -79,8 +85,17 @@ async def evaluate(coordinator: DualVLLMCoordinator, tasks: Sequence[Task], spec
         results.append(ArmResult(
             arm=arm, greedy_accuracy=float(correct.mean()), pass_at=pass_at,
             mean_reward=float(np.mean(scored)) if scored else float("nan"),
-            mean_alpha=float(np.mean(alphas)) if alphas else float("nan"), tasks=len(tasks), samples=samples))
+            mean_alpha=float(np.mean(alphas)) if alphas else float("nan"), tasks=len(tasks), samples=samples,
+            by_group=_by_group(tasks, correct, group_by)))
     return results
+
+
+def _by_group(tasks: Sequence[Task], correct: np.ndarray, group_by: str | None) -> dict[str, float]:
+    """Mean of `correct` [n] per value of each task's `group_by` field, in sorted order."""
+    if group_by is None:
+        return {}
+    groups = np.array([str(t.row.get(group_by, GROUP_MISSING)) for t in tasks])  # [n]
+    return {str(g): float(correct[groups == g].mean()) for g in np.unique(groups)}
 
 
 async def _rewards(spec: RewardSpec, tasks: Sequence[Task], outputs: Sequence[Any], executor: Executor,
@@ -99,7 +114,9 @@ def render(results: Sequence[ArmResult]) -> str:
     head = f"{'arm':<10}{'greedy':>9}" + "".join(f"{f'pass@{k}':>9}" for k in ks) + f"{'reward':>9}{'alpha':>8}"
     rows = [f"{r.arm:<10}{r.greedy_accuracy:>9.1%}" + "".join(f"{r.pass_at[k]:>9.1%}" for k in ks)
             + f"{r.mean_reward:>9.3f}{r.mean_alpha:>8.3f}" for r in results]
-    return "\n".join([head, *rows])
+    groups = [f"  {r.arm} greedy by group: " + ", ".join(f"{g} {v:.1%}" for g, v in r.by_group.items())
+              for r in results if r.by_group]
+    return "\n".join([head, *rows, *groups])
 
 
 async def run_eval(config: EvalConfig, *, show_progress: bool = True) -> str:
@@ -125,11 +142,19 @@ async def run_eval(config: EvalConfig, *, show_progress: bool = True) -> str:
             results = await evaluate(coordinator, tasks, problems.spec, pool, arms=config.arms,
                                      max_tokens=config.max_tokens, samples=config.eval_samples, ks=config.pass_ks,
                                      temperature=config.temperature, seed=config.seed,
-                                     reward_timeout_s=config.reward_timeout, show_progress=show_progress)
+                                     reward_timeout_s=config.reward_timeout, show_progress=show_progress,
+                                     group_by=config.eval_group_by)
+            retained = await evaluate(coordinator, problems.retained, problems.spec, pool, arms=config.arms,
+                                      max_tokens=config.max_tokens, seed=config.seed,
+                                      reward_timeout_s=config.reward_timeout, show_progress=show_progress,
+                                      group_by=config.eval_group_by) if problems.retained else []
     text = (f"{len(tasks)} problems; greedy and {config.eval_samples} samples each at temperature "
             f"{config.temperature:g}\n{render(results)}")
+    if retained:
+        text += f"\nretained skill ({len(problems.retained)} problems, greedy)\n{render(retained)}"
     if config.output is not None:
         config.output.parent.mkdir(parents=True, exist_ok=True)
         config.output.write_text(json.dumps({"config": json.loads(config.model_dump_json()),
-                                             "arms": [r.to_dict() for r in results]}, indent=2) + "\n")
+                                             "arms": [r.to_dict() for r in results],
+                                             "retained": [r.to_dict() for r in retained]}, indent=2) + "\n")
     return text

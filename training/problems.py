@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from collections.abc import Callable
@@ -30,6 +30,7 @@ class Problems:
     train: list[Task]  # in the run's order (shuffled by the seed)
     held_out: list[Task]  # the first eval_prompts of the held-out set, chosen by the seed
     spec: RewardSpec
+    retained: list[Task] = field(default_factory=list)  # a skill kept, not trained: what forgetting costs
 
 
 def load_problems(config: TaskConfig, tokenizer: Any) -> Problems:
@@ -61,7 +62,17 @@ def load_problems(config: TaskConfig, tokenizer: Any) -> Problems:
     tasks = [[_task(e, tokenizer, render if wrap else None) for e in part] for part in (train, held_out)]
     if config.teacher in SELF_TEACHERS:
         _check_teacher_sees_more(config.teacher, tasks[0] + tasks[1])
-    return Problems(train=tasks[0], held_out=tasks[1], spec=spec)
+    retained: list[Task] = []
+    if config.retained_dataset is not None:  # scored by the base alone: no teacher prompt to check
+        kept = examples(config.retained_dataset)
+        random.Random(config.seed + 2).shuffle(kept)
+        retained = [_task(e, tokenizer, render if wrap else None) for e in kept[:config.eval_prompts]]
+    if config.eval_group_by is not None:
+        for name, part in (("held-out", tasks[1]), ("retained", retained)):
+            if part and not any(config.eval_group_by in task.row for task in part):
+                raise InvalidInputError(f"--eval-group-by {config.eval_group_by}: no {name} row has that field "
+                                        f"(its fields: {', '.join(sorted(part[0].row))})")
+    return Problems(train=tasks[0], held_out=tasks[1], spec=spec, retained=retained)
 
 
 def _chat_renderer(config: TaskConfig, tokenizer: Any) -> Callable[[list[dict]], str] | None:

@@ -96,6 +96,13 @@ class TaskConfig(RaisesInvalidInput, BaseModel):
                                      "--eval-prompts (at least 1 row).")
     eval_samples: int = Field(
         0, ge=0, description="Samples per held-out problem for pass@k at --temperature; 0 = greedy accuracy only.")
+    eval_group_by: str | None = Field(
+        None, description="A row field to report held-out greedy accuracy by as well (held_out_accuracy/<value>), "
+                          "e.g. 'difficulty' or 'level'.")
+    retained_dataset: Path | None = Field(
+        None, description="Prompts of a skill the base has and the training set does not ask for, scored greedily "
+                          "at every evaluation (retained_accuracy, at most --eval-prompts rows): what training "
+                          "makes the base forget.")
     pass_k: tuple[int, ...] = Field((1, 4, 8), description="The k of pass@k (each at most --eval-samples).")
     seed: int = Field(0, description="Seeds data order and the held-out choice, sampling and the learner.")
     coordinator: CoordinatorConfig = Field(

@@ -37,9 +37,12 @@ OLD_DEFAULTS = {
     "weight_decay": 0.01,  # torch AdamW's default, implicit then
 }
 OLD_EVAL_DEFAULTS = {name: value for name, value in OLD_DEFAULTS.items() if name in EvalConfig.model_fields} | {
-    "arms": ["base", "q*", "teacher"], "eval_samples": 8, "output": None}
-# The fields added since: the coordinator's options, the learner's memory options, and how pushes go.
-NEW_FIELDS = {"coordinator", "micro_batch_size", "gradient_checkpointing", "weights_via"}
+    "arms": ["base", "q*", "teacher"], "eval_samples": 8, "output": None, "eval_group_by": None,
+    "retained_dataset": None}
+# The fields added since: the coordinator's options, the learner's memory options, how pushes go, and
+# what the evaluation reports besides overall accuracy.
+NEW_FIELDS = {"coordinator", "micro_batch_size", "gradient_checkpointing", "weights_via", "eval_group_by",
+              "retained_dataset"}
 
 
 @pytest.fixture(autouse=True)

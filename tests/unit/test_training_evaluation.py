@@ -7,7 +7,7 @@ import pytest
 
 from coordinator import CoordinatorConfig, DualVLLMCoordinator
 from theory.passk import pass_at_k
-from training.evaluation import evaluate, render
+from training.evaluation import GROUP_MISSING, evaluate, render
 from training.rewards import reward_spec
 from training.rollouts import Task
 from training.verifiers import verifier_pool
@@ -60,3 +60,19 @@ async def test_greedy_only_without_samples(fake_theta, fake_t):
             with pytest.raises(ValueError, match="pass@4 needs at least 4 samples"):
                 await evaluate(c, tasks(), spec, pool, arms=("base",), max_tokens=2, samples=2, ks=(4,))
     assert base.pass_at == {} and base.samples == 0 and 0.0 <= base.greedy_accuracy <= 1.0
+
+
+async def test_accuracy_by_group_is_each_groups_share_of_right_greedy_answers(fake_theta, fake_t):
+    spec = reward_spec(["format"], format_pattern=PATTERN)
+    grouped = [Task(t.prompt_ids, None, t.prompt_text, row={"level": "odd" if i % 2 else "even"} if i < 5 else {})
+               for i, t in enumerate(tasks())]
+    config = CoordinatorConfig(theta_url=fake_theta.url, t_url=fake_t.url, top_k=8, retry_delay=0.0)
+    with verifier_pool() as pool:
+        async with DualVLLMCoordinator(config) as c:
+            [base] = await evaluate(c, grouped, spec, pool, arms=("base",), max_tokens=3, seed=3, group_by="level")
+            greedy = await c.generate_batch([t.prompt for t in grouped], max_tokens=3, temperature=0.0,
+                                            fixed_alpha=0.0, seed=3)
+    right = correct([o.generated_text for o in greedy])
+    assert base.by_group == pytest.approx({"even": right[[0, 2, 4]].mean(), "odd": right[[1, 3]].mean(),
+                                           GROUP_MISSING: float(right[5])})
+    assert base.metrics()["greedy_accuracy/odd"] == base.by_group["odd"]

@@ -97,3 +97,18 @@ def test_the_tokenizers_own_chat_template_is_used_and_needed(tmp_path, tokenizer
     bare.chat_template = None
     with pytest.raises(InvalidInputError, match="the base tokenizer has no chat template"):
         load_problems(config(tmp_path, chat_template="tokenizer"), bare)
+
+
+def test_the_mixed_task_with_its_retained_skill_and_groups(tmp_path, tokenizer):
+    from tinymodels.task import MIXED_DATA, RETAINED_TEST
+
+    loaded = load_problems(config(tmp_path, dataset=MIXED_DATA["train"], eval_dataset=MIXED_DATA["val"],
+                                  retained_dataset=RETAINED_TEST, eval_group_by="difficulty", eval_prompts=60),
+                           tokenizer)
+    assert len(loaded.held_out) == len(loaded.retained) == 60
+    assert {t.row["difficulty"] for t in loaded.held_out} == {"two-digit", "three-digit", "long"}
+    assert all(t.prompt_text.startswith(t.row["answer"] + " ") for t in loaded.retained)  # hinted prompts
+    assert not loaded.retained[0].row.keys() - {"prompt", "answer", "difficulty"}
+    with pytest.raises(InvalidInputError, match="--eval-group-by level: no held-out row has that field"):
+        load_problems(config(tmp_path, dataset=MIXED_DATA["train"], eval_dataset=MIXED_DATA["val"],
+                             eval_group_by="level"), tokenizer)
