@@ -239,6 +239,11 @@ class StreamingTrainConfig(TrainConfig):
     gradient_checkpointing: bool = Field(
         False, description="Recompute the learner's activations in the backward pass instead of keeping them "
                            "(transformers' gradient checkpointing): less memory, about a third more compute.")
+    kl_from_start_prompts: int = Field(
+        0, ge=0, description="At every evaluation, sample one completion from the base alone for this many training "
+                             "prompts and report the KL from the starting weights over their states (kl_from_start, "
+                             "nats per completion; training/forgetting.py), as RL's Razor measures forgetting. Holds "
+                             "a float32 copy of the starting weights beside the learner. 0 = off.")
 
     @model_validator(mode="after")
     def _stream_is_consistent(self) -> StreamingTrainConfig:

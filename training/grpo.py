@@ -37,9 +37,10 @@ from training.checkpoint import RunState
 from training.config import StreamingTrainConfig
 from training.curriculum import Curriculum
 from training.inprocess import in_process
-from training.learner import Learner, Objective
+from training.forgetting import state_kl
+from training.learner import Learner, Objective, pack
 from training.recipe import held_out, prepare
-from training.rollouts import Sampled, ScoredBatch, Task, produce, sample_batch
+from training.rollouts import Rollout, Sampled, ScoredBatch, Task, produce, sample_batch
 from training.serving import serving
 from training.verifiers import verifier_pool
 from training.weight_sync import BasePusher, new_push_dir, prune_pushed, push_metrics
@@ -100,6 +101,7 @@ class GRPORecipe:
         self.dropped = 0
         self.objective = objective(config)
         self._live: TransformersEngine | None = None  # the base engine under --engine transformers
+        self._start: Any = None  # the starting weights, frozen, for kl_from_start
 
     async def run(self) -> TrainReport:
         try:
@@ -126,6 +128,9 @@ class GRPORecipe:
                 model = lora.wrap(model, rank=config.lora_rank, alpha=config.lora_alpha)
         if config.engine == "vllm":
             untie.refuse_tied(model, start_dir)
+        if config.kl_from_start_prompts:  # the run's start, also when resuming: the base, not the checkpoint
+            self._start = AutoModelForCausalLM.from_pretrained(inputs.base_dir, dtype=torch.float32).eval()
+            self._start.requires_grad_(False)
         self.learner = Learner(model, learning_rate=config.learning_rate, kl_coef=config.reference_kl_coef,
                                pad_id=self.tokenizer.pad_token_id or 0, micro_batch_size=config.micro_batch_size,
                                gradient_checkpointing=config.gradient_checkpointing,
@@ -147,7 +152,35 @@ class GRPORecipe:
             await self.pusher.push(self.learner.model, self.tokenizer, new_push_dir(self.out, self.state.step))
 
     async def evaluate(self) -> dict[str, float]:
-        return await held_out(self.coordinator, self.config, self.problems, self.pool)
+        metrics = await held_out(self.coordinator, self.config, self.problems, self.pool)
+        if self._start is not None:
+            metrics |= await self._kl_from_start()
+        return metrics
+
+    async def _kl_from_start(self) -> dict[str, float]:
+        """kl_from_start (nats per completion) and kl_from_start_per_token, at states the base alone
+        samples from the first kl_from_start_prompts training prompts (training/forgetting.py). The
+        same seed at every evaluation: the states change only as the policy does."""
+        config, learner = self.config, self.learner
+        tasks = self.problems.train[:config.kl_from_start_prompts]
+        outputs = await self.coordinator.generate_batch([t.prompt for t in tasks], max_tokens=config.max_tokens,
+                                                        temperature=config.temperature, fixed_alpha=0.0,
+                                                        seed=config.seed)
+        rollouts = [Rollout(prompt_ids=t.prompt_ids, completion_ids=tuple(o.generated_tokens),
+                            logprobs_q=tuple(o.logprobs_q), alphas=(), text=o.generated_text, reward=0.0)
+                    for t, o in zip(tasks, outputs) if o.ok and o.generated_tokens]
+        if not rollouts:
+            log.warning("no completion to measure the KL from the start on: every one failed or was empty")
+            return {}
+        size = learner.micro_batch_size or len(rollouts)
+
+        def measure() -> torch.Tensor:
+            return torch.cat([state_kl(learner.model, self._start, pack(rollouts[i:i + size], learner.pad_id),
+                                       chunk=learner.logit_chunk_size) for i in range(0, len(rollouts), size)])
+
+        kl = await asyncio.to_thread(measure)
+        return {"kl_from_start": float(kl.mean()),
+                "kl_from_start_per_token": float(kl.sum()) / sum(len(r.completion_ids) for r in rollouts)}
 
     async def _sample(self, chosen: Sequence[Task], seed: int) -> Sampled:
         config = self.config

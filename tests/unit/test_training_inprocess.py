@@ -65,3 +65,47 @@ async def test_a_grpo_run_with_signal_goes_on_past_stop_without_signal(tmp_path)
     records = [json.loads(line) for line in report.metrics_path.read_text().splitlines()]
     assert records[1]["zero_advantage_groups"] < 1.0  # the two-digit task: the base is right ~27% of the time
     assert report.steps_done == 3
+
+
+async def test_a_run_on_the_mixed_task_reports_each_difficulty_the_retained_skill_and_the_kl_from_start(tmp_path):
+    from tinymodels.task import MIXED_DATA, RETAINED_TEST
+
+    config = TrainConfig.parse(config_file=TINY_ARITH, output_dir=tmp_path / "run", engine="transformers", steps=2,
+                               prompts_per_step=2, group_size=4, eval_every=2, eval_prompts=12, max_tokens=21, seed=0,
+                               learning_rate=1e-2, dataset=MIXED_DATA["train"], eval_dataset=MIXED_DATA["val"],
+                               retained_dataset=RETAINED_TEST, eval_group_by="difficulty", kl_from_start_prompts=6)
+    report = await train_grpo(config, show_progress=False)
+
+    first, last = [r for r in (json.loads(line) for line in report.metrics_path.read_text().splitlines())
+                   if r.get("event") == "eval"]
+    for record in (first, last):
+        assert {"held_out_accuracy/two-digit", "held_out_accuracy/three-digit", "held_out_accuracy/long",
+                "retained_accuracy", "retained_accuracy/hint, two-digit", "retained_accuracy/hint, three-digit",
+                "kl_from_start", "kl_from_start_per_token"} <= set(record)
+    assert first["kl_from_start"] == pytest.approx(0.0, abs=1e-9)  # the start itself
+    assert last["kl_from_start"] > 1e-3  # two updates at a high rate moved it
+
+
+def test_the_kl_from_start_is_the_full_vocabulary_kl_at_each_completion_state():
+    import transformers
+
+    import tinymodels
+    from training.forgetting import state_kl
+    from training.learner import pack
+    from training.rollouts import Rollout
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(tinymodels.BASE_DIR).eval()
+    teacher = transformers.AutoModelForCausalLM.from_pretrained(tinymodels.TEACHER_DIR).eval()
+    rollouts = [Rollout((5, 6, 7), (8, 9, 1), (0.0,) * 3, (), "", 0.0), Rollout((5, 6), (12,), (0.0,), (), "", 0.0)]
+    packed = pack(rollouts, pad_id=0)
+    got = state_kl(base, teacher, packed, chunk=2)
+    with torch.no_grad():
+        expected = []
+        for r in rollouts:
+            ids = torch.tensor([list(r.prompt_ids) + list(r.completion_ids)])
+            states = slice(len(r.prompt_ids) - 1, ids.shape[1] - 1)  # those that predict a completion token
+            logp = base(ids).logits[0, states].double().log_softmax(-1)
+            logq = teacher(ids).logits[0, states].double().log_softmax(-1)
+            expected.append(float((logp.exp() * (logp - logq)).sum()))
+    assert got.tolist() == pytest.approx(expected, rel=1e-5)
+    assert state_kl(base, base, packed, chunk=4).tolist() == [0.0, 0.0]
