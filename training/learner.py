@@ -45,7 +45,7 @@ LOGIT_CHUNK_SIZE = 256
 class Objective:
     """What one update optimizes (see the module docstring); built by `training.grpo.objective`."""
 
-    method: str = "grpo"  # grpo, sft, rft, opd or distill
+    method: str = "grpo"  # grpo, sft, rft, opd, distill or adaptive
     correction: str = "sequence"
     scale_advantages: bool = True
     is_cap: float = 2.0
@@ -60,12 +60,19 @@ class Objective:
 
     @property
     def policy_gradient(self) -> bool:
-        return self.method in ("grpo", "opd")
+        return self.method in ("grpo", "opd", "adaptive")
 
     @property
     def min_group(self) -> int:
-        """Rollouts a group needs to count: grpo compares them, the other methods take each alone."""
+        """Rollouts a group needs to count: grpo compares them, the other methods take each alone
+        (adaptive's groups of guided rollouts train each alone; its on-policy ones are compared)."""
         return 2 if self.method == "grpo" else 1
+
+    @property
+    def split_rows(self) -> bool:
+        """adaptive: the reward term on the on-policy rollouts only (advantages among a group's
+        on-policy members), the distillation term on the guided ones only (training/regimes.py)."""
+        return self.method == "adaptive"
 
     @property
     def needs_teacher_topk(self) -> bool:
@@ -179,6 +186,10 @@ class Prepared:
     shaped: torch.Tensor | None  # bool [B], the rows taking LUFFY's shaping
     tokens: float  # real completion tokens of the batch
     chosen_tokens: float  # ... of the chosen rows
+    reward_rows: torch.Tensor  # bool [B], the rows the reward term trains on (all but adaptive's guided ones)
+    reward_tokens: float  # ... their real tokens
+    distill_rows: torch.Tensor  # bool [B], the rows the distillation term trains on (all but adaptive's on-policy)
+    distill_tokens: float  # ... their real tokens
 
 
 class Learner:
@@ -299,8 +310,12 @@ class Learner:
             chosen = all_rewards >= objective.rft_min_reward
         mask = packed.target_mask
         shaped = torch.tensor([not r.on_policy for r in rollouts]) if objective.shaping_gamma is not None else None
+        on_policy = torch.tensor([r.on_policy for r in rollouts], dtype=torch.bool)
+        reward_rows = on_policy if objective.split_rows else torch.ones_like(on_policy)
+        distill_rows = ~on_policy if objective.split_rows else torch.ones_like(on_policy)
         return Prepared(groups, rollouts, rewards, packed, chosen, shaped, float(mask.sum()),
-                        float((mask * chosen[:, None]).sum()))
+                        float((mask * chosen[:, None]).sum()), reward_rows, float((mask * reward_rows[:, None]).sum()),
+                        distill_rows, float((mask * distill_rows[:, None]).sum()))
 
     def _values(self, packed: Packed, objective: Objective) -> torch.Tensor:
         """log pi_theta of the sampled token, then at the teacher's top-k ids when distilling -> [B, T, 1 (+ K)]."""
@@ -319,7 +334,7 @@ class Learner:
     @staticmethod
     def _advantages_need_logprobs(objective: Objective) -> bool:
         """Only the "sequence" correction's advantages depend on log pi_theta (training.losses.advantages)."""
-        return objective.method == "grpo" and objective.correction == "sequence"
+        return objective.method in ("grpo", "adaptive") and objective.correction == "sequence"
 
     def _first_pass_logprobs(self, prepared: Prepared, slices: Sequence[slice]) -> torch.Tensor:
         """log pi_theta of every completion token, micro-batch by micro-batch, without gradients -> [B, T]."""
@@ -338,11 +353,20 @@ class Learner:
             log_ratio = torch.zeros(len(prepared.rollouts))
         else:
             log_ratio = ((logp - packed.logp_behaviour.float()) * packed.target_mask).sum(-1)  # [B]
-        correction = objective.correction if objective.method == "grpo" else "none"
-        advantages, metrics = group_advantages(
-            prepared.rewards, torch.split(log_ratio, [len(g) for g in prepared.groups]),
-            correction=correction,
-            scale=objective.scale_advantages, share_cap=objective.share_cap)
+        correction = objective.correction if objective.method in ("grpo", "adaptive") else "none"
+        rewards, ratios = prepared.rewards, list(torch.split(log_ratio, [len(g) for g in prepared.groups]))
+        compared = [torch.ones(len(r), dtype=torch.bool) for r in rewards]  # [G_g] per group: the rows compared
+        if objective.split_rows:  # a group's on-policy members among themselves, when there are two or more
+            compared = [m if int(m.sum()) >= 2 else torch.zeros_like(m)
+                        for m in torch.split(prepared.reward_rows, [len(g) for g in prepared.groups])]
+        kept = [i for i, m in enumerate(compared) if m.any()]
+        advantages = torch.zeros(len(prepared.rollouts))
+        metrics: dict[str, float] = {}
+        if kept:
+            values, metrics = group_advantages(
+                [rewards[i][compared[i]] for i in kept], [ratios[i][compared[i]] for i in kept],
+                correction=correction, scale=objective.scale_advantages, share_cap=objective.share_cap)
+            advantages[torch.cat(compared)] = values.to(advantages.dtype)
         if objective.method == "opd":  # the teacher's advantages alone
             advantages = torch.zeros_like(advantages)
         return advantages, metrics
@@ -396,7 +420,8 @@ class Learner:
             assert packed.teacher_logprobs is not None, "checked by _prepare"
             divergence = topk_divergence(values[..., 1:], packed.teacher_logprobs,
                                          beta=objective.distill_beta)  # [b, T]
-            distill = normalize(divergence, mask, "dapo", batch_tokens=prepared.tokens)
+            distill = normalize(divergence, mask * prepared.distill_rows[rows][:, None], "dapo",
+                                batch_tokens=prepared.distill_tokens)
             loss = loss + objective.distill_coef * distill
             metrics["distill_divergence"] = float(distill.detach())
         return loss, metrics
@@ -410,10 +435,11 @@ class Learner:
             token_advantages = teacher_advantages(logp, packed.logp_teacher.float(),
                                                   objective.teacher_advantage_coef) * packed.target_mask
         return policy_loss(
-            logp, packed.logp_behaviour.float(), advantages.float(), packed.target_mask,
-            correction=objective.correction if objective.method == "grpo" else "none",
+            logp, packed.logp_behaviour.float(), advantages.float(),
+            packed.target_mask * prepared.reward_rows[rows][:, None],
+            correction=objective.correction if objective.method in ("grpo", "adaptive") else "none",
             is_cap=objective.is_cap, normalization=objective.normalization,
             max_completion_length=objective.max_completion_length, logp_reference=reference, kl_coef=self.kl_coef,
             token_advantages=token_advantages, shaped=None if prepared.shaped is None else prepared.shaped[rows],
-            shaping_gamma=objective.shaping_gamma or 0.1, batch_rows=len(prepared.rollouts),
-            batch_tokens=prepared.tokens)
+            shaping_gamma=objective.shaping_gamma or 0.1, batch_rows=max(int(prepared.reward_rows.sum()), 1),
+            batch_tokens=prepared.reward_tokens)

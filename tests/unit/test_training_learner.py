@@ -155,3 +155,40 @@ def test_weight_decay_is_trls_zero_unless_set_and_then_decays_weights_without_si
             batch, Objective(method="grpo"))
         moved[decay] = float((torch.nn.utils.parameters_to_vector(model.parameters()) - start).abs().max())
     assert moved[0.0] == 0.0 and moved[0.1] > 0.0
+
+
+def test_the_adaptive_loss_is_grpo_on_the_on_policy_rows_plus_distillation_on_the_guided_ones(tokenizer):
+    """One batch of two groups: a never-solved prompt (6 guided rollouts, 2 on-policy probes) and a
+    sometimes-solved one (all on-policy). Its loss and gradient are those of GRPO on the on-policy
+    rollouts alone plus the distillation term on the guided rollouts alone, micro-batched or not."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+
+    def with_topk(r, on_policy):
+        n = len(r.completion_ids)
+        ids = rng.integers(2, 90, size=(n, 3)).astype(np.int64)
+        logprobs = np.log(np.full((n, 3), 0.3))
+        return type(r)(**{**r.__dict__, "teacher_topk": (ids, logprobs), "on_policy": on_policy})
+
+    never = tuple(with_topk(rollout(tokenizer, "123+456=", "975", 1.0, logq=-0.2), False) for _ in range(6)) + tuple(
+        with_topk(rollout(tokenizer, "123+456=", d, 0.0, logq=-2.0), True) for d in ("9", "91"))
+    sometimes = tuple(with_topk(rollout(tokenizer, "12+34=", c, r, logq=-1.5), True)
+                      for c, r in (("64", 1.0), ("65", 0.0), ("6", 0.0), ("64", 1.0)))
+
+    def gradient(groups, objective, micro_batch_size=None):
+        model = transformers.AutoModelForCausalLM.from_pretrained(tinymodels.BASE_DIR)
+        learner = Learner(model, learning_rate=1e-5, kl_coef=0.0, pad_id=0, micro_batch_size=micro_batch_size)
+        batch = ScoredBatch(groups=groups, policy_version=0, data_position=1, sample_seconds=1.0, tokens=6)
+        metrics = learner.accumulate_gradients(batch, objective)
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]), metrics["loss"]
+
+    adaptive = Objective(method="adaptive", correction="sequence", distill_coef=0.5)
+    whole, loss = gradient((never, sometimes), adaptive)
+    micro, micro_loss = gradient((never, sometimes), adaptive, micro_batch_size=3)
+    rewarded, reward_loss = gradient((never[6:], sometimes), Objective(method="grpo", correction="sequence"))
+    distilled, distill_loss = gradient((never[:6],), Objective(method="distill", distill_coef=0.5))
+    assert loss == pytest.approx(reward_loss + distill_loss, rel=1e-5, abs=1e-7)
+    assert micro_loss == pytest.approx(loss, rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(whole, rewarded + distilled, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(micro, whole, rtol=1e-4, atol=1e-6)
