@@ -33,16 +33,19 @@ from common.errors import InvalidInputError
 from coordinator.config import CoordinatorConfig
 from training.config_sources import Sources, flag
 from training.losses import Correction, Normalization
+from training.regimes import Regimes
 from training.task_config import TOY_LEARNING_RATE, TaskConfig, bundled
 
 log = logging.getLogger("dualvllm.training")
 
-Method = Literal["grpo", "sft", "rft", "opd", "distill", "dpo"]
+Method = Literal["grpo", "sft", "rft", "opd", "distill", "adaptive", "dpo"]
 Arm = Literal["base", "q*", "teacher"]
 METHOD_HELP = ("grpo: streaming GRPO with verified weight pushes; sft: fine-tuning on teacher samples (alpha = 1); "
                "rft: fine-tuning on the verified q* rollouts (rejection fine-tuning); opd: on-policy distillation "
                "(the base samples, the teacher scores each token); distill: the distillation term alone on the states "
-               "the rollouts visit (q*, or --fixed-alpha); dpo: TRL DPO on pairs mined from q* rollouts. All but dpo "
+               "the rollouts visit (q*, or --fixed-alpha); adaptive: per prompt, from its own recent pass rate, the "
+               "distillation term at guided states where the base never solves it and GRPO on its own rollouts where "
+               "it sometimes does (training/regimes.py); dpo: TRL DPO on pairs mined from q* rollouts. All but dpo "
                "stream with pushes, and take --distill-coef. Each method takes its own options (see --help).")
 
 
@@ -401,6 +404,65 @@ class DistillTrainConfig(_AlphaSchedule, StreamingTrainConfig):
         return self.distill_coef if self.distill_coef is not None else 1.0
 
 
+class AdaptiveTrainConfig(StreamingTrainConfig):
+    """--method adaptive: each prompt's regime, from its own on-policy pass rate, decides its group
+    (training/regimes.py): never solved lately -> guided rollouts (--guided-alpha) trained by the
+    distillation term, with --probe-rollouts on-policy ones that keep measuring; sometimes -> GRPO
+    on the base's own rollouts; always -> drawn rarely."""
+
+    method: Literal["adaptive"] = Field("adaptive", description=METHOD_HELP)
+    correction: Correction = Field(
+        "sequence", description="Off-policy correction of the on-policy rollouts' GRPO term (they come from the "
+                                "server's copy of the weights, at most --max-staleness updates old): sequence, token, "
+                                "vespo or none.")
+    share_cap: float = Field(3.0, ge=1, description="correction=sequence: truncation of G·v.")
+    is_cap: float = Field(2.0, ge=1, description="correction=token: truncation of the per-token weight.")
+    normalization: Normalization = Field("dapo", description="The GRPO term's normalization: grpo, dr_grpo or dapo.")
+    scale_advantages: bool = Field(True, description="Divide group-relative advantages by the group std.")
+    guided_alpha: float | None = Field(
+        1.0, ge=0, le=1, description="Alpha of the guided rollouts of never-solved prompts: 1 = the teacher's samples, "
+                                     "None = q* (alpha* per token).")
+    probe_rollouts: int = Field(
+        2, ge=0, description="On-policy rollouts in each never-solved prompt's group, which measure its pass rate "
+                             "(0: such a prompt stays guided).")
+    pass_rate_decay: float = Field(0.5, ge=0, lt=1, description="Decay of each prompt's pass-rate EMA.")
+    never_enter: float = Field(0.05, ge=0, le=1, description="A prompt becomes never-solved below this pass rate.")
+    never_exit: float = Field(0.1, ge=0, le=1, description="... and leaves that regime at this pass rate.")
+    always_enter: float = Field(0.95, ge=0, le=1, description="A prompt becomes always-solved at this pass rate.")
+    always_exit: float = Field(0.85, ge=0, le=1, description="... and leaves that regime below this pass rate.")
+    solved_weight: float = Field(0.1, gt=0, le=1, description="Draw weight of an always-solved prompt (1 for the rest).")
+
+    @model_validator(mode="after")
+    def _groups_are_consistent(self) -> AdaptiveTrainConfig:
+        if self.group_size < 2:
+            raise ValueError("--method adaptive compares a prompt's own rollouts where it is sometimes solved: give "
+                             "--group-size >= 2")
+        if self.probe_rollouts >= self.group_size:
+            raise ValueError(f"--probe-rollouts {self.probe_rollouts} leaves no guided rollout in groups of "
+                             f"{self.group_size}; give fewer than --group-size")
+        if self.curriculum:
+            raise ValueError("--method adaptive chooses its prompts by their regimes; drop --curriculum")
+        if self.distill_coef == 0:
+            raise ValueError("--method adaptive trains never-solved prompts by the distillation term: --distill-coef "
+                             "0 leaves them nothing; drop it (1) or give a positive weight")
+        self.regimes(n_tasks=1)  # its thresholds, checked before anything starts
+        return self
+
+    def regimes(self, n_tasks: int) -> Regimes:
+        """A new run's per-prompt regimes over `n_tasks` training prompts."""
+        return Regimes(n_tasks=n_tasks, seed=self.seed, decay=self.pass_rate_decay, never_enter=self.never_enter,
+                       never_exit=self.never_exit, always_enter=self.always_enter, always_exit=self.always_exit,
+                       solved_weight=self.solved_weight)
+
+    @property
+    def sampling_alpha(self) -> float:
+        return 0.0  # of the regimes' own groups; the guided ones take guided_alpha
+
+    @property
+    def distillation_coef(self) -> float:
+        return self.distill_coef if self.distill_coef is not None else 1.0
+
+
 class DPOTrainConfig(_ChosenAlpha, TrainConfig):
     """--method dpo: TRL's DPOTrainer on pairs mined from one batch of q* rollouts (training/dpo.py)."""
 
@@ -424,7 +486,8 @@ class DPOTrainConfig(_ChosenAlpha, TrainConfig):
 
 METHOD_CLASSES: dict[str, type[TrainConfig]] = {
     cls.model_fields["method"].default: cls for cls in (GRPOTrainConfig, SFTTrainConfig, RFTTrainConfig,
-                                                         OPDTrainConfig, DistillTrainConfig, DPOTrainConfig)}
+                                                         OPDTrainConfig, DistillTrainConfig, AdaptiveTrainConfig,
+                                                         DPOTrainConfig)}
 _ONE_METHOD: TypeAdapter[TrainConfig] = TypeAdapter(
     Annotated[Union[tuple(METHOD_CLASSES.values())], Field(discriminator="method")])  # type: ignore[arg-type]
 # Every option of `dualvllm train`: those of at least one method.

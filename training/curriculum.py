@@ -190,6 +190,10 @@ class Curriculum:
         self._ema[tasks] = ema_update(self._ema[tasks], means, self.ema_decay)
         self._skip_left[tasks] = np.where(spreads <= ZERO_ADVANTAGE_ATOL, self.skip_steps, 0)
 
+    def observe(self, task_indices: Sequence[int], groups: Sequence[Sequence[Any]]) -> None:
+        """`update` with the rewards of each group's rollouts (training.rollouts.Chooser)."""
+        self.update(task_indices, [[r.reward for r in group] for group in groups])
+
     def buckets(self) -> list[list[int]]:
         """Seen tasks grouped by difficulty (hardest first), split at the KDE's density minima
         (valleys) between the EMAs; one bucket when there are too few seen tasks (< 5) or the

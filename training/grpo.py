@@ -34,11 +34,12 @@ from common.tasks import stop
 from engines.transformers_engine import TransformersEngine
 from training import checkpoint, lora, untie
 from training.checkpoint import RunState
-from training.config import StreamingTrainConfig
+from training.config import AdaptiveTrainConfig, StreamingTrainConfig
 from training.curriculum import Curriculum
 from training.inprocess import in_process
 from training.forgetting import state_kl
 from training.learner import Learner, Objective, pack
+from training.regimes import NEVER, Regimes
 from training.recipe import held_out, prepare
 from training.rollouts import Rollout, Sampled, ScoredBatch, Task, produce, sample_batch
 from training.serving import serving
@@ -138,6 +139,7 @@ class GRPORecipe:
         self.state = checkpoint.load_state(newest, self.learner.optimizer) if newest is not None else RunState(0, 0, 0)
         if newest is not None:
             log.info("resuming from %s (step %d)", newest, self.state.step)
+        self._chooser = _chooser(config, self.state, len(self.problems.train))
         self.pool = self._stack.enter_context(verifier_pool())
         batch_size = config.prompts_per_step * config.group_size
         if config.engine == "transformers":  # the base engine samples the live weights: no server, no push
@@ -182,20 +184,47 @@ class GRPORecipe:
         return {"kl_from_start": float(kl.mean()),
                 "kl_from_start_per_token": float(kl.sum()) / sum(len(r.completion_ids) for r in rollouts)}
 
-    async def _sample(self, chosen: Sequence[Task], seed: int) -> Sampled:
+    async def _sample(self, indices: Sequence[int], seed: int) -> Sampled:
+        config = self.config
+        chosen = [self.problems.train[i] for i in indices]
+        if isinstance(config, AdaptiveTrainConfig):
+            assert isinstance(self._chooser, Regimes), "an adaptive run chooses by regimes"
+            return await self._sample_by_regime(config, chosen, self._chooser.regimes(indices), seed)
+        return await self._sample_part(chosen, seed, fixed_alpha=config.sampling_alpha,
+                                       on_policy=config.pooled_on_policy)
+
+    async def _sample_part(self, chosen: Sequence[Task], seed: int, *, fixed_alpha: float | None,
+                           on_policy: int) -> Sampled:
         config = self.config
         return await sample_batch(self.coordinator, chosen, group_size=config.group_size, max_tokens=config.max_tokens,
-                                  temperature=config.temperature, fixed_alpha=config.sampling_alpha,
+                                  temperature=config.temperature, fixed_alpha=fixed_alpha,
                                   seed=config.seed * 1_000_003 + seed, spec=self.problems.spec, executor=self.pool,
-                                  reward_timeout_s=config.reward_timeout, on_policy=config.pooled_on_policy,
+                                  reward_timeout_s=config.reward_timeout, on_policy=on_policy,
                                   record_topk=config.top_k if self.objective.needs_teacher_topk else 0,
                                   max_alpha=config.alpha_cap(self.state.step), min_group=self.objective.min_group)
 
+    async def _sample_by_regime(self, config: AdaptiveTrainConfig, chosen: Sequence[Task], regimes: Sequence[int],
+                                seed: int) -> Sampled:
+        """Never-solved prompts: guided rollouts (guided_alpha) and probe_rollouts on-policy ones;
+        the others: all on-policy. Both parts at once, merged in the order of `chosen`."""
+        places = ([i for i, r in enumerate(regimes) if r == NEVER], [i for i, r in enumerate(regimes) if r != NEVER])
+        guided, own = await asyncio.gather(
+            self._sample_part([chosen[i] for i in places[0]], seed, fixed_alpha=config.guided_alpha,
+                              on_policy=config.probe_rollouts),
+            self._sample_part([chosen[i] for i in places[1]], seed, fixed_alpha=0.0, on_policy=config.group_size))
+        counts = [sum(len(g) for g in part.groups) for part in (guided, own)]
+        means = {name: sum(part.reward_means.get(name, 0.0) * n for part, n in zip((guided, own), counts))
+                 / max(sum(counts), 1) for name in {**guided.reward_means, **own.reward_means}}
+        order = sorted([(places[0][j], g) for j, g in zip(guided.group_tasks, guided.groups)]
+                       + [(places[1][j], g) for j, g in zip(own.group_tasks, own.groups)], key=lambda pair: pair[0])
+        return Sampled(groups=tuple(g for _, g in order), reward_means=means, unscored=guided.unscored + own.unscored,
+                       group_tasks=tuple(i for i, _ in order))
+
     def _start_sampler(self, queue: asyncio.Queue[ScoredBatch]) -> None:
         self._sampler = asyncio.create_task(
-            produce(queue, self._sample, self.problems.train, start=self.state.data_position,
+            produce(queue, self._sample, len(self.problems.train), start=self.state.data_position,
                     prompts_per_step=self.config.prompts_per_step, policy_version=lambda: self.state.policy_version,
-                    curriculum=_curriculum(self.config, self.state, len(self.problems.train))),
+                    chooser=self._chooser),
             name="dualvllm-sampler")
 
     async def _stop_sampler(self) -> None:
@@ -306,17 +335,21 @@ class GRPORecipe:
             prune_pushed(self.out)
 
 
-def _curriculum(config: StreamingTrainConfig, state: RunState, n_tasks: int) -> Curriculum | None:
-    """The run's curriculum: resumed from the checkpoint's state, else new; None without --curriculum."""
-    if not config.curriculum:
+def _chooser(config: StreamingTrainConfig, state: RunState, n_tasks: int) -> Curriculum | Regimes | None:
+    """What picks the run's prompts: the adaptive recipe's regimes, or --curriculum's curriculum,
+    resumed from the checkpoint's state, else new; None: the data in order."""
+    if isinstance(config, AdaptiveTrainConfig):
+        chooser: Curriculum | Regimes = (config.regimes(n_tasks) if state.curriculum is None
+                                         else Regimes.from_state(state.curriculum))
+    elif config.curriculum:
+        chooser = Curriculum(n_tasks=n_tasks, seed=config.seed) if state.curriculum is None \
+            else Curriculum.from_state(state.curriculum)
+    else:
         return None
-    if state.curriculum is None:
-        return Curriculum(n_tasks=n_tasks, seed=config.seed)
-    resumed = Curriculum.from_state(state.curriculum)
-    if resumed.n_tasks != n_tasks:
-        raise InvalidInputError(f"the checkpoint's curriculum covers {resumed.n_tasks} prompts and the dataset has "
-                                f"{n_tasks}; resume with the dataset of the first run")
-    return resumed
+    if chooser.n_tasks != n_tasks:
+        raise InvalidInputError(f"the checkpoint's prompt choices cover {chooser.n_tasks} prompts and the dataset "
+                                f"has {n_tasks}; resume with the dataset of the first run")
+    return chooser
 
 
 async def _next_batch(queue: asyncio.Queue[ScoredBatch], sampler: asyncio.Task[None]) -> ScoredBatch:

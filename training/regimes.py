@@ -11,8 +11,10 @@ rollouts that succeeded (guided rollouts say what the teacher can do, not the st
 across epochs. Regimes switch with hysteresis, so that one lucky probe does not flip a prompt
 back and forth: never -> sometimes once the EMA reaches `never_exit`, sometimes -> never once
 it falls below `never_enter`; sometimes -> always at `always_enter`, always -> sometimes below
-`always_exit`. An unseen prompt starts in `sometimes`: its first group, all on-policy, is its
-first measurement.
+`always_exit`. An unseen prompt starts in `never`: its first group teaches it (guided rollouts)
+and measures it (the probes), so the first pass over a dataset, often the only one, already
+guides where the base fails; starting in `sometimes` would spend that pass on on-policy groups
+that carry no signal where the base never succeeds.
 
 `choose(count)` draws a batch: prompts never chosen first (a seeded order), then a weighted draw
 without replacement over the rest (weight 1, `solved_weight` for `always`). Deterministic given
@@ -67,7 +69,7 @@ class Regimes:
             raise InvalidInputError(f"solved_weight must be in (0, 1] (1 = drawn as often as the rest), "
                                     f"got {self.solved_weight}")
         self._ema = np.full(self.n_tasks, np.nan)
-        self._regime = np.full(self.n_tasks, SOMETIMES, dtype=np.int64)
+        self._regime = np.full(self.n_tasks, NEVER, dtype=np.int64)
         self._offered = np.zeros(self.n_tasks, dtype=bool)
 
     def regimes(self, task_indices: Sequence[int]) -> list[int]:
@@ -113,6 +115,11 @@ class Regimes:
         regime = np.where(was_sometimes & (ema < self.never_enter), NEVER, regime)
         regime = np.where(was_sometimes & (ema >= self.always_enter), ALWAYS, regime)
         self._ema[tasks], self._regime[tasks] = ema, regime
+
+    def observe(self, task_indices: Sequence[int], groups: Sequence[Sequence[Any]], success: float = 1.0) -> None:
+        """`update` from each group's on-policy rollouts: a success is a reward of at least
+        `success` (an exact answer, every test passed), as the evaluation counts it."""
+        self.update(task_indices, [[r.reward >= success for r in group if r.on_policy] for group in groups])
 
     def stats(self) -> dict[str, float]:
         """For metrics.jsonl: how many prompts are in each regime (regime/<name>), and how many were measured."""

@@ -12,14 +12,13 @@ import logging
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import numpy as np
 
 from coordinator.core import DualVLLMCoordinator
 from coordinator.outputs import GenerationOutput
-from training.curriculum import Curriculum
 from training.rewards import RewardSpec, score_completions
 
 log = logging.getLogger("dualvllm.training")
@@ -102,20 +101,24 @@ async def sample_batch(coordinator: DualVLLMCoordinator, tasks: Sequence[Task], 
     groups left with fewer than `min_group` rollouts (2 for grpo: a lone rollout has no
     group to compare with; 1 for methods that train on each rollout alone).
     """
+    if not tasks:
+        return Sampled(groups=(), reward_means={}, unscored=0, group_tasks=())
     guided = group_size - on_policy
-    calls = [coordinator.generate_batch([task.prompt for task in tasks for _ in range(guided)], max_tokens=max_tokens,
-                                        temperature=temperature, fixed_alpha=fixed_alpha, seed=seed,
-                                        record_topk=record_topk, max_alpha=max_alpha)]
-    if on_policy:  # one call per part: a call has one fixed_alpha; both share the coordinator's batch
-        calls.append(coordinator.generate_batch([task.prompt for task in tasks for _ in range(on_policy)],
-                                                max_tokens=max_tokens, temperature=temperature, fixed_alpha=0.0,
-                                                seed=seed + ON_POLICY_SEED_OFFSET, record_topk=record_topk))
-    parts = await asyncio.gather(*calls)
+
+    async def part(count: int, alpha: float | None, part_seed: int, cap: float | None) -> list[GenerationOutput]:
+        # One call per part: a call has one fixed_alpha; both share the coordinator's batch.
+        if not count:
+            return []
+        return await coordinator.generate_batch([task.prompt for task in tasks for _ in range(count)],
+                                                max_tokens=max_tokens, temperature=temperature, fixed_alpha=alpha,
+                                                seed=part_seed, record_topk=record_topk, max_alpha=cap)
+
+    q_part, own_part = await asyncio.gather(part(guided, fixed_alpha, seed, max_alpha),
+                                            part(on_policy, 0.0, seed + ON_POLICY_SEED_OFFSET, None))
     outputs, is_on_policy = [], []
     for i in range(len(tasks)):  # each task's group: its on-policy rollouts first, then the guided ones
-        if on_policy:
-            outputs.extend(parts[1][i * on_policy:(i + 1) * on_policy])
-        outputs.extend(parts[0][i * guided:(i + 1) * guided])
+        outputs.extend(own_part[i * on_policy:(i + 1) * on_policy])
+        outputs.extend(q_part[i * guided:(i + 1) * guided])
         is_on_policy.extend([True] * on_policy + [False] * guided)
     failed = [o for o in outputs if not o.ok]
     if failed:
@@ -159,31 +162,43 @@ def _rollout(task: Task, output: GenerationOutput, reward: float, on_policy: boo
                    teacher_topk=teacher_topk, on_policy=on_policy)
 
 
-async def produce(queue: asyncio.Queue[ScoredBatch], sample: Callable[[Sequence[Task], int], Awaitable[Sampled]],
-                  tasks: Sequence[Task], *, start: int, prompts_per_step: int,
-                  policy_version: Callable[[], int], curriculum: Curriculum | None = None) -> None:
-    """Fill `queue` with scored batches forever, cycling over `tasks` from `start`.
+class Chooser(Protocol):
+    """Picks each batch's prompts and learns from their groups: training.curriculum.Curriculum,
+    training.regimes.Regimes. Its state goes into each batch, for the checkpoint."""
 
-    `sample(tasks, seed)` returns their scored groups; the data position doubles as the
-    seed, so a resumed run samples what an uninterrupted one would have. With a
-    `curriculum`, it picks each batch's tasks instead of the cycle and learns from the
-    groups' rewards; each batch carries its state for the checkpoint.
+    def choose(self, count: int) -> list[int]: ...
+
+    def observe(self, task_indices: Sequence[int], groups: Groups) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def stats(self) -> dict[str, float]: ...
+
+
+async def produce(queue: asyncio.Queue[ScoredBatch], sample: Callable[[Sequence[int], int], Awaitable[Sampled]],
+                  n_tasks: int, *, start: int, prompts_per_step: int,
+                  policy_version: Callable[[], int], chooser: Chooser | None = None) -> None:
+    """Fill `queue` with scored batches forever, cycling over the tasks 0..n_tasks-1 from `start`.
+
+    `sample(task_indices, seed)` returns their scored groups; the data position doubles as the
+    seed, so a resumed run samples what an uninterrupted one would have. With a `chooser` (a
+    curriculum, the adaptive recipe's regimes), it picks each batch's tasks instead of the
+    cycle and learns from the groups; each batch carries its state for the checkpoint.
     """
     position = start
     while True:
-        if curriculum is not None:
-            indices = curriculum.choose(prompts_per_step)
+        if chooser is not None:
+            indices = chooser.choose(prompts_per_step)
         else:
-            indices = [(position + i) % len(tasks) for i in range(prompts_per_step)]
+            indices = [(position + i) % n_tasks for i in range(prompts_per_step)]
         version = policy_version()
         started = time.perf_counter()
-        sampled = await sample([tasks[i] for i in indices], position)
+        sampled = await sample(indices, position)
         position += prompts_per_step
         state, stats = None, {}
-        if curriculum is not None:
-            curriculum.update([indices[j] for j in sampled.group_tasks],
-                              [[r.reward for r in group] for group in sampled.groups])
-            state, stats = curriculum.state_dict(), curriculum.stats()
+        if chooser is not None:
+            chooser.observe([indices[j] for j in sampled.group_tasks], sampled.groups)
+            state, stats = chooser.state_dict(), chooser.stats()
         tokens = sum(len(r.completion_ids) for g in sampled.groups for r in g)
         await queue.put(ScoredBatch(groups=sampled.groups, policy_version=version, data_position=position,
                                     sample_seconds=time.perf_counter() - started, tokens=tokens,

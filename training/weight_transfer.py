@@ -56,6 +56,9 @@ CHUNK_BYTES = 256 << 20
 # How long one phase may take before the push counts as failed. A chunk of CHUNK_BYTES loads in
 # well under a second on CPU; init and finish do no bulk work.
 PHASE_TIMEOUT_S = 120.0
+# What vLLM's worker says when start_weight_update finds an update already open (v1/worker/
+# gpu_worker.py, inherited by the CPU worker).
+UPDATE_LEFT_OPEN = "while a weight update is already active"
 
 
 @dataclass
@@ -160,7 +163,7 @@ class SharedMemoryTrainerEngine(TrainerWeightTransferEngine[ShmTrainerInitInfo])
             return
         self._dtype = {meta.name: meta.dtype for meta in self.source.metadata()}
         seconds, started = self.stats.seconds, time.perf_counter()
-        self.client.start_weight_update()
+        self._start()
         seconds["start"] = time.perf_counter() - started
         started = time.perf_counter()
         try:
@@ -175,6 +178,20 @@ class SharedMemoryTrainerEngine(TrainerWeightTransferEngine[ShmTrainerInitInfo])
         started = time.perf_counter()
         self.client.finish_weight_update(self.weight_version)
         seconds["finish"] = time.perf_counter() - started
+
+    def _start(self) -> None:
+        """start_weight_update; if the server still holds an update that a dead trainer began and
+        never finished (vLLM refuses a second start then), finish that one first: it puts back the
+        old tensors of every layer it did not get, and the push that follows overwrites them all."""
+        try:
+            self.client.start_weight_update()
+        except ServerError as err:
+            if UPDATE_LEFT_OPEN not in str(err):
+                raise
+            log.warning("the server still held a weight update that was started and never finished (a trainer "
+                        "that died mid-push?); finishing it before this push")
+            self.client.finish_weight_update(None)
+            self.client.start_weight_update()
 
     def _chunks(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
         assert self.source is not None

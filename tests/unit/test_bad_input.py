@@ -90,7 +90,7 @@ OTHER_COMMANDS = [
     ("train-base-missing", "train --base {tmp}/nothing",
      r"invalid GRPOTrainConfig: base=.*: '.*nothing' is not a model directory"),
     ("train-sft-with-a-correction", "train --method sft --correction token",
-     r"--correction is an option of --method grpo; drop it or pass --method grpo"),
+     r"--correction is an option of --method grpo or adaptive; drop it or pass one of those methods"),
     ("train-stop-without-signal-under-sft", "train --method sft --stop-without-signal 100",
      r"--stop-without-signal is an option of --method grpo"),
     ("train-eval-fraction-out-of-range", "train --eval-fraction 1.5", r"eval_fraction=1.5: Input should be less than 1"),

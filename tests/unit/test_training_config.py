@@ -42,7 +42,10 @@ OLD_EVAL_DEFAULTS = {name: value for name, value in OLD_DEFAULTS.items() if name
 # The fields added since: the coordinator's options, the learner's memory options, how pushes go, and
 # what the evaluation reports besides overall accuracy.
 NEW_FIELDS = {"coordinator", "micro_batch_size", "gradient_checkpointing", "weights_via", "eval_group_by",
-              "retained_dataset", "kl_from_start_prompts"}
+              "retained_dataset", "kl_from_start_prompts",
+              # --method adaptive's own (training/regimes.py)
+              "guided_alpha", "probe_rollouts", "pass_rate_decay", "never_enter", "never_exit", "always_enter",
+              "always_exit", "solved_weight"}
 
 
 @pytest.fixture(autouse=True)
@@ -125,10 +128,11 @@ def test_the_method_comes_from_the_flags_else_the_file_else_grpo(tmp_path):
 
 
 def test_a_method_takes_its_own_learning_rate_by_default(tmp_path, real_model):
-    rates = {method: TrainConfig.parse(output_dir=tmp_path, method=method, base=str(real_model), group_size=2,
+    rates = {method: TrainConfig.parse(output_dir=tmp_path, method=method, base=str(real_model), group_size=3,
                                        teacher=str(real_model)).learning_rate for method in METHOD_CLASSES}
     # TRL 1.16: GRPOConfig, DPOConfig, DistillationConfig 1e-6; SFTConfig 2e-5.
-    assert rates == {"grpo": 1e-6, "sft": 2e-5, "rft": 2e-5, "opd": 1e-6, "distill": 1e-6, "dpo": 1e-6}
+    assert rates == {"grpo": 1e-6, "sft": 2e-5, "rft": 2e-5, "opd": 1e-6, "distill": 1e-6, "adaptive": 1e-6,
+                     "dpo": 1e-6}
 
 
 @pytest.mark.parametrize("text, message", [
@@ -153,13 +157,13 @@ def test_a_missing_recipe_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("values, message", [
-    ({"method": "sft", "share_cap": 2.0}, r"--share-cap is an option of --method grpo; drop it or pass --method grpo"),
-    ({"method": "opd", "correction": "token"}, r"--correction is an option of --method grpo; drop it"),
-    ({"method": "sft", "kl_coef": 0.1, "is_cap": 3.0},
-     r"--kl-coef, --is-cap are options of --method grpo or opd; drop them or pass one of those methods"),
+    ({"method": "sft", "on_policy_rollouts": 2}, r"--on-policy-rollouts is an option of --method grpo; drop it or pass --method grpo"),
+    ({"method": "opd", "correction": "token"}, r"--correction is an option of --method grpo or adaptive; drop it"),
+    ({"method": "sft", "kl_coef": 0.1, "opd_coef": 3.0},
+     r"--kl-coef, --opd-coef are options of --method grpo or opd; drop them or pass one of those methods"),
     ({"method": "grpo", "dpo_beta": 0.2}, r"--dpo-beta is an option of --method dpo; drop it or pass --method dpo"),
     ({"method": "dpo", "eval_every": 5, "micro_batch_size": 8},
-     r"--eval-every, --micro-batch-size are options of --method grpo, sft, rft, opd or distill"),
+     r"--eval-every, --micro-batch-size are options of --method grpo, sft, rft, opd, distill or adaptive"),
     ({"method": "distill", "rft_min_reward": 0.5}, r"--rft-min-reward is an option of --method rft"),
     ({"method": "sft", "fixed_alpha": 1.0}, r"--fixed-alpha is an option of --method grpo, rft, distill or dpo"),
 ])
@@ -169,8 +173,8 @@ def test_an_option_of_other_methods_is_refused_with_the_methods_that_take_it(tmp
 
 
 def test_a_refusal_names_the_options_the_recipe_set(tmp_path):
-    path = recipe(tmp_path, "max_tokens: 6\nshare_cap: 2.0\nlora_alpha: 16\n")
-    with pytest.raises(InvalidInputError, match=r"--share-cap is an option of --method grpo; .* \(--share-cap is set "
+    path = recipe(tmp_path, "max_tokens: 6\non_policy_rollouts: 2\nlora_alpha: 16\n")
+    with pytest.raises(InvalidInputError, match=r"--on-policy-rollouts is an option of --method grpo; .* \(--on-policy-rollouts is set "
                                                 rf"in {path}\)"):
         TrainConfig.parse(config_file=path, output_dir=tmp_path, method="sft")
     with pytest.raises(InvalidInputError, match=rf"drop --lora-alpha \(--lora-alpha is set in {path}\)"):

@@ -109,3 +109,28 @@ def test_the_kl_from_start_is_the_full_vocabulary_kl_at_each_completion_state():
             expected.append(float((logp.exp() * (logp - logq)).sum()))
     assert got.tolist() == pytest.approx(expected, rel=1e-5)
     assert state_kl(base, base, packed, chunk=4).tolist() == [0.0, 0.0]
+
+
+async def test_the_adaptive_recipe_guides_the_prompts_its_base_never_solves(tmp_path):
+    """On the hard task the bundled base is never right: every prompt's group is the teacher's
+    samples plus two on-policy probes, and the probes keep it never-solved."""
+    import tinymodels
+    from tinymodels.task import HARD_TEST, HARD_TRAIN
+    from training import checkpoint
+
+    config = TrainConfig.parse(config_file=TINY_ARITH, output_dir=tmp_path / "run", engine="transformers",
+                               method="adaptive", steps=4, prompts_per_step=2, group_size=4, eval_every=4,
+                               eval_prompts=4, max_tokens=5, seed=0, dataset=HARD_TRAIN, eval_dataset=HARD_TEST,
+                               teacher=str(tinymodels.TEACHER_HARD_DIR), max_staleness=4)
+    report = await train_grpo(config, show_progress=False)
+
+    updates = [r for r in (json.loads(line) for line in report.metrics_path.read_text().splitlines())
+               if "event" not in r]
+    assert len(updates) == 4 and all(math.isfinite(r["loss"]) for r in updates)
+    assert updates[0]["regime/never"] >= 1  # measured by the first batch's on-policy groups
+    guided = [r for r in updates if r["mean_alpha"] > 0]  # batches with teacher samples in them
+    assert guided and all(r["distill_divergence"] > 0 for r in guided)
+    state = json.loads((checkpoint.latest(tmp_path / "run") / "state.json").read_text())
+    regimes = state["curriculum"]
+    assert sum(r == 0 and e is not None for r, e in zip(regimes["regime"], regimes["ema"])) \
+        == updates[-1]["regime/never"]

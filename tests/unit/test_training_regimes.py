@@ -14,8 +14,10 @@ from training.regimes import ALWAYS, NEVER, SOMETIMES, Regimes
 
 def test_a_prompt_moves_between_regimes_with_hysteresis():
     regimes = Regimes(n_tasks=3, seed=0, decay=0.5)
-    assert regimes.regimes([0, 1, 2]) == [SOMETIMES] * 3  # unseen prompts start on-policy
-    regimes.update([0, 1, 2], [[False] * 8, [True, False] * 4, [True] * 8])
+    assert regimes.regimes([0, 1, 2]) == [NEVER] * 3  # unseen prompts start guided, with probes
+    regimes.update([0, 1, 2], [[False] * 2, [True, False], [True] * 2])  # their probes
+    assert regimes.regimes([0, 1, 2]) == [NEVER, SOMETIMES, SOMETIMES]
+    regimes.update([2], [[True] * 4])  # EMA 1.0
     assert regimes.regimes([0, 1, 2]) == [NEVER, SOMETIMES, ALWAYS]
     regimes.update([0], [[True, False]])  # one success of two probes: EMA 0.25 >= never_exit
     assert regimes.regimes([0]) == [SOMETIMES]
@@ -30,7 +32,8 @@ def test_a_prompt_moves_between_regimes_with_hysteresis():
 
 def test_in_the_band_a_prompt_keeps_its_regime():
     regimes = Regimes(n_tasks=2, seed=0, decay=0.0, never_enter=0.1, never_exit=0.3)
-    regimes.update([0, 1], [[False] * 10, [True] + [False] * 9])  # EMAs 0.0 and 0.1
+    regimes.update([0, 1], [[False] * 10, [True] * 4 + [False] * 6])  # EMAs 0.0 and 0.4
+    regimes.update([1], [[True] + [False] * 9])  # 0.1: in the band, stays
     assert regimes.regimes([0, 1]) == [NEVER, SOMETIMES]
     regimes.update([0, 1], [[True, False, False, False, False], [False] * 10])  # 0.2 (in the band), 0.0
     assert regimes.regimes([0, 1]) == [NEVER, NEVER]
@@ -41,6 +44,7 @@ def test_unseen_prompts_come_first_and_solved_ones_are_drawn_rarely():
     first = regimes.choose(10) + regimes.choose(10)
     assert sorted(first) == list(range(20))  # every prompt once before any repeats
     regimes.update(list(range(20)), [[True] * 4 if i < 10 else [True, False] for i in range(20)])
+    regimes.update(list(range(10)), [[True] * 4] * 10)  # never -> sometimes -> always
     drawn = [i for _ in range(200) for i in regimes.choose(5)]
     solved = sum(i < 10 for i in drawn) / len(drawn)
     assert solved < 0.1  # 10 of 20 prompts, at 1/20 of the weight

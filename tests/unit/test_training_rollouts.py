@@ -21,15 +21,16 @@ async def run(curriculum: Curriculum | None, batches: int) -> tuple[list[list[in
     tasks = [task(i) for i in range(10)]
     asked: list[list[int]] = []
 
-    async def sample(chosen, seed) -> Sampled:
+    async def sample(indices, seed) -> Sampled:
+        chosen = [tasks[i] for i in indices]
         asked.append([t.prompt_ids[0] for t in chosen])
         # Task 0 is always all-wrong (no signal); the others alternate right and wrong.
         groups = tuple((rollout(t, 0.0), rollout(t, 0.0 if t.prompt_ids[0] == 0 else 1.0)) for t in chosen)
         return Sampled(groups=groups, reward_means={}, unscored=0, group_tasks=tuple(range(len(chosen))))
 
     queue: asyncio.Queue[ScoredBatch] = asyncio.Queue(maxsize=1)  # as in training: the sampler waits
-    sampler = asyncio.create_task(produce(queue, sample, tasks, start=4, prompts_per_step=3,
-                                          policy_version=lambda: 0, curriculum=curriculum))
+    sampler = asyncio.create_task(produce(queue, sample, len(tasks), start=4, prompts_per_step=3,
+                                          policy_version=lambda: 0, chooser=curriculum))
     out = [await queue.get() for _ in range(batches)]
     sampler.cancel()
     return asked, out
