@@ -47,7 +47,8 @@ import numpy as np
 from pydantic import TypeAdapter
 
 import tinymodels
-from tinymodels.task import HARD_TEST, HARD_TRAIN, HINT_TEMPLATE, LONG_DIGITS, LONG_TEST, LONG_TRAIN
+from tinymodels.task import (HARD_TEST, HARD_TRAIN, HINT_TEMPLATE, LONG_DIGITS, LONG_TEST, LONG_TRAIN, MIXED_DATA,
+                             RETAINED_TEST)
 from common import loop
 from training.config import TRAIN_OPTIONS, TrainConfig
 from training.config_sources import read_recipe
@@ -129,6 +130,26 @@ ARMS["hard-methods"] |= {
 LONG_ARMS = ("grpo-on-policy", "sft-teacher", "sft-then-grpo-lr2e-4", "opd", "qstar-grpo-none", "qstar-grpo-kl",
              "qstar-grpo-opd", "distill-teacher", "distill-qstar")
 ARMS["long-methods"] = {name: arm for name, arm in ARMS["hard-methods"].items() if arm[0] in LONG_ARMS}
+# The mixed task (issue 43): two-digit, three-digit and long problems in one dataset, its own pair
+# (tinymodels/base-mixed keeps a skill the training never asks for: copying a hint), every arm at
+# one shape, 16 prompts x 4 rollouts, so that no comparison is a shape's. Runs select (stop early,
+# best on the way) on the validation split only; the test split is scored once, at the end.
+MATCHED = {"prompts_per_step": 16, "group_size": 4}
+ARMS["mixed-methods"] = {
+    "adaptive (per-prompt regimes)": ("adaptive", {"method": "adaptive", **MATCHED}),
+    "on-policy GRPO": ("grpo-on-policy", {"fixed_alpha": 0.0, **MATCHED}),
+    "q*-GRPO, sequence IS": ("qstar-grpo-sequence", {**MATCHED}),
+    "q*-GRPO, no correction": ("qstar-grpo-none", {"correction": "none", **MATCHED}),
+    "SFT on teacher samples": ("sft-teacher", {"method": "sft", **MATCHED}),
+    "SFT for half the updates, then on-policy GRPO": (
+        "sft-then-grpo", {"fixed_alpha": 0.0, **MATCHED, WARMUP: ("sft-warmup", {"method": "sft", **MATCHED}, 0.5)}),
+    "forward KL, teacher states": ("distill-teacher", {"method": "distill", "fixed_alpha": 1.0, **MATCHED}),
+    "forward KL, q* states": ("distill-qstar", {"method": "distill", **MATCHED}),
+    # On-policy distillation's per-token advantage is in nats (8-10 per token on the hard task), beside
+    # group advantages of about +-2: three coefficients, a decade apart.
+    **{f"on-policy distillation, coefficient {c:g}": (f"opd-{c:g}", {"method": "opd", "opd_coef": c, **MATCHED})
+       for c in (0.03, 0.1, 0.3)},
+}
 TASKS = {  # training options of each task
     "arithmetic": {},
     "hard": {"dataset": HARD_TRAIN, "eval_dataset": HARD_TEST, "max_tokens": 5},
@@ -136,11 +157,17 @@ TASKS = {  # training options of each task
                      "teacher": str(tinymodels.TEACHER_HARD_DIR)},
     "long-methods": {"dataset": LONG_TRAIN, "eval_dataset": LONG_TEST, "max_tokens": LONG_DIGITS + 2,
                      "teacher": str(tinymodels.TEACHER_LONG_DIR)},
+    "mixed-methods": {"dataset": MIXED_DATA["train"], "eval_dataset": MIXED_DATA["val"],
+                      "retained_dataset": RETAINED_TEST, "eval_group_by": "difficulty",
+                      "max_tokens": LONG_DIGITS + 2, "base": str(tinymodels.BASE_MIXED_DIR),
+                      "teacher": str(tinymodels.TEACHER_MIXED_DIR), "kl_from_start_prompts": 64},
 }
 MILESTONES = (0.25, 0.5, 0.9)
 STOP_RULES = ("stop_at_accuracy", "stop_without_signal")
 CURVES = ("held_out_accuracy", "held_out_pass@8", "zero_advantage_groups", "ess_ratio", "reward_mean",
-          "teacher_tokens")
+          "teacher_tokens", "kl_from_start", "retained_accuracy")
+EVAL_CURVES = ("held_out_accuracy", "held_out_pass@8", "kl_from_start", "retained_accuracy")  # as evaluated
+GROUPED_CURVES = ("held_out_accuracy/", "retained_accuracy/")  # per difficulty (--eval-group-by), as evaluated
 TRAINING_CURVES = ("zero_advantage_groups", "ess_ratio", "reward_mean")  # averaged over the updates between evals
 
 
@@ -155,7 +182,8 @@ def curves(metrics_path: Path, teacher: bool = True) -> dict[str, list[tuple[int
     evaluation; teacher_tokens summed over every batch sampled so far, the batches dropped as stale
     included (the teacher was queried for them), 0 for an arm without a teacher."""
     records = [json.loads(line) for line in metrics_path.read_text().splitlines()]
-    out: dict[str, dict[int, float]] = {name: {} for name in CURVES}
+    grouped = sorted({key for record in records for key in record if key.startswith(GROUPED_CURVES)})
+    out: dict[str, dict[int, float]] = {name: {} for name in (*CURVES, *grouped)}
     pending: dict[str, list[float]] = {name: [] for name in TRAINING_CURVES}
     consumed = 0.0
     for record in records:
@@ -168,7 +196,7 @@ def curves(metrics_path: Path, teacher: bool = True) -> dict[str, list[tuple[int
                 pending[name].append(record[name])
         if "held_out_accuracy" in record:
             step = record["step"]
-            for name in ("held_out_accuracy", "held_out_pass@8"):
+            for name in (*EVAL_CURVES, *grouped):
                 if name in record:
                     out[name][step] = record[name]
             for name, values in pending.items():
@@ -228,12 +256,16 @@ def train_or_reuse(arm_dir: Path, task: str, fields: dict, args: argparse.Namesp
             # The first run's wall time is not recorded; its updates' time is (evaluations left out).
             return {"fields": described, "curves": curves(metrics, uses_teacher(config)), "reused": True,
                     "steps_done": records[-1]["step"], "update_s": sum(r.get("step_seconds", 0.0) for r in records)}
-        raise SystemExit(f"{arm_dir} exists but is unfinished or was run with other settings; "
-                         "remove it or pass another --output")
+        from training import checkpoint as checkpoints
+
+        if not (same_settings(arm_dir, config) and checkpoints.latest(arm_dir) is not None):
+            raise SystemExit(f"{arm_dir} exists but was run with other settings, or holds no checkpoint; "
+                             "remove it or pass another --output")
     if args.no_train:
         raise NotRun(arm_dir)
     started = time.perf_counter()
-    report = loop.run(train_grpo(config, show_progress=True))
+    # An interrupted run (same settings, a checkpoint) resumes where it stopped, without duplicates.
+    report = loop.run(train_grpo(config, resume=arm_dir.exists(), show_progress=True))
     return {"fields": described, "curves": curves(report.metrics_path, uses_teacher(config)),
             "dropped_stale_batches": report.dropped_stale_batches, "steps_done": report.steps_done,
             "wall_s": time.perf_counter() - started}
@@ -271,25 +303,50 @@ def answer_logprob(arm_dir: Path, task: str) -> float:
     return mean_answer_logprob(model, tokenizer, hard_problems("test", HARD_ROWS["test"]), HARD_MAX_LEN)
 
 
+def test_scores(arm_dir: Path) -> dict[str, float]:
+    """The mixed task's test split, scored once at the run's end (every selection was made on the
+    validation split): greedy accuracy of the last checkpoint per difficulty, overall, and on
+    the retained skill."""
+    import torch
+    from transformers import Qwen2ForCausalLM, Qwen2Tokenizer
+
+    from tinymodels.build import difficulty_accuracy
+    from training import checkpoint as checkpoints
+
+    checkpoint = checkpoints.latest(arm_dir)
+    assert checkpoint is not None, f"{arm_dir} has no checkpoint"
+    model = Qwen2ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    scores = difficulty_accuracy(model, Qwen2Tokenizer.from_pretrained(checkpoint), "test")
+    kept = scores.pop("retained (hint copying)")
+    return {**scores, "overall": float(np.mean(list(scores.values()))), "retained": kept}
+
+
 def wanted_default(config: TrainConfig, key: str) -> object:
     """The default of one of `config`'s fields as config.json stores it."""
     field = type(config).model_fields[key]
     return TypeAdapter(field.annotation).dump_python(field.get_default(call_default_factory=True), mode="json")
 
 
-def finished_with(arm_dir: Path, config: TrainConfig) -> bool:
-    """Whether `arm_dir` holds a run of `config` that reached its last step's evaluation."""
+def same_settings(arm_dir: Path, config: TrainConfig) -> bool:
+    """Whether `arm_dir` holds a run (finished or not) of `config`."""
     try:
         saved = json.loads((arm_dir / "config.json").read_text())
-        records = [json.loads(line) for line in (arm_dir / "metrics.jsonl").read_text().splitlines()]
     except (OSError, ValueError):
         return False
     wanted = json.loads(config.model_dump_json())
     # A field added since the run was made holds its default there. A run made without a stop
     # rule ran on past where the rule would have stopped it: its curves hold the stopped run's.
-    same = all(saved.get(key, wanted_default(config, key)) in (value, *((None,) if key in STOP_RULES else ()))
+    return all(saved.get(key, wanted_default(config, key)) in (value, *((None,) if key in STOP_RULES else ()))
                for key, value in wanted.items() if key != "output_dir")
-    return same and (records[-1].get("event") == "eval" if records else False)  # the run's final evaluation
+
+
+def finished_with(arm_dir: Path, config: TrainConfig) -> bool:
+    """Whether `arm_dir` holds a run of `config` that reached its last step's evaluation."""
+    try:
+        records = [json.loads(line) for line in (arm_dir / "metrics.jsonl").read_text().splitlines()]
+    except (OSError, ValueError):
+        return False
+    return same_settings(arm_dir, config) and bool(records) and records[-1].get("event") == "eval"
 
 
 def summary(runs: dict[str, dict[int, dict]], metric: str) -> dict[str, dict[int, tuple[float, float, float]]]:
@@ -299,7 +356,7 @@ def summary(runs: dict[str, dict[int, dict]], metric: str) -> dict[str, dict[int
     running."""
     table: dict[str, dict[int, tuple[float, float, float]]] = {}
     for arm, by_seed in runs.items():
-        curves = [dict(run["curves"][metric]) for run in by_seed.values()]
+        curves = [dict(run["curves"][metric]) for run in by_seed.values() if metric in run["curves"]]
         steps = sorted({step for curve in curves for step in curve})
         rows: dict[int, tuple[float, float, float]] = {}
         for step in steps:
@@ -329,6 +386,27 @@ def print_milestones(runs: dict[str, dict[int, dict]]) -> None:
             cells.append(f"seed {seed}: " + ", ".join(
                 f"{level:.0%} " + ("-" if hit is None else f"{hit[0]} / {hit[1] / 1e3:.0f}k") for level, hit in reached.items()))
         print(f"{arm:>42}: " + "; ".join(cells))
+
+
+def print_test_table(runs: dict[str, dict[int, dict]]) -> None:
+    """Per arm, over its seeds: test accuracy overall and per difficulty, the retained skill, the KL
+    from the start at the last evaluation (median [IQR]), and how many seeds reached 50% and 90%
+    validation accuracy."""
+    print("\ntest split at the end (median [interquartile range] over seeds); seeds reaching 50% / 90% on "
+          "validation")
+    for arm, by_seed in runs.items():
+        cells = []
+        for key in ("overall", "two-digit", "three-digit", "long", "retained"):
+            low, median, high = np.percentile([run["test"][key] for run in by_seed.values()], [25, 50, 75])
+            cells.append(f"{key} {median:.3f} [{low:.3f}, {high:.3f}]")
+        kl = [run["curves"]["kl_from_start"][-1][1] for run in by_seed.values() if run["curves"]["kl_from_start"]]
+        if kl:
+            low, median, high = np.percentile(kl, [25, 50, 75])
+            cells.append(f"KL from start {median:.2f} [{low:.2f}, {high:.2f}] nats")
+        reached = [sum(any(v >= level for _, v in run["curves"]["held_out_accuracy"]) for run in by_seed.values())
+                   for level in (0.5, 0.9)]
+        cells.append(f"reached {reached[0]} / {reached[1]} of {len(by_seed)} seeds")
+        print(f"{arm:>48}: " + "; ".join(cells))
 
 
 def print_table(table: dict[str, dict[int, tuple[float, float, float]]], title: str) -> None:
@@ -372,14 +450,19 @@ def main() -> None:
                     print(f"not run, skipped: {missing}")
                     continue
                 runs.setdefault(name, {})[seed] = run
-                if args.task != "arithmetic":
-                    run["answer_logprob_nats"] = answer_logprob(
-                        args.output / args.task / f"lr-{args.learning_rate:g}" / f"seed-{seed}" / folder, args.task)
-    tables = {metric: summary(runs, metric) for metric in CURVES}
+                run_dir = args.output / args.task / f"lr-{args.learning_rate:g}" / f"seed-{seed}" / folder
+                if args.task == "mixed-methods":
+                    run["test"] = test_scores(run_dir)
+                elif args.task != "arithmetic":
+                    run["answer_logprob_nats"] = answer_logprob(run_dir, args.task)
+    metrics = dict.fromkeys(m for by_seed in runs.values() for run in by_seed.values() for m in run["curves"])
+    tables = {metric: summary(runs, metric) for metric in metrics}
     for metric, table in tables.items():
         print_table(table, f"{metric}, task {args.task}, seeds {args.seeds}, lr {args.learning_rate:g}")
     print_milestones(runs)
-    if args.task != "arithmetic":
+    if args.task == "mixed-methods":
+        print_test_table(runs)
+    elif args.task != "arithmetic":
         print(f"\nlog p(right answer) of the base at step {args.steps}, nats")
         for arm, by_seed in runs.items():
             values = [run["answer_logprob_nats"] for run in by_seed.values()]
@@ -400,7 +483,8 @@ def plot(tables: dict, path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     columns = 3
-    fig, axes = plt.subplots(-(-len(CURVES) // columns), columns, figsize=(5 * columns, 7), squeeze=False)
+    fig, axes = plt.subplots(-(-len(tables) // columns), columns, figsize=(5 * columns, 2.5 * -(-len(tables) // columns)),
+                             squeeze=False)
     for ax, (metric, table) in zip(axes.flat, tables.items()):
         ax.set_prop_cycle(color=plt.cm.tab20.colors)  # up to 20 arms, each its own colour
         for arm, points in table.items():

@@ -12,6 +12,10 @@ it copies it, on either task; without one it is as weak as the base. It makes th
 own privileged-information teacher (`--teacher self --teacher-template`).
 `TEACHER_LONG_DIR` (`python -m tinymodels.build --long-teacher`) solves the long task
 (two 19-digit numbers, 20-digit answers), which the base never solves.
+`BASE_MIXED_DIR` and `TEACHER_MIXED_DIR` (`python -m tinymodels.build --mixed-pair`) are the
+mixed task's pair (`tinymodels.task.mixed_problems`): a base that answers as the base does and
+also copies a hint (the skill its training never asks for, so that forgetting shows), and a
+teacher that solves all three difficulties.
 Importing this package does not import torch.
 """
 
@@ -23,9 +27,12 @@ TEACHER_DIR = HERE / "teacher"
 TEACHER_HARD_DIR = HERE / "teacher-hard"
 BASE_HINT_DIR = HERE / "base-hint"
 TEACHER_LONG_DIR = HERE / "teacher-long"
+BASE_MIXED_DIR = HERE / "base-mixed"
+TEACHER_MIXED_DIR = HERE / "teacher-mixed"
 BUILD_REPORT = HERE / "build_report.json"
 # vLLM's --dtype auto serves float32 checkpoints in bfloat16, whose logprobs differ from
 # the models' own by ~0.01 nats here; the tiny models are served as they were trained.
 SERVER_DTYPE = "float32"
 
-__all__ = ["BASE_DIR", "BASE_HINT_DIR", "BUILD_REPORT", "SERVER_DTYPE", "TEACHER_DIR", "TEACHER_HARD_DIR", "TEACHER_LONG_DIR"]
+__all__ = ["BASE_DIR", "BASE_HINT_DIR", "BASE_MIXED_DIR", "BUILD_REPORT", "SERVER_DTYPE", "TEACHER_DIR",
+           "TEACHER_HARD_DIR", "TEACHER_LONG_DIR", "TEACHER_MIXED_DIR"]

@@ -140,6 +140,8 @@ class GRPORecipe:
         if newest is not None:
             log.info("resuming from %s (step %d)", newest, self.state.step)
         self._chooser = _chooser(config, self.state, len(self.problems.train))
+        if newest is not None:  # what was logged after the checkpoint is done again: logged once
+            _keep_metrics_until(self.metrics_path, self.state.step)
         self.pool = self._stack.enter_context(verifier_pool())
         batch_size = config.prompts_per_step * config.group_size
         if config.engine == "transformers":  # the base engine samples the live weights: no server, no push
@@ -276,7 +278,8 @@ class GRPORecipe:
         """Evaluate, update until `steps`, evaluate every `eval_every` updates and once after the last."""
         config = self.config
         before = await self.evaluate()
-        _log_metrics(self.metrics_path, {"step": self.state.step, "event": "eval", **before})
+        if not _evaluated_at(self.metrics_path, self.state.step):  # a resumed run evaluated its checkpoint's step
+            _log_metrics(self.metrics_path, {"step": self.state.step, "event": "eval", **before})
         queue: asyncio.Queue[ScoredBatch] = asyncio.Queue(maxsize=config.queue_size)
         self._start_sampler(queue)
         assert self._sampler is not None
@@ -361,6 +364,29 @@ async def _next_batch(queue: asyncio.Queue[ScoredBatch], sampler: asyncio.Task[N
     getter.cancel()
     sampler.result()  # raises the sampler's error
     raise AssertionError("the sampler returned; it runs until cancelled")
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl's records; a last line cut short by a kill is left out."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return records
+
+
+def _keep_metrics_until(path: Path, step: int) -> None:
+    """Drop the records of updates after `step` (those the resumed run makes again)."""
+    kept = [r for r in _records(path) if r.get("step", 0) <= step]
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+
+
+def _evaluated_at(path: Path, step: int) -> bool:
+    return any(r.get("step") == step and "held_out_accuracy" in r for r in _records(path))
 
 
 def _log_metrics(path: Path, record: dict[str, Any]) -> None:

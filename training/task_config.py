@@ -29,7 +29,7 @@ RUN_OWNED = {"theta_url": "theta_urls", "t_url": "t_urls", "theta_urls": "theta_
              "top_k": "top_k", "seed": "seed"}
 # The bundled tiny models; a checkpoint of one has their vocabulary (see `bundled`).
 BUNDLED_DIRS = (tinymodels.BASE_DIR, tinymodels.BASE_HINT_DIR, tinymodels.TEACHER_DIR, tinymodels.TEACHER_HARD_DIR,
-                tinymodels.TEACHER_LONG_DIR)
+                tinymodels.TEACHER_LONG_DIR, tinymodels.BASE_MIXED_DIR, tinymodels.TEACHER_MIXED_DIR)
 # Values that only suit the bundled tiny models (6-token answers, 64 positions, 60k weights): on
 # another base they are warned about. TRL's max_completion_length is 512; full fine-tuning of a
 # real LLM runs at 1e-6 to 2e-5 (TRL's GRPOConfig and SFTConfig), and far above that diverges.

@@ -134,3 +134,25 @@ async def test_the_adaptive_recipe_guides_the_prompts_its_base_never_solves(tmp_
     regimes = state["curriculum"]
     assert sum(r == 0 and e is not None for r, e in zip(regimes["regime"], regimes["ema"])) \
         == updates[-1]["regime/never"]
+
+
+async def test_a_run_killed_after_its_last_metrics_resumes_without_duplicates(tmp_path):
+    import shutil
+
+    from training import checkpoint
+
+    fields = {"output_dir": tmp_path / "run", "engine": "transformers", "method": "adaptive", "steps": 3,
+              "prompts_per_step": 2, "group_size": 3, "probe_rollouts": 1, "eval_every": 3, "eval_prompts": 4,
+              "max_tokens": 4, "seed": 0}
+    await train_grpo(TrainConfig.parse(config_file=TINY_ARITH, **fields), show_progress=False)
+    newest = checkpoint.latest(tmp_path / "run")
+    assert newest is not None and newest.name == "step-000003"
+    shutil.rmtree(newest)  # killed after logging update 3 and its evaluation, before its checkpoint was complete
+    with open(tmp_path / "run" / "metrics.jsonl", "a", encoding="utf-8") as f:
+        f.write('{"step": 3, "loss"')  # and mid-line
+    report = await train_grpo(TrainConfig.parse(config_file=TINY_ARITH, **fields), resume=True, show_progress=False)
+
+    records = [json.loads(line) for line in report.metrics_path.read_text().splitlines()]
+    assert [r["step"] for r in records if "event" not in r] == [1, 2, 3]
+    assert [r["step"] for r in records if r.get("event") == "eval"] == [0, 2, 3]  # + the resumed run's start
+    assert report.steps_done == 3
