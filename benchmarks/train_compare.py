@@ -438,7 +438,13 @@ def main() -> None:
                         help="stop a GRPO arm whose every group had zero advantage for its first N updates")
     parser.add_argument("--no-train", action="store_true",
                         help="train nothing: summarise the finished runs, skipping arms and seeds not run")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="train this many arms at once, each in its own process pinned to one core with one torch "
+                             "thread (arms sharing a warm-up run in one process, one after the other); then summarise")
     args = parser.parse_args()
+    if args.jobs > 1 and not args.no_train:
+        run_in_parallel(args)
+        args.no_train = True  # everything is trained (or failed, and is reported missing): summarise
 
     runs: dict[str, dict[int, dict]] = {}
     for seed in args.seeds:
@@ -474,6 +480,57 @@ def main() -> None:
          "summary": {m: {a: {str(s): v for s, v in t.items()} for a, t in table.items()}
                      for m, table in tables.items()}}, indent=2) + "\n")
     plot(tables, out / "train_compare.png", f"task {args.task}, lr {args.learning_rate:g}, seeds {args.seeds}")
+
+
+def run_in_parallel(args: argparse.Namespace) -> None:
+    """Each seed's arms as jobs of this script (arms sharing a warm-up together), `args.jobs` at a
+    time, each pinned to its own core with one torch thread. A job's output goes to a .log file
+    beside its runs; an interrupted sweep started again resumes every unfinished arm."""
+    import concurrent.futures
+    import os
+    import queue
+    import subprocess
+    import sys
+
+    jobs: dict[tuple[int, str], list[str]] = {}
+    for seed in args.seeds:
+        for folder, fields in ARMS[args.task].values():
+            if args.arms is None or folder in args.arms:
+                warmup = fields.get(WARMUP)
+                jobs.setdefault((seed, warmup[0] if warmup else folder), []).append(folder)
+    cores: queue.Queue[int] = queue.Queue()
+    for core in sorted(os.sched_getaffinity(0))[:args.jobs]:
+        cores.put(core)
+    skipped = {"--jobs": 1, "--seeds": len(args.seeds), "--arms": len(args.arms or ())}
+    argv, i = [], 1
+    while i < len(sys.argv):  # this run's options, less those each job sets itself
+        if sys.argv[i] in skipped:
+            i += 1 + skipped[sys.argv[i]]
+            continue
+        argv.append(sys.argv[i])
+        i += 1
+
+    def run(seed: int, folders: list[str]) -> tuple[str, int]:
+        core = cores.get()
+        try:
+            log_path = args.output / args.task / f"lr-{args.learning_rate:g}" / f"seed-{seed}" / f"{folders[0]}.log"
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+            with open(log_path, "a", encoding="utf-8") as log_file:
+                done = subprocess.run([sys.executable, __file__, *argv, "--seeds", str(seed), "--arms", *folders],
+                                      stdout=log_file, stderr=subprocess.STDOUT, env=env, check=False,
+                                      preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+            return str(log_path), done.returncode
+        finally:
+            cores.put(core)
+
+    started = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        futures = [pool.submit(run, seed, folders) for (seed, _), folders in jobs.items()]
+        for future in concurrent.futures.as_completed(futures):
+            log_path, code = future.result()
+            print(f"{'done' if code == 0 else f'FAILED (exit {code})'}: {log_path}")
+    print(f"{len(jobs)} jobs on {args.jobs} cores in {time.perf_counter() - started:.0f} s")
 
 
 def plot(tables: dict, path: Path, title: str) -> None:
