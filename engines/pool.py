@@ -27,11 +27,12 @@ are up, `take_out` when one breaks, the prober and its hook for rejoins, the cou
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -92,9 +93,11 @@ class ReplicaPool:
         # Awaited in the order added on a down replica that passed /health, before its weights
         # probe; a raise keeps it down (add_rejoin_check).
         self._rejoin_checks: list[Callable[[Engine], Awaitable[None]]] = []
-        # Held while a replica rejoins, and by a trainer while it pushes weights: a replica
-        # then either got the push or rejoins after it (through the hook), never between.
-        self.membership = asyncio.Lock()
+        # State changes to every replica (weight pushes, `changing`): how many began or ended, and
+        # how many are in flight. A replica whose rejoin checks overlapped one is not admitted:
+        # it is probed again after the change, and caught up then. No lock is held across I/O.
+        self._generation = 0
+        self._changes_in_flight = 0
 
     def add_rejoin_check(self, check: Callable[[Engine], Awaitable[None]]) -> None:
         """Await `check(replica)` on every down replica that answers /health again, after the
@@ -102,6 +105,20 @@ class ReplicaPool:
         The coordinator adds one (lockstep: does it carry the plugin), a trainer another (push
         it the newest weights, which it missed while down)."""
         self._rejoin_checks.append(check)
+
+    @contextlib.asynccontextmanager
+    async def changing(self) -> AsyncIterator[list[int]]:
+        """A state change (a weight push) to every healthy replica: yields their indexes. A replica
+        that passes its rejoin checks while a change is in flight, or across one, stays down and
+        is probed again after it: it either got the change or rejoins after it, through the
+        checks (a trainer's catches it up), never in between."""
+        self._generation += 1
+        self._changes_in_flight += 1
+        try:
+            yield self.healthy
+        finally:
+            self._changes_in_flight -= 1
+            self._generation += 1
 
     @property
     def healthy(self) -> list[int]:
@@ -266,12 +283,16 @@ class ReplicaPool:
             for replica in [i for i, up in enumerate(self._up) if not up]:
                 if replica in self._refused and loop.time() < self._refused[replica][0]:
                     continue
-                async with self.membership:
-                    if not await self._passes(replica):
-                        continue
-                    self._up[replica] = True
-                    self._refused.pop(replica, None)
-                    self.counters.rejoins += 1
+                generation = self._generation
+                if self._changes_in_flight or not await self._passes(replica):
+                    continue
+                if self._changes_in_flight or self._generation != generation:  # checked against the old state
+                    log.info("%s passed its checks while the pool's replicas changed; probed again after the change",
+                             self.describe(replica))
+                    continue
+                self._up[replica] = True  # no await since the check above: nothing changed in between
+                self._refused.pop(replica, None)
+                self.counters.rejoins += 1
                 log.warning("%s passed /health and the weights probe: it rejoins the pool", self.describe(replica))
 
     async def _passes(self, replica: int) -> bool:

@@ -371,8 +371,7 @@ class BasePusher:
             report = await push(_vllm(self._single), HEALTH_WAIT_S)
             self._newest = (catch_up, expected)
             return report
-        async with self._pool.membership:  # no replica rejoins halfway through a push
-            indexes = self._pool.healthy
+        async with self._pool.changing() as indexes:  # no replica rejoins halfway through a push
             # The last replica standing is waited on as a lone server is: the run needs it.
             wait_s = REPLICA_HEALTH_WAIT_S if len(indexes) > 1 else HEALTH_WAIT_S
             results = await asyncio.gather(*(push(_vllm(self._pool.replicas[i]), wait_s) for i in indexes),

@@ -194,3 +194,35 @@ def test_assign_keeps_a_sequence_on_its_replica_until_it_is_down_or_full_and_cou
     assert pool.assign(0, {0: 2, 1: 0, 2: 1}, room=2) == 1 and pool.counters.moves == 1  # its replica is full
     pool.take_out(1, "connection reset")
     assert pool.assign(1, {0: 2, 2: 1}) == 2 and pool.counters.moves == 2  # its replica is down
+
+
+async def test_a_replica_whose_rejoin_overlaps_a_push_is_probed_again_after_it(caplog):
+    """No lock across I/O: the pool counts its changes, and a replica whose checks ran across one
+    (a push that began while it was being checked) stays out until it is checked again after."""
+    import asyncio
+
+    caplog.set_level("INFO", logger="dualvllm")
+    async with running_fakes(FakeModel(1), FakeModel(1), FakeModel(2)) as (a, b, t):
+        async with DualVLLMCoordinator(config([a, b], [t])) as c:
+            pool = c.base_engine
+            assert isinstance(pool, ReplicaPool)
+            entered, release, checks = asyncio.Event(), asyncio.Event(), []
+
+            async def slow_check(replica) -> None:  # a trainer's catch-up push takes a while
+                checks.append(replica.url)
+                entered.set()
+                await release.wait()
+
+            pool.add_rejoin_check(slow_check)
+            b.fail_next("/v1/completions", Failure(503))
+            await c.generate_batch(PROMPTS[:4], max_tokens=2, seed=1)
+            assert c.get_statistics()["theta_replicas_up"] == 1
+            await asyncio.wait_for(entered.wait(), 30)  # b answers /health and is being checked
+            async with pool.changing() as indexes:
+                assert indexes == [0]  # the push reaches a alone
+                release.set()  # b's checks pass, but they started before the push
+                await eventually(lambda: "probed again after the change" in caplog.text, "b's checks were set aside")
+                assert c.get_statistics()["theta_replicas_up"] == 1
+            await eventually(lambda: c.get_statistics()["theta_replicas_up"] == 2, "b rejoined after the push")
+            url = b.url
+    assert len(checks) >= 2 and set(checks) == {url}  # checked again after the push, then let in
