@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from common.errors import IncompatibleModelsError, InvalidInputError, TopKUnsupportedError
+from engines.pool import members
 from engines.protocol import Engine, ModelInfo
 
 # Strings whose token ids must agree between the two servers: plain text, digits and
@@ -21,8 +22,7 @@ TOKENIZER_PROBES = (
 def replica_pairs(theta: Engine, t: Engine) -> list[tuple[Engine, Engine]]:
     """(base, teacher) engine pairs that put every replica of both roles through the pair
     checks: each base replica with the first teacher, each other teacher with the first base."""
-    thetas = getattr(theta, "replicas", [theta])
-    ts = getattr(t, "replicas", [t])
+    thetas, ts = members(theta), members(t)
     return [(one, ts[0]) for one in thetas] + [(thetas[0], one) for one in ts[1:]]
 
 

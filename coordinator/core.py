@@ -36,7 +36,7 @@ from coordinator.stats import Statistics, StepTiming
 from common import heap
 from common.errors import InvalidInputError, LifecycleError, LockstepUnavailableError, TopKUnsupportedError
 from engines.lockstep_channel import LockstepChannel
-from engines.pool import ReplicaPool
+from engines.pool import ReplicaPool, as_pool, members, vllm_members
 from engines.protocol import Engine, ModelInfo
 from engines.vllm_client import CallObserver, VLLMClient
 
@@ -123,11 +123,10 @@ class DualVLLMCoordinator:
             await check_tokenizers(theta_one, t_one, pair_infos)
             eos_ids = await resolve_eos(theta_one, t_one, pair_infos, cfg.eos_token_ids)
             await check_top_k(theta_one, t_one, cfg.top_k, probe, min(vocab_sizes) if vocab_sizes else None)
-        for pool in (theta, t):
-            if isinstance(pool, ReplicaPool):
-                await pool.check_same_weights()
-                pool.start_probing()
-                self._stack.push_async_callback(pool.close)
+        for pool in filter(None, map(as_pool, (theta, t))):
+            await pool.check_same_weights()
+            pool.start_probing()
+            self._stack.push_async_callback(pool.close)
         max_len = min(infos[0].max_model_len, infos[1].max_model_len)
         log.info("coordinator ready: base %s, teacher %s, top_k=%d, eos=%s, max_model_len=%d",
                  infos[0].name, infos[1].name, cfg.top_k, sorted(eos_ids), max_len)
@@ -150,14 +149,13 @@ class DualVLLMCoordinator:
         cfg = self.config
         if cfg.mode == "per_token" or cfg.speculative_gamma:
             return None
-        servers = [client for engine in (theta, t)
-                   for client in (engine.replicas if isinstance(engine, ReplicaPool) else [engine])]
-        if not all(isinstance(server, VLLMClient) for server in servers):
+        roles = (vllm_members(theta), vllm_members(t))
+        if roles[0] is None or roles[1] is None:
             if cfg.mode == "lockstep":
                 raise LockstepUnavailableError("lockstep mode needs vLLM servers (VLLMClient engines)")
             return None
         channel = LockstepChannel(cfg.lockstep_host)
-        probe = await probe_servers(channel, servers, await theta.tokenize("Hello"), stop_token,
+        probe = await probe_servers(channel, roles[0] + roles[1], await theta.tokenize("Hello"), stop_token,
                                     cfg.request_timeout)
         if probe.unavailable is not None:
             channel.close()
@@ -168,9 +166,8 @@ class DualVLLMCoordinator:
         scheduler = LockstepScheduler(theta, t, config=cfg, eos_ids=eos_ids, max_len=max_len,
                                       stats=self._stats, channel=channel, stop_token=stop_token,
                                       capacity=probe.capacity, vocab_size=vocab_size)
-        for pool in (theta, t):
-            if isinstance(pool, ReplicaPool):  # a replica restarted without the plugin stays out
-                pool.add_rejoin_check(scheduler.check_plugin)
+        for pool in filter(None, map(as_pool, (theta, t))):  # a replica restarted without the plugin stays out
+            pool.add_rejoin_check(scheduler.check_plugin)
         if scheduler.capacity < cfg.max_batch_size:
             log.info("lockstep: at most %d sequences at once (%d per server, the servers' max_num_seqs), not "
                      "max_batch_size=%d", scheduler.capacity, probe.capacity, cfg.max_batch_size)
@@ -392,9 +389,8 @@ class DualVLLMCoordinator:
         that are not VLLMClients)."""
         self._require_open()
         for engine in (self._theta, self._t):
-            for client in (engine.replicas if isinstance(engine, ReplicaPool) else [engine]):
-                if isinstance(client, VLLMClient):
-                    client.observers.append(observer)
+            for client in vllm_members(engine) or []:
+                client.observers.append(observer)
 
     @contextlib.asynccontextmanager
     async def paused(self) -> AsyncIterator[None]:
@@ -418,17 +414,15 @@ class DualVLLMCoordinator:
         lockstep mode also parks, resubmissions, the share of server steps that ran ahead of the
         other server's, how long the servers waited on the coordinator (a "step" there is
         the time between decisions), and how often new sequences were admitted out of step."""
-        engines = [c for e in (self._theta, self._t) if e is not None
-                   for c in (e.replicas if isinstance(e, ReplicaPool) else [e])]
+        engines = [c for e in (self._theta, self._t) if e is not None for c in members(e)]
         summary = self._stats.summary(
             requests=sum(getattr(e, "requests", 0) for e in engines),
             retries=sum(getattr(e, "retries", 0) for e in engines),
             request_failures=sum(getattr(e, "failures", 0) for e in engines),
         )
-        for engine in (self._theta, self._t):
-            if isinstance(engine, ReplicaPool):
-                summary.update(engine.counters.summary(engine.name))
-                summary[f"{engine.name}_replicas_up"] = len(engine.healthy)
+        for pool in filter(None, map(as_pool, filter(None, (self._theta, self._t)))):
+            summary.update(pool.counters.summary(pool.name))
+            summary[f"{pool.name}_replicas_up"] = len(pool.healthy)
         if self._scheduler is not None:
             summary.update(self._scheduler.statistics())
         return summary

@@ -39,6 +39,7 @@ import numpy as np
 from common.errors import DualVLLMError, IncompatibleModelsError, ServerError, ServerRejectedError
 from common.tasks import stop
 from engines.protocol import PAD_TOKEN_ID, Engine, ModelInfo, TopKBatch
+from engines.vllm_client import VLLMClient
 
 log = logging.getLogger("dualvllm.pool")
 T = TypeVar("T")
@@ -364,3 +365,20 @@ def live_members(engine: Engine) -> list[Engine]:
     """The engines a role's calls reach: a pool's healthy replicas, or the engine itself (one
     server). Kept here so that nothing outside engines/ tells a pool from a server."""
     return [engine.replicas[i] for i in engine.healthy] if isinstance(engine, ReplicaPool) else [engine]
+
+
+def members(engine: Engine) -> list[Engine]:
+    """Every engine of a role, up or down: a pool's replicas, or the engine itself."""
+    return list(engine.replicas) if isinstance(engine, ReplicaPool) else [engine]
+
+
+def as_pool(engine: Engine) -> ReplicaPool | None:
+    """The role's pool, for what only a pool has (membership, its counters); None for one server."""
+    return engine if isinstance(engine, ReplicaPool) else None
+
+
+def vllm_members(engine: Engine) -> list[VLLMClient] | None:
+    """Every member of a role as a vLLM server client, or None if any is another kind of engine
+    (an in-process one, a test's): what lockstep, weight pushes and call observers need."""
+    servers = members(engine)
+    return servers if all(isinstance(s, VLLMClient) for s in servers) else None  # type: ignore[return-value]

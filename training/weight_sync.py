@@ -52,7 +52,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import numpy as np
 
 from common.errors import ServerConnectError, ServerError, WeightSyncError
-from engines.pool import ReplicaPool
+from engines.pool import as_pool, vllm_members
 from engines.protocol import Engine, TopKBatch
 from engines.vllm_client import VLLMClient
 from engines.weights_dir import checked_weights_dir
@@ -272,7 +272,7 @@ class BasePusher:
 
     def __init__(self, base: Engine, probes: Sequence[Sequence[int]], *, top_k: int = 20,
                  tolerance: float | None = None, via: WeightsVia = "auto") -> None:
-        self._pool = base if isinstance(base, ReplicaPool) else None
+        self._pool = as_pool(base)
         self._single = base
         self._probes = [list(p) for p in probes]
         self._top_k, self._given_tolerance = top_k, tolerance
@@ -406,10 +406,11 @@ class BasePusher:
 
 
 def _vllm(engine: Engine) -> VLLMClient:
-    if not isinstance(engine, VLLMClient):
-        raise WeightSyncError(f"weights are pushed into vLLM servers; the base engine {engine.name!r} is a "
-                              f"{type(engine).__name__}")
-    return engine
+    servers = vllm_members(engine)
+    if servers is None or len(servers) != 1:
+        raise WeightSyncError(f"weights are pushed into vLLM servers one at a time; the base engine "
+                              f"{engine.name!r} is a {type(engine).__name__}")
+    return servers[0]
 
 
 async def reload_and_verify(client: VLLMClient, weights_dir: Path, probes: Sequence[Sequence[int]],

@@ -11,7 +11,7 @@ from collections import Counter
 
 from common.errors import ServerError
 from coordinator.lockstep.table import ROLES, Live
-from engines.pool import ReplicaPool
+from engines.pool import ReplicaPool, as_pool, members
 from engines.vllm_client import VLLMClient
 
 
@@ -20,9 +20,8 @@ class Placement:
                  loads: Counter[str]) -> None:
         """`per_server`: the most sequences one server runs at once; `loads`: placed sequences
         per server url (the table's count, read here, never changed)."""
-        self._pools = tuple(e if isinstance(e, ReplicaPool) else None for e in (theta, t))
-        self._replicas: tuple[list[VLLMClient], list[VLLMClient]] = tuple(  # type: ignore[assignment]
-            list(e.replicas) if isinstance(e, ReplicaPool) else [e] for e in (theta, t))
+        self._pools = (as_pool(theta), as_pool(t))
+        self._replicas: tuple[list[VLLMClient], list[VLLMClient]] = (members(theta), members(t))  # type: ignore[assignment]
         self.per_server = per_server
         self._loads = loads
 
