@@ -41,7 +41,7 @@ from vllm.distributed.weight_transfer import (
 )
 from vllm.distributed.weight_transfer.base import TrainerInitInfo
 
-from common.errors import ServerError, WeightSyncError
+from common.errors import ServerError, ServerRejectedError, ServerUnavailableError, WeightSyncError
 from engines.vllm_client import VLLMClient
 from engines.weight_transfer import BACKEND, SEGMENT_PREFIX, ShmInitInfo, ShmUpdateInfo, aligned, segment_path
 from training import lora
@@ -190,7 +190,14 @@ class SharedMemoryTrainerEngine(TrainerWeightTransferEngine[ShmTrainerInitInfo])
                 raise
             log.warning("the server still held a weight update that was started and never finished (a trainer "
                         "that died mid-push?); finishing it before this push")
-            self.client.finish_weight_update(None)
+            try:
+                self.client.finish_weight_update(None)
+            except ServerUnavailableError:
+                # The refused start's 500 left its connection closed (uvicorn closes it after an
+                # unhandled error), and the finish sent on it may not have gone out: once more.
+                # Had it gone out, vLLM refuses the second finish ("without a matching start").
+                with contextlib.suppress(ServerRejectedError):
+                    self.client.finish_weight_update(None)
             self.client.start_weight_update()
 
     def _chunks(self) -> Iterator[list[tuple[str, torch.Tensor]]]:

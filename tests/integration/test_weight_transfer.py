@@ -78,6 +78,31 @@ async def test_a_push_goes_through_memory_and_is_served(transfer_pair, tmp_path,
         await pusher.push(base_model(), tokenizer, tmp_path / "step-000003")
 
 
+async def test_a_push_after_a_trainer_died_mid_update_finishes_that_update_first(transfer_pair, tmp_path, caplog):
+    """A trainer killed between start and finish leaves the server paused with its update open
+    (vLLM refuses a second start); the next push finishes it, then pushes and resumes the server."""
+    theta, _ = transfer_pair
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tinymodels.BASE_DIR)
+    learner = teacher_model()
+    async with VLLMClient(theta.url, name="theta") as client:
+        await client.pause(mode="keep")  # what the dead trainer did before it died: pause, init, start
+        bridge = weight_transfer.LoopBridge(client, asyncio.get_running_loop())
+
+        def begin() -> None:
+            weight_transfer.SharedMemoryTrainerEngine.trainer_init(
+                weight_transfer.ShmTrainerInitInfo(rank=0), client=bridge,
+                source=weight_transfer.LearnerSource(learner, torch.float32))
+            bridge.start_weight_update()
+
+        await asyncio.to_thread(begin)
+        with caplog.at_level(logging.WARNING, logger="dualvllm.training"):
+            report = await BasePusher(client, probes(tokenizer)).push(learner, tokenizer, tmp_path / "a")
+        assert report.max_abs_diff < 1e-3
+        assert "started and never finished" in caplog.text
+        assert await client.call("GET", "/is_paused") == {"is_paused": False}
+        await BasePusher(client, probes(tokenizer)).push(base_model(), tokenizer, tmp_path / "b")  # back to the base
+
+
 async def test_a_lora_push_moves_only_the_adapted_layers(transfer_pair):
     peft = pytest.importorskip("peft")
     theta, _ = transfer_pair
