@@ -49,6 +49,16 @@ def ema_update(ema: np.ndarray, means: np.ndarray, decay: float) -> np.ndarray:
     return np.where(np.isnan(ema), means, decay * ema + (1.0 - decay) * means)
 
 
+def emas_to_json(ema: np.ndarray) -> list[float | None]:
+    """Per-task EMAs for a checkpoint's JSON: strict JSON has no NaN, so unseen tasks are None."""
+    return [None if math.isnan(x) else x for x in ema.tolist()]
+
+
+def emas_from_json(values: Sequence[float | None]) -> np.ndarray:
+    """`emas_to_json`'s inverse -> float64 [n], NaN where unseen."""
+    return np.array([np.nan if x is None else x for x in values], dtype=np.float64)
+
+
 def difficulty_buckets(emas: np.ndarray, grid: int = 256, min_depth: float = VALLEY_MIN_DEPTH) -> np.ndarray:
     """Bucket id per task, 0 = hardest (lowest EMA); emas [n] -> int64 [n] with ids 0..K-1, none empty.
 
@@ -220,7 +230,7 @@ class Curriculum:
         """JSON-serializable (strict JSON: unseen EMAs are None), for checkpoints."""
         return {"n_tasks": self.n_tasks, "seed": self.seed, "ema_decay": self.ema_decay,
                 "skip_steps": self.skip_steps, "hard_weight": self.hard_weight, "calls": self._calls,
-                "ema": [None if math.isnan(x) else x for x in self._ema.tolist()],
+                "ema": emas_to_json(self._ema),
                 "skip_left": self._skip_left.tolist(), "offered": self._offered.tolist()}
 
     @classmethod
@@ -229,7 +239,7 @@ class Curriculum:
         try:
             curriculum = cls(n_tasks=state["n_tasks"], seed=state["seed"], ema_decay=state["ema_decay"],
                              skip_steps=state["skip_steps"], hard_weight=state["hard_weight"])
-            ema = np.array([np.nan if x is None else x for x in state["ema"]], dtype=np.float64)
+            ema = emas_from_json(state["ema"])
             skip_left = np.array(state["skip_left"], dtype=np.int64)
             offered = np.array(state["offered"], dtype=bool)
             calls = int(state["calls"])

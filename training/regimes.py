@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from common.errors import InvalidInputError
-from training.curriculum import ema_update, weighted_draw
+from training.curriculum import ema_update, emas_from_json, emas_to_json, weighted_draw
 
 NEVER, SOMETIMES, ALWAYS = 0, 1, 2
 REGIME_NAMES = ("never", "sometimes", "always")
@@ -133,7 +133,7 @@ class Regimes:
         return {"n_tasks": self.n_tasks, "seed": self.seed, "decay": self.decay, "never_enter": self.never_enter,
                 "never_exit": self.never_exit, "always_enter": self.always_enter, "always_exit": self.always_exit,
                 "solved_weight": self.solved_weight, "calls": self._calls,
-                "ema": [None if np.isnan(x) else x for x in self._ema.tolist()], "regime": self._regime.tolist(),
+                "ema": emas_to_json(self._ema), "regime": self._regime.tolist(),
                 "offered": self._offered.tolist()}
 
     @classmethod
@@ -142,7 +142,7 @@ class Regimes:
         try:
             settings = {name: state[name] for name in ("n_tasks", "seed", "decay", "never_enter", "never_exit",
                                                        "always_enter", "always_exit", "solved_weight")}
-            ema = np.array([np.nan if x is None else x for x in state["ema"]], dtype=np.float64)
+            ema = emas_from_json(state["ema"])
             regime = np.array(state["regime"], dtype=np.int64)
             offered = np.array(state["offered"], dtype=bool)
             calls = int(state["calls"])
