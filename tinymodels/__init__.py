@@ -15,7 +15,7 @@ own privileged-information teacher (`--teacher self --teacher-template`).
 `BASE_MIXED_DIR` and `TEACHER_MIXED_DIR` (`python -m tinymodels.build --mixed-pair`) are the
 mixed task's pair (`tinymodels.task.mixed_problems`): a base that answers as the base does and
 also copies a hint (the skill its training never asks for, so that forgetting shows), and a
-teacher that solves all three difficulties.
+teacher that solves all three difficulties (not committed yet: build them first).
 Importing this package does not import torch.
 """
 
