@@ -98,6 +98,8 @@ def child(spec: dict) -> dict:
     """One update in this (fresh) process: its wall time and the process's peak RSS."""
     if spec["code_root"]:
         sys.path.insert(0, spec["code_root"])
+    import logging
+
     import psutil
     import torch
 
@@ -116,6 +118,10 @@ def child(spec: dict) -> dict:
     batch = synthetic_batch(spec["rollouts"], spec["group_size"], spec["prompt_tokens"], spec["completion_tokens"],
                             seed=2)
     rss_before = psutil.Process().memory_info().rss
+    # The measured update's progress, micro-batch by micro-batch, on stderr (an update at the
+    # real shape runs for an hour on 2 CPU cores; the parent echoes it).
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    logging.getLogger("dualvllm.training").setLevel(logging.DEBUG)
     started = time.perf_counter()
     metrics = learner.train_step(batch, objective)
     seconds = time.perf_counter() - started
@@ -127,13 +133,19 @@ def child(spec: dict) -> dict:
 
 
 def measure(spec: dict) -> dict:
-    """`child(spec)` in a fresh interpreter (same niceness), its report read from its last line."""
-    done = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
-                          cwd=REPO)
-    if done.returncode != 0:
-        return {**spec, "failed": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else
-                f"exit {done.returncode}", "exit_code": done.returncode}
-    return {**spec, **json.loads(done.stdout.strip().splitlines()[-1])}
+    """`child(spec)` in a fresh interpreter (same niceness), its report read from its last line; its
+    stderr (the update's progress) echoed as it comes."""
+    with subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, cwd=REPO) as child_process:
+        last = ""
+        for line in child_process.stderr:  # type: ignore[union-attr]
+            print(line, end="", file=sys.stderr, flush=True)
+            last = line.strip() or last
+        stdout = child_process.stdout.read()  # type: ignore[union-attr]
+        code = child_process.wait()
+    if code != 0:
+        return {**spec, "failed": last or f"exit {code}", "exit_code": code}
+    return {**spec, **json.loads(stdout.strip().splitlines()[-1])}
 
 
 def unchunked_logits_gb(rollouts: int, prompt_tokens: int, completion_tokens: int) -> dict[str, float]:

@@ -48,7 +48,7 @@ from benchmarks import harness  # noqa: E402
 from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
 from coordinator.step import mix_and_sample  # noqa: E402
 from engines.protocol import ModelInfo, TopKBatch  # noqa: E402
-from engines.vllm_client import VLLMClient, _decode_completion  # noqa: E402
+from engines import vllm_answers  # noqa: E402
 
 VOCAB = 32_000
 POOL_ROWS = 1024  # distinct synthetic rows the stub engines cycle through
@@ -163,8 +163,9 @@ def cpu_table(args: argparse.Namespace) -> list[dict]:
 
         mix_us = cpu_us(mix, args.repeats, inner)
         body = vllm_answer(theta)
-        client = VLLMClient("http://127.0.0.1:1", name="theta")
-        parse_us = cpu_us(lambda: client._parse_topk(_decode_completion(body), batch, k), args.repeats, inner)
+        ids = vllm_answers.TokenIdCache()
+        parse_us = cpu_us(lambda: vllm_answers.next_token_rows(vllm_answers.decode_completion(body), batch, k, ids),
+                          args.repeats, inner)
         step = loop.run(step_cost(batch, k, args.overlap, args.step_tokens, args.repeats))
         row = {
             "batch_size": batch, "top_k": k,

@@ -47,7 +47,7 @@ def cpu_weight_sync(url: str, model_of: Any) -> Iterator[list[Any]]:
 
     async def push() -> Any:
         async with VLLMClient(url, name="q* service") as service:
-            dtype = await service.served_dtype() or "float32"
+            dtype = await service.admin.served_dtype() or "float32"
             return await weight_transfer.send_weights(service, model_of(), dtype=dtype,
                                                       weight_version=f"trl-{len(pushes)}")
 

@@ -105,11 +105,11 @@ class DevRoutes:
 
     def bases(self) -> list[WeightTransferServer]:
         """Every healthy base replica (one without a pool)."""
-        members = live_members(self.coordinator.base_engine)
-        if not members or not all(isinstance(m, WeightTransferServer) for m in members):
+        admins = [getattr(m, "admin", None) for m in live_members(self.coordinator.base_engine)]
+        if not admins or not all(isinstance(a, WeightTransferServer) for a in admins):
             raise RequestError("the dev routes forward to vLLM base servers; this coordinator's base engine "
                                f"{self.coordinator.base_engine.name!r} is not one", code="unsupported_parameter")
-        return members  # type: ignore[return-value]
+        return admins  # type: ignore[return-value]
 
     async def _each(self, call: Callable[[WeightTransferServer], Awaitable[Any]]) -> list[Any]:
         return list(await asyncio.gather(*(call(c) for c in self.bases())))

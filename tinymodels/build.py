@@ -45,6 +45,7 @@ tied embeddings served logprobs that matched neither the old nor the new checkpo
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import random
 import shlex
@@ -360,25 +361,32 @@ def difficulty_accuracy(model: Qwen2ForCausalLM, tokenizer: Qwen2Tokenizer, spli
     return accuracy | {"retained (hint copying)": greedy_accuracy(model, tokenizer, retained_problems(), HINT_MAX_LEN)}
 
 
-def build_mixed_pair(args: argparse.Namespace, tokenizer: Qwen2Tokenizer) -> dict:
-    """Writes base-mixed/ and teacher-mixed/ for the mixed task; returns their records."""
-    base = Qwen2ForCausalLM.from_pretrained(args.out / "base")
-    torch.manual_seed(6)
+MIXED_MODELS = ("base-mixed", "teacher-mixed")
+
+
+def build_mixed_pair(args: argparse.Namespace, tokenizer: Qwen2Tokenizer, names: Sequence[str]) -> dict:
+    """Writes `names` (of base-mixed/ and teacher-mixed/, independent of each other: two processes
+    may build one each) for the mixed task; returns their records."""
     train_rows = mixed_problems("train")
     by_difficulty = [[p for d, p in train_rows if d == k] for k in MIXED_DIFFICULTIES]
-    replays = [replay(base, tokenizer, (rows * (REPLAY_ROWS // len(rows) + 1))[:REPLAY_ROWS], seed=i)
-               for i, rows in enumerate(by_difficulty)]
-    hint_two = hinted(problems("train", seed=0)[EVAL_PROBLEMS:])
-    hint_hard = hinted(hard_problems("train", HARD_ROWS["train"]))
-    held_out, hint_hard = hint_hard[:EVAL_PROBLEMS], hint_hard[EVAL_PROBLEMS:]
-    records = {"base": {"record": difficulty_accuracy(base, tokenizer, "test")}}
-    plans = (
-        (TrainPlan("base-mixed", seed=6, max_steps=args.mixed_base_steps, stop_at_accuracy=MIXED_TARGET,
-                   lr=HARD_TEACHER_LR, max_len=LONG_MAX_LEN, init=args.out / "base", prompt_loss=False),
-         [hint_two, hint_hard, *replays], held_out, MIXED_BASE_BATCH),
-        (TrainPlan("teacher-mixed", seed=7, max_steps=args.mixed_teacher_steps, stop_at_accuracy=MIXED_TARGET,
-                   lr=HARD_TEACHER_LR, max_len=LONG_MAX_LEN, init=args.out / "teacher-hard", prompt_loss=False),
-         by_difficulty, [p for _, p in mixed_problems("val")], MIXED_BATCH))
+    records, plans = {}, []
+    if "base-mixed" in names:
+        base = Qwen2ForCausalLM.from_pretrained(args.out / "base")
+        torch.manual_seed(6)
+        replays = [replay(base, tokenizer, (rows * (REPLAY_ROWS // len(rows) + 1))[:REPLAY_ROWS], seed=i)
+                   for i, rows in enumerate(by_difficulty)]
+        hint_two = hinted(problems("train", seed=0)[EVAL_PROBLEMS:])
+        hint_hard = hinted(hard_problems("train", HARD_ROWS["train"]))
+        held_out, hint_hard = hint_hard[:EVAL_PROBLEMS], hint_hard[EVAL_PROBLEMS:]
+        records["base"] = {"record": difficulty_accuracy(base, tokenizer, "test")}
+        plans.append((TrainPlan("base-mixed", seed=6, max_steps=args.mixed_base_steps, stop_at_accuracy=MIXED_TARGET,
+                                lr=HARD_TEACHER_LR, max_len=LONG_MAX_LEN, init=args.out / "base", prompt_loss=False),
+                      [hint_two, hint_hard, *replays], held_out, MIXED_BASE_BATCH))
+    if "teacher-mixed" in names:
+        plans.append((TrainPlan("teacher-mixed", seed=7, max_steps=args.mixed_teacher_steps,
+                                stop_at_accuracy=MIXED_TARGET, lr=HARD_TEACHER_LR, max_len=LONG_MAX_LEN,
+                                init=args.out / "teacher-hard", prompt_loss=False),
+                      by_difficulty, [p for _, p in mixed_problems("val")], MIXED_BATCH))
     for plan, pools, stop_on, batch_size in plans:
         model, record = train(plan, tokenizer, pools, stop_on, batch_size)
         record |= {"init": plan.init.name if plan.init else None, "lr": plan.lr, "batch_size": batch_size,
@@ -405,10 +413,16 @@ def measure_hard(out: Path) -> dict:
     return report
 
 
-def update_report(path: Path, entries: dict) -> None:
-    """Merges `entries` into the JSON report at `path`, keeping the other commands' entries."""
-    report = json.loads(path.read_text()) if path.exists() else {}
-    path.write_text(json.dumps(report | entries, indent=2) + "\n")
+def update_report(path: Path, entries: dict, *, section: str | None = None) -> None:
+    """Merges `entries` into the JSON report at `path`, keeping the other commands' entries (with
+    `section`: into that entry, keeping its other keys). Under a lock: two builds of one section
+    (--mixed-pair base-mixed, --mixed-pair teacher-mixed) may finish together."""
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        report = json.loads(path.read_text()) if path.exists() else {}
+        if section is not None:
+            entries = {section: report.get(section, {}) | entries}
+        path.write_text(json.dumps(report | entries, indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -422,9 +436,10 @@ def main(argv: list[str] | None = None) -> int:
                       help="build only base-hint/ (the base taught to copy a hint), recorded as base_hint")
     only.add_argument("--long-teacher", action="store_true",
                       help="build only teacher-long/ (the long task), recorded as teacher_long")
-    only.add_argument("--mixed-pair", action="store_true",
+    only.add_argument("--mixed-pair", nargs="*", choices=MIXED_MODELS, default=None,
                       help="build only base-mixed/ (the base that keeps copying hints) and teacher-mixed/ (all three "
-                           "difficulties) for the mixed task, recorded as mixed_pair")
+                           "difficulties) for the mixed task, or the one named, recorded in mixed_pair (name one "
+                           "per process to build both at once on two cores)")
     only.add_argument("--measure-hard", action="store_true",
                       help="build nothing: score base/, teacher/, teacher-hard/ on hard_test, recorded as hard_task")
     only.add_argument("--shape", choices=sorted(SHAPES),
@@ -460,8 +475,12 @@ def main(argv: list[str] | None = None) -> int:
         entries = {"base_hint": {"command": command, **build_hint_base(args, build_tokenizer())}}
     elif args.long_teacher:
         entries = {"teacher_long": {"command": command, **build_long_teacher(args, build_tokenizer())}}
-    elif args.mixed_pair:
-        entries = {"mixed_pair": {"command": command, **build_mixed_pair(args, build_tokenizer())}}
+    elif args.mixed_pair is not None:
+        names = args.mixed_pair or MIXED_MODELS
+        records = build_mixed_pair(args, build_tokenizer(), names)
+        update_report(args.out / "build_report.json", {f"{name} command": command for name in names} | records,
+                      section="mixed_pair")
+        return 0
     elif args.measure_hard:
         entries = {"hard_task": {"command": command, **measure_hard(args.out)}}
     else:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,8 @@ from training.distill import sft_loss, teacher_advantages, topk_divergence
 from training.logprobs import body_and_head, last_hidden_states, selected_logprobs
 from training.losses import advantages as group_advantages, normalize, policy_loss
 from training.rollouts import Rollout, ScoredBatch
+
+log = logging.getLogger("dualvllm.training")
 
 # Completion positions per lm_head chunk: one chunk's float32 logits at Qwen3's vocabulary are
 # 256 x 151,936 x 4 B = 156 MB, and its backward holds a few such buffers (training.logprobs).
@@ -271,7 +274,8 @@ class Learner:
             first = self._first_pass_logprobs(prepared, slices) if self._advantages_need_logprobs(objective) else None
             advantages, _ = self._advantages(prepared, objective, first)
         values, references = [], []
-        for rows in slices:
+        started = time.perf_counter()
+        for done, rows in enumerate(slices, 1):
             packed = pack(prepared.rollouts[rows], self.pad_id)
             reference = self._reference_logprobs(packed, objective)
             with self._training():
@@ -282,6 +286,7 @@ class Learner:
                     share.backward()
             values.append(part.detach())
             references.append(reference)
+            log.debug("gradient pass: micro-batch %d/%d, %.1f s", done, len(slices), time.perf_counter() - started)
         width = prepared.packed.targets.shape[1]
         reference = _padded_rows(references, width) if references[0] is not None else None
         with torch.no_grad():
@@ -338,9 +343,13 @@ class Learner:
 
     def _first_pass_logprobs(self, prepared: Prepared, slices: Sequence[slice]) -> torch.Tensor:
         """log pi_theta of every completion token, micro-batch by micro-batch, without gradients -> [B, T]."""
+        parts, started = [], time.perf_counter()
         with torch.no_grad():
-            parts = [completion_logprobs(self.model, pack(prepared.rollouts[rows], self.pad_id),
-                                         chunk_size=self.logit_chunk_size) for rows in slices]
+            for done, rows in enumerate(slices, 1):
+                parts.append(completion_logprobs(self.model, pack(prepared.rollouts[rows], self.pad_id),
+                                                 chunk_size=self.logit_chunk_size))
+                log.debug("pass without gradients: micro-batch %d/%d, %.1f s", done, len(slices),
+                          time.perf_counter() - started)
         return _padded_rows(parts, prepared.packed.targets.shape[1])
 
     def _advantages(self, prepared: Prepared, objective: Objective,

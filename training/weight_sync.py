@@ -185,7 +185,7 @@ async def push_weights(client: VLLMClient, model: Any, tokenizer: Any, out_dir: 
 
 async def served_dtype(client: VLLMClient) -> str:
     """The dtype `client`'s server computes in; float32, with a warning, if it cannot tell."""
-    dtype = await client.served_dtype()
+    dtype = await client.admin.served_dtype()
     if dtype is None:
         log.warning("%s server at %s does not say its dtype (no /server_info: is it in dev mode?); pushing and "
                     "verifying in float32", client.name, client.url)
@@ -294,7 +294,7 @@ class BasePusher:
     async def in_memory(self) -> bool:
         """Whether pushes go through the servers' memory (decided once, logged once)."""
         if self._in_memory is None:
-            backend = None if self._via == "disk" else await _vllm(self._first()).weight_transfer_backend()
+            backend = None if self._via == "disk" else await _vllm(self._first()).admin.weight_transfer_backend()
             if self._via == "memory" and backend is None:
                 raise WeightSyncError(f"weights_via is 'memory', but the base server at {_vllm(self._first()).url} "
                                       "has no weight-transfer engine: start it with dev mode and "
@@ -470,13 +470,13 @@ async def _fenced_reload(client: VLLMClient, weights_dir: Path, health_wait_s: f
     server survived it.
     """
     # Fence the reload: requests in flight finish on the old weights, new ones wait.
-    fenced = await client.pause(mode="wait")
+    fenced = await client.admin.pause(mode="wait")
     if not fenced:
         log.warning("%s server has no /pause endpoint; reloading weights without fencing requests", client.name)
     try:
         failure = None
         try:
-            await client.reload_weights(weights_dir, timeout_s=reload_timeout_s)
+            await client.admin.reload_weights(weights_dir, timeout_s=reload_timeout_s)
         except ServerError as err:
             if not err.retryable:  # a 4xx refusal (a resend is refused too) or a malformed 2xx
                 raise WeightSyncError(await _failure_message(
@@ -484,13 +484,13 @@ async def _fenced_reload(client: VLLMClient, weights_dir: Path, health_wait_s: f
             failure = err
             await _wait_healthy(client, weights_dir, failure, health_wait_s)
         # Inside the fence, where no request holds KV blocks: the reset is refused otherwise.
-        await client.reset_prefix_cache()
+        await client.admin.reset_prefix_cache()
     except BaseException:
         if fenced:
             await resume_after_failure(client)
         raise
     if fenced:
-        await client.resume()
+        await client.admin.resume()
     return failure
 
 
@@ -498,7 +498,7 @@ async def resume_after_failure(client: VLLMClient) -> None:
     """/resume after a failed push (a reload, or an in-memory transfer); a server that died
     cannot take it, and the error being raised already says what happened."""
     try:
-        await client.resume()
+        await client.admin.resume()
     except ServerError as err:
         log.warning("%s server at %s could not be resumed after a failed push: %s", client.name, client.url, err)
 

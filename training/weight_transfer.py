@@ -280,16 +280,16 @@ class LoopBridge:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(self._timeout_s + 30)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._run(self._client.init_weight_transfer_engine(init_info, timeout_s=self._timeout_s))
+        self._run(self._client.admin.init_weight_transfer_engine(init_info, timeout_s=self._timeout_s))
 
     def start_weight_update(self) -> None:
-        self._run(self._client.start_weight_update(timeout_s=self._timeout_s))
+        self._run(self._client.admin.start_weight_update(timeout_s=self._timeout_s))
 
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        self._run(self._client.update_weights(update_info, timeout_s=self._timeout_s))
+        self._run(self._client.admin.update_weights(update_info, timeout_s=self._timeout_s))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._run(self._client.finish_weight_update(weight_version, timeout_s=self._timeout_s))
+        self._run(self._client.admin.finish_weight_update(weight_version, timeout_s=self._timeout_s))
 
 
 async def send_weights(client: VLLMClient, model: Any, *, dtype: str, weight_version: str | None = None,
@@ -365,7 +365,7 @@ async def transfer_and_verify(client: VLLMClient, model: Any, probes: Sequence[S
     """Push `model`'s weights into the server's memory, fenced by pause(mode="keep"), then check
     on the probes that it serves them (`expected`: `expected_logprobs`)."""
     started = time.perf_counter()
-    fenced = await client.pause(mode="keep")
+    fenced = await client.admin.pause(mode="keep")
     if not fenced:
         log.warning("%s server has no /pause endpoint; pushing weights without fencing requests", client.name)
     try:
@@ -374,14 +374,14 @@ async def transfer_and_verify(client: VLLMClient, model: Any, probes: Sequence[S
         # Requests frozen by the pause hold KV the old weights computed: dropping it (and the prefix
         # cache) makes them recompute their context with the new weights when they resume.
         reset = time.perf_counter()
-        await client.reset_prefix_cache(reset_running_requests=True)
+        await client.admin.reset_prefix_cache(reset_running_requests=True)
         stats.seconds["reset"] = time.perf_counter() - reset
     except BaseException:
         if fenced:
             await resume_after_failure(client)
         raise
     if fenced:
-        await client.resume()
+        await client.admin.resume()
     verify = time.perf_counter()
     diff = compare_logprobs(await client.next_token_topk(probes, top_k), expected)
     stats.seconds["verify"] = time.perf_counter() - verify

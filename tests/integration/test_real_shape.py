@@ -56,7 +56,7 @@ def served(shape_pair, tmp_path_factory):
 async def test_the_pair_is_served_in_bfloat16_at_the_real_vocabulary(served, shape_pair):
     theta, _ = served
     async with VLLMClient(theta.url, name="theta") as base:
-        assert await base.served_dtype() == "bfloat16"
+        assert await base.admin.served_dtype() == "bfloat16"
         assert (await base.model_info()).vocab_size == 151_936
         tokenizer = transformers.AutoTokenizer.from_pretrained(shape_pair[0])
         for text in QUESTIONS:  # the server's tokenizer is the one this process loads

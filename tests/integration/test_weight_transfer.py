@@ -68,7 +68,7 @@ async def test_a_push_goes_through_memory_and_is_served(transfer_pair, tmp_path,
         assert {"init", "start", "send", "finish", "reset", "verify", "total"} <= set(report.seconds)
         assert not (tmp_path / "step-000001").exists()  # nothing was written to disk
         assert "pushed in memory" in caplog.text
-        assert await client.weight_version() == "step-000001"
+        assert await client.admin.weight_version() == "step-000001"
         # A second push of changed weights
         with torch.no_grad():
             learner.lm_head.weight.mul_(1.1)
@@ -85,7 +85,7 @@ async def test_a_push_after_a_trainer_died_mid_update_finishes_that_update_first
     tokenizer = transformers.AutoTokenizer.from_pretrained(tinymodels.BASE_DIR)
     learner = teacher_model()
     async with VLLMClient(theta.url, name="theta") as client:
-        await client.pause(mode="keep")  # what the dead trainer did before it died: pause, init, start
+        await client.admin.pause(mode="keep")  # what the dead trainer did before it died: pause, init, start
         bridge = weight_transfer.LoopBridge(client, asyncio.get_running_loop())
 
         def begin() -> None:
@@ -234,7 +234,7 @@ async def test_a_server_without_a_transfer_engine_is_pushed_through_the_disk(vll
     """The shared tiny pair is not in dev mode: `auto` falls back (logged), `memory` refuses."""
     theta, _ = vllm_pair
     async with VLLMClient(theta.url, name="theta") as client:
-        assert await client.weight_transfer_backend() is None
+        assert await client.admin.weight_transfer_backend() is None
         with pytest.raises(WeightSyncError, match="has no weight-transfer engine"):
             await BasePusher(client, [[1, 2, 3]], via="memory").in_memory()
         with caplog.at_level(logging.INFO, logger="dualvllm.training"):

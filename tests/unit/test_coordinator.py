@@ -283,7 +283,7 @@ async def test_startup_refuses_a_top_k_the_servers_do_not_allow(fake_theta, fake
 
 
 async def test_startup_refuses_a_top_k_above_the_vocabulary_before_asking_a_server(fake_theta, fake_t, monkeypatch):
-    monkeypatch.setattr("engines.vllm_client._config_int",
+    monkeypatch.setattr("engines.vllm_answers.config_int",
                         lambda root, key, minimum=1: VOCAB_SIZE if key == "vocab_size" else None)
     with pytest.raises(InvalidInputError, match=f"top_k <= {VOCAB_SIZE}"):
         async with DualVLLMCoordinator(config(fake_theta, fake_t, top_k=VOCAB_SIZE + 1)):

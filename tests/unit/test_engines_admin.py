@@ -33,9 +33,9 @@ def client(url: str, **kw) -> VLLMClient:
 
 async def test_pause_holds_generation_until_resume(fake_theta):
     async with client(fake_theta.url) as c:
-        assert await c.pause() is True
+        assert await c.admin.pause() is True
         assert not fake_theta.running.is_set()  # the fake's /v1/completions now waits, as vLLM's does
-        await c.resume()
+        await c.admin.resume()
     assert fake_theta.running.is_set() and fake_theta.order == ["/pause", "/resume"]
 
 
@@ -50,21 +50,21 @@ async def test_pause_sends_its_mode():
     app.router.add_post("/pause", pause)
     async with TestServer(app, host="127.0.0.1") as server:
         async with client(str(server.make_url("")).rstrip("/")) as c:
-            await c.pause()
-            await c.pause(mode="abort")
+            await c.admin.pause()
+            await c.admin.pause(mode="abort")
     assert modes == ["wait", "abort"]
 
 
 async def test_pause_on_a_server_without_the_route_says_so_instead_of_raising(fake_theta):
     fake_theta.fail_next("/pause", Failure(404, "Not Found"))
     async with client(fake_theta.url) as c:
-        assert await c.pause() is False
+        assert await c.admin.pause() is False
 
 
 async def test_reload_weights_loads_the_checkpoint_it_names(fake_theta, tmp_path):
     weights = write_fake_weights(tmp_path / "step-1", seed=7)
     async with client(fake_theta.url) as c:
-        await c.reload_weights(weights)
+        await c.admin.reload_weights(weights)
     assert fake_theta.calls["/collective_rpc"] == [{"method": "reload_weights",
                                                     "kwargs": {"weights_path": str(weights)}}]
     assert fake_theta.model.seed == 7
@@ -74,16 +74,16 @@ async def test_a_reload_may_take_longer_than_the_request_timeout_when_told(fake_
     weights = write_fake_weights(tmp_path / "step-1", seed=7)
     fake_theta.fail_next("/collective_rpc", Failure(0, delay_s=2 * TIMEOUT_S, after_handling=True))
     async with client(fake_theta.url) as c:
-        await c.reload_weights(weights, timeout_s=10 * TIMEOUT_S)
+        await c.admin.reload_weights(weights, timeout_s=10 * TIMEOUT_S)
     assert len(fake_theta.calls["/collective_rpc"]) == 1 and fake_theta.model.seed == 7
 
 
 # Every failure after sending, for every admin call: resent if the call only sets a state.
 CALLS = [  # (id, route, call, resent)
-    ("pause", "/pause", lambda c, _: c.pause(), True),
-    ("resume", "/resume", lambda c, _: c.resume(), True),
-    ("reset_prefix_cache", "/reset_prefix_cache", lambda c, _: c.reset_prefix_cache(), True),
-    ("reload_weights", "/collective_rpc", lambda c, w: c.reload_weights(w), False),
+    ("pause", "/pause", lambda c, _: c.admin.pause(), True),
+    ("resume", "/resume", lambda c, _: c.admin.resume(), True),
+    ("reset_prefix_cache", "/reset_prefix_cache", lambda c, _: c.admin.reset_prefix_cache(), True),
+    ("reload_weights", "/collective_rpc", lambda c, w: c.admin.reload_weights(w), False),
 ]
 
 
@@ -119,14 +119,14 @@ async def test_a_reload_on_a_server_without_dev_mode_says_how_to_restart_it(fake
     async with client(fake_theta.url) as c:
         with pytest.raises(WeightSyncError, match="has no /collective_rpc: it was started without dev mode. Restart "
                                                   "it with VLLM_SERVER_DEV_MODE=1"):
-            await c.reload_weights(write_fake_weights(tmp_path / "step-1", seed=7))
+            await c.admin.reload_weights(write_fake_weights(tmp_path / "step-1", seed=7))
     assert len(fake_theta.calls["/collective_rpc"]) == 1
 
 
 async def test_a_refused_cache_reset_is_asked_again_until_it_succeeds(fake_theta):
     fake_theta.fail_next("/reset_prefix_cache", REFUSED, REFUSED)
     async with client(fake_theta.url) as c:
-        await c.reset_prefix_cache(retry_delay_s=0.0)
+        await c.admin.reset_prefix_cache(retry_delay_s=0.0)
         assert c.retries == 0  # answered refusals are asked again by the method, not resent by the transport
     assert len(fake_theta.calls["/reset_prefix_cache"]) == 3
 
@@ -135,7 +135,7 @@ async def test_a_cache_reset_refused_every_time_raises_after_its_attempts(fake_t
     fake_theta.fail_next("/reset_prefix_cache", *[REFUSED] * 4)
     async with client(fake_theta.url) as c:
         with pytest.raises(WeightSyncError, match="refused to reset its prefix cache 3 times.*honours /pause"):
-            await c.reset_prefix_cache(attempts=3, retry_delay_s=0.0)
+            await c.admin.reset_prefix_cache(attempts=3, retry_delay_s=0.0)
     assert len(fake_theta.calls["/reset_prefix_cache"]) == 3
 
 
@@ -143,4 +143,4 @@ async def test_a_cache_reset_answer_without_success_is_malformed(fake_theta):
     fake_theta.fail_next("/reset_prefix_cache", Failure(200, '{"status": "ok"}'))
     async with client(fake_theta.url) as c:
         with pytest.raises(MalformedResponseError, match="not {'success': bool}"):
-            await c.reset_prefix_cache()
+            await c.admin.reset_prefix_cache()

@@ -212,7 +212,7 @@ async def test_client_lifecycle_is_enforced(fake_theta):
 
 
 def test_vocab_size_and_pad_token_come_from_a_readable_model_dir(tmp_path):
-    from engines.vllm_client import _config_int
+    from engines.vllm_answers import config_int as _config_int
 
     assert _config_int(tmp_path, "vocab_size") is None  # nothing to read: unknown
     (tmp_path / "config.json").write_text('{"text_config": {"vocab_size": 151936}}')

@@ -64,9 +64,9 @@ async def test_the_client_itself_sends_only_checked_absolute_paths(fake_theta, t
     monkeypatch.chdir(tmp_path)
     write_fake_weights(Path("step-1"), NEW_SEED)
     async with client(fake_theta.url) as c:
-        await c.reload_weights("step-1")
+        await c.admin.reload_weights("step-1")
         with pytest.raises(WeightSyncError, match="no such directory"):
-            await c.reload_weights("step-2")
+            await c.admin.reload_weights("step-2")
     assert fake_theta.calls["/collective_rpc"] == [{"method": "reload_weights",
                                                     "kwargs": {"weights_path": str(tmp_path.resolve() / "step-1")}}]
 

@@ -65,6 +65,6 @@ async def test_the_served_dtype_is_read_from_server_info(dtype):
     await fake.start()
     try:
         async with VLLMClient(fake.url, name="theta") as client:
-            assert await client.served_dtype() == dtype
+            assert await client.admin.served_dtype() == dtype
     finally:
         await fake.close()
