@@ -124,8 +124,8 @@ class DualVLLMCoordinator:
             eos_ids = await resolve_eos(theta_one, t_one, pair_infos, cfg.eos_token_ids)
             await check_top_k(theta_one, t_one, cfg.top_k, probe, min(vocab_sizes) if vocab_sizes else None)
         for pool in filter(None, map(as_pool, (theta, t))):
-            await pool.check_same_weights()
-            pool.start_probing()
+            await pool.membership.check_same_weights()
+            pool.membership.start_probing()
             self._stack.push_async_callback(pool.close)
         max_len = min(infos[0].max_model_len, infos[1].max_model_len)
         log.info("coordinator ready: base %s, teacher %s, top_k=%d, eos=%s, max_model_len=%d",
@@ -167,7 +167,7 @@ class DualVLLMCoordinator:
                                       stats=self._stats, channel=channel, stop_token=stop_token,
                                       capacity=probe.capacity, vocab_size=vocab_size)
         for pool in filter(None, map(as_pool, (theta, t))):  # a replica restarted without the plugin stays out
-            pool.add_rejoin_check(scheduler.check_plugin)
+            pool.membership.add_rejoin_check(scheduler.check_plugin)
         if scheduler.capacity < cfg.max_batch_size:
             log.info("lockstep: at most %d sequences at once (%d per server, the servers' max_num_seqs), not "
                      "max_batch_size=%d", scheduler.capacity, probe.capacity, cfg.max_batch_size)
@@ -421,8 +421,8 @@ class DualVLLMCoordinator:
             request_failures=sum(getattr(e, "failures", 0) for e in engines),
         )
         for pool in filter(None, map(as_pool, filter(None, (self._theta, self._t)))):
-            summary.update(pool.counters.summary(pool.name))
-            summary[f"{pool.name}_replicas_up"] = len(pool.healthy)
+            summary.update(pool.membership.counters.summary(pool.name))
+            summary[f"{pool.name}_replicas_up"] = len(pool.membership.healthy)
         if self._scheduler is not None:
             summary.update(self._scheduler.statistics())
         return summary

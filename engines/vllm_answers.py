@@ -141,7 +141,7 @@ def prompt_logprob_rows(body: Any, prompts: Sequence[Sequence[int]]) -> list[lis
     """A prompt_logprobs answer's rows per prompt, as vLLM gives them, checked to cover each prompt."""
     answers: list[list[dict[str, Any] | None]] = []
     for choice, prompt in zip(_by_index(body, len(prompts)), prompts):
-        rows = choice.get("prompt_logprobs")
+        rows = choice.get("prompt_logprobs") or []
         _check(isinstance(rows, list) and len(rows) == len(prompt) and
                all(isinstance(row, dict) and str(token) in row for row, token in zip(rows[1:], prompt[1:])),
                "prompt_logprobs do not cover the prompt, each position with its own token")

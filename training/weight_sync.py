@@ -52,7 +52,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import numpy as np
 
 from common.errors import ServerConnectError, ServerError, WeightSyncError
-from engines.pool import as_pool, vllm_members
+from engines.pool import as_pool, live_members, vllm_members
 from engines.protocol import Engine, TopKBatch
 from engines.vllm_client import VLLMClient
 from engines.weights_dir import checked_weights_dir
@@ -272,7 +272,8 @@ class BasePusher:
 
     def __init__(self, base: Engine, probes: Sequence[Sequence[int]], *, top_k: int = 20,
                  tolerance: float | None = None, via: WeightsVia = "auto") -> None:
-        self._pool = as_pool(base)
+        pool = as_pool(base)
+        self._members = None if pool is None else pool.membership  # who is up, when there are replicas
         self._single = base
         self._probes = [list(p) for p in probes]
         self._top_k, self._given_tolerance = top_k, tolerance
@@ -281,8 +282,8 @@ class BasePusher:
         self._dtype: str | None = None  # the base servers', asked once
         # The newest push: how to send it to one more replica, and what that replica must answer.
         self._newest: tuple[Callable[[VLLMClient], Awaitable[PushReport]], np.ndarray] | None = None
-        if self._pool is not None:
-            self._pool.add_rejoin_check(self._catch_up)
+        if self._members is not None:
+            self._members.add_rejoin_check(self._catch_up)
 
     async def served_dtype(self) -> str:
         """The dtype the base servers compute in, which pushes are written and verified in
@@ -309,7 +310,7 @@ class BasePusher:
         return self._in_memory
 
     def _first(self) -> Engine:
-        return self._single if self._pool is None else self._pool.replicas[self._pool.healthy[0]]
+        return live_members(self._single)[0]
 
     @property
     def _tolerance(self) -> float:
@@ -367,20 +368,20 @@ class BasePusher:
     async def _push_each(self, push: Callable[[VLLMClient, float], Awaitable[PushReport]], expected: np.ndarray,
                          label: str, *, catch_up: Callable[[VLLMClient], Awaitable[PushReport]]) -> PushReport:
         """`push` to every healthy replica at once; take out those it fails on."""
-        if self._pool is None:
+        if self._members is None:
             report = await push(_vllm(self._single), HEALTH_WAIT_S)
             self._newest = (catch_up, expected)
             return report
-        async with self._pool.changing() as indexes:  # no replica rejoins halfway through a push
+        async with self._members.changing() as live:  # no replica rejoins halfway through a push
             # The last replica standing is waited on as a lone server is: the run needs it.
-            wait_s = REPLICA_HEALTH_WAIT_S if len(indexes) > 1 else HEALTH_WAIT_S
-            results = await asyncio.gather(*(push(_vllm(self._pool.replicas[i]), wait_s) for i in indexes),
+            wait_s = REPLICA_HEALTH_WAIT_S if len(live) > 1 else HEALTH_WAIT_S
+            results = await asyncio.gather(*(push(_vllm(replica), wait_s) for _, replica in live),
                                            return_exceptions=True)
             reports, dropped, errors = [], [], []
-            for index, result in zip(indexes, results):
+            for (index, replica), result in zip(live, results):
                 if isinstance(result, (WeightSyncError, ServerError)):
-                    self._pool.take_out(index, f"{label} failed: {result}")
-                    dropped.append(_vllm(self._pool.replicas[index]).url)
+                    self._members.take_out(index, f"{label} failed: {result}")
+                    dropped.append(_vllm(replica).url)
                     errors.append(result)
                 elif isinstance(result, BaseException):
                     raise result
@@ -390,7 +391,7 @@ class BasePusher:
                 raise WeightSyncError(f"no base replica serves the weights of {label}: "
                                       + "; ".join(str(e) for e in errors)) from (errors[0] if errors else None)
             self._newest = (catch_up, expected)
-            await self._pool.refresh_reference()
+            await self._members.refresh_reference()
         phases = {phase for r in reports for phase in r.seconds}
         seconds = {phase: max(r.seconds.get(phase, 0.0) for r in reports) for phase in phases}  # the slowest replica's
         return replace(reports[0], max_abs_diff=max(r.max_abs_diff for r in reports),

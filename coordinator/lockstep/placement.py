@@ -31,7 +31,7 @@ class Placement:
 
     def healthy(self, role: int) -> list[VLLMClient]:
         pool, replicas = self._pools[role], self._replicas[role]
-        return replicas if pool is None else [replicas[i] for i in pool.healthy]
+        return replicas if pool is None else [replicas[i] for i in pool.membership.healthy]
 
     def servers(self) -> set[str]:
         """The healthy servers, where new sequences may start."""
@@ -49,7 +49,7 @@ class Placement:
             engine = live.engines[role]
             pool, replicas = self._pools[role], self._replicas[role]
             if pool is not None:
-                healthy = set(pool.healthy)
+                healthy = set(pool.membership.healthy)
                 loads = {i: self._loads[e.url] for i, e in enumerate(replicas) if i in healthy}
                 current = None if engine is None else replicas.index(engine)
                 live.engines[role] = replicas[pool.assign(current, loads, room=self.per_server)]
@@ -66,5 +66,5 @@ class Placement:
         pool = self._pools[role]
         if pool is None or not any(e is not engine for e in self.healthy(role)):
             return False
-        pool.take_out(self._replicas[role].index(engine), error)
+        pool.membership.take_out(self._replicas[role].index(engine), error)
         return True

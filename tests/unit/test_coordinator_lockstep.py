@@ -904,9 +904,9 @@ async def test_a_base_replica_that_dies_hands_its_sequences_to_the_other_with_no
     await crash
 
     pools.assert_lossless(outputs, sequences[0].params)  # same tokens as per-token mode, none twice
-    assert pools.pools[0].healthy == [1] and pools.pools[0].counters.downs == 1
+    assert pools.pools[0].membership.healthy == [1] and pools.pools[0].membership.counters.downs == 1
     moved = [out for out in outputs if dead.requests_of(key(out.index))]
-    assert moved and pools.pools[0].counters.moves == len(moved)
+    assert moved and pools.pools[0].membership.counters.moves == len(moved)
     survivor = pools.replicas[0][1]
     for out in moved:  # each went on from its agreed tokens on the other base replica
         resumed = survivor.requests_of(key(out.index))[-1]
@@ -916,7 +916,7 @@ async def test_a_base_replica_that_dies_hands_its_sequences_to_the_other_with_no
 
 async def test_a_replica_that_comes_back_rejoins_and_takes_new_sequences(rig):
     pools = PoolRig(rig)
-    pools.pools[0].start_probing()
+    pools.pools[0].membership.start_probing()
     try:
         comeback = pools.replicas[0][0]
         crash = asyncio.create_task(crash_during(comeback, after_steps=3, down_s=0.2))
@@ -925,11 +925,11 @@ async def test_a_replica_that_comes_back_rejoins_and_takes_new_sequences(rig):
             assert out.ok
             assert_per_token_tokens(out, *pools.models, first[0].params, pools.scheduler._config)
         await crash
-        await eventually(lambda: pools.pools[0].healthy == [0, 1], "the restarted replica rejoined")
+        await eventually(lambda: pools.pools[0].membership.healthy == [0, 1], "the restarted replica rejoined")
         before = len(comeback.requests)
         pools.scheduler.submit(second := make_sequences(4, max_tokens=4))
         assert all(out.ok for out in await collect(second))
-        assert len(comeback.requests) - before >= 2 and pools.pools[0].counters.rejoins == 1
+        assert len(comeback.requests) - before >= 2 and pools.pools[0].membership.counters.rejoins == 1
         await asyncio.wait_for(pools.scheduler.close(), OUTPUT_TIMEOUT_S)
         assert all(fake.idle for fake in pools.replicas[0] + pools.replicas[1])
     finally:
@@ -980,8 +980,8 @@ async def test_a_replica_restarted_with_other_settings_stays_out_of_the_pool(rig
     """The rejoin check is the start-up probe: a replica restarted without the plugin, with chunked
     prefill, or with a smaller max_num_seqs than this coordinator places on it stays out."""
     pools = PoolRig(rig)
-    pools.pools[0].add_rejoin_check(pools.scheduler.check_plugin)
-    pools.pools[0].start_probing()
+    pools.pools[0].membership.add_rejoin_check(pools.scheduler.check_plugin)
+    pools.pools[0].membership.start_probing()
     try:
         plain = pools.replicas[0][0]
 
@@ -1003,7 +1003,7 @@ async def test_a_replica_restarted_with_other_settings_stays_out_of_the_pool(rig
                          "two more rejoin checks of the replica, each refused")
 
         pools.assert_lossless(outputs, sequences[0].params)
-        assert pools.pools[0].healthy == [1] and pools.pools[0].counters.rejoins == 0
+        assert pools.pools[0].membership.healthy == [1] and pools.pools[0].membership.counters.rejoins == 0
         refusals = [r for r in caplog.records if refused_for in r.getMessage()]
         assert len(refusals) == 1 and plain.url in refusals[0].getMessage()
     finally:

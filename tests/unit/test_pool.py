@@ -189,11 +189,11 @@ def test_serve_prints_pool_variables_and_stops_only_when_a_whole_role_is_gone(ca
 def test_assign_keeps_a_sequence_on_its_replica_until_it_is_down_or_full_and_counts_its_moves():
     replicas = [SimpleNamespace(name="theta", url=f"http://127.0.0.1:{8000 + i}") for i in range(3)]
     pool = ReplicaPool(replicas, name="theta")  # type: ignore[arg-type]
-    assert pool.assign(None, {0: 2, 1: 0, 2: 1}) == 1 and pool.counters.moves == 0  # a new one: the emptiest
+    assert pool.assign(None, {0: 2, 1: 0, 2: 1}) == 1 and pool.membership.counters.moves == 0  # a new one: the emptiest
     assert pool.assign(0, {0: 2, 1: 0, 2: 1}) == 0  # kept while its replica is up
-    assert pool.assign(0, {0: 2, 1: 0, 2: 1}, room=2) == 1 and pool.counters.moves == 1  # its replica is full
-    pool.take_out(1, "connection reset")
-    assert pool.assign(1, {0: 2, 2: 1}) == 2 and pool.counters.moves == 2  # its replica is down
+    assert pool.assign(0, {0: 2, 1: 0, 2: 1}, room=2) == 1 and pool.membership.counters.moves == 1  # its replica is full
+    pool.membership.take_out(1, "connection reset")
+    assert pool.assign(1, {0: 2, 2: 1}) == 2 and pool.membership.counters.moves == 2  # its replica is down
 
 
 async def test_a_replica_whose_rejoin_overlaps_a_push_is_probed_again_after_it(caplog):
@@ -213,13 +213,13 @@ async def test_a_replica_whose_rejoin_overlaps_a_push_is_probed_again_after_it(c
                 entered.set()
                 await release.wait()
 
-            pool.add_rejoin_check(slow_check)
+            pool.membership.add_rejoin_check(slow_check)
             b.fail_next("/v1/completions", Failure(503))
             await c.generate_batch(PROMPTS[:4], max_tokens=2, seed=1)
             assert c.get_statistics()["theta_replicas_up"] == 1
             await asyncio.wait_for(entered.wait(), 30)  # b answers /health and is being checked
-            async with pool.changing() as indexes:
-                assert indexes == [0]  # the push reaches a alone
+            async with pool.membership.changing() as live:
+                assert [index for index, _ in live] == [0]  # the push reaches a alone
                 release.set()  # b's checks pass, but they started before the push
                 await eventually(lambda: "probed again after the change" in caplog.text, "b's checks were set aside")
                 assert c.get_statistics()["theta_replicas_up"] == 1
