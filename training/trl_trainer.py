@@ -41,6 +41,7 @@ from trl import GRPOConfig, GRPOTrainer
 from common.errors import InvalidInputError
 from training.config import GRPOTrainConfig
 from training.distill import teacher_advantages, topk_distillation
+from training.learner import flush_denormals
 from training.losses import advantages as project_advantages, normalize, policy_loss
 
 CORRECTIONS = ("none", "sequence", "token", "vespo")
@@ -165,6 +166,7 @@ class QStarGRPOTrainer(GRPOTrainer):
         group left with fewer than 2 rollouts (`dualvllm train` drops both).
         """
         args: QStarGRPOConfig = self.args  # type: ignore[assignment]
+        flush_denormals()  # tiny sequence weights: see training.learner.flush_denormals
         mode = "train" if self.model.training else "eval"
         rewards = self._rewards
         assert rewards is not None, "_calculate_rewards runs before the advantages"
