@@ -22,23 +22,17 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from coordinator import kernel
-from coordinator.checks import (TOKENIZER_PROBES, check_health, check_tokenizers, check_top_k, replica_pairs,
-                                resolve_eos)
 from coordinator.config import CoordinatorConfig
-from coordinator.lockstep import LockstepScheduler
-from coordinator.lockstep.probe import lockstep_stop_token, probe_servers
 from coordinator.outputs import GenerationOutput, Prompt
 from coordinator.prompts import encode_prompts
-from coordinator.scheduler import Scheduler, Scheduling
 from coordinator.sequence import SamplingParams, SequenceState, TokenListener
-from coordinator.speculative import speculative_scheduler
+from coordinator.startup import Session, open_session
 from coordinator.stats import Statistics, StepTiming
 from common import heap
-from common.errors import InvalidInputError, LifecycleError, LockstepUnavailableError, TopKUnsupportedError
-from engines.lockstep_channel import LockstepChannel
-from engines.pool import ReplicaPool, as_pool, members, vllm_members
-from engines.protocol import Engine, ModelInfo
-from engines.vllm_client import CallObserver, VLLMClient
+from common.errors import InvalidInputError, LifecycleError, TopKUnsupportedError
+from engines.pool import as_pool, members, vllm_members
+from engines.protocol import Engine
+from engines.vllm_client import CallObserver
 
 log = logging.getLogger("dualvllm.coordinator")
 
@@ -56,17 +50,12 @@ class DualVLLMCoordinator:
         """`theta_engine`/`t_engine` replace the HTTP clients (in-process engines, tests)."""
         self.config = config or CoordinatorConfig()
         self._given_engines = (theta_engine, t_engine)
-        self._theta: Engine | None = None
-        self._t: Engine | None = None
+        self._session: Session | None = None  # set once entered (coordinator.startup)
         self._stack = contextlib.AsyncExitStack()
-        self._scheduler: Scheduling | None = None
         self._stats = Statistics()
         self._sequence_keys = itertools.count()
         self._seed_source = np.random.default_rng(self.config.seed)
         self._state = "new"
-        self._eos_ids: frozenset[int] = frozenset()
-        self._infos: tuple[ModelInfo, ModelInfo] | None = None
-        self._vocab_size: int | None = None
         given_one = theta_engine is not None and theta_engine is t_engine
         self._self_teacher = given_one or (theta_engine is None and t_engine is None and self.config.self_teacher)
 
@@ -81,7 +70,7 @@ class DualVLLMCoordinator:
         # request does not wait for it (0.5-0.6 s from the cache on these machines, 5 s to compile).
         warming = asyncio.ensure_future(asyncio.to_thread(kernel.warm_up))
         try:
-            await self._open()
+            self._session = await open_session(self.config, self._given_engines, self._stack, self._stats)
             await warming
             if self.config.freeze_gc_heap:  # start-up is over: its objects stay for the run
                 heap.freeze()
@@ -97,113 +86,23 @@ class DualVLLMCoordinator:
         """Close the scheduler, then the clients and pools, each bounded (a ShutdownTimeoutError
         names what did not end); the clients are closed even when the scheduler's close fails."""
         try:
-            if self._scheduler is not None:
-                await self._scheduler.close()
+            if self._session is not None:
+                await self._session.scheduler.close()
         finally:
             try:
                 await self._stack.aclose()
             finally:
                 self._state = "closed"
 
-    async def _open(self) -> None:
-        theta, t = self._given_engines
-        cfg = self.config
-        api_key = cfg.api_key.get_secret_value() if cfg.api_key else None
-        if theta is None:
-            theta = await self._role(cfg.theta_pool, "theta", cfg.theta_model, api_key)
-        if t is None:
-            t = await self._role(cfg.t_pool, "t", cfg.t_model, api_key)
-        await check_health(theta, t)
-        infos = (await theta.model_info(), await t.model_info())
-        eos_ids = frozenset[int]()
-        vocab_sizes = [info.vocab_size for info in infos if info.vocab_size]
-        probe = await theta.tokenize("Hello", add_special_tokens=True)
-        for theta_one, t_one in replica_pairs(theta, t):  # every replica passes every check
-            pair_infos = (await theta_one.model_info(), await t_one.model_info())
-            await check_tokenizers(theta_one, t_one, pair_infos)
-            eos_ids = await resolve_eos(theta_one, t_one, pair_infos, cfg.eos_token_ids)
-            await check_top_k(theta_one, t_one, cfg.top_k, probe, min(vocab_sizes) if vocab_sizes else None)
-        for pool in filter(None, map(as_pool, (theta, t))):
-            await pool.membership.check_same_weights()
-            pool.membership.start_probing()
-            self._stack.push_async_callback(pool.close)
-        max_len = min(infos[0].max_model_len, infos[1].max_model_len)
-        log.info("coordinator ready: base %s, teacher %s, top_k=%d, eos=%s, max_model_len=%d",
-                 infos[0].name, infos[1].name, cfg.top_k, sorted(eos_ids), max_len)
-        self._theta, self._t = theta, t
-        self._infos = infos
-        vocab_size = self._vocab_size = min(vocab_sizes) if vocab_sizes else None
-        self._scheduler = await self._lockstep_scheduler(theta, t, eos_ids, max_len, vocab_size,
-                                                         stop_token=lockstep_stop_token(infos, eos_ids))
-        if self._scheduler is None:
-            scheduler = speculative_scheduler(theta, t) if cfg.speculative_gamma else Scheduler
-            self._scheduler = scheduler(theta, t, config=cfg, eos_ids=eos_ids, max_len=max_len,
-                                        stats=self._stats, vocab_size=vocab_size)
-        log.info("decoding mode: %s", self.mode)
-        self._eos_ids = eos_ids
-
-    async def _lockstep_scheduler(self, theta: Engine, t: Engine, eos_ids: frozenset[int], max_len: int,
-                                  vocab_size: int | None, stop_token: int) -> LockstepScheduler | None:
-        """A lockstep scheduler when the mode allows it and both servers carry the plugin; None
-        for per-token mode. mode="lockstep" without the plugin raises LockstepUnavailableError."""
-        cfg = self.config
-        if cfg.mode == "per_token" or cfg.speculative_gamma:
-            return None
-        roles = (vllm_members(theta), vllm_members(t))
-        if roles[0] is None or roles[1] is None:
-            if cfg.mode == "lockstep":
-                raise LockstepUnavailableError("lockstep mode needs vLLM servers (VLLMClient engines)")
-            return None
-        channel = LockstepChannel(cfg.lockstep_host)
-        probe = await probe_servers(channel, roles[0] + roles[1], await theta.tokenize("Hello"), stop_token,
-                                    cfg.request_timeout)
-        if probe.unavailable is not None:
-            channel.close()
-            if cfg.mode == "lockstep":
-                raise LockstepUnavailableError(f"lockstep mode: {probe.unavailable}")
-            log.info("per-token mode: %s", probe.unavailable)
-            return None
-        scheduler = LockstepScheduler(theta, t, config=cfg, eos_ids=eos_ids, max_len=max_len,
-                                      stats=self._stats, channel=channel, stop_token=stop_token,
-                                      capacity=probe.capacity, vocab_size=vocab_size)
-        for pool in filter(None, map(as_pool, (theta, t))):  # a replica restarted without the plugin stays out
-            pool.membership.add_rejoin_check(scheduler.check_plugin)
-        if scheduler.capacity < cfg.max_batch_size:
-            log.info("lockstep: at most %d sequences at once (%d per server, the servers' max_num_seqs), not "
-                     "max_batch_size=%d", scheduler.capacity, probe.capacity, cfg.max_batch_size)
-        return scheduler
-
     @property
     def mode(self) -> str:
         """How tokens reach the servers: "lockstep", "speculative" or "per_token" (known once entered)."""
-        return self._scheduler.mode if self._scheduler is not None else "per_token"
+        return self._session.scheduler.mode if self._session is not None else "per_token"
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
         """The end-of-sequence ids generation stops at (known once entered)."""
-        return self._eos_ids
-
-    async def _role(self, urls: tuple[str, ...], name: str, model: str | None, api_key: str | None) -> Engine:
-        """The engine of one role: a client of its server, or a pool of its replicas' clients."""
-        clients = [await self._stack.enter_async_context(self._client(url, name, model, api_key)) for url in urls]
-        if len(clients) == 1:
-            return clients[0]
-        probes = [await clients[0].tokenize(text, add_special_tokens=False) for text in TOKENIZER_PROBES]
-        return ReplicaPool(clients, name=name, probe_contexts=probes,
-                           probe_interval_s=self.config.replica_probe_interval)
-
-    def _client(self, url: str, name: str, model: str | None, api_key: str | None) -> VLLMClient:
-        cfg = self.config
-        pool = cfg.connection_pool_size
-        if cfg.mode != "per_token":
-            # Lockstep holds one request open per sequence and role (both roles on one server
-            # for a self-teacher); waiting for a connection would start the roles apart.
-            pool = max(pool, 2 * cfg.max_batch_size + 8)
-        return VLLMClient(
-            url, name=name, model=model, api_key=api_key, request_timeout_s=cfg.request_timeout,
-            connect_timeout_s=cfg.connect_timeout, connection_pool_size=pool,
-            max_retries=cfg.max_retries, retry_delay_s=cfg.retry_delay, local_tokenizer=cfg.local_tokenizers,
-        )
+        return self._session.eos_ids if self._session is not None else frozenset()
 
     # -- generation ------------------------------------------------------------------
 
@@ -234,12 +133,12 @@ class DualVLLMCoordinator:
         coordinator's loop with each sequence's tokens as they are decided, their log q* and
         (when `top_logprobs` asks) their top candidates (keep it cheap: hand them to a queue).
         """
-        scheduler = self._require_open()
+        session = self._require_open()
+        scheduler = session.scheduler
         params = self.check(_params(params, settings))
         if not prompts:
             return
-        assert self._theta is not None and self._t is not None
-        encoded = await encode_prompts(prompts, self._theta, self._t)
+        encoded = await encode_prompts(prompts, session.theta, session.t)
         if self._self_teacher:
             same = next((i for i, (ids_theta, ids_t) in enumerate(encoded) if ids_theta == ids_t), None)
             if same is not None:
@@ -318,25 +217,20 @@ class DualVLLMCoordinator:
     async def encode(self, prompts: Sequence[Prompt]) -> list[tuple[list[int], list[int]]]:
         """(base ids, teacher ids) of each prompt, tokenized as `stream` would: text by each
         model's tokenizer; a (theta_prompt, t_prompt) pair part by part."""
-        self._require_open()
-        assert self._theta is not None and self._t is not None
-        return await encode_prompts(prompts, self._theta, self._t)
+        session = self._require_open()
+        return await encode_prompts(prompts, session.theta, session.t)
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
         """The text of `token_ids`, by the base model's tokenizer (as outputs' texts are)."""
-        self._require_open()
-        assert self._theta is not None
-        return await self._theta.detokenize(token_ids)
+        return await self._require_open().theta.detokenize(token_ids)
 
     async def render_chat(self, messages: Sequence[Mapping[str, Any]], role: str = "theta",
                           template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """Token ids of a chat, rendered with the chat template of the base (role "theta") or
         the teacher ("t"), ending with the prompt for the assistant's turn; `template_kwargs`:
         extra template variables (vLLM's chat_template_kwargs)."""
-        self._require_open()
-        engine = self._theta if role == "theta" else self._t
-        assert engine is not None
-        return await engine.tokenize_chat(messages, template_kwargs)
+        session = self._require_open()
+        return await (session.theta if role == "theta" else session.t).tokenize_chat(messages, template_kwargs)
 
     @property
     def is_open(self) -> bool:
@@ -344,51 +238,29 @@ class DualVLLMCoordinator:
         return self._state == "open"
 
     @property
+    def session(self) -> Session:
+        """What the open coordinator knows: both engines (`theta`, `t`: a client each, or a
+        ReplicaPool), the models' names, `max_model_len` (prompt + generated tokens both servers
+        accept), `vocab_size` (ids both accept, when their configs tell), the EOS ids, the scheduler."""
+        return self._require_open()
+
+    @property
     def base_engine(self) -> Engine:
         """The base role's engine: its server's client, or the ReplicaPool of its replicas'
         clients. A trainer pushes weights through it (training.weight_sync.BasePusher)."""
-        self._require_open()
-        assert self._theta is not None
-        return self._theta
-
-    @property
-    def teacher_engine(self) -> Engine:
-        """The teacher role's engine (a client or a ReplicaPool), as `base_engine`: the q* service
-        scores prompts through both."""
-        self._require_open()
-        assert self._t is not None
-        return self._t
-
-    @property
-    def max_model_len(self) -> int:
-        """Prompt + generated tokens both servers accept (known once entered)."""
-        return self._require_open().max_len
-
-    @property
-    def vocab_size(self) -> int | None:
-        """Token ids both models accept (0 to vocab_size - 1), when their configs tell; None if not."""
-        self._require_open()
-        return self._vocab_size
-
-    @property
-    def model_names(self) -> tuple[str, str]:
-        """The served names of the base and the teacher model (known once entered)."""
-        self._require_open()
-        assert self._infos is not None
-        return self._infos[0].name, self._infos[1].name
+        return self._require_open().theta
 
     @property
     def capacity(self) -> int:
         """Sequences generated at once; more wait in the coordinator's queue."""
-        scheduler = self._require_open()
-        return scheduler.capacity
+        return self._require_open().scheduler.capacity
 
     def observe_server_calls(self, observer: CallObserver) -> None:
         """Call `observer(server, path, seconds, ok)` after every request to either server
         (metrics); the coordinator's own engines only (not engines given to the constructor
         that are not VLLMClients)."""
-        self._require_open()
-        for engine in (self._theta, self._t):
+        session = self._require_open()
+        for engine in (session.theta, session.t):
             for client in vllm_members(engine) or []:
                 client.observers.append(observer)
 
@@ -405,7 +277,7 @@ class DualVLLMCoordinator:
         the new weights, as in per-token mode. Other modes send a request per step, which the
         server's /pause already fences: nothing to hold here. Streams stay open throughout.
         """
-        async with self._require_open().paused():
+        async with self._require_open().scheduler.paused():
             yield
 
     def get_statistics(self) -> dict[str, float]:
@@ -414,32 +286,30 @@ class DualVLLMCoordinator:
         lockstep mode also parks, resubmissions, the share of server steps that ran ahead of the
         other server's, how long the servers waited on the coordinator (a "step" there is
         the time between decisions), and how often new sequences were admitted out of step."""
-        engines = [c for e in (self._theta, self._t) if e is not None for c in members(e)]
+        session = self._session
+        roles = (session.theta, session.t) if session is not None else ()
+        engines = [c for e in roles for c in members(e)]
         summary = self._stats.summary(
             requests=sum(getattr(e, "requests", 0) for e in engines),
             retries=sum(getattr(e, "retries", 0) for e in engines),
             request_failures=sum(getattr(e, "failures", 0) for e in engines),
         )
-        for pool in filter(None, map(as_pool, filter(None, (self._theta, self._t)))):
+        for pool in filter(None, map(as_pool, roles)):
             summary.update(pool.membership.counters.summary(pool.name))
             summary[f"{pool.name}_replicas_up"] = len(pool.membership.healthy)
-        if self._scheduler is not None:
-            summary.update(self._scheduler.statistics())
+        if session is not None:
+            summary.update(session.scheduler.statistics())
         return summary
-
-    def recent_step_latencies_s(self) -> list[float]:
-        """Wall time of the most recent steps, oldest first (a bounded window)."""
-        return list(self._stats.step_latencies_s)
 
     def recent_step_timings(self) -> list[StepTiming]:
         """Where the most recent steps spent their time, phase by phase, oldest first."""
         return list(self._stats.step_timings)
 
-    def _require_open(self) -> Scheduling:
-        if self._state != "open" or self._scheduler is None:
+    def _require_open(self) -> Session:
+        if self._state != "open" or self._session is None:
             raise LifecycleError(
                 "the coordinator is not open; use `async with DualVLLMCoordinator(config) as c:`")
-        return self._scheduler
+        return self._session
 
 
 def _params(params: SamplingParams | None, settings: dict[str, Any]) -> SamplingParams:

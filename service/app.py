@@ -79,7 +79,7 @@ class QStarService:
     def __init__(self, coordinator: DualVLLMCoordinator, config: ServiceConfig) -> None:
         self.coordinator = coordinator
         self.config = config
-        theta, t = coordinator.model_names
+        theta, t = coordinator.session.model_names
         self.model = config.served_model_name or f"{_short(theta)}+{_short(t)}"
         self.admission = RequestQueue(coordinator.capacity, config.max_queued_sequences)
         self.metrics = ServiceMetrics(coordinator, self.admission)
@@ -160,9 +160,9 @@ class QStarService:
         return web.json_response({"status": "ok", "mode": self.coordinator.mode})
 
     async def models(self, request: web.Request) -> web.Response:
-        theta, t = self.coordinator.model_names
+        theta, t = self.coordinator.session.model_names
         card: dict[str, Any] = {"id": self.model, "object": "model", "created": self.created, "owned_by": "dualvllm",
-                "max_model_len": self.coordinator.max_model_len,
+                "max_model_len": self.coordinator.session.max_model_len,
                 "dualvllm": {"base": theta, "teacher": t, "mode": self.coordinator.mode,
                              "top_k": self.coordinator.config.top_k}}
         # The base alone and the teacher alone; any alpha in [0, 1] works, these two are listed.
@@ -244,7 +244,7 @@ class QStarService:
             [m.rendered() for m in t_messages], "t", extra)
         budget = body.token_budget()
         if budget is None:  # OpenAI's chat default: the rest of the context, within the ceiling
-            room = self.coordinator.max_model_len - max(len(theta_ids), len(t_ids))
+            room = self.coordinator.session.max_model_len - max(len(theta_ids), len(t_ids))
             budget = max(1, min(room, self.config.max_request_tokens // body.n))
         return theta_ids, t_ids, budget
 
@@ -279,7 +279,7 @@ class QStarService:
 
     def _check_ids(self, prompts: list[str | list[int]], param: str) -> None:
         """Token ids outside the vocabulary refused here, not by a model server (which would be a 502)."""
-        vocab = self.coordinator.vocab_size
+        vocab = self.coordinator.session.vocab_size
         if vocab is None:
             return
         for i, prompt in enumerate(prompts):
@@ -293,7 +293,7 @@ class QStarService:
     def _job(self, form: Format, body: CompletionRequest | ChatCompletionRequest,
              prompts: list[tuple[list[int], list[int]]], max_tokens: int, *, top_logprobs: int,
              want_logprobs: bool, echo: bool = False, prompt_logprobs: int | None = None) -> Job:
-        limit = self.coordinator.max_model_len
+        limit = self.coordinator.session.max_model_len
         for i, (theta_ids, t_ids) in enumerate(prompts):
             if not theta_ids or not t_ids:
                 raise RequestError(f"prompt {i} is empty after tokenization; give at least one token", param="prompt")
@@ -441,7 +441,7 @@ class QStarService:
                                    "token sequence under both, so give the prompt as token ids", param="prompt")
             prompts.append(theta_ids)
         settings = ScoringSettings(top_k=options.top_k or config.top_k, fill=config.fill_rule,
-                                   vocab_size=self.coordinator.vocab_size, alpha_tol=config.alpha_tol,
+                                   vocab_size=self.coordinator.session.vocab_size, alpha_tol=config.alpha_tol,
                                    alpha_max_iter=config.alpha_max_iter, fixed_alpha=options.fixed_alpha,
                                    top_n=job.top_logprobs if top_n is None else top_n)
         return await score_prompts(*self.scorers("prompt_logprobs" if job.prompt_logprobs is not None else "echo"),
@@ -488,7 +488,7 @@ def _scored_ids(scores: Sequence[PromptScores]) -> set[int]:
 
 def _engines(coordinator: DualVLLMCoordinator) -> tuple[Engine, Engine]:
     """The base's and the teacher's engines, for prompt scoring."""
-    return coordinator.base_engine, coordinator.teacher_engine
+    return coordinator.base_engine, coordinator.session.t
 
 
 async def _collect(outputs: AsyncIterator[GenerationOutput], count: int) -> list[GenerationOutput]:

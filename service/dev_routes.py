@@ -123,7 +123,7 @@ class DevRoutes:
             return _not_dev_mode(base)
         model = dict(config.get("model_config") or {})
         model["logprobs_mode"] = "processed_logprobs"  # log q* of what was sampled, temperature applied
-        theta, t = self.coordinator.model_names
+        theta, t = self.coordinator.session.model_names
         return web.json_response({"vllm_config": {
             **config, "model_config": model,
             "dualvllm": {"base": theta, "teacher": t, "base_replicas": len(self.bases()),

@@ -133,12 +133,12 @@ async def test_the_in_process_engines_q_star_matches_the_served_one(served, shap
     config = CoordinatorConfig(theta_url=theta.url, t_url=t.url, top_k=TOP_K)
     async with DualVLLMCoordinator(config) as coordinator:
         [output] = await coordinator.generate_batch([QUESTIONS[1]], max_tokens=6, seed=3, temperature=1.0)
-        settings = ScoringSettings(top_k=TOP_K, fill=config.fill_rule, vocab_size=coordinator.vocab_size,
+        settings = ScoringSettings(top_k=TOP_K, fill=config.fill_rule, vocab_size=coordinator.session.vocab_size,
                                    alpha_tol=config.alpha_tol, alpha_max_iter=config.alpha_max_iter,
                                    fixed_alpha=None, top_n=1)
         prompt_ids = await coordinator.base_engine.tokenize(QUESTIONS[1])
         sequence = prompt_ids + list(output.generated_tokens)
-        [remote] = await score_prompts(coordinator.base_engine, coordinator.teacher_engine, [sequence], settings)
+        [remote] = await score_prompts(coordinator.base_engine, coordinator.session.t, [sequence], settings)
     base, teacher = shape_pair
     async with TransformersEngine(base, name="theta", dtype="bfloat16") as theta_local, \
             TransformersEngine(teacher, name="t", dtype="bfloat16") as t_local:

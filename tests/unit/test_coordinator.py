@@ -145,10 +145,8 @@ async def test_step_timings_attribute_a_slow_server_to_its_own_call(fake_theta, 
             fake_t.fail_next("/v1/completions", t_answer)
         outputs = await c.generate_batch(["ab", "cd", "ef"], max_tokens=4, seed=5, ignore_eos=True)
         timings = c.recent_step_timings()
-        latencies = c.recent_step_latencies_s()
     assert all(o.ok for o in outputs), [o.error for o in outputs]
     assert [t.batch for t in timings] == [3, 3, 3, 3]
-    assert [t.total_s for t in timings] == latencies
     assert timings[0].t_s >= 0.3 and timings[1].theta_s >= 0.3  # each delay in its own server's call
     for timing in timings:
         assert timing.servers_s >= max(timing.theta_s, timing.t_s)

@@ -281,7 +281,7 @@ async def test_token_ids_outside_the_vocabulary_are_refused_before_any_server(tm
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": VOCAB_SIZE}))  # what the service reads it from
     fake_theta.root = fake_t.root = str(tmp_path)
     async with running(fake_theta, fake_t) as (url, coordinator):
-        assert coordinator.vocab_size == VOCAB_SIZE
+        assert coordinator.session.vocab_size == VOCAB_SIZE
         served = len(fake_theta.calls["/v1/completions"])
         status, answer = await post(url, "/v1/completions", {"model": MODEL, **body})
         assert (status, answer["error"]["param"], answer["error"]["code"]) == (400, param, "invalid_token_id")
