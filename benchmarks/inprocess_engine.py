@@ -12,7 +12,7 @@ prefills the prompts; the other N - 1 run one token per row on the engine's KV c
 Reports, per (B, N): tokens/s (B * N over the run's wall time, prefill included), the
 prefill call, the median decode call, and where a decode call goes: the model's forward
 pass (timed by hooks on the model, so any version of the engine can be measured) and,
-when the engine reports them (`TransformersEngine.phase_seconds`), matching the contexts
+when the engine reports them (`engine.scorer.phase_seconds`; older engines: `engine.phase_seconds`), matching the contexts
 against its cache, its KV bookkeeping (gathering, merging, masks) and the vocabulary work
 (top-k and normalizer). `other` is the rest of the call (the thread hop, the lock,
 building the answer). After each run, the top-k logprobs of a few rows are compared with
@@ -97,11 +97,11 @@ async def run(engine: TransformersEngine, clock: ForwardClock, batch: int, token
     started = time.perf_counter()
     for _ in range(tokens):
         contexts = [[*p, *g] for p, g in zip(prompts, generated)]
-        phases_before = dict(getattr(engine, "phase_seconds", {}))
+        phases_before = dict(getattr(getattr(engine, "scorer", engine), "phase_seconds", {}))
         forward_before, call_started = clock.seconds, time.perf_counter()
         top = await engine.next_token_topk(contexts, args.top_k)
         call = {"total": time.perf_counter() - call_started, "forward": clock.seconds - forward_before}
-        for phase, seconds in getattr(engine, "phase_seconds", {}).items():
+        for phase, seconds in getattr(getattr(engine, "scorer", engine), "phase_seconds", {}).items():
             if phase != "forward":
                 call[phase] = seconds - phases_before[phase]
         calls.append(call)

@@ -36,7 +36,7 @@ async def test_logprobs_equal_a_plain_forward_pass_across_steps(kv_cache):
             contexts = [c + [int(rng.integers(2, 90))] for c in contexts]
             if step == 1:
                 contexts = contexts[1:] + [await engine.tokenize("7+")]  # one leaves, one joins
-        hits = engine.cache_hits
+        hits = engine.scorer.cache_hits
     # Steps 2-4 run 3, 2 (+ the joiner's prefill) and 3 rows on cached keys/values.
     assert hits == (3 + 2 + 3 if kv_cache else 0)
 
@@ -172,6 +172,6 @@ async def test_top_k_path_equals_the_full_distribution_across_cached_steps():
             if step == 3:  # the same rows in another order
                 grown = grown[::-1]
             contexts = grown
-        hits = top_path.cache_hits
+        hits = top_path.scorer.cache_hits
     # Steps 1-5 extend 3, 3 (both halves of row 0, and row 1), 4, 4 and 4 cached rows.
     assert hits == 3 + 3 + 4 + 4 + 4

@@ -54,3 +54,46 @@ def test_service_modules_import_one_way():
                  for alias in node.names if alias.name.startswith("service.")}
         above = {u for u in used if layer[u] >= level and u != name}
         assert not above, f"service.{name} imports {sorted(above)}, which are not below it"
+
+
+MAX_METHODS = 20  # issue 45: no class of the sampling side has more, dunders and properties included
+
+
+@pytest.mark.parametrize("package", ["engines", "coordinator"])
+def test_no_class_has_more_than_twenty_methods(package):
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / package
+    sizes = {}
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                sizes[f"{path.relative_to(root.parent)}:{node.name}"] = sum(
+                    isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) for item in node.body)
+    assert sizes, f"found no class under {root}: the check would say nothing"
+    assert {name: n for name, n in sizes.items() if n > MAX_METHODS} == {}
+
+
+def test_no_lock_is_held_across_an_await_that_does_io():
+    """Issue 45's check: inside `async with <a lock>:` the only await allowed is compute handed to a
+    thread (asyncio.to_thread: the in-process engine's forward pass). A lock held across a server
+    call would let one slow server stall everything that waits on it."""
+    import ast
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    held, found = [], 0
+    for package in ("engines", "coordinator", "service", "training", "common"):
+        for path in (repo / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if not isinstance(node, ast.AsyncWith):
+                    continue
+                if not any("lock" in ast.unparse(item.context_expr).lower() for item in node.items):
+                    continue
+                found += 1
+                for inner in (n for statement in node.body for n in ast.walk(statement)):
+                    if isinstance(inner, ast.Await) and not ast.unparse(inner.value).startswith("asyncio.to_thread("):
+                        held.append(f"{path.relative_to(repo)}:{inner.lineno}: {ast.unparse(inner)}")
+    assert found >= 5, f"found {found} lock blocks: the check would say nothing"
+    assert held == []
