@@ -17,6 +17,7 @@ import tinymodels
 from common.errors import WeightSyncError
 from coordinator import CoordinatorConfig, DualVLLMCoordinator
 from engines.launcher import ServerConfig, VLLMServer, pair_configs
+from engines.vllm_admin import VLLMAdmin
 from engines.vllm_client import VLLMClient
 from engines.weight_transfer import SEGMENT_PREFIX, SHM_DIR
 from tests.integration.pairs import running_pair
@@ -187,7 +188,7 @@ def test_a_server_killed_mid_transfer_fails_the_push_clearly_and_a_restarted_one
     learner = teacher_model()
     expected = learner_logprobs(learner, probes(tokenizer))
     before = {name: tensor.clone() for name, tensor in learner.state_dict().items()}
-    original = VLLMClient.update_weights
+    original = VLLMAdmin.update_weights
     chunks = []
     servers = [VLLMServer(config, name="theta")]
 
@@ -201,7 +202,7 @@ def test_a_server_killed_mid_transfer_fails_the_push_clearly_and_a_restarted_one
     async def killed_mid_transfer():
         async with VLLMClient(servers[0].url, name="theta", request_timeout_s=30) as client:
             with monkeypatch.context() as patch:
-                patch.setattr(VLLMClient, "update_weights", kill_on_second_chunk)
+                patch.setattr(VLLMAdmin, "update_weights", kill_on_second_chunk)
                 with pytest.raises(WeightSyncError, match="failed in its update phase"):
                     await weight_transfer.transfer_and_verify(client, learner, probes(tokenizer), expected,
                                                               dtype="float32", top_k=20, tolerance=1e-3,
