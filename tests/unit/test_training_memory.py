@@ -304,6 +304,7 @@ def test_an_update_flushes_denormal_floats_in_the_thread_that_runs_its_backward(
     seen: dict[str, float] = {}
 
     def update() -> None:
+        torch.set_flush_denormal(False)  # a new thread inherits its creator's flag: an earlier update's
         seen["before"] = tiny_product()
         learner = Learner(tiny_model(), learning_rate=1e-3, kl_coef=0.0, pad_id=PAD, micro_batch_size=2)
         learner.train_step(rollouts(), Objective(correction="sequence", normalization="dapo"))
