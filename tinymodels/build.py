@@ -389,13 +389,13 @@ def build_mixed_pair(args: argparse.Namespace, tokenizer: Qwen2Tokenizer, names:
         # rows are left out: the runs select on them.
         val = [p for _, p in mixed_problems("val")]
         kept = set(val)
-        pools = [[p for p in pool if p not in kept] for pool in (
+        fresh = [[p for p in pool if p not in kept] for pool in (
             problems("train", seed=2), hard_problems("train", HARD_ROWS["train"], seed=2),
             long_problems("train", LONG_TEACHER_POOL, seed=2))]
         plans.append((TrainPlan("teacher-mixed", seed=7, max_steps=args.mixed_teacher_steps,
                                 stop_at_accuracy=MIXED_TARGET, lr=HARD_TEACHER_LR, max_len=LONG_MAX_LEN,
                                 init=args.out / "teacher-hard", prompt_loss=False),
-                      pools, val, MIXED_BATCH))
+                      fresh, val, MIXED_BATCH))
     for plan, pools, stop_on, batch_size in plans:
         model, record = train(plan, tokenizer, pools, stop_on, batch_size)
         record |= {"init": plan.init.name if plan.init else None, "lr": plan.lr, "batch_size": batch_size,
