@@ -384,9 +384,10 @@ def build_mixed_pair(args: argparse.Namespace, tokenizer: Qwen2Tokenizer, names:
                       [hint_two, hint_hard, *replays], held_out, MIXED_BASE_BATCH))
     if "teacher-mixed" in names:
         # Fresh problems, not the dataset's 3,000 rows a difficulty: on the long task a plan that
-        # cycles through a few thousand rows stalls (teacher-long, above; a first build of this
-        # one sat at 66% held out, the long third unsolved, for 3,000 steps). The validation
-        # rows are left out: the runs select on them.
+        # cycles through a few thousand rows stalls (teacher-long, above). From teacher-long, which
+        # solves the long task: two builds from teacher-hard never learned it (66% held out for
+        # 3,000 steps on the rows, 55-65% for 1,450 on fresh problems). The validation rows are
+        # left out: the runs select on them.
         val = [p for _, p in mixed_problems("val")]
         kept = set(val)
         fresh = [[p for p in pool if p not in kept] for pool in (
@@ -394,7 +395,7 @@ def build_mixed_pair(args: argparse.Namespace, tokenizer: Qwen2Tokenizer, names:
             long_problems("train", LONG_TEACHER_POOL, seed=2))]
         plans.append((TrainPlan("teacher-mixed", seed=7, max_steps=args.mixed_teacher_steps,
                                 stop_at_accuracy=MIXED_TARGET, lr=HARD_TEACHER_LR, max_len=LONG_MAX_LEN,
-                                init=args.out / "teacher-hard", prompt_loss=False),
+                                init=args.out / "teacher-long", prompt_loss=False),
                       fresh, val, MIXED_BATCH))
     for plan, pools, stop_on, batch_size in plans:
         model, record = train(plan, tokenizer, pools, stop_on, batch_size)
