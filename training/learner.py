@@ -172,18 +172,31 @@ def enable_gradient_checkpointing(model: Any) -> None:
     base.disable_input_require_grads()
 
 
-def flush_denormals() -> None:
-    """Make this thread's CPU float math flush denormal numbers to zero (a no-op elsewhere).
+@contextlib.contextmanager
+def denormals_flushed() -> Iterator[None]:
+    """Within the block, this thread's CPU float math flushes denormal numbers to zero; on exit
+    the thread's flag is what it was (a no-op where torch cannot flush).
 
     A rollout whose self-normalized sequence weight is tiny (its summed log ratio some 90 nats
     below its group's best: common at 1,024 tokens) backpropagates denormal gradients, and x86
     cores take a microcode assist on every one. On 2 cores at Qwen3-0.6B's shape a micro-batch's
     backward went from ~35 s to more than 7 minutes; a [1024 x 1024] stack of 8 linear layers from
     0.21 s to 26.0 s (`python benchmarks/denormals.py`). Such gradients are below any
-    float32 step that matters, so zero them. The flag is per thread: set it in the thread that
-    runs backward.
+    float32 step that matters, so zero them. The flag is per thread (wrap the code that runs
+    backward) and process-wide code reads it: left on, it broke hypothesis's float strategies
+    in the caller's thread, so it is restored.
     """
+    was = _flushing_denormals()
     torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(was)
+
+
+def _flushing_denormals() -> bool:
+    """Whether this thread flushes denormals now (torch has no getter: 1e-40 is a float32 denormal)."""
+    return float(torch.tensor([1e-30]) * torch.tensor([1e-10])) == 0.0
 
 
 def _padded_rows(parts: Sequence[torch.Tensor], width: int) -> torch.Tensor:
@@ -275,7 +288,10 @@ class Learner:
         on the whole batch's values, as `loss` computes them. Equal to
         `loss(batch)[0].backward()` up to float round-off.
         """
-        flush_denormals()
+        with denormals_flushed():
+            return self._accumulate_gradients(batch, objective)
+
+    def _accumulate_gradients(self, batch: ScoredBatch, objective: Objective) -> dict[str, float]:
         prepared = self._prepare(batch, objective)
         size = self.micro_batch_size or len(prepared.rollouts)
         if size >= len(prepared.rollouts):

@@ -41,7 +41,7 @@ from trl import GRPOConfig, GRPOTrainer
 from common.errors import InvalidInputError
 from training.config import GRPOTrainConfig
 from training.distill import teacher_advantages, topk_distillation
-from training.learner import flush_denormals
+from training.learner import denormals_flushed
 from training.losses import advantages as project_advantages, normalize, policy_loss
 
 CORRECTIONS = ("none", "sequence", "token", "vespo")
@@ -134,6 +134,12 @@ class QStarGRPOTrainer(GRPOTrainer):
                                     "whose logprobs are log q*")
         self._rewards: torch.Tensor | None = None
 
+    def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """TRL's step (its generation, loss and backward) with denormals flushed: tiny sequence
+        weights backpropagate denormal gradients (training.learner.denormals_flushed)."""
+        with denormals_flushed():
+            return super().training_step(*args, **kwargs)
+
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         # TRL gathers every process's rewards here; the advantages below need them, summed as TRL sums them.
         per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -166,7 +172,6 @@ class QStarGRPOTrainer(GRPOTrainer):
         group left with fewer than 2 rollouts (`dualvllm train` drops both).
         """
         args: QStarGRPOConfig = self.args  # type: ignore[assignment]
-        flush_denormals()  # tiny sequence weights: see training.learner.flush_denormals
         mode = "train" if self.model.training else "eval"
         rewards = self._rewards
         assert rewards is not None, "_calculate_rewards runs before the advantages"

@@ -293,9 +293,10 @@ def test_the_chunks_logits_are_not_kept_for_backward():
     assert saved_bytes(lambda: learner.loss(batch, objective)) < logits_bytes / 4
 
 
-def test_an_update_flushes_denormal_floats_in_the_thread_that_runs_its_backward():
+def test_an_update_flushes_denormal_floats_in_its_backward_and_restores_the_threads_flag():
     """A rollout with a tiny sequence weight backpropagates denormal gradients, ~100x slower on x86
-    (training.learner.flush_denormals): the update zeroes them in its own thread, a worker's too."""
+    (training.learner.denormals_flushed): the update's backward zeroes them, in a worker thread too,
+    and the thread flushes as before once it is over (left on, the flag broke hypothesis's floats)."""
     import threading
 
     def tiny_product() -> float:
@@ -304,9 +305,11 @@ def test_an_update_flushes_denormal_floats_in_the_thread_that_runs_its_backward(
     seen: dict[str, float] = {}
 
     def update() -> None:
-        torch.set_flush_denormal(False)  # a new thread inherits its creator's flag: an earlier update's
+        torch.set_flush_denormal(False)  # a new thread inherits its creator's flag
         seen["before"] = tiny_product()
-        learner = Learner(tiny_model(), learning_rate=1e-3, kl_coef=0.0, pad_id=PAD, micro_batch_size=2)
+        model = tiny_model()
+        next(model.parameters()).register_hook(lambda grad: seen.update(backward=tiny_product()))
+        learner = Learner(model, learning_rate=1e-3, kl_coef=0.0, pad_id=PAD, micro_batch_size=2)
         learner.train_step(rollouts(), Objective(correction="sequence", normalization="dapo"))
         seen["after"] = tiny_product()
 
@@ -315,4 +318,5 @@ def test_an_update_flushes_denormal_floats_in_the_thread_that_runs_its_backward(
     worker.join(timeout=120)
     assert not worker.is_alive(), "the update did not finish within 120 s"
     assert seen["before"] > 0.0, "this CPU keeps denormals by default: the check below would say nothing"
-    assert seen["after"] == 0.0
+    assert seen["backward"] == 0.0, "the backward pass kept denormal floats"
+    assert seen["after"] == seen["before"], "the update left the thread flushing denormals"
