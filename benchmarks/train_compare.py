@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -240,7 +241,10 @@ def train_or_reuse(arm_dir: Path, task: str, fields: dict, args: argparse.Namesp
     """Train one run of `steps` updates into `arm_dir`, or read back a finished one with the same settings."""
     options = {"output_dir": arm_dir, "steps": steps, "eval_every": args.eval_every,
                "learning_rate": args.learning_rate, "seed": seed, "eval_prompts": args.eval_prompts,
-               "eval_samples": 8, "pass_k": (1, 8), "engine": args.engine, **TASKS[task], **fields}
+               "eval_samples": args.eval_samples, "pass_k": (1, 8) if args.eval_samples >= 8 else (),
+               "engine": args.engine, **TASKS[task], **fields}
+    if args.train_rows is not None:
+        options["dataset"] = training_subset(Path(options["dataset"]), args.train_rows, args.output / task)
     if args.stop_at_accuracy is not None:
         options["stop_at_accuracy"] = args.stop_at_accuracy
     if args.stop_without_signal is not None and options.get("method", "grpo") == "grpo":
@@ -269,6 +273,22 @@ def train_or_reuse(arm_dir: Path, task: str, fields: dict, args: argparse.Namesp
     return {"fields": described, "curves": curves(report.metrics_path, uses_teacher(config)),
             "dropped_stale_batches": report.dropped_stale_batches, "steps_done": report.steps_done,
             "wall_s": time.perf_counter() - started}
+
+
+def training_subset(dataset: Path, rows: int, folder: Path) -> Path:
+    """The first `rows` rows of `dataset`, written once into `folder` (the mixed task's rows interleave
+    its difficulties, so any prefix mixes them): a smaller set that a sweep's updates visit over
+    several epochs, as an RL run visits its dataset, so that per-prompt history matters."""
+    lines = dataset.read_text().splitlines(keepends=True)
+    if rows > len(lines):
+        raise SystemExit(f"--train-rows {rows}: {dataset} has only {len(lines)} rows")
+    path = folder / f"{dataset.stem}-first-{rows}.jsonl"
+    if not path.exists():  # parallel jobs may write it together: each whole, by rename
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.partial")
+        partial.write_text("".join(lines[:rows]))
+        partial.replace(path)
+    return path
 
 
 def joined(first: dict[str, list[tuple[int, float]]], then: dict[str, list[tuple[int, float]]],
@@ -427,6 +447,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--eval-prompts", type=int, default=200)
+    parser.add_argument("--eval-samples", type=int, default=8,
+                        help="samples per held-out prompt for pass@8 (fewer than 8: greedy accuracy only, cheaper)")
+    parser.add_argument("--train-rows", type=int, default=None,
+                        help="train on the first N rows of the task's training set (default: all)")
     parser.add_argument("--arms", nargs="+", help="Which arms to run, by output folder name (default: all).")
     parser.add_argument("--learning-rate", type=float, default=read_recipe(RECIPE, TRAIN_OPTIONS)["learning_rate"])
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/train_compare"))
@@ -487,7 +511,6 @@ def run_in_parallel(args: argparse.Namespace) -> None:
     time, each pinned to its own core with one torch thread. A job's output goes to a .log file
     beside its runs; an interrupted sweep started again resumes every unfinished arm."""
     import concurrent.futures
-    import os
     import queue
     import subprocess
     import sys

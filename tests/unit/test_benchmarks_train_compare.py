@@ -10,7 +10,8 @@ pytest.importorskip("torch")
 import argparse  # noqa: E402
 
 import tinymodels  # noqa: E402
-from benchmarks.train_compare import ARMS, LONG_ARMS, RECIPE, TASKS, NotRun, finished_with, joined, run_arm  # noqa: E402
+from benchmarks.train_compare import (ARMS, LONG_ARMS, RECIPE, TASKS, NotRun, finished_with, joined, run_arm,  # noqa: E402
+                                      training_subset)
 from training.config import TrainConfig  # noqa: E402
 
 
@@ -49,7 +50,8 @@ def test_a_run_without_a_stop_rule_is_reused_for_one_with_it_but_not_the_reverse
 
 def test_no_train_skips_a_missing_run_and_creates_nothing(tmp_path):
     args = argparse.Namespace(output=tmp_path, learning_rate=1e-3, steps=10, eval_every=5, eval_prompts=4,
-                              engine="transformers", stop_at_accuracy=None, stop_without_signal=None, no_train=True)
+                              engine="transformers", stop_at_accuracy=None, stop_without_signal=None, no_train=True,
+                              eval_samples=8, train_rows=None)
     folder, fields = ARMS["long-methods"]["SFT (64x1) for half the updates, then on-policy GRPO at lr 2e-4 (8x8)"]
     with pytest.raises(NotRun, match="sft-warmup"):  # a warm-up arm stops at its missing warm-up
         run_arm("long-methods", folder, fields, args, seed=0)
@@ -87,3 +89,16 @@ def test_teacher_tokens_count_the_batches_dropped_as_stale(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     assert dict(curves(path)["teacher_tokens"]) == {0: 0.0, 2: 240.0}
     assert dict(curves(path, teacher=False)["teacher_tokens"]) == {0: 0.0, 2: 0.0}
+
+
+def test_a_training_subset_is_the_datasets_first_rows_and_mixes_the_difficulties(tmp_path):
+    from tinymodels.task import MIXED_DATA
+
+    path = training_subset(MIXED_DATA["train"], 30, tmp_path)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    full = [json.loads(line) for line in MIXED_DATA["train"].read_text().splitlines()[:30]]
+    assert rows == full
+    assert {row["difficulty"] for row in rows} == {"two-digit", "three-digit", "long"}
+    assert training_subset(MIXED_DATA["train"], 30, tmp_path) == path  # written once, reused
+    with pytest.raises(SystemExit, match="has only"):
+        training_subset(MIXED_DATA["train"], 10**6, tmp_path)
