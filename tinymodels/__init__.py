@@ -15,8 +15,8 @@ own privileged-information teacher (`--teacher self --teacher-template`).
 `BASE_MIXED_DIR` and `TEACHER_MIXED_DIR` (`python -m tinymodels.build --mixed-pair`) are the
 mixed task's pair (`tinymodels.task.mixed_problems`): a base that answers as the base does and
 also copies a hint (the skill its training never asks for, so that forgetting shows), and a
-teacher that solves all three difficulties (base-mixed is committed; teacher-mixed is not built yet:
-see docs/training.md).
+teacher that solves two of the three difficulties: on the test split, two-digit 100%, long 100%,
+three-digit 10.5% (see docs/training.md).
 Importing this package does not import torch.
 """
 
