@@ -302,9 +302,10 @@ async def test_the_gate_holds_longer_after_a_hand_over_slower_than_its_wait(rig)
         assert out.ok and len(out.generated_tokens) == seq.params.max_tokens
         assert_per_token_tokens(out, theta.model, t.model, seq.params, cfg)
     gate = scheduler.gate.counters
-    # The first rounds missed, the wait grew, and the rounds after it aligned.
+    # The first rounds missed and the wait grew. How many rounds align after that depends on
+    # how busy the machine is (it failed once under load), so the sans-IO test below checks the
+    # rule itself: a miss doubles the wait, an aligned round shrinks it.
     assert gate.misses > 0 and scheduler.gate.delay_s > coordinator.admission.INITIAL_DELAY_S
-    assert gate.misses < gate.admitted / 2
 
 
 def test_the_gate_compares_the_servers_admission_steps_not_the_next_report():
