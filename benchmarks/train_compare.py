@@ -335,10 +335,15 @@ def test_scores(arm_dir: Path) -> dict[str, float]:
 
     checkpoint = checkpoints.latest(arm_dir)
     assert checkpoint is not None, f"{arm_dir} has no checkpoint"
+    cached = arm_dir / "test_scores.json"  # scored by the job that trained it: --jobs N scores in parallel too
+    if cached.exists() and (saved := json.loads(cached.read_text()))["checkpoint"] == checkpoint.name:
+        return saved["scores"]
     model = Qwen2ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     scores = difficulty_accuracy(model, Qwen2Tokenizer.from_pretrained(checkpoint), "test")
     kept = scores.pop("retained (hint copying)")
-    return {**scores, "overall": float(np.mean(list(scores.values()))), "retained": kept}
+    scores = {**scores, "overall": float(np.mean(list(scores.values()))), "retained": kept}
+    cached.write_text(json.dumps({"checkpoint": checkpoint.name, "scores": scores}) + "\n")
+    return scores
 
 
 def wanted_default(config: TrainConfig, key: str) -> object:
