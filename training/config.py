@@ -11,7 +11,13 @@
             ├── OPDTrainConfig          opd: on-policy distillation (the base samples, alpha = 0)
             ├── SFTTrainConfig          sft: fine-tuning on the teacher's samples (alpha = 1)
             ├── RFTTrainConfig          rft: fine-tuning on the verified q* rollouts
-            └── DistillTrainConfig      distill: the distillation term alone
+            ├── DistillTrainConfig      distill: the distillation term alone
+            └── AdaptiveTrainConfig     adaptive: per prompt, guided distillation or GRPO by its pass rate
+
+Options two or more methods share are declared once, in the mixins they inherit:
+_ChosenAlpha and _AlphaSchedule (the sampling alpha and its schedule), _PolicyGradientLoss (the per-token loss),
+_PolicyGradient (+ the KL penalty and on-policy distillation's advantage) and _GroupRelative
+(group-relative advantages and their off-policy correction).
 
 The method classes are a union discriminated by `method`. An option a method does not
 read is not a field of its class, so setting it is refused, naming the methods that take
@@ -185,11 +191,16 @@ class _AlphaSchedule(_ChosenAlpha):
         return self.alpha_cap_start * max(0.0, 1.0 - step / self.alpha_decay_steps)
 
 
-class _PolicyGradient(BaseModel):
-    """The per-token policy gradient's options (grpo's with its rewards, opd's with the teacher's advantages)."""
+class _PolicyGradientLoss(BaseModel):
+    """The per-token policy-gradient loss's options (grpo's, opd's, and adaptive's GRPO term)."""
 
     is_cap: float = Field(2.0, ge=1, description="correction=token: truncation of the per-token weight pi_theta / q*.")
     normalization: Normalization = Field("dapo", description="Loss normalization: grpo, dr_grpo or dapo (TRL's loss_type).")
+
+
+class _PolicyGradient(_PolicyGradientLoss):
+    """+ the terms added to it: the KL penalty and on-policy distillation's advantage (grpo's, opd's)."""
+
     kl_coef: float = Field(0.0, ge=0, description="Weight of the k3 KL penalty to the frozen initial model (TRL's beta); "
                                                   "0 = none.")
     opd_coef: float | None = Field(
@@ -205,6 +216,31 @@ class _PolicyGradient(BaseModel):
     @property
     def reference_kl_coef(self) -> float:
         return self.kl_coef
+
+
+class _GroupRelative(_PolicyGradientLoss):
+    """Group-relative advantages of the rewards and their off-policy correction (grpo's, adaptive's)."""
+
+    correction: Correction = Field(
+        "sequence", description="Off-policy correction of the sampled rollouts (q*'s, or under --method adaptive the "
+                                "server's copy of the weights, up to --max-staleness updates old): sequence "
+                                "(self-normalized per group), token (truncated per-token pi/q*; did not lift the "
+                                "bundled base, see benchmarks/README.md), vespo (VESPO's Gamma weight of the sequence "
+                                "ratio) or none (biased toward q*: for tasks the base almost never solves, see "
+                                "benchmarks/README.md).")
+    share_cap: float = Field(
+        3.0, ge=1, description="correction=sequence: truncation of G·v, the group shares one rollout may count for.")
+    scale_advantages: bool = Field(
+        True, description="Divide group-relative advantages by the group std (TRL's scale_rewards='group'; False = "
+                          "Dr. GRPO).")
+
+    @model_validator(mode="after")
+    def _caps_match_the_correction(self) -> _GroupRelative:
+        for name, mode in (("is_cap", "token"), ("share_cap", "sequence")):
+            if name in self.model_fields_set and self.correction != mode:
+                raise ValueError(f"{flag(name)} applies to --correction {mode}, and the correction is "
+                                 f"{self.correction}; drop {flag(name)} or pass --correction {mode}")
+        return self
 
 
 class StreamingTrainConfig(TrainConfig):
@@ -294,20 +330,10 @@ class StreamingTrainConfig(TrainConfig):
         return None
 
 
-class GRPOTrainConfig(_AlphaSchedule, _PolicyGradient, StreamingTrainConfig):
+class GRPOTrainConfig(_AlphaSchedule, _GroupRelative, _PolicyGradient, StreamingTrainConfig):
     """--method grpo: group-relative advantages of the rewards, corrected for sampling from q*."""
 
     method: Literal["grpo"] = Field("grpo", description=METHOD_HELP)
-    correction: Correction = Field(
-        "sequence", description="Off-policy correction for q* rollouts: sequence (self-normalized per group), token "
-                                "(truncated per-token pi/q*; did not lift the bundled base, see benchmarks/README.md), "
-                                "vespo (VESPO's Gamma weight of the sequence ratio) or none (biased toward q*: for "
-                                "tasks the base almost never solves, see benchmarks/README.md).")
-    share_cap: float = Field(
-        3.0, ge=1, description="correction=sequence: truncation of G·v, the group shares one rollout may count for.")
-    scale_advantages: bool = Field(
-        True, description="Divide group-relative advantages by the group std (TRL's scale_rewards='group'; False = "
-                          "Dr. GRPO).")
     on_policy_rollouts: int = Field(
         0, ge=0, description="Pooled groups: of each prompt's --group-size rollouts, this many are sampled "
                              "on-policy (alpha = 0), the rest from q*; advantages over the pooled group (LUFFY).")
@@ -332,10 +358,6 @@ class GRPOTrainConfig(_AlphaSchedule, _PolicyGradient, StreamingTrainConfig):
                              "rollout on-policy; drop one of them")
         if self.guided_shaping is not None and not self.on_policy_rollouts:
             raise ValueError("--guided-shaping shapes the q* rollouts of pooled groups; set --on-policy-rollouts too")
-        for name, mode in (("is_cap", "token"), ("share_cap", "sequence")):
-            if name in self.model_fields_set and self.correction != mode:
-                raise ValueError(f"{flag(name)} applies to --correction {mode}, and the correction is "
-                                 f"{self.correction}; drop {flag(name)} or pass --correction {mode}")
         return self
 
     @property
@@ -404,21 +426,13 @@ class DistillTrainConfig(_AlphaSchedule, StreamingTrainConfig):
         return self.distill_coef if self.distill_coef is not None else 1.0
 
 
-class AdaptiveTrainConfig(StreamingTrainConfig):
+class AdaptiveTrainConfig(_GroupRelative, StreamingTrainConfig):
     """--method adaptive: each prompt's regime, from its own on-policy pass rate, decides its group
     (training/regimes.py): never solved lately -> guided rollouts (--guided-alpha) trained by the
     distillation term, with --probe-rollouts on-policy ones that keep measuring; sometimes -> GRPO
     on the base's own rollouts; always -> drawn rarely."""
 
     method: Literal["adaptive"] = Field("adaptive", description=METHOD_HELP)
-    correction: Correction = Field(
-        "sequence", description="Off-policy correction of the on-policy rollouts' GRPO term (they come from the "
-                                "server's copy of the weights, at most --max-staleness updates old): sequence, token, "
-                                "vespo or none.")
-    share_cap: float = Field(3.0, ge=1, description="correction=sequence: truncation of G·v.")
-    is_cap: float = Field(2.0, ge=1, description="correction=token: truncation of the per-token weight.")
-    normalization: Normalization = Field("dapo", description="The GRPO term's normalization: grpo, dr_grpo or dapo.")
-    scale_advantages: bool = Field(True, description="Divide group-relative advantages by the group std.")
     guided_alpha: float | None = Field(
         1.0, ge=0, le=1, description="Alpha of the guided rollouts of never-solved prompts: 1 = the teacher's samples, "
                                      "None = q* (alpha* per token).")
