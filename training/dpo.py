@@ -9,12 +9,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Sequence
 
 from common.errors import NoTrainingSignalError
+from coordinator import DualVLLMCoordinator
 from training.config import DPOTrainConfig
 from training.recipe import held_out, prepare
 from training.rollouts import Groups, sample_batch
@@ -61,43 +63,86 @@ class DPOReport:
 
 
 async def train_dpo(config: DPOTrainConfig, *, show_progress: bool = True) -> DPOReport:
-    import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM
-    from trl import DPOConfig, DPOTrainer
+    """`dualvllm train --method dpo`: the recipe below, set up, trained and cleaned up."""
+    return await DPORecipe(config, show_progress=show_progress).run()
 
-    from training import lora
 
-    out: Path = config.output_dir
-    inputs = prepare(config)
-    base_dir, tokenizer, problems = inputs.base_dir, inputs.tokenizer, inputs.problems
-    chosen = problems.train[:config.steps * config.prompts_per_step]
-    batch_size = len(chosen) * config.group_size
-    with verifier_pool() as pool:
-        async with serving(config, base_dir, log_dir=out, batch_size=batch_size) as coordinator:
-            accuracy_before = (await held_out(coordinator, config, problems, pool))["held_out_accuracy"]
-            sampled = await sample_batch(
-                coordinator, chosen, group_size=config.group_size, max_tokens=config.max_tokens,
-                temperature=config.temperature, fixed_alpha=config.fixed_alpha, seed=config.seed,
-                spec=problems.spec, executor=pool, reward_timeout_s=config.reward_timeout)
+class DPORecipe:
+    """setup / evaluate / sample_pairs / train / cleanup, shaped as GRPORecipe is (torchtune's shape).
+
+    Offline, unlike GRPO: one batch of q* rollouts, sampled once, mined into pairs, then TRL's
+    DPOTrainer over them; the servers are closed while it trains and the trained weights are
+    evaluated on servers of their own."""
+
+    def __init__(self, config: DPOTrainConfig, *, show_progress: bool = True) -> None:
+        self.config = config
+        self.show_progress = show_progress
+        self.out: Path = config.output_dir
+        self._stack = contextlib.ExitStack()
+
+    async def run(self) -> DPOReport:
+        try:
+            self.setup()
+            async with serving(self.config, self.base_dir, log_dir=self.out, batch_size=self.batch_size) as coordinator:
+                before = await self.evaluate(coordinator)
+                pairs = await self.sample_pairs(coordinator)
+            final = self.train(pairs)
+            async with serving(self.config, str(final), log_dir=self.out / "final-servers") as coordinator:
+                after = await self.evaluate(coordinator)
+            return DPOReport(pairs=len(pairs), accuracy_before=before, accuracy_after=after,
+                             pairs_path=self.pairs_path, model_dir=final)
+        finally:
+            self.cleanup()
+
+    def setup(self) -> None:
+        """Inputs (checked before any server starts) and the verifier pool."""
+        inputs = prepare(self.config)
+        self.base_dir, self.tokenizer, self.problems = inputs.base_dir, inputs.tokenizer, inputs.problems
+        self.chosen = self.problems.train[:self.config.steps * self.config.prompts_per_step]
+        self.batch_size = len(self.chosen) * self.config.group_size
+        self.pairs_path = self.out / "pairs.jsonl"
+        self.pool = self._stack.enter_context(verifier_pool())
+
+    async def evaluate(self, coordinator: DualVLLMCoordinator) -> float:
+        """Held-out greedy accuracy of the weights `coordinator`'s base serves."""
+        return (await held_out(coordinator, self.config, self.problems, self.pool))["held_out_accuracy"]
+
+    async def sample_pairs(self, coordinator: DualVLLMCoordinator) -> list[Pair]:
+        """One batch of q* rollouts, scored, mined into pairs -> OUTPUT/pairs.jsonl."""
+        config = self.config
+        sampled = await sample_batch(
+            coordinator, self.chosen, group_size=config.group_size, max_tokens=config.max_tokens,
+            temperature=config.temperature, fixed_alpha=config.fixed_alpha, seed=config.seed,
+            spec=self.problems.spec, executor=self.pool, reward_timeout_s=config.reward_timeout)
         # sample_batch drops groups with fewer than 2 rollouts; match prompts by prompt ids.
-        prompt_of = {task.prompt_ids: task.prompt_text for task in chosen}
+        prompt_of = {task.prompt_ids: task.prompt_text for task in self.chosen}
         groups = sampled.groups
         pairs = mine_pairs(groups, [prompt_of[g[0].prompt_ids] for g in groups])
-        pairs_path = out / "pairs.jsonl"
-        write_pairs(pairs_path, pairs)
+        write_pairs(self.pairs_path, pairs)
         if not pairs:
             raise NoTrainingSignalError(
                 f"no preference pairs in {len(groups)} prompts: every prompt's rollouts were all right or all "
                 "wrong. Sample more per prompt (--group-size), more prompts (--steps, --prompts-per-step), or "
                 "at a higher --temperature")
+        return pairs
 
+    def train(self, pairs: Sequence[Pair]) -> Path:
+        """TRL's DPOTrainer on `pairs` from the base (LoRA with --lora-rank; reference = the base as it
+        started); the trained weights, merged, -> OUTPUT/final."""
+        import torch
+        from datasets import Dataset
+        from transformers import AutoModelForCausalLM
+        from trl import DPOConfig, DPOTrainer
+
+        from training import lora
+
+        config = self.config
         torch.manual_seed(config.seed)
-        model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-        args = DPOConfig(output_dir=str(out / "trl"), per_device_train_batch_size=32, num_train_epochs=config.dpo_epochs,
-                         learning_rate=config.learning_rate, beta=config.dpo_beta, save_strategy="no", report_to=[],
-                         use_cpu=not torch.cuda.is_available(), seed=config.seed, logging_steps=5,
-                         disable_tqdm=not show_progress)
+        model = AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=torch.float32)
+        args = DPOConfig(output_dir=str(self.out / "trl"), per_device_train_batch_size=32,
+                         num_train_epochs=config.dpo_epochs, learning_rate=config.learning_rate, beta=config.dpo_beta,
+                         save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(), seed=config.seed,
+                         logging_steps=5, disable_tqdm=not self.show_progress)
         dataset = Dataset.from_list([{"prompt": p.prompt, "chosen": p.chosen, "rejected": p.rejected} for p in pairs])
         peft_config = None
         if config.lora_rank:
@@ -105,14 +150,14 @@ async def train_dpo(config: DPOTrainConfig, *, show_progress: bool = True) -> DP
 
             peft_config = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0,
                                      target_modules=list(lora.TARGET_MODULES), task_type="CAUSAL_LM")
-        trainer = DPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+        trainer = DPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=self.tokenizer,
                              peft_config=peft_config)
         trainer.train()
-        final = out / "final"
+        final = self.out / "final"
         lora.save_full(trainer.model, final)  # merged weights when trained with LoRA
-        tokenizer.save_pretrained(final)
-        async with serving(config, str(final), log_dir=out / "final-servers") as coordinator:
-            accuracy_after = (await held_out(coordinator, config, problems, pool))["held_out_accuracy"]
-    return DPOReport(pairs=len(pairs), accuracy_before=accuracy_before, accuracy_after=accuracy_after,
-                     pairs_path=pairs_path, model_dir=final)
+        self.tokenizer.save_pretrained(final)
+        return final
 
+    def cleanup(self) -> None:
+        """The verifier pool (the servers close with their `serving` blocks)."""
+        self._stack.close()
