@@ -111,9 +111,9 @@ class DPORecipe:
         """One batch of q* rollouts, scored, mined into pairs -> OUTPUT/pairs.jsonl."""
         config = self.config
         sampled = await sample_batch(
-            coordinator, self.chosen, group_size=config.group_size, max_tokens=config.max_tokens,
-            temperature=config.temperature, fixed_alpha=config.fixed_alpha, seed=config.seed,
-            spec=self.problems.spec, executor=self.pool, reward_timeout_s=config.reward_timeout)
+            coordinator, self.chosen, config.sampling_params(fixed_alpha=config.fixed_alpha),
+            group_size=config.group_size, seed=config.seed, spec=self.problems.spec, executor=self.pool,
+            reward_timeout_s=config.reward_timeout)
         # sample_batch drops groups with fewer than 2 rollouts; match prompts by prompt ids.
         prompt_of = {task.prompt_ids: task.prompt_text for task in self.chosen}
         groups = sampled.groups

@@ -10,6 +10,7 @@ and the training runs' periodic evaluation both call `evaluate`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from concurrent.futures import Executor
 from dataclasses import asdict, dataclass, field
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from coordinator.core import DualVLLMCoordinator
+from coordinator.sequence import SamplingParams
 from theory.passk import pass_at_k
 from training.config import EvalConfig
 from training.rewards import RewardSpec, score_completions
@@ -53,28 +55,29 @@ class ArmResult:
         return asdict(self)
 
 
-async def evaluate(coordinator: DualVLLMCoordinator, tasks: Sequence[Task], spec: RewardSpec, executor: Executor, *,
-                   arms: Sequence[str], max_tokens: int, samples: int = 0, ks: Sequence[int] = (),
-                   temperature: float = 1.0, seed: int = 0, success: float = 1.0,
-                   reward_timeout_s: float = 60.0, show_progress: bool = False,
+async def evaluate(coordinator: DualVLLMCoordinator, tasks: Sequence[Task], spec: RewardSpec, executor: Executor,
+                   params: SamplingParams, *, arms: Sequence[str], samples: int = 0, ks: Sequence[int] = (),
+                   seed: int = 0, success: float = 1.0, reward_timeout_s: float = 60.0, show_progress: bool = False,
                    group_by: str | None = None) -> list[ArmResult]:
-    """Greedy accuracy and pass@k of each arm on `tasks`, in the order of `arms`; with `group_by`,
-    greedy accuracy also per value of that row field (rows without it: GROUP_MISSING)."""
+    """Greedy accuracy and pass@k (`samples` per task, sampled with `params`) of each arm on
+    `tasks`, in the order of `arms` (each arm sets the alpha); with `group_by`, greedy accuracy also
+    per value of that row field (rows without it: GROUP_MISSING)."""
     if any(k > samples for k in ks):
         raise ValueError(f"pass@{max(ks)} needs at least {max(ks)} samples per task, got {samples}")
     results = []
     for arm in arms:
         alpha = ARMS[arm]
-        greedy = await coordinator.generate_batch([t.prompt for t in tasks], max_tokens=max_tokens, temperature=0.0,
-                                                  fixed_alpha=alpha, seed=seed, show_progress=show_progress)
+        greedy = await coordinator.generate_batch([t.prompt for t in tasks],
+                                                  dataclasses.replace(params, temperature=0.0, fixed_alpha=alpha),
+                                                  seed=seed, show_progress=show_progress)
         greedy_rewards = await _rewards(spec, tasks, greedy, executor, reward_timeout_s)
         correct = np.array([r is not None and r >= success for r in greedy_rewards])
         rewards = greedy_rewards
         pass_at: dict[int, float] = {}
         if samples:
             outputs = await coordinator.generate_batch(
-                [t.prompt for t in tasks for _ in range(samples)], max_tokens=max_tokens, temperature=temperature,
-                fixed_alpha=alpha, seed=seed, show_progress=show_progress)
+                [t.prompt for t in tasks for _ in range(samples)], dataclasses.replace(params, fixed_alpha=alpha),
+                seed=seed, show_progress=show_progress)
             rewards = await _rewards(spec, [t for t in tasks for _ in range(samples)], outputs, executor,
                                      reward_timeout_s)
             hits = np.array([r is not None and r >= success for r in rewards]).reshape(len(tasks), samples)
@@ -139,14 +142,13 @@ async def run_eval(config: EvalConfig, *, show_progress: bool = True) -> str:
     tasks = problems.held_out
     with verifier_pool() as pool:
         async with serving(config, base_dir, batch_size=len(tasks) * max(config.eval_samples, 1)) as coordinator:
-            results = await evaluate(coordinator, tasks, problems.spec, pool, arms=config.arms,
-                                     max_tokens=config.max_tokens, samples=config.eval_samples, ks=config.pass_ks,
-                                     temperature=config.temperature, seed=config.seed,
-                                     reward_timeout_s=config.reward_timeout, show_progress=show_progress,
-                                     group_by=config.eval_group_by)
-            retained = await evaluate(coordinator, problems.retained, problems.spec, pool, arms=config.arms,
-                                      max_tokens=config.max_tokens, seed=config.seed,
-                                      reward_timeout_s=config.reward_timeout, show_progress=show_progress,
+            results = await evaluate(coordinator, tasks, problems.spec, pool, config.sampling_params(),
+                                     arms=config.arms, samples=config.eval_samples, ks=config.pass_ks,
+                                     seed=config.seed, reward_timeout_s=config.reward_timeout,
+                                     show_progress=show_progress, group_by=config.eval_group_by)
+            retained = await evaluate(coordinator, problems.retained, problems.spec, pool, config.sampling_params(),
+                                      arms=config.arms, seed=config.seed, reward_timeout_s=config.reward_timeout,
+                                      show_progress=show_progress,
                                       group_by=config.eval_group_by) if problems.retained else []
     text = (f"{len(tasks)} problems; greedy and {config.eval_samples} samples each at temperature "
             f"{config.temperature:g}\n{render(results)}")

@@ -167,9 +167,8 @@ class GRPORecipe:
         same seed at every evaluation: the states change only as the policy does."""
         config, learner = self.config, self.learner
         tasks = self.problems.train[:config.kl_from_start_prompts]
-        outputs = await self.coordinator.generate_batch([t.prompt for t in tasks], max_tokens=config.max_tokens,
-                                                        temperature=config.temperature, fixed_alpha=0.0,
-                                                        seed=config.seed)
+        outputs = await self.coordinator.generate_batch([t.prompt for t in tasks],
+                                                        config.sampling_params(fixed_alpha=0.0), seed=config.seed)
         rollouts = [Rollout(prompt_ids=t.prompt_ids, completion_ids=tuple(o.generated_tokens),
                             logprobs_q=tuple(o.logprobs_q), alphas=(), text=o.generated_text, reward=0.0)
                     for t, o in zip(tasks, outputs) if o.ok and o.generated_tokens]
@@ -198,12 +197,12 @@ class GRPORecipe:
     async def _sample_part(self, chosen: Sequence[Task], seed: int, *, fixed_alpha: float | None,
                            on_policy: int) -> Sampled:
         config = self.config
-        return await sample_batch(self.coordinator, chosen, group_size=config.group_size, max_tokens=config.max_tokens,
-                                  temperature=config.temperature, fixed_alpha=fixed_alpha,
+        params = config.sampling_params(fixed_alpha=fixed_alpha, max_alpha=config.alpha_cap(self.state.step),
+                                        record_topk=config.top_k if self.objective.needs_teacher_topk else 0)
+        return await sample_batch(self.coordinator, chosen, params, group_size=config.group_size,
                                   seed=config.seed * 1_000_003 + seed, spec=self.problems.spec, executor=self.pool,
                                   reward_timeout_s=config.reward_timeout, on_policy=on_policy,
-                                  record_topk=config.top_k if self.objective.needs_teacher_topk else 0,
-                                  max_alpha=config.alpha_cap(self.state.step), min_group=self.objective.min_group)
+                                  min_group=self.objective.min_group)
 
     async def _sample_by_regime(self, config: AdaptiveTrainConfig, chosen: Sequence[Task], regimes: Sequence[int],
                                 seed: int) -> Sampled:

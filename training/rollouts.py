@@ -8,6 +8,7 @@ the learner trains, and every rollout carries the policy version it was sampled 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from concurrent.futures import Executor
@@ -19,6 +20,7 @@ import numpy as np
 
 from coordinator.core import DualVLLMCoordinator
 from coordinator.outputs import GenerationOutput
+from coordinator.sequence import SamplingParams
 from training.rewards import RewardSpec, score_completions
 
 log = logging.getLogger("dualvllm.training")
@@ -87,16 +89,16 @@ class Sampled:
     group_tasks: tuple[int, ...]  # for each group, the index of its task in the tasks sampled
 
 
-async def sample_batch(coordinator: DualVLLMCoordinator, tasks: Sequence[Task], *, group_size: int,
-                       max_tokens: int, temperature: float, fixed_alpha: float | None, seed: int,
-                       spec: RewardSpec, executor: Executor, reward_timeout_s: float, on_policy: int = 0,
-                       record_topk: int = 0, max_alpha: float | None = None, min_group: int = 2) -> Sampled:
-    """`group_size` rollouts per task from q*, scored off the event loop.
+async def sample_batch(coordinator: DualVLLMCoordinator, tasks: Sequence[Task], params: SamplingParams, *,
+                       group_size: int, seed: int, spec: RewardSpec, executor: Executor, reward_timeout_s: float,
+                       on_policy: int = 0, min_group: int = 2) -> Sampled:
+    """`group_size` rollouts per task sampled with `params` (q* unless its fixed_alpha says
+    otherwise), scored off the event loop.
 
     With `on_policy` = N > 0 the groups are pooled: each task's first N rollouts are sampled
-    at alpha = 0 (the base alone), the other group_size - N from q* (`fixed_alpha`).
-    `record_topk` keeps the teacher's top-k at every visited state (Rollout.teacher_topk);
-    `max_alpha` caps alpha* of the q* rollouts (an alpha schedule).
+    at alpha = 0 (the base alone, no alpha cap), the other group_size - N with `params`.
+    `params.record_topk` keeps the teacher's top-k at every visited state (Rollout.teacher_topk);
+    `params.max_alpha` caps alpha* (an alpha schedule).
     Failed rollouts and rollouts a reward scored None are dropped (logged), and so are
     groups left with fewer than `min_group` rollouts (2 for grpo: a lone rollout has no
     group to compare with; 1 for methods that train on each rollout alone).
@@ -105,16 +107,16 @@ async def sample_batch(coordinator: DualVLLMCoordinator, tasks: Sequence[Task], 
         return Sampled(groups=(), reward_means={}, unscored=0, group_tasks=())
     guided = group_size - on_policy
 
-    async def part(count: int, alpha: float | None, part_seed: int, cap: float | None) -> list[GenerationOutput]:
+    async def part(count: int, part_params: SamplingParams, part_seed: int) -> list[GenerationOutput]:
         # One call per part: a call has one fixed_alpha; both share the coordinator's batch.
         if not count:
             return []
-        return await coordinator.generate_batch([task.prompt for task in tasks for _ in range(count)],
-                                                max_tokens=max_tokens, temperature=temperature, fixed_alpha=alpha,
-                                                seed=part_seed, record_topk=record_topk, max_alpha=cap)
+        return await coordinator.generate_batch([task.prompt for task in tasks for _ in range(count)], part_params,
+                                                seed=part_seed)
 
-    q_part, own_part = await asyncio.gather(part(guided, fixed_alpha, seed, max_alpha),
-                                            part(on_policy, 0.0, seed + ON_POLICY_SEED_OFFSET, None))
+    q_part, own_part = await asyncio.gather(
+        part(guided, params, seed),
+        part(on_policy, dataclasses.replace(params, fixed_alpha=0.0, max_alpha=None), seed + ON_POLICY_SEED_OFFSET))
     outputs, is_on_policy = [], []
     for i in range(len(tasks)):  # each task's group: its on-policy rollouts first, then the guided ones
         outputs.extend(own_part[i * on_policy:(i + 1) * on_policy])

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 import tinymodels
 from common.validation import RaisesInvalidInput
 from coordinator.config import CoordinatorConfig
+from coordinator.sequence import SamplingParams
 from training.config_sources import flag
 
 # The teacher may be the base model itself, shown the teacher's prompt: "self" on the base
@@ -198,6 +199,11 @@ class TaskConfig(RaisesInvalidInput, BaseModel):
             toys["max_tokens"] = (f"a real model's completions are cut after {self.max_tokens} tokens; raise "
                                   f"--max-tokens (default {type(self).model_fields['max_tokens'].default})")
         return toys
+
+    def sampling_params(self, **overrides: Any) -> SamplingParams:
+        """The run's sampling settings (--max-tokens, --temperature), with `overrides` (fixed_alpha,
+        record_topk, ...): what every call that samples for the run passes to the coordinator."""
+        return SamplingParams(**{"max_tokens": self.max_tokens, "temperature": self.temperature, **overrides})
 
     @property
     def pass_ks(self) -> tuple[int, ...]:

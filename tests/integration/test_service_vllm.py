@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator
 import openai
 import pytest
 
-from coordinator import CoordinatorConfig, DualVLLMCoordinator
+from coordinator import CoordinatorConfig, DualVLLMCoordinator, SamplingParams
 from service.app import serve
 from service.config import ServiceConfig
 from tests import processes
@@ -141,8 +141,8 @@ async def test_lm_eval_scores_q_star_as_dualvllm_eval_does(vllm_pair, tmp_path):
                 await process.wait()
         assert process.returncode == 0, log.decode()[-3000:]
         with verifier_pool() as pool:
-            base, qstar = await evaluate(coordinator, held_out.held_out, held_out.spec, pool, arms=config.arms,
-                                         max_tokens=config.max_tokens)
+            base, qstar = await evaluate(coordinator, held_out.held_out, held_out.spec, pool,
+                                         SamplingParams(max_tokens=config.max_tokens), arms=config.arms)
     assert qstar.tasks == 484
     results = json.loads(next((tmp_path / "lm_eval").rglob("results_*.json")).read_text())["results"]
     # both greedy (temperature 0) over the same distributions: the same completions, the same scores

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator import CoordinatorConfig, DualVLLMCoordinator
+from coordinator import CoordinatorConfig, DualVLLMCoordinator, SamplingParams
 from theory.passk import pass_at_k
 from training.evaluation import GROUP_MISSING, evaluate, render
 from training.rewards import reward_spec
@@ -30,8 +30,8 @@ async def test_arms_report_what_their_own_samples_say(fake_theta, fake_t):
     config = CoordinatorConfig(theta_url=fake_theta.url, t_url=fake_t.url, top_k=8, retry_delay=0.0)
     with verifier_pool() as pool:
         async with DualVLLMCoordinator(config) as c:
-            results = await evaluate(c, tasks(), spec, pool, arms=("base", "q*", "teacher"), max_tokens=3,
-                                     samples=4, ks=(1, 2, 4), temperature=1.0, seed=7)
+            results = await evaluate(c, tasks(), spec, pool, SamplingParams(max_tokens=3, temperature=1.0),
+                                     arms=("base", "q*", "teacher"), samples=4, ks=(1, 2, 4), seed=7)
             # The same calls, made by hand: the arm's results must be these samples' statistics.
             prompts = [t.prompt for t in tasks()]
             greedy = await c.generate_batch(prompts, max_tokens=3, temperature=0.0, fixed_alpha=None, seed=7)
@@ -56,9 +56,9 @@ async def test_greedy_only_without_samples(fake_theta, fake_t):
     config = CoordinatorConfig(theta_url=fake_theta.url, t_url=fake_t.url, top_k=8, retry_delay=0.0)
     with verifier_pool() as pool:
         async with DualVLLMCoordinator(config) as c:
-            [base] = await evaluate(c, tasks(), spec, pool, arms=("base",), max_tokens=2)
+            [base] = await evaluate(c, tasks(), spec, pool, SamplingParams(max_tokens=2), arms=("base",))
             with pytest.raises(ValueError, match="pass@4 needs at least 4 samples"):
-                await evaluate(c, tasks(), spec, pool, arms=("base",), max_tokens=2, samples=2, ks=(4,))
+                await evaluate(c, tasks(), spec, pool, SamplingParams(max_tokens=2), arms=("base",), samples=2, ks=(4,))
     assert base.pass_at == {} and base.samples == 0 and 0.0 <= base.greedy_accuracy <= 1.0
 
 
@@ -69,7 +69,8 @@ async def test_accuracy_by_group_is_each_groups_share_of_right_greedy_answers(fa
     config = CoordinatorConfig(theta_url=fake_theta.url, t_url=fake_t.url, top_k=8, retry_delay=0.0)
     with verifier_pool() as pool:
         async with DualVLLMCoordinator(config) as c:
-            [base] = await evaluate(c, grouped, spec, pool, arms=("base",), max_tokens=3, seed=3, group_by="level")
+            [base] = await evaluate(c, grouped, spec, pool, SamplingParams(max_tokens=3), arms=("base",), seed=3,
+                                    group_by="level")
             greedy = await c.generate_batch([t.prompt for t in grouped], max_tokens=3, temperature=0.0,
                                             fixed_alpha=0.0, seed=3)
     right = correct([o.generated_text for o in greedy])
