@@ -51,16 +51,16 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from common import heap, loop
-from coordinator import kernel
-from coordinator.config import CoordinatorConfig
-from coordinator.sequence import SamplingParams
-from coordinator.lockstep import LockstepScheduler
-from coordinator.sequence import SequenceState
-from coordinator.stats import Statistics
-from engines.lockstep_channel import LockstepChannel
-from engines.vllm_plugin import wire
-from engines.vllm_plugin.link import CoordinatorLink
+from dualvllm.common import heap, loop
+from dualvllm.coordinator import kernel
+from dualvllm.coordinator.config import CoordinatorConfig
+from dualvllm.coordinator.sequence import SamplingParams
+from dualvllm.coordinator.lockstep import LockstepScheduler
+from dualvllm.coordinator.sequence import SequenceState
+from dualvllm.coordinator.stats import Statistics
+from dualvllm.engines.lockstep_channel import LockstepChannel
+from dualvllm.engines.vllm_plugin import wire
+from dualvllm.engines.vllm_plugin.link import CoordinatorLink
 
 VOCAB = 4096
 PROMPT_LEN = 16

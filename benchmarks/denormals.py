@@ -4,7 +4,7 @@
 
 A stack of 8 linear layers [1024 x 1024] (float32, torch's threads), its output summed and
 scaled by `scale` before backward: at 1e-39 every gradient is a denormal float32. Timed
-without and with `torch.set_flush_denormal(True)` (training.learner.denormals_flushed, which the
+without and with `torch.set_flush_denormal(True)` (dualvllm.training.learner.denormals_flushed, which the
 learner sets in the thread that runs backward). Why it matters: a GRPO rollout whose
 self-normalized sequence weight is tiny backpropagates such gradients (issue 41's 64 x 1,024
 update at Qwen3-0.6B's shape). Prints one line per case and writes benchmarks/results/denormals.json.

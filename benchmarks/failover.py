@@ -47,10 +47,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 
-from common import loop  # noqa: E402
+from dualvllm.common import loop  # noqa: E402
 from benchmarks import harness  # noqa: E402
-from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
-from engines.launcher import VLLMServer, launch_replicas, replica_configs  # noqa: E402
+from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
+from dualvllm.engines.launcher import VLLMServer, launch_replicas, replica_configs  # noqa: E402
 
 # In this order: training leaves the two base replicas with different weights (the
 # restarted one rejoins a later run only after a push), so it runs last.

@@ -14,10 +14,10 @@ from urllib.parse import urlparse
 
 import psutil
 
-from common import loop
-import tinymodels
-from engines.launcher import launch_pair, pair_configs
-from tinymodels.task import problems
+from dualvllm.common import loop
+from dualvllm import tinymodels
+from dualvllm.engines.launcher import launch_pair, pair_configs
+from dualvllm.tinymodels.task import problems
 
 RESULTS_DIR = Path("benchmarks/results")
 
@@ -69,13 +69,13 @@ def long_context_models(directory: Path, positions: int) -> dict[str, object]:
     return models | {"max_model_len": positions, "dtype": tinymodels.SERVER_DTYPE}
 
 
-SHAPE_NAMES = ("small", "qwen3-0.6b")  # tinymodels.shapes.SHAPES, named here so --help needs no torch
+SHAPE_NAMES = ("small", "qwen3-0.6b")  # dualvllm.tinymodels.shapes.SHAPES, named here so --help needs no torch
 
 
 def shape_models(shape: str, max_model_len: int | None = None) -> dict[str, object]:
-    """pair_configs options that serve the realistic-shape pair `shape` (tinymodels.shapes: built
+    """pair_configs options that serve the realistic-shape pair `shape` (dualvllm.tinymodels.shapes: built
     and cached on first use), in the dtype its checkpoints carry (bfloat16), as a user's model is."""
-    from tinymodels.shapes import ensure_pair
+    from dualvllm.tinymodels.shapes import ensure_pair
 
     base, teacher = ensure_pair(shape)
     options: dict[str, object] = {"base_model": str(base), "teacher_model": str(teacher)}

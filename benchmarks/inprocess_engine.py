@@ -42,10 +42,10 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 
-import tinymodels  # noqa: E402
-from common import loop  # noqa: E402
+from dualvllm import tinymodels  # noqa: E402
+from dualvllm.common import loop  # noqa: E402
 from benchmarks import harness  # noqa: E402
-from engines.transformers_engine import TransformersEngine  # noqa: E402
+from dualvllm.engines.transformers_engine import TransformersEngine  # noqa: E402
 
 PHASES = ("contexts", "kv", "forward", "vocab")  # as the engine names them; "forward" is also hooked
 CHECKED_ROWS = 8  # rows compared with the full distribution after a run (a float64 [rows, V] array)

@@ -24,7 +24,9 @@ peak RSS is that process's ru_maxrss (torch, the model, its gradients, AdamW's t
 the update). In the subprocess a warm-up update on 2 rollouts of 8 + 8 tokens runs first
 (AdamW's moments then exist, kernels are loaded), then the measured one.
 `--code-root DIR` imports the learner from another checkout (a worktree of an older commit)
-to measure it before a change; the learner's new options are then not passed.
+to measure it before a change; the learner's new options are then not passed. That checkout
+must have the `dualvllm.<name>` packages (dualvllm/training -> ../training); one from before
+them has no `dualvllm.training`.
 Writes benchmarks/results/learner_memory.json (units in the keys) and a plot.
 """
 
@@ -68,7 +70,7 @@ def synthetic_batch(rollouts: int, group_size: int, prompt_tokens: int, completi
     """Random rollouts shaped like real ones, with everything both updates read."""
     import numpy as np
 
-    from training.rollouts import Rollout, ScoredBatch
+    from dualvllm.training.rollouts import Rollout, ScoredBatch
 
     rng = np.random.default_rng(seed)
     rows = []
@@ -87,7 +89,7 @@ def synthetic_batch(rollouts: int, group_size: int, prompt_tokens: int, completi
 
 
 def objective_for(update: str):
-    from training.learner import Objective
+    from dualvllm.training.learner import Objective
 
     if update == "grpo":
         return Objective(method="grpo", correction="sequence", normalization="dapo")
@@ -103,7 +105,7 @@ def child(spec: dict) -> dict:
     import psutil
     import torch
 
-    from training.learner import Learner
+    from dualvllm.training.learner import Learner
 
     options = {}
     if not spec["code_root"]:

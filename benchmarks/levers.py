@@ -38,11 +38,11 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 
-from common import loop  # noqa: E402
+from dualvllm.common import loop  # noqa: E402
 from benchmarks import harness  # noqa: E402
-from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
-from engines.protocol import TopKBatch  # noqa: E402
-from engines.vllm_client import VLLMClient  # noqa: E402
+from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
+from dualvllm.engines.protocol import TopKBatch  # noqa: E402
+from dualvllm.engines.vllm_client import VLLMClient  # noqa: E402
 
 PREFIX_METRIC = re.compile(r"^vllm:prefix_cache_(queries|hits)_total\{[^}]*\} ([0-9.e+]+)$", re.M)
 

@@ -35,10 +35,10 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-import tinymodels
-from common import loop
-from theory import mixture_logprobs, solve_alpha
-from tinymodels.task import problems
+from dualvllm import tinymodels
+from dualvllm.common import loop
+from dualvllm.theory import mixture_logprobs, solve_alpha
+from dualvllm.tinymodels.task import problems
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = REPO / "benchmarks" / "lm_eval_tasks"
@@ -82,7 +82,7 @@ async def echo_error(url: str, model: str, lines: int) -> dict[str, Any]:
     against the exact q* over the whole vocabulary -> errors per position (mean, max)."""
     from transformers import AutoTokenizer
 
-    from engines.transformers_engine import TransformersEngine
+    from dualvllm.engines.transformers_engine import TransformersEngine
 
     tokenizer = AutoTokenizer.from_pretrained(tinymodels.BASE_DIR)
     ids = [tokenizer(p.prompt + p.answer + "<eos>", add_special_tokens=False).input_ids

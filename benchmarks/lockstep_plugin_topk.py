@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 
 from benchmarks import harness  # noqa: E402
-from engines.vllm_plugin.processor import row_topk  # noqa: E402
+from dualvllm.engines.vllm_plugin.processor import row_topk  # noqa: E402
 
 TOP_K = 20
 

@@ -34,11 +34,11 @@ from pathlib import Path
 
 import harness
 
-from common import loop
-from common.errors import DualVLLMError
-from coordinator.config import CoordinatorConfig
-from coordinator.core import DualVLLMCoordinator
-from engines.vllm_client import VLLMClient
+from dualvllm.common import loop
+from dualvllm.common.errors import DualVLLMError
+from dualvllm.coordinator.config import CoordinatorConfig
+from dualvllm.coordinator.core import DualVLLMCoordinator
+from dualvllm.engines.vllm_client import VLLMClient
 
 PLAIN_TOKENS = 4
 LOG_DIR = harness.RESULTS_DIR / "lockstep_spin_logs"

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coordinator.config import CoordinatorConfig
-from coordinator.lockstep.table import THETA, T, Live, LockstepTable, gather
-from coordinator.scheduler import record_rows, sample_rows
-from coordinator.sequence import SamplingParams, SequenceState
-from engines.vllm_plugin import wire
+from dualvllm.coordinator.config import CoordinatorConfig
+from dualvllm.coordinator.lockstep.table import THETA, T, Live, LockstepTable, gather
+from dualvllm.coordinator.scheduler import record_rows, sample_rows
+from dualvllm.coordinator.sequence import SamplingParams, SequenceState
+from dualvllm.engines.vllm_plugin import wire
 
 VOCAB = 4096
 ROWS = 997  # distinct synthetic top-k rows per role

@@ -43,12 +43,12 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` and `tests` are not installed packages
 
-from common import loop  # noqa: E402
+from dualvllm.common import loop  # noqa: E402
 from benchmarks import harness  # noqa: E402
-from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
-from coordinator.step import mix_and_sample  # noqa: E402
-from engines.protocol import ModelInfo, TopKBatch  # noqa: E402
-from engines import vllm_answers  # noqa: E402
+from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
+from dualvllm.coordinator.step import mix_and_sample  # noqa: E402
+from dualvllm.engines.protocol import ModelInfo, TopKBatch  # noqa: E402
+from dualvllm.engines import vllm_answers  # noqa: E402
 
 VOCAB = 32_000
 POOL_ROWS = 1024  # distinct synthetic rows the stub engines cycle through

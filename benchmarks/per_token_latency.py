@@ -7,7 +7,7 @@ One coordinator step = one batched top-k request to each server (concurrently), 
 merge, alpha* and sampling for every active sequence, then bookkeeping (records, stop
 rules, statistics). At batch size B every step yields B tokens, so the step latency is
 the per-token latency each sequence sees. The coordinator records every step's phases
-(coordinator.stats.StepTiming); this script reports their median and p95 over all
+(dualvllm.coordinator.stats.StepTiming); this script reports their median and p95 over all
 measured steps: both server calls together (`servers`), each call alone (`theta`, `t`),
 merge, alpha*, sampling and bookkeeping.
 
@@ -36,11 +36,11 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 
-from common import loop  # noqa: E402
+from dualvllm.common import loop  # noqa: E402
 from benchmarks import harness  # noqa: E402
-from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
-from coordinator.stats import StepTiming  # noqa: E402
-from engines.vllm_client import VLLMClient  # noqa: E402
+from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
+from dualvllm.coordinator.stats import StepTiming  # noqa: E402
+from dualvllm.engines.vllm_client import VLLMClient  # noqa: E402
 
 PHASES = ("servers", "theta", "t", "merge", "alpha", "sample", "bookkeeping", "total")
 ROUND_TRIPS = ("theta_alone", "t_alone", "both_concurrently")

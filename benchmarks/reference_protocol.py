@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 import aiohttp
 import numpy as np
 
-from coordinator.step import mix_and_sample
-from common.errors import LifecycleError, MalformedResponseError
-from engines.protocol import PAD_TOKEN_ID, TopKBatch
+from dualvllm.coordinator.step import mix_and_sample
+from dualvllm.common.errors import LifecycleError, MalformedResponseError
+from dualvllm.engines.protocol import PAD_TOKEN_ID, TopKBatch
 
 ALPHA_TOL = 1e-6
 ALPHA_MAX_ITER = 20

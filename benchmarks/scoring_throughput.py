@@ -12,7 +12,7 @@ max_tokens 0, logprobs 1), from `--clients` concurrent clients, in three arms al
 - `service_unmerged`: through `dualvllm serve --scoring-call-tokens 0`: each request its own
   prompt-logprobs call per server (the service before issue 44);
 - `service`: through `dualvllm serve` as shipped: concurrent requests merged into one call per
-  server while one is in flight (service.batching).
+  server while one is in flight (dualvllm.service.batching).
 A service request costs both servers a prompt-logprobs pass (q* needs both models' top-k at
 every position) where the reference costs one. Each arm runs `--seconds` after a warm-up;
 requests finished inside the window count. Reported: requests/s, latency p50/p95, the
@@ -33,7 +33,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 
-from common import loop  # noqa: E402
+from dualvllm.common import loop  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from benchmarks.service_load import drive, running_service  # noqa: E402
 

@@ -43,10 +43,10 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 
-from common import loop  # noqa: E402
+from dualvllm.common import loop  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from benchmarks.service_load import running_service  # noqa: E402
-from engines.http import KEEPALIVE_TIMEOUT_S  # noqa: E402
+from dualvllm.engines.http import KEEPALIVE_TIMEOUT_S  # noqa: E402
 
 # How long the service may take to let go of every sequence once the clients stop.
 SETTLE_TIMEOUT_S = 60.0

@@ -32,10 +32,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 
-from common import loop  # noqa: E402
+from dualvllm.common import loop  # noqa: E402
 from benchmarks import harness  # noqa: E402
-from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
-from tinymodels.task import problems  # noqa: E402
+from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
+from dualvllm.tinymodels.task import problems  # noqa: E402
 
 TASK_MAX_TOKENS = 8  # an answer is at most 3 digits and EOS
 

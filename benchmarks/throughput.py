@@ -42,11 +42,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 
-from common import loop  # noqa: E402
+from dualvllm.common import loop  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from benchmarks.reference_protocol import ReferenceProtocolClient  # noqa: E402
-from coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
-from engines.vllm_client import VLLMClient  # noqa: E402
+from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator  # noqa: E402
+from dualvllm.engines.vllm_client import VLLMClient  # noqa: E402
 
 ARMS = ("coordinator", "lockstep", "coordinator_no_tokenizer", "reference", "native", "native_topk")
 
@@ -236,7 +236,7 @@ def main() -> None:
                         help="serve copies of the bundled models with this many positions, past the 64 they "
                              "were trained on (outputs there are meaningless; their cost is measured)")
     parser.add_argument("--shape", choices=harness.SHAPE_NAMES,
-                        help="serve a realistic-shape pair (tinymodels.shapes: a 151,936-token vocabulary, built "
+                        help="serve a realistic-shape pair (dualvllm.tinymodels.shapes: a 151,936-token vocabulary, built "
                              "and cached on first use) instead of the bundled tiny models, in bfloat16")
     parser.add_argument("--top-k", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)

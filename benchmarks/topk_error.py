@@ -14,7 +14,7 @@ Two sources of real next-token distribution pairs (base, teacher):
 - "large-independent": the same base and an independent random teacher: two models
   that disagree everywhere, the worst case for any top-k scheme.
 
-For each k and each missing-token rule of `theory.merge` the top-k lists of both models
+For each k and each missing-token rule of `dualvllm.theory.merge` the top-k lists of both models
 are merged exactly as the coordinator does, and compared with the exact values:
 |alpha*_topk - alpha*_exact|, |KL_topk - KL_exact| for both KLs, |log ESS ratio error| and
 the total variation between the top-k q* (zero outside the candidate set) and exact q*.
@@ -30,11 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
-import tinymodels
-from common import loop
-from theory import FILL_RULES, merge_topk, mixture_logprobs, solve_alpha, token_diagnostics
-from theory.alpha import alpha_kls
-from tinymodels.task import problems
+from dualvllm import tinymodels
+from dualvllm.common import loop
+from dualvllm.theory import FILL_RULES, merge_topk, mixture_logprobs, solve_alpha, token_diagnostics
+from dualvllm.theory.alpha import alpha_kls
+from dualvllm.tinymodels.task import problems
 
 LARGE_VOCAB = 32_000
 # Output-layer scale for the random model: mean next-token entropy ~2-3 nats, like real LMs.
@@ -46,7 +46,7 @@ RELATED_NOISE = 0.1
 
 def tiny_pairs(n_contexts: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Full next-token logprobs [N, 98] of the bundled base and teacher at varied positions."""
-    from engines.transformers_engine import TransformersEngine
+    from dualvllm.engines.transformers_engine import TransformersEngine
 
     async def collect() -> tuple[np.ndarray, np.ndarray]:
         async with TransformersEngine(tinymodels.BASE_DIR) as base, TransformersEngine(tinymodels.TEACHER_DIR) as teacher:

@@ -47,13 +47,13 @@ from pathlib import Path
 import numpy as np
 from pydantic import TypeAdapter
 
-import tinymodels
-from tinymodels.task import (HARD_TEST, HARD_TRAIN, HINT_TEMPLATE, LONG_DIGITS, LONG_TEST, LONG_TRAIN, MIXED_DATA,
+from dualvllm import tinymodels
+from dualvllm.tinymodels.task import (HARD_TEST, HARD_TRAIN, HINT_TEMPLATE, LONG_DIGITS, LONG_TEST, LONG_TRAIN, MIXED_DATA,
                              RETAINED_TEST)
-from common import loop
-from training.config import TRAIN_OPTIONS, TrainConfig
-from training.config_sources import read_recipe
-from training.grpo import train_grpo
+from dualvllm.common import loop
+from dualvllm.training.config import TRAIN_OPTIONS, TrainConfig
+from dualvllm.training.config_sources import read_recipe
+from dualvllm.training.grpo import train_grpo
 
 # Every arm starts from the bundled models' recipe (the values `dualvllm train` took by default
 # before its defaults became a real LLM's); a task's and an arm's fields override it.
@@ -231,7 +231,7 @@ def run_arm(task: str, folder: str, fields: dict, args: argparse.Namespace, seed
     warm_folder, warm_fields, share = warmup
     warm_steps = max(1, round(args.steps * share))
     first = train_or_reuse(seed_dir / warm_folder, task, warm_fields, args, seed, warm_steps)
-    from training import checkpoint as checkpoints
+    from dualvllm.training import checkpoint as checkpoints
 
     start = checkpoints.latest(seed_dir / warm_folder)
     assert start is not None, f"{seed_dir / warm_folder} has no checkpoint"
@@ -269,7 +269,7 @@ def train_or_reuse(arm_dir: Path, task: str, fields: dict, args: argparse.Namesp
             # The first run's wall time is not recorded; its updates' time is (evaluations left out).
             return {"fields": described, "curves": curves(metrics, uses_teacher(config)), "reused": True,
                     "steps_done": records[-1]["step"], "update_s": sum(r.get("step_seconds", 0.0) for r in records)}
-        from training import checkpoint as checkpoints
+        from dualvllm.training import checkpoint as checkpoints
 
         if not (same_settings(arm_dir, config) and checkpoints.latest(arm_dir) is not None):
             raise SystemExit(f"{arm_dir} exists but was run with other settings, or holds no checkpoint; "
@@ -318,10 +318,10 @@ def answer_logprob(arm_dir: Path, task: str) -> float:
     import torch
     from transformers import Qwen2ForCausalLM, Qwen2Tokenizer
 
-    from tinymodels.build import HARD_MAX_LEN, LONG_MAX_LEN, answer_logprob as mean_answer_logprob
-    from tinymodels.task import HARD_ROWS, LONG_ROWS, hard_problems, long_problems
+    from dualvllm.tinymodels.build import HARD_MAX_LEN, LONG_MAX_LEN, answer_logprob as mean_answer_logprob
+    from dualvllm.tinymodels.task import HARD_ROWS, LONG_ROWS, hard_problems, long_problems
 
-    from training import checkpoint as checkpoints
+    from dualvllm.training import checkpoint as checkpoints
 
     checkpoint = checkpoints.latest(arm_dir)  # an arm that stopped early ends before `steps`
     assert checkpoint is not None, f"{arm_dir} has no checkpoint"
@@ -339,8 +339,8 @@ def test_scores(arm_dir: Path) -> dict[str, float]:
     import torch
     from transformers import Qwen2ForCausalLM, Qwen2Tokenizer
 
-    from tinymodels.build import difficulty_accuracy
-    from training import checkpoint as checkpoints
+    from dualvllm.tinymodels.build import difficulty_accuracy
+    from dualvllm.training import checkpoint as checkpoints
 
     checkpoint = checkpoints.latest(arm_dir)
     assert checkpoint is not None, f"{arm_dir} has no checkpoint"

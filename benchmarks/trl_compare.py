@@ -3,16 +3,16 @@
     python benchmarks/trl_compare.py --seeds 0 1 2 3 4 5 --steps 150 --eval-every 25     # docs/trl.md's table
     python benchmarks/trl_compare.py --arms dualvllm --max-staleness 0 --seeds 0 1 2   # no stale rollouts
 
-- **dualvllm train**: training.grpo.train_grpo with `--engine transformers`.
-- **TRL**: TRL 1.16's GRPOTrainer as training.trl_trainer.QStarGRPOTrainer, its rollouts from
-  training.trl_rollouts.QStarRollouts.
+- **dualvllm train**: dualvllm.training.grpo.train_grpo with `--engine transformers`.
+- **TRL**: TRL 1.16's GRPOTrainer as dualvllm.training.trl_trainer.QStarGRPOTrainer, its rollouts from
+  dualvllm.training.trl_rollouts.QStarRollouts.
 
 Both in process, as `--engine transformers` runs (training/inprocess.py): the base role is a
 TransformersEngine over the model being trained (no push), the bundled teacher beside it, the
 coordinator in per-token mode. Same seed, 8 prompts x 8 rollouts per update, learning rate,
 correction, dapo normalization with group-std scaling, 6 tokens at temperature 1, top-k 20,
 AdamW with torch's defaults (weight decay 0.01; TRL's own default is 0) at a constant rate,
-gradient norm clipped at 1, float32. Both are evaluated by training.recipe.held_out (greedy
+gradient norm clipped at 1, float32. Both are evaluated by dualvllm.training.recipe.held_out (greedy
 accuracy of the base alone) on the same held-out problems, chosen by the seed.
 
 Both take the same 8 prompts at every update (TRL's sampler unshuffled over dualvllm train's
@@ -38,10 +38,10 @@ from typing import Any
 
 import numpy as np
 
-import tinymodels
-from common import loop
-from training.config import TRAIN_OPTIONS, GRPOTrainConfig, TrainConfig
-from training.config_sources import read_recipe
+from dualvllm import tinymodels
+from dualvllm.common import loop
+from dualvllm.training.config import TRAIN_OPTIONS, GRPOTrainConfig, TrainConfig
+from dualvllm.training.config_sources import read_recipe
 
 ARMS = {"dualvllm": "dualvllm train", "trl": "TRL"}  # folder -> name
 PROMPTS_PER_STEP, GROUP_SIZE = 8, 8
@@ -58,7 +58,7 @@ def train_config(out: Path, seed: int, args: argparse.Namespace) -> TrainConfig:
 
 
 def run_dualvllm(config: TrainConfig) -> dict[str, Any]:
-    from training.grpo import train_grpo
+    from dualvllm.training.grpo import train_grpo
 
     loop.run(train_grpo(config, show_progress=False))
     records = [json.loads(line) for line in (config.output_dir / "metrics.jsonl").read_text().splitlines()]
@@ -72,13 +72,13 @@ def run_trl(config: GRPOTrainConfig, *, shuffle: bool = False) -> dict[str, Any]
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
 
-    from coordinator import CoordinatorConfig
-    from engines.transformers_engine import TransformersEngine
-    from training.recipe import held_out, prepare
-    from training.rewards import reward_exact
-    from training.trl_rollouts import QStarRollouts
-    from training.trl_trainer import QStarGRPOConfig, QStarGRPOTrainer
-    from training.verifiers import verifier_pool
+    from dualvllm.coordinator import CoordinatorConfig
+    from dualvllm.engines.transformers_engine import TransformersEngine
+    from dualvllm.training.recipe import held_out, prepare
+    from dualvllm.training.rewards import reward_exact
+    from dualvllm.training.trl_rollouts import QStarRollouts
+    from dualvllm.training.trl_trainer import QStarGRPOConfig, QStarGRPOTrainer
+    from dualvllm.training.verifiers import verifier_pool
 
     inputs = prepare(config)
     torch.manual_seed(config.seed)

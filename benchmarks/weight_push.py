@@ -6,11 +6,11 @@ how long sampling stalls, and how far a bf16 server's logprobs sit from the push
     python benchmarks/weight_push.py --shapes qwen3-0.6b --variants untied --pushes 2
     python benchmarks/weight_push.py --shapes small --variants untied --replicas 1 2 --lora-rank 0   # a pool
 
-For each variant (tied or untied embeddings) of the realistic-shape base (tinymodels.shapes,
+For each variant (tied or untied embeddings) of the realistic-shape base (dualvllm.tinymodels.shapes,
 a 151,936-token vocabulary, bf16 checkpoint), one dev-mode vLLM server is started with
 `--dtype auto` (bfloat16: the checkpoint's dtype) and a float32 learner is loaded from the
 same checkpoint, as `dualvllm train` does. Each push perturbs every learner weight by
-N(0, 1e-3^2), then pushes with training.weight_sync.BasePusher, one way after the other
+N(0, 1e-3^2), then pushes with dualvllm.training.weight_sync.BasePusher, one way after the other
 (`--via`): `disk` (the checkpoint saved in the server's dtype with the expected logprobs
 computed from it, then pause, /collective_rpc reload_weights, prefix-cache reset, resume,
 probe) and `memory` (the expected logprobs from a copy of the weights in the server's dtype,
@@ -44,13 +44,13 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 
-from common import loop  # noqa: E402
+from dualvllm.common import loop  # noqa: E402
 from benchmarks import harness  # noqa: E402
-from engines.launcher import ServerConfig, VLLMServer  # noqa: E402
-from engines.pool import ReplicaPool  # noqa: E402
-from engines.vllm_client import VLLMClient  # noqa: E402
-from training import lora, weight_transfer  # noqa: E402
-from training.weight_sync import (PUSH_TOLERANCE, BasePusher, checkpoint_logprobs, compare_logprobs,  # noqa: E402
+from dualvllm.engines.launcher import ServerConfig, VLLMServer  # noqa: E402
+from dualvllm.engines.pool import ReplicaPool  # noqa: E402
+from dualvllm.engines.vllm_client import VLLMClient  # noqa: E402
+from dualvllm.training import lora, weight_transfer  # noqa: E402
+from dualvllm.training.weight_sync import (PUSH_TOLERANCE, BasePusher, checkpoint_logprobs, compare_logprobs,  # noqa: E402
                                   learner_logprobs, served_dtype)
 
 PROBE_LENGTHS = (3, 5, 17, 33, 64, 120)  # prompt-like contexts, short to long
@@ -72,10 +72,10 @@ def spread(served, expected: np.ndarray) -> dict[str, float]:
 def model_dirs(shape: str, tied: bool) -> tuple[Path, str]:
     """(base checkpoint, the dtype to serve it in) of `shape`: "tiny" is the bundled base."""
     if shape == "tiny":
-        import tinymodels
+        from dualvllm import tinymodels
 
         return tinymodels.BASE_DIR, tinymodels.SERVER_DTYPE
-    from tinymodels.shapes import ensure_pair
+    from dualvllm.tinymodels.shapes import ensure_pair
 
     return ensure_pair(shape, tied=tied)[0], "auto"
 
@@ -258,7 +258,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=4, help="streaming requests sampling during the pushes")
     parser.add_argument("--lora-rank", type=int, default=16,
                         help="then one in-memory push of the learner with LoRA adapters of this rank on every "
-                             "projection (training.lora.wrap): only the adapted decoder layers move; 0: none")
+                             "projection (dualvllm.training.lora.wrap): only the adapted decoder layers move; 0: none")
     parser.add_argument("--variants", nargs="+", choices=("untied", "tied"), default=["untied", "tied"])
     parser.add_argument("--pushes", type=int, default=3)
     parser.add_argument("--replicas", type=int, nargs="+", default=[1],

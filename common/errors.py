@@ -23,13 +23,13 @@
         │   └── ServerInternalError           5xx: the server failed (retried if idempotent)
         └── MalformedResponseError            2xx, but not the JSON we asked for
 
-Two flags on each ServerError class drive `engines.http`'s retries: `retryable` (a fresh
+Two flags on each ServerError class drive `dualvllm.engines.http`'s retries: `retryable` (a fresh
 try may succeed) and `request_sent` (the server may have received the request and acted
 on it). An idempotent call is resent on any retryable error; a call that changes state
 (a weight reload) only when `request_sent` is False, since otherwise a resend could act twice.
 
 Lower-level exceptions (aiohttp, asyncio, OSError) are translated into this tree at one
-place per boundary (`engines.http`, `engines.launcher`) with `raise ... from exc`.
+place per boundary (`dualvllm.engines.http`, `dualvllm.engines.launcher`) with `raise ... from exc`.
 Every message says what failed and what to do about it.
 """
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from common.errors import InputFormatError, InvalidInputError
+from dualvllm.common.errors import InputFormatError, InvalidInputError
 
 
 def read_objects(path: Path, *, what: str = "input") -> list[tuple[int, dict[str, Any]]]:

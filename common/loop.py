@@ -23,7 +23,7 @@ import os
 from typing import Any, TypeVar
 from collections.abc import Coroutine
 
-from common.errors import InvalidInputError
+from dualvllm.common.errors import InvalidInputError
 
 T = TypeVar("T")
 LOOP_ENV = "DUALVLLM_EVENT_LOOP"

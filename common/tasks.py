@@ -19,7 +19,7 @@ import logging
 from typing import TypeVar
 from collections.abc import Awaitable
 
-from common.errors import ShutdownTimeoutError
+from dualvllm.common.errors import ShutdownTimeoutError
 
 log = logging.getLogger("dualvllm")
 

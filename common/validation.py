@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from common.errors import InvalidInputError
+from dualvllm.common.errors import InvalidInputError
 
 
 class RaisesInvalidInput:

@@ -3,11 +3,11 @@
 Importing this package does not import torch.
 """
 
-from coordinator.api import generate_with_optimal_sampling
-from coordinator.config import CoordinatorConfig
-from coordinator.core import DualVLLMCoordinator
-from coordinator.outputs import FinishReason, GenerationOutput, Prompt
-from coordinator.sequence import SamplingParams
+from dualvllm.coordinator.api import generate_with_optimal_sampling
+from dualvllm.coordinator.config import CoordinatorConfig
+from dualvllm.coordinator.core import DualVLLMCoordinator
+from dualvllm.coordinator.outputs import FinishReason, GenerationOutput, Prompt
+from dualvllm.coordinator.sequence import SamplingParams
 
 __all__ = [
     "CoordinatorConfig", "DualVLLMCoordinator", "FinishReason", "GenerationOutput", "Prompt",

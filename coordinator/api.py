@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 from collections.abc import Sequence
 
-from coordinator.config import CoordinatorConfig
-from coordinator.core import DualVLLMCoordinator
-from coordinator.outputs import GenerationOutput, Prompt
+from dualvllm.coordinator.config import CoordinatorConfig
+from dualvllm.coordinator.core import DualVLLMCoordinator
+from dualvllm.coordinator.outputs import GenerationOutput, Prompt
 
 
 async def generate_with_optimal_sampling(

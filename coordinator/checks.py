@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from common.errors import IncompatibleModelsError, InvalidInputError, TopKUnsupportedError
-from engines.pool import members
-from engines.protocol import Engine, ModelInfo
+from dualvllm.common.errors import IncompatibleModelsError, InvalidInputError, TopKUnsupportedError
+from dualvllm.engines.pool import members
+from dualvllm.engines.protocol import Engine, ModelInfo
 
 # Strings whose token ids must agree between the two servers: plain text, digits and
 # arithmetic, leading spaces and newlines, code indentation, non-ASCII.

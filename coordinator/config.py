@@ -11,8 +11,8 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from common.validation import RaisesInvalidInput
-from engines.http import CONNECT_TIMEOUT_S, CONNECTION_POOL_SIZE, MAX_RETRIES, REQUEST_TIMEOUT_S, RETRY_DELAY_S
+from dualvllm.common.validation import RaisesInvalidInput
+from dualvllm.engines.http import CONNECT_TIMEOUT_S, CONNECTION_POOL_SIZE, MAX_RETRIES, REQUEST_TIMEOUT_S, RETRY_DELAY_S
 
 
 class CoordinatorConfig(RaisesInvalidInput, BaseSettings):
@@ -33,7 +33,7 @@ class CoordinatorConfig(RaisesInvalidInput, BaseSettings):
     api_key: SecretStr | None = Field(None, description="Bearer token both servers expect (vLLM --api-key); None = no auth.")
     top_k: int = Field(20, ge=1, le=1000, description="Next-token candidates fetched from each server per step; servers need --max-logprobs >= top_k.")
     fill_rule: Literal["min", "floor", "spread"] = Field(
-        "min", description="Logprob given to a candidate one model did not report: see theory.merge and theory/THEORY.md (min measured best).")
+        "min", description="Logprob given to a candidate one model did not report: see dualvllm.theory.merge and theory/THEORY.md (min measured best).")
     min_coverage_warning: float = Field(
         0.9, ge=0, le=1, description="Warn once when a model's mean top-k covered mass is below this (k too small); 0 = never.")
     alpha_tol: float = Field(1e-6, gt=0, lt=0.1, description="Tolerance of the alpha* root search.")

@@ -21,18 +21,18 @@ from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from coordinator import kernel
-from coordinator.config import CoordinatorConfig
-from coordinator.outputs import GenerationOutput, Prompt
-from coordinator.prompts import encode_prompts
-from coordinator.sequence import SamplingParams, SequenceState, TokenListener
-from coordinator.startup import Session, open_session
-from coordinator.stats import Statistics, StepTiming
-from common import heap
-from common.errors import InvalidInputError, LifecycleError, TopKUnsupportedError
-from engines.pool import as_pool, members, vllm_members
-from engines.protocol import Engine
-from engines.vllm_client import CallObserver
+from dualvllm.coordinator import kernel
+from dualvllm.coordinator.config import CoordinatorConfig
+from dualvllm.coordinator.outputs import GenerationOutput, Prompt
+from dualvllm.coordinator.prompts import encode_prompts
+from dualvllm.coordinator.sequence import SamplingParams, SequenceState, TokenListener
+from dualvllm.coordinator.startup import Session, open_session
+from dualvllm.coordinator.stats import Statistics, StepTiming
+from dualvllm.common import heap
+from dualvllm.common.errors import InvalidInputError, LifecycleError, TopKUnsupportedError
+from dualvllm.engines.pool import as_pool, members, vllm_members
+from dualvllm.engines.protocol import Engine
+from dualvllm.engines.vllm_client import CallObserver
 
 log = logging.getLogger("dualvllm.coordinator")
 
@@ -50,7 +50,7 @@ class DualVLLMCoordinator:
         """`theta_engine`/`t_engine` replace the HTTP clients (in-process engines, tests)."""
         self.config = config or CoordinatorConfig()
         self._given_engines = (theta_engine, t_engine)
-        self._session: Session | None = None  # set once entered (coordinator.startup)
+        self._session: Session | None = None  # set once entered (dualvllm.coordinator.startup)
         self._stack = contextlib.AsyncExitStack()
         self._stats = Statistics()
         self._sequence_keys = itertools.count()
@@ -247,7 +247,7 @@ class DualVLLMCoordinator:
     @property
     def base_engine(self) -> Engine:
         """The base role's engine: its server's client, or the ReplicaPool of its replicas'
-        clients. A trainer pushes weights through it (training.weight_sync.BasePusher)."""
+        clients. A trainer pushes weights through it (dualvllm.training.weight_sync.BasePusher)."""
         return self._require_open().theta
 
     @property

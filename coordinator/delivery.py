@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from common.errors import DualVLLMError
-from coordinator.sequence import SequenceState
-from coordinator.stats import Statistics
-from coordinator.stop_filter import StopFilter
-from engines.protocol import Engine
+from dualvllm.common.errors import DualVLLMError
+from dualvllm.coordinator.sequence import SequenceState
+from dualvllm.coordinator.stats import Statistics
+from dualvllm.coordinator.stop_filter import StopFilter
+from dualvllm.engines.protocol import Engine
 
 
 # A stop string ending in the newest token lies within this many tokens per character of the

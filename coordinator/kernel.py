@@ -24,12 +24,12 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
-from theory.merge import DEFAULT_FLOOR, FILL_RULES, FillRule, MergedTopK
+from dualvllm.theory.merge import DEFAULT_FLOOR, FILL_RULES, FillRule, MergedTopK
 
 # theory/merge.py's rules, as the integer the compiled code branches on.
 FILL_CODES = {"min": 0, "floor": 1, "spread": 2}
-PAD = -1  # padding id of a top-k row (engines.protocol.PAD_TOKEN_ID, theory.merge.PAD_ID)
-IDENTICAL_ATOL = 1e-12  # theory.alpha.IDENTICAL_ATOL: rows closer than this are one distribution
+PAD = -1  # padding id of a top-k row (dualvllm.engines.protocol.PAD_TOKEN_ID, dualvllm.theory.merge.PAD_ID)
+IDENTICAL_ATOL = 1e-12  # dualvllm.theory.alpha.IDENTICAL_ATOL: rows closer than this are one distribution
 
 # error_model="numpy": a zero derivative gives inf/nan (then a bisection step), as in the
 # reference, instead of raising ZeroDivisionError. cache=True: compiled once per machine.
@@ -39,7 +39,7 @@ _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
 @_jit
 def merge_rows(ids_theta, lp_theta, ids_t, lp_t, fill, floor, vocab_size,
                token_ids, raw_theta, raw_t, rep_theta, rep_t, counts, cov_theta, cov_t):
-    """theory.merge.merge_topk row by row. Inputs [B, w1] / [B, w2] (PAD padding); outputs
+    """dualvllm.theory.merge.merge_topk row by row. Inputs [B, w1] / [B, w2] (PAD padding); outputs
     [B, w1 + w2], candidates sorted by id in the first counts[b] slots of each row;
     `vocab_size` < 0: unknown."""
     batch, w1 = ids_theta.shape
@@ -106,7 +106,7 @@ def _sorted_entries(ids, logprobs, keys, vals):
 
 @_jit
 def _fill_value(fill, floor, smallest, coverage, missing):
-    """theory.merge._fill's value for an unreported candidate."""
+    """dualvllm.theory.merge._fill's value for an unreported candidate."""
     upper = smallest if math.isfinite(smallest) else floor
     if fill == 0:
         return upper
@@ -145,7 +145,7 @@ def _log_normalize(values, n, temperature, out):
 @_jit
 def target_rows(raw_theta, raw_t, counts, temperature, fixed_alpha, max_alpha, tol, max_iter,
                 lp_theta, lp_t, alpha, logq):
-    """coordinator.step.solve_target row by row: temperature (0 = greedy rows use 1), alpha*
+    """dualvllm.coordinator.step.solve_target row by row: temperature (0 = greedy rows use 1), alpha*
     where fixed_alpha is NaN (capped at max_alpha), and log q* over the candidates."""
     mixed = np.empty(raw_theta.shape[1], np.float64)
     # The alpha* search's scratch, allocated once per call instead of twice per row.
@@ -166,7 +166,7 @@ def target_rows(raw_theta, raw_t, counts, temperature, fixed_alpha, max_alpha, t
 
 @_jit
 def _solve_alpha(lp, lt, n, tol, max_iter, l, q):
-    """theory.alpha.solve_alpha for one row of normalized log-probabilities: rtsafe, Newton
+    """dualvllm.theory.alpha.solve_alpha for one row of normalized log-probabilities: rtsafe, Newton
     steps on f(a) = E_qa[l] (f' = Var_qa(l)) inside a bisection bracket. `l`, `q`: scratch
     of at least n values."""
     largest = 0.0
@@ -210,7 +210,7 @@ def _solve_alpha(lp, lt, n, tol, max_iter, l, q):
 
 @_jit
 def sample_rows(logq, counts, uniforms, greedy, index):
-    """theory.mixture.sample_indices (inverse CDF: the first j with cdf[j] > u * total) and, on
+    """dualvllm.theory.mixture.sample_indices (inverse CDF: the first j with cdf[j] > u * total) and, on
     greedy rows, greedy_indices (the first most likely candidate)."""
     cdf = np.empty(logq.shape[1], np.float64)
     for b in range(logq.shape[0]):
@@ -259,7 +259,7 @@ def step_rows(ids_theta, lp_theta, ids_t, lp_t, fill, floor, vocab_size, tempera
 
 def merge(ids_theta: np.ndarray, logp_theta: np.ndarray, ids_t: np.ndarray, logp_t: np.ndarray, *,
           fill: FillRule = "min", floor: float = DEFAULT_FLOOR, vocab_size: int | None = None) -> MergedTopK:
-    """theory.merge.merge_topk, compiled: the same arguments and result."""
+    """dualvllm.theory.merge.merge_topk, compiled: the same arguments and result."""
     if fill not in FILL_RULES:
         raise ValueError(f"unknown fill rule {fill!r}; choose one of {FILL_RULES}")
     ids_theta, ids_t = np.ascontiguousarray(ids_theta, np.int64), np.ascontiguousarray(ids_t, np.int64)

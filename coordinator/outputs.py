@@ -31,7 +31,7 @@ class GenerationOutput:
     it was actually drawn from (q* at the call's temperature, the behaviour policy that
     importance weights need), `logprobs_theta` / `logprobs_t` the raw (temperature 1)
     logprobs the servers reported, or the fill value when the token was outside that
-    model's top-k (see theory.merge).
+    model's top-k (see dualvllm.theory.merge).
     """
 
     index: int  # position in the call's prompt list

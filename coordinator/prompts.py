@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from coordinator.outputs import Prompt, PromptPart
-from common.errors import InvalidInputError
-from engines.protocol import Engine
+from dualvllm.coordinator.outputs import Prompt, PromptPart
+from dualvllm.common.errors import InvalidInputError
+from dualvllm.engines.protocol import Engine
 
 # At most this many tokenize requests in flight per server while preparing a call.
 MAX_CONCURRENT_TOKENIZE = 32

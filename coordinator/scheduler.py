@@ -19,14 +19,14 @@ from collections.abc import AsyncIterator, Awaitable, Mapping
 
 import numpy as np
 
-from coordinator.config import CoordinatorConfig
-from coordinator.delivery import Delivery
-from coordinator.sequence import SequenceState
-from coordinator.stats import Statistics, StepTiming
-from coordinator.step import StepResult, keep_top, mix_and_sample, top_candidates
-from common.errors import DualVLLMError
-from common.tasks import stop
-from engines.protocol import PAD_TOKEN_ID, Engine, TopKBatch
+from dualvllm.coordinator.config import CoordinatorConfig
+from dualvllm.coordinator.delivery import Delivery
+from dualvllm.coordinator.sequence import SequenceState
+from dualvllm.coordinator.stats import Statistics, StepTiming
+from dualvllm.coordinator.step import StepResult, keep_top, mix_and_sample, top_candidates
+from dualvllm.common.errors import DualVLLMError
+from dualvllm.common.tasks import stop
+from dualvllm.engines.protocol import PAD_TOKEN_ID, Engine, TopKBatch
 
 log = logging.getLogger("dualvllm.coordinator")
 # Tokens to average over before judging top-k coverage: the first few can be unusual.

@@ -8,9 +8,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from common.errors import InvalidInputError
-from coordinator.outputs import FinishReason, GenerationOutput, Prompt
-from theory.diagnostics import summarize
+from dualvllm.common.errors import InvalidInputError
+from dualvllm.coordinator.outputs import FinishReason, GenerationOutput, Prompt
+from dualvllm.theory.diagnostics import summarize
 
 
 # OpenAI's limit on top_logprobs, and vLLM's default.

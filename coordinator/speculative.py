@@ -16,7 +16,7 @@ active sequence:
 3. per position, the two top-k lists are merged and q* is solved exactly as in the
    per-token step (same fill rule, temperature, alpha* solver); the drafted tokens are
    kept up to the first one the speculative rule rejects, which is replaced by a draw
-   from the residual (theory.speculative). A round yields 1 to gamma tokens.
+   from the residual (dualvllm.theory.speculative). A round yields 1 to gamma tokens.
 
 Exact: every kept token is distributed as q* over the merged candidates, the very
 distribution per-token mode samples from (the top-k approximation is the same), for any
@@ -43,14 +43,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from coordinator.scheduler import Scheduler
-from coordinator.sequence import SequenceState
-from coordinator import kernel
-from coordinator.step import Target, solve_target
-from common.errors import DualVLLMError, InvalidInputError
-from engines.protocol import Draft, SpeculativeEngine, TopKBatch
-from theory.diagnostics import token_diagnostics
-from theory.speculative import (
+from dualvllm.coordinator.scheduler import Scheduler
+from dualvllm.coordinator.sequence import SequenceState
+from dualvllm.coordinator import kernel
+from dualvllm.coordinator.step import Target, solve_target
+from dualvllm.common.errors import DualVLLMError, InvalidInputError
+from dualvllm.engines.protocol import Draft, SpeculativeEngine, TopKBatch
+from dualvllm.theory.diagnostics import token_diagnostics
+from dualvllm.theory.speculative import (
     NOT_A_CANDIDATE,
     RoundDecision,
     decide_round,

@@ -2,7 +2,7 @@
 
 `open_session` is what `async with DualVLLMCoordinator(...)` runs: the clients (or replica
 pools) of both roles, entered on the caller's exit stack so that they close with it; the
-checks of coordinator.checks on every pair of replicas (health, one tokenizer, one EOS, the
+checks of dualvllm.coordinator.checks on every pair of replicas (health, one tokenizer, one EOS, the
 top-k both accept); the replicas of a pool checked to serve the same weights; then the
 scheduler of the decoding mode. Returns a `Session`: what the coordinator knows once open.
 """
@@ -14,19 +14,19 @@ import logging
 from dataclasses import dataclass
 from typing import cast
 
-from coordinator.checks import (TOKENIZER_PROBES, check_health, check_tokenizers, check_top_k, replica_pairs,
+from dualvllm.coordinator.checks import (TOKENIZER_PROBES, check_health, check_tokenizers, check_top_k, replica_pairs,
                                 resolve_eos)
-from coordinator.config import CoordinatorConfig
-from coordinator.lockstep import LockstepScheduler
-from coordinator.lockstep.probe import lockstep_stop_token, probe_servers
-from coordinator.scheduler import Scheduler, Scheduling
-from coordinator.speculative import speculative_scheduler
-from coordinator.stats import Statistics
-from common.errors import LockstepUnavailableError
-from engines.lockstep_channel import LockstepChannel
-from engines.pool import ReplicaPool, as_pool, vllm_members
-from engines.protocol import Engine, ModelInfo
-from engines.vllm_client import VLLMClient
+from dualvllm.coordinator.config import CoordinatorConfig
+from dualvllm.coordinator.lockstep import LockstepScheduler
+from dualvllm.coordinator.lockstep.probe import lockstep_stop_token, probe_servers
+from dualvllm.coordinator.scheduler import Scheduler, Scheduling
+from dualvllm.coordinator.speculative import speculative_scheduler
+from dualvllm.coordinator.stats import Statistics
+from dualvllm.common.errors import LockstepUnavailableError
+from dualvllm.engines.lockstep_channel import LockstepChannel
+from dualvllm.engines.pool import ReplicaPool, as_pool, vllm_members
+from dualvllm.engines.protocol import Engine, ModelInfo
+from dualvllm.engines.vllm_client import VLLMClient
 
 log = logging.getLogger("dualvllm.coordinator")
 LockstepRole = VLLMClient | ReplicaPool

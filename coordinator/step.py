@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engines.protocol import PAD_TOKEN_ID, TopKBatch
-from coordinator import kernel
-from theory.diagnostics import token_diagnostics
-from theory.merge import FillRule, MergedTopK
+from dualvllm.engines.protocol import PAD_TOKEN_ID, TopKBatch
+from dualvllm.coordinator import kernel
+from dualvllm.theory.diagnostics import token_diagnostics
+from dualvllm.theory.merge import FillRule, MergedTopK
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
-from common.errors import DualVLLMError
-from engines.protocol import Engine
+from dualvllm.common.errors import DualVLLMError
+from dualvllm.engines.protocol import Engine
 
 log = logging.getLogger("dualvllm.coordinator")
 

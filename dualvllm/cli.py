@@ -31,12 +31,12 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 
 from pydantic import BaseModel
 
-from common import loop
-from common.errors import DualVLLMError, InvalidInputError
-from coordinator.config import CoordinatorConfig
-from coordinator.core import DualVLLMCoordinator
-from coordinator.sequence import SamplingParams
-from engines.launcher import ServerConfig, launch_replicas, replica_configs
+from dualvllm.common import loop
+from dualvllm.common.errors import DualVLLMError, InvalidInputError
+from dualvllm.coordinator.config import CoordinatorConfig
+from dualvllm.coordinator.core import DualVLLMCoordinator
+from dualvllm.coordinator.sequence import SamplingParams
+from dualvllm.engines.launcher import ServerConfig, launch_replicas, replica_configs
 
 # Coordinator fields exposed as flags (the rest are for the Python API / environment).
 COORDINATOR_FLAGS = ("theta_url", "t_url", "theta_urls", "t_urls", "top_k", "fill_rule", "max_batch_size", "max_retries",
@@ -86,8 +86,8 @@ def _as_sigint(signum: int, frame: object) -> None:
 
 async def _serve(args: argparse.Namespace) -> int:
     from dualvllm.serve import serve_endpoint, serve_servers
-    from service.app import listening_socket
-    from service.config import ServiceConfig
+    from dualvllm.service.app import listening_socket
+    from dualvllm.service.config import ServiceConfig
 
     if args.servers_only:
         await serve_servers(_server_configs(args))
@@ -144,7 +144,7 @@ async def _demo(args: argparse.Namespace) -> int:
 
 def _train_config(args: argparse.Namespace) -> Any:
     """The flags given over the --config recipe over the defaults of the method's class."""
-    from training.config import TRAIN_OPTIONS, TrainConfig
+    from dualvllm.training.config import TRAIN_OPTIONS, TrainConfig
 
     return TrainConfig.parse(config_file=args.config, **_given(args, TrainConfig, TRAIN_OPTIONS))
 
@@ -154,13 +154,13 @@ async def _train(args: argparse.Namespace) -> int:
     if config.method == "dpo":
         if args.resume:
             raise InvalidInputError("--resume applies to grpo runs; a dpo run is short, start it again")
-        from training.dpo import train_dpo
+        from dualvllm.training.dpo import train_dpo
 
         dpo = await train_dpo(config)
         print(f"{dpo.pairs} preference pairs ({dpo.pairs_path}); held-out greedy accuracy of the base "
               f"{dpo.accuracy_before:.1%} -> {dpo.accuracy_after:.1%}; model in {dpo.model_dir}")
         return 0
-    from training.grpo import train_grpo
+    from dualvllm.training.grpo import train_grpo
 
     report = await train_grpo(config, resume=args.resume)
     print(f"{report.steps_done} steps; held-out greedy accuracy of the base {report.accuracy_before:.1%} -> "
@@ -170,8 +170,8 @@ async def _train(args: argparse.Namespace) -> int:
 
 
 async def _eval(args: argparse.Namespace) -> int:
-    from training.config import EvalConfig
-    from training.evaluation import run_eval
+    from dualvllm.training.config import EvalConfig
+    from dualvllm.training.evaluation import run_eval
 
     config = EvalConfig.parse(config_file=args.config, **_given(args, EvalConfig, EvalConfig.model_fields))
     report = await run_eval(config)
@@ -210,8 +210,8 @@ async def _coordinator(args: argparse.Namespace, default_local: bool = False,
 
 @contextlib.asynccontextmanager
 async def _in_process_engines(args: argparse.Namespace) -> AsyncIterator[tuple[Any, Any]]:
-    import tinymodels
-    from engines.transformers_engine import TransformersEngine
+    from dualvllm import tinymodels
+    from dualvllm.engines.transformers_engine import TransformersEngine
 
     if args.theta_url or args.t_url or args.theta_urls or args.t_urls:
         raise InvalidInputError("--engine transformers runs the models in this process; drop the server URLs")
@@ -251,8 +251,8 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per option of any training method (the coordinator's are a recipe's section):
     the help gives each method's default where they differ, and the methods that take the
     option when not all do. --output-dir is required unless the recipe gives it."""
-    from training.config import METHOD_CLASSES, TRAIN_OPTIONS, TrainConfig
-    from training.config_sources import NESTED
+    from dualvllm.training.config import METHOD_CLASSES, TRAIN_OPTIONS, TrainConfig
+    from dualvllm.training.config_sources import NESTED
 
     for name in TRAIN_OPTIONS:
         if name == NESTED:
@@ -314,7 +314,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_coordinator_flags(serve)
     group = serve.add_argument_group("q* endpoint (unset flags fall back to DUALVLLM_* variables; prefer "
                                      "DUALVLLM_API_KEY to --api-key, which `ps` shows)")
-    from service.config import ServiceConfig
+    from dualvllm.service.config import ServiceConfig
 
     _add_schema_flags(group, ServiceConfig, SERVICE_FLAGS)
     serve.set_defaults(command=_serve)
@@ -348,8 +348,8 @@ def _parser() -> argparse.ArgumentParser:
 
     evaluate = commands.add_parser(
         "eval", help="greedy accuracy and pass@k of the base alone, q* and the teacher alone on held-out prompts")
-    from training.config import EvalConfig
-    from training.config_sources import NESTED
+    from dualvllm.training.config import EvalConfig
+    from dualvllm.training.config_sources import NESTED
 
     _add_config_flag(evaluate)
     _add_schema_flags(evaluate, EvalConfig, [name for name in EvalConfig.model_fields if name != NESTED])

@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from coordinator.core import DualVLLMCoordinator
-from common.errors import GenerationFailedError
-from tinymodels.task import Problem, problems, score
+from dualvllm.coordinator.core import DualVLLMCoordinator
+from dualvllm.common.errors import GenerationFailedError
+from dualvllm.tinymodels.task import Problem, problems, score
 
 # The answer is at most 3 digits and EOS; a little slack shows a model that rambles.
 DEMO_MAX_TOKENS = 6

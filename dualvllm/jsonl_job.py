@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coordinator.core import DualVLLMCoordinator
-from coordinator.outputs import GenerationOutput, Prompt
-from coordinator.sequence import SamplingParams
-from coordinator.prompts import prompt_problem
-from common.errors import InputFormatError, InvalidInputError
-from common.jsonl import read_objects
+from dualvllm.coordinator.core import DualVLLMCoordinator
+from dualvllm.coordinator.outputs import GenerationOutput, Prompt
+from dualvllm.coordinator.sequence import SamplingParams
+from dualvllm.coordinator.prompts import prompt_problem
+from dualvllm.common.errors import InputFormatError, InvalidInputError
+from dualvllm.common.jsonl import read_objects
 
 PROMPT_KEYS = ("prompt", "theta_prompt", "t_prompt")
 

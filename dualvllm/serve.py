@@ -8,11 +8,11 @@ import socket
 import sys
 from collections.abc import Sequence
 
-from common.errors import ServerStartupError
-from coordinator.core import DualVLLMCoordinator
-from engines.launcher import ServerConfig, VLLMServer, launch_replicas
-from service.app import serve
-from service.config import ServiceConfig
+from dualvllm.common.errors import ServerStartupError
+from dualvllm.coordinator.core import DualVLLMCoordinator
+from dualvllm.engines.launcher import ServerConfig, VLLMServer, launch_replicas
+from dualvllm.service.app import serve
+from dualvllm.service.config import ServiceConfig
 
 # How often to check that both servers are still alive while serving.
 LIVENESS_POLL_S = 2.0
@@ -47,7 +47,7 @@ async def serve_endpoint(coordinator: DualVLLMCoordinator, config: ServiceConfig
                          servers: Sequence[VLLMServer], sock: socket.socket | None = None) -> None:
     """Serve the q* endpoint until interrupted, or until a server started for it exits: with
     replica pools, until every replica of a role has (the pool fails over until then).
-    `sock`: the endpoint's socket, bound before the servers started (service.app.listening_socket)."""
+    `sock`: the endpoint's socket, bound before the servers started (dualvllm.service.app.listening_socket)."""
 
     def ready(url: str, model: str) -> None:
         if servers:

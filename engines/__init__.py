@@ -4,9 +4,9 @@
 server's HTTP API; `launcher` starts local vLLM servers. No torch is imported here.
 """
 
-from engines.launcher import ServerConfig, VLLMServer, launch_pair, pair_configs
-from engines.protocol import PAD_TOKEN_ID, Engine, ModelInfo, TopKBatch
-from engines.vllm_client import VLLMClient
+from dualvllm.engines.launcher import ServerConfig, VLLMServer, launch_pair, pair_configs
+from dualvllm.engines.protocol import PAD_TOKEN_ID, Engine, ModelInfo, TopKBatch
+from dualvllm.engines.vllm_client import VLLMClient
 
 __all__ = [
     "PAD_TOKEN_ID", "Engine", "ModelInfo", "ServerConfig", "TopKBatch", "VLLMClient",

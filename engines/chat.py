@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 from collections.abc import Mapping, Sequence
 
-from common.errors import InvalidInputError
+from dualvllm.common.errors import InvalidInputError
 
 
 def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], model: str,

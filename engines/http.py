@@ -12,7 +12,7 @@ Retry policy (classified, capped), with exponential backoff and full jitter up t
     2xx that is not the expected JSON           raised            raised
 
 A call that changes state and failed after sending is left to its caller, which can look
-at what the server holds before deciding to send it again (training.weight_sync does).
+at what the server holds before deciding to send it again (dualvllm.training.weight_sync does).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from collections.abc import Callable
 import aiohttp
 import msgspec
 
-from common.errors import (
+from dualvllm.common.errors import (
     MalformedResponseError,
     ServerConnectError,
     ServerError,

@@ -32,19 +32,19 @@ from collections.abc import AsyncIterator
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from common.errors import LifecycleError, ServerStartupError
-from common.process import die_with_parent
-from common.validation import RaisesInvalidInput
-from engines import weight_transfer
-from engines.vllm_plugin import spin
-from engines.vllm_plugin.net import is_loopback
+from dualvllm.common.errors import LifecycleError, ServerStartupError
+from dualvllm.common.process import die_with_parent
+from dualvllm.common.validation import RaisesInvalidInput
+from dualvllm.engines import weight_transfer
+from dualvllm.engines.vllm_plugin import spin
+from dualvllm.engines.vllm_plugin.net import is_loopback
 
 HEALTH_POLL_INTERVAL_S = 0.5
 # vLLM stops its engine core on SIGTERM within a few seconds; past this we SIGKILL.
 STOP_GRACE_S = 20.0
 LOG_TAIL_LINES = 40
-LOCKSTEP_PROCESSOR = "engines.vllm_plugin.processor:LockstepProcessor"
-LOCKSTEP_PROCESSOR_V2 = "engines.vllm_plugin.processor_v2:LockstepProcessorV2"  # Model Runner V2 (GPU builds)
+LOCKSTEP_PROCESSOR = "dualvllm.engines.vllm_plugin.processor:LockstepProcessor"
+LOCKSTEP_PROCESSOR_V2 = "dualvllm.engines.vllm_plugin.processor_v2:LockstepProcessorV2"  # Model Runner V2 (GPU builds)
 WEIGHT_TRANSFER_BACKEND = weight_transfer.BACKEND
 
 
@@ -73,7 +73,7 @@ class ServerConfig(RaisesInvalidInput, BaseModel):
     dev_mode: bool = Field(
         False, description="Set VLLM_SERVER_DEV_MODE=1 (enables /collective_rpc for weight pushes; in a pair, on the base only); loopback only.")
     weight_transfer: str | None = Field(
-        WEIGHT_TRANSFER_BACKEND, description="With dev_mode: the weight-transfer engine the server loads (--weight-transfer-config backend), so a trainer can push weights from its memory (training.weight_transfer). The default is dualvllm's shared-memory engine, for a trainer on the same machine, CPU or GPU; 'nccl' is vLLM's, for GPUs; None: none, weights are pushed through the disk.")
+        WEIGHT_TRANSFER_BACKEND, description="With dev_mode: the weight-transfer engine the server loads (--weight-transfer-config backend), so a trainer can push weights from its memory (dualvllm.training.weight_transfer). The default is dualvllm's shared-memory engine, for a trainer on the same machine, CPU or GPU; 'nccl' is vLLM's, for GPUs; None: none, weights are pushed through the disk.")
     api_key: str | None = Field(None, description="If set, /v1/* requests need 'Authorization: Bearer KEY'.")
     log_path: Path | None = Field(None, description="Where the server's output goes; None = a temp file.")
     startup_timeout_s: float = Field(600.0, gt=0, description="How long to wait for /health before giving up.")
@@ -351,7 +351,7 @@ def replica_configs(base_model: str | None = None, teacher_model: str | None = N
     each replica its own devices with CUDA_VISIBLE_DEVICES, or use vLLM's own data
     parallelism behind one URL (docs/replica-pools.md).
     """
-    import tinymodels
+    from dualvllm import tinymodels
 
     if base_model is None or teacher_model is None:
         options.setdefault("dtype", tinymodels.SERVER_DTYPE)

@@ -2,7 +2,7 @@
 
 Every lockstep request carries this listener's address; the plugin in that server connects
 to it on first use (engines/vllm_plugin/link.py) and sends one report per decode step
-(engines.vllm_plugin.wire). The listener binds to a random port on `host` (loopback by
+(dualvllm.engines.vllm_plugin.wire). The listener binds to a random port on `host` (loopback by
 default; the plugin refuses other hosts unless the server lists them in
 DUALVLLM_LOCKSTEP_ALLOWED_HOSTS).
 
@@ -27,7 +27,7 @@ import socket
 
 import numpy as np
 
-from engines.vllm_plugin import wire
+from dualvllm.engines.vllm_plugin import wire
 
 # Reports handed over per wake-up at most: two per server step is the usual (one per role);
 # more pile up only behind a slow step, and the scheduler then settles once for all of them.

@@ -1,6 +1,6 @@
 """Who is in a replica pool: which replicas are up, the weights they must agree on, rejoins.
 
-`engines.pool.ReplicaPool` routes requests; its `membership` (this) decides which replicas
+`dualvllm.engines.pool.ReplicaPool` routes requests; its `membership` (this) decides which replicas
 may take them:
 - `take_out` marks a replica down (a request still failing after its retries, a failed push);
 - a prober asks every down replica for /health, then the checks added with
@@ -25,9 +25,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import numpy as np
 
-from common.errors import DualVLLMError, IncompatibleModelsError, ServerError, ServerRejectedError
-from common.tasks import stop
-from engines.protocol import Engine, TopKBatch
+from dualvllm.common.errors import DualVLLMError, IncompatibleModelsError, ServerError, ServerRejectedError
+from dualvllm.common.tasks import stop
+from dualvllm.engines.protocol import Engine, TopKBatch
 
 log = logging.getLogger("dualvllm.pool")
 T = TypeVar("T")

@@ -11,7 +11,7 @@ same weights can continue a sequence from its recorded tokens. The pool:
   4xx: the request was wrong, not the server), moves its rows to the healthy replicas and
   sends them there in the same call. The caller sees one answer or, when no replica of
   the role is left, the last error;
-- leaves who is up to its `membership` (engines.membership): which replicas are down, the
+- leaves who is up to its `membership` (dualvllm.engines.membership): which replicas are down, the
   prober that lets one rejoin when it answers with the same weights as the others, and the
   hooks a trainer uses (a rejoin check that pushes its newest weights first, `take_out` of a
   replica that failed a push, `refresh_reference` after each push, `changing()` around one).
@@ -32,10 +32,10 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from common.errors import ServerError, ServerRejectedError
-from engines.membership import PROBE_INTERVAL_S, WEIGHTS_TOLERANCE_NATS, Membership
-from engines.protocol import PAD_TOKEN_ID, Engine, ModelInfo, TopKBatch
-from engines.vllm_client import VLLMClient
+from dualvllm.common.errors import ServerError, ServerRejectedError
+from dualvllm.engines.membership import PROBE_INTERVAL_S, WEIGHTS_TOLERANCE_NATS, Membership
+from dualvllm.engines.protocol import PAD_TOKEN_ID, Engine, ModelInfo, TopKBatch
+from dualvllm.engines.vllm_client import VLLMClient
 
 log = logging.getLogger("dualvllm.pool")
 # The answer of a chunk whose replica failed (its rows went elsewhere).
@@ -43,7 +43,7 @@ _EMPTY = TopKBatch(token_ids=np.zeros((0, 0), dtype=np.int64), logprobs=np.zeros
 
 
 class ReplicaPool:
-    """Implements `engines.protocol.Engine` for one role over several engines of the same weights."""
+    """Implements `dualvllm.engines.protocol.Engine` for one role over several engines of the same weights."""
 
     def __init__(self, replicas: Sequence[Engine], *, name: str, probe_contexts: Sequence[Sequence[int]] = (),
                  probe_interval_s: float = PROBE_INTERVAL_S, tolerance: float = WEIGHTS_TOLERANCE_NATS) -> None:
@@ -80,12 +80,12 @@ class ReplicaPool:
         return await self.membership.call_any(lambda r: r.eos_token_ids())
 
     async def prompt_topk(self, prompts: Sequence[Sequence[int]], k: int) -> list[TopKBatch]:
-        """Prompt logprobs (engines.protocol.PromptScoringEngine) from any healthy replica: they
+        """Prompt logprobs (dualvllm.engines.protocol.PromptScoringEngine) from any healthy replica: they
         hold the same weights (checked at start-up)."""
         return await self.membership.call_any(lambda r: r.prompt_topk(prompts, k))  # type: ignore[attr-defined]
 
     async def prompt_logprobs(self, prompts: Sequence[Sequence[int]], k: int) -> list[list[dict[str, Any] | None]]:
-        """vLLM's prompt logprobs (engines.protocol.PromptScoringEngine), from any healthy replica."""
+        """vLLM's prompt logprobs (dualvllm.engines.protocol.PromptScoringEngine), from any healthy replica."""
         return await self.membership.call_any(lambda r: r.prompt_logprobs(prompts, k))  # type: ignore[attr-defined]
 
     async def next_token_topk(self, contexts: Sequence[Sequence[int]], k: int,

@@ -182,7 +182,7 @@ async def score_by_prefixes(engine: Engine, contexts: Sequence[Sequence[int]],
 class WeightTransferServer(Protocol):
     """A server whose weights can be changed in place through vLLM's native weight-transfer
     API (dev mode): what the q* service's dev routes forward to (a vLLM client's `admin`,
-    engines.vllm_admin.VLLMAdmin)."""
+    dualvllm.engines.vllm_admin.VLLMAdmin)."""
 
     name: str
     url: str

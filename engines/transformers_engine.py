@@ -1,12 +1,12 @@
 """An in-process engine: a Hugging Face causal LM run with transformers, no server.
 
-It implements `engines.protocol.SpeculativeEngine`, so the coordinator runs on it unchanged (the
+It implements `dualvllm.engines.protocol.SpeculativeEngine`, so the coordinator runs on it unchanged (the
 fallback where vLLM cannot be installed), and it can return the FULL next-token
 distribution (`next_token_logprobs`), which makes it the ground truth for measuring
 what the top-k approximation costs.
 
 The forward passes and the KV cache kept across steps are `engine.scorer`
-(engines.kv_scorer.CachedScorer): a context whose prefix the last call scored runs one token.
+(dualvllm.engines.kv_scorer.CachedScorer): a context whose prefix the last call scored runs one token.
 
 Cost per token at a large vocabulary: the forward pass keeps only the last position's
 logits; `next_token_topk` takes their top k (a max pass, then torch.topk over the
@@ -29,10 +29,10 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 import numpy as np
 
-from common.errors import InvalidInputError, LifecycleError
-from engines.chat import render_chat
-from engines.kv_scorer import CachedScorer
-from engines.protocol import PAD_TOKEN_ID, Draft, ModelInfo, TopKBatch, score_by_prefixes
+from dualvllm.common.errors import InvalidInputError, LifecycleError
+from dualvllm.engines.chat import render_chat
+from dualvllm.engines.kv_scorer import CachedScorer
+from dualvllm.engines.protocol import PAD_TOKEN_ID, Draft, ModelInfo, TopKBatch, score_by_prefixes
 
 if TYPE_CHECKING:
     import torch
@@ -46,7 +46,7 @@ T = TypeVar("T")
 
 
 class TransformersEngine:
-    """A causal LM in this process; implements `engines.protocol.Engine`."""
+    """A causal LM in this process; implements `dualvllm.engines.protocol.Engine`."""
 
     def __init__(self, model: str | Path, *, name: str = "model", device: Device = "auto",
                  dtype: str = "float32", kv_cache: bool = True, max_model_len: int | None = None) -> None:
@@ -179,7 +179,7 @@ class TransformersEngine:
         """Batched scoring calls (the coordinator's statistics add every engine's)."""
         return self.scorer.requests if self.scorer is not None else 0
 
-    # -- speculative rounds (engines.protocol.SpeculativeEngine) ------------------------
+    # -- speculative rounds (dualvllm.engines.protocol.SpeculativeEngine) ------------------------
 
     async def draft(self, context: Sequence[int], *, max_tokens: int, k: int, temperature: float,
                     seed: int) -> Draft:

@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import aiohttp
 
-from common.errors import ServerRejectedError, WeightSyncError
-from engines.http import expect
-from engines.weights_dir import checked_weights_dir
+from dualvllm.common.errors import ServerRejectedError, WeightSyncError
+from dualvllm.engines.http import expect
+from dualvllm.engines.weights_dir import checked_weights_dir
 
 if TYPE_CHECKING:
-    from engines.vllm_client import VLLMClient
+    from dualvllm.engines.vllm_client import VLLMClient
 
 # vLLM refuses a prefix-cache reset (`success: false`) while running requests hold blocks;
 # inside a /pause fence they drain within a few decode steps (~25 ms each on CPU), so 50
@@ -34,7 +34,7 @@ PauseMode = Literal["wait", "abort", "keep"]
 
 
 class VLLMAdmin:
-    """The admin routes of the server `client` talks to; implements engines.protocol.WeightTransferServer."""
+    """The admin routes of the server `client` talks to; implements dualvllm.engines.protocol.WeightTransferServer."""
 
     def __init__(self, client: VLLMClient) -> None:
         self._client = client
@@ -47,7 +47,7 @@ class VLLMAdmin:
     def url(self) -> str:
         return self._client.url
 
-    # -- admin: weight pushes (training.weight_sync); the reload needs a dev-mode server ---
+    # -- admin: weight pushes (dualvllm.training.weight_sync); the reload needs a dev-mode server ---
     #
     #   call                   sent again after a timeout, 5xx or lost connection?
     #   pause, resume          yes: each sets a state, and a second send sets the same one
@@ -56,7 +56,7 @@ class VLLMAdmin:
     #   reload_weights         no, only when nothing was sent: a reload that may have run
     #                          is the caller's to check (it probes the weights served)
     #
-    # 4xx answers are never resent (engines.http's table).
+    # 4xx answers are never resent (dualvllm.engines.http's table).
 
     async def pause(self, mode: PauseMode = "wait") -> bool:
         """Stop the server from scheduling new requests (`mode`: what happens to those running).
@@ -79,7 +79,7 @@ class VLLMAdmin:
     async def reload_weights(self, weights_path: Path | str, *, timeout_s: float | None = None) -> None:
         """Load the HF-format checkpoint in `weights_path` into the running server, in place.
 
-        The path is sent absolute, and only once `engines.weights_dir.checked_weights_dir`
+        The path is sent absolute, and only once `dualvllm.engines.weights_dir.checked_weights_dir`
         found a readable checkpoint there: the server reads it from its own working directory
         and filesystem, and a reload of a path vLLM cannot read can kill the server. A
         missing or corrupt checkpoint raises WeightSyncError and nothing is sent. On two
@@ -165,7 +165,7 @@ class VLLMAdmin:
             "blocks would give wrong logprobs; running requests hold blocks: reset inside pause(), and check "
             "that the server honours /pause")
 
-    # -- admin: vLLM's native weight transfer (training.weight_transfer); dev mode ----------
+    # -- admin: vLLM's native weight transfer (dualvllm.training.weight_transfer); dev mode ----------
     #
     # Four phases, each sent once (a phase changes the server's state): init the transfer
     # engine, start an update, update_weights per chunk, finish. None is resent after a

@@ -1,8 +1,8 @@
 """vLLM's answers, read: pure functions from a /v1/completions body to the engine's types.
 
 Nothing here does I/O. Each reader raises ValueError on an answer of the wrong shape;
-`engines.vllm_client` runs them as the `decode` of its request, so that the transport
-(engines.http) turns that ValueError into a MalformedResponseError naming the server.
+`dualvllm.engines.vllm_client` runs them as the `decode` of its request, so that the transport
+(dualvllm.engines.http) turns that ValueError into a MalformedResponseError naming the server.
 
 Top-k entries are keyed "token_id:N" (`return_tokens_as_token_ids`: without it, distinct ids
 that decode to the same string collide in the logprobs dict), and rows are padded to k + 1:
@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 import msgspec
 import numpy as np
 
-from engines.protocol import Draft, TopKBatch
+from dualvllm.engines.protocol import Draft, TopKBatch
 
 TOKEN_ID_PREFIX = "token_id:"  # key format with return_tokens_as_token_ids
 SHAPE_HINT = "; is this a vLLM OpenAI-compatible server of a supported version?"

@@ -2,15 +2,15 @@
 
 One `aiohttp.ClientSession` per server, opened by `async with` and closed once; a client
 cannot be reused after it closed. Every call has a timeout and goes through
-`engines.http.request_json`, which owns retries and error translation.
+`dualvllm.engines.http.request_json`, which owns retries and error translation.
 
 Next-token top-k uses `/v1/completions` with token-id prompts (a list of lists batches
 all contexts into one request), `max_tokens: 1`, `temperature: 0` (so the sampled token
 is the argmax and already inside the top k) and `return_tokens_as_token_ids: true`
 (otherwise distinct ids that decode to the same string collide in the logprobs dict).
-Answers are read by the pure functions of engines.vllm_answers, run as each request's
-`decode`; the admin routes are `client.admin` (engines.vllm_admin), the tokenizer's
-`client.tokens` (engines.vllm_tokens).
+Answers are read by the pure functions of dualvllm.engines.vllm_answers, run as each request's
+`decode`; the admin routes are `client.admin` (dualvllm.engines.vllm_admin), the tokenizer's
+`client.tokens` (dualvllm.engines.vllm_tokens).
 
 Speculative rounds use native generation (`draft`: several tokens sampled from the top-k,
 with their top-k per position) and next-token requests (`score_continuations`: one prompt
@@ -28,9 +28,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 import aiohttp
 
-from common.errors import LifecycleError, ServerError, ServerRejectedError, TopKUnsupportedError, UnknownModelError
-from engines import vllm_answers as answers
-from engines.http import (
+from dualvllm.common.errors import LifecycleError, ServerError, ServerRejectedError, TopKUnsupportedError, UnknownModelError
+from dualvllm.engines import vllm_answers as answers
+from dualvllm.engines.http import (
     CONNECT_TIMEOUT_S,
     CONNECTION_POOL_SIZE,
     KEEPALIVE_TIMEOUT_S,
@@ -41,16 +41,16 @@ from engines.http import (
     expect,
     request_json,
 )
-from engines.protocol import Draft, ModelInfo, TopKBatch, score_by_prefixes
-from engines.vllm_admin import VLLMAdmin
-from engines.vllm_tokens import ServerTokenizer
+from dualvllm.engines.protocol import Draft, ModelInfo, TopKBatch, score_by_prefixes
+from dualvllm.engines.vllm_admin import VLLMAdmin
+from dualvllm.engines.vllm_tokens import ServerTokenizer
 
 # observer(server name, path, seconds, ok): one finished call, retries included.
 CallObserver = Callable[[str, str, float, bool], None]
 
 
 class VLLMClient:
-    """Talks to one vLLM server; implements `engines.protocol.Engine`."""
+    """Talks to one vLLM server; implements `dualvllm.engines.protocol.Engine`."""
 
     def __init__(
         self,
@@ -110,10 +110,10 @@ class VLLMClient:
 
     # -- raw calls -------------------------------------------------------------------
 
-    # POST routes that are safe to send twice, so engines.http retries them like reads.
+    # POST routes that are safe to send twice, so dualvllm.engines.http retries them like reads.
     # Every GET is. Any other POST counts as changing state and is resent only when
     # nothing was sent: /collective_rpc runs an arbitrary worker method (reload_weights),
-    # and training.weight_sync checks what the server holds before it sends one again.
+    # and dualvllm.training.weight_sync checks what the server holds before it sends one again.
     IDEMPOTENT_POSTS = frozenset({
         "/tokenize", "/detokenize",  # read the tokenizer
         "/v1/completions",  # generation changes no model state, only costs compute
@@ -128,8 +128,8 @@ class VLLMClient:
         """One JSON request to `path`, with retries; the building block of every call.
 
         Retried like a read if it is a GET or in IDEMPOTENT_POSTS (or `idempotent` says
-        so), else only when it never left (engines.http's table). `decode` parses a 2xx
-        body (default: any JSON); see engines.http.request_json. `timeout` replaces the
+        so), else only when it never left (dualvllm.engines.http's table). `decode` parses a 2xx
+        body (default: any JSON); see dualvllm.engines.http.request_json. `timeout` replaces the
         client's request timeout for this call; `on_headers` is called when a 2xx answer starts.
         """
         if self._session is None:
@@ -291,7 +291,7 @@ class VLLMClient:
                                idempotent=False, on_headers=on_accepted,
                                timeout=aiohttp.ClientTimeout(total=None, connect=self._timeout.connect))
 
-    # -- speculative rounds (engines.protocol.SpeculativeEngine) ------------------------
+    # -- speculative rounds (dualvllm.engines.protocol.SpeculativeEngine) ------------------------
 
     async def draft(self, context: Sequence[int], *, max_tokens: int, k: int, temperature: float,
                     seed: int) -> Draft:

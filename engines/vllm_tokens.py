@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from collections.abc import Mapping, Sequence
 
-from common.errors import InvalidInputError, ServerRejectedError
-from engines.chat import render_chat
-from engines.http import expect
-from engines.vllm_answers import eos_ids_from_model_dir
+from dualvllm.common.errors import InvalidInputError, ServerRejectedError
+from dualvllm.engines.chat import render_chat
+from dualvllm.engines.http import expect
+from dualvllm.engines.vllm_answers import eos_ids_from_model_dir
 
 if TYPE_CHECKING:
-    from engines.vllm_client import VLLMClient
+    from dualvllm.engines.vllm_client import VLLMClient
 
 
 class ServerTokenizer:

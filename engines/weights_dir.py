@@ -29,7 +29,7 @@ import json
 from pathlib import Path
 from collections.abc import Callable
 
-from common.errors import WeightSyncError
+from dualvllm.common.errors import WeightSyncError
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"

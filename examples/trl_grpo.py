@@ -30,13 +30,13 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import tinymodels
-from coordinator import CoordinatorConfig
-from training.data import BUNDLED_TRAIN
-from training.rewards import reward_exact
-from training.trl_rollouts import QStarRollouts
-from training.trl_sync import QStarWeightSync
-from training.trl_trainer import CORRECTIONS, QStarGRPOConfig, QStarGRPOTrainer
+from dualvllm import tinymodels
+from dualvllm.coordinator import CoordinatorConfig
+from dualvllm.training.data import BUNDLED_TRAIN
+from dualvllm.training.rewards import reward_exact
+from dualvllm.training.trl_rollouts import QStarRollouts
+from dualvllm.training.trl_sync import QStarWeightSync
+from dualvllm.training.trl_trainer import CORRECTIONS, QStarGRPOConfig, QStarGRPOTrainer
 
 
 def parse_args() -> argparse.Namespace:

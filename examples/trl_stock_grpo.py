@@ -15,7 +15,7 @@ TRL's trainer-side weight sync runs on NCCL and refuses any device but CUDA. On 
 machine (`--gpu`; the base servers started with `--weight-transfer nccl`) TRL's own sync runs
 unchanged; that path has not run here (no GPU). Without a GPU, `cpu_weight_sync()` replaces
 TRL's two sync methods with dualvllm's shared-memory engine, driven through the same four
-routes of the same service (training.weight_transfer): the only non-stock lines, and only on CPU.
+routes of the same service (dualvllm.training.weight_transfer): the only non-stock lines, and only on CPU.
 """
 
 from __future__ import annotations
@@ -28,20 +28,20 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
-import tinymodels
-from training.data import BUNDLED_TRAIN
-from training.rewards import reward_exact
+from dualvllm import tinymodels
+from dualvllm.training.data import BUNDLED_TRAIN
+from dualvllm.training.rewards import reward_exact
 
 
 @contextlib.contextmanager
 def cpu_weight_sync(url: str, model_of: Any) -> Iterator[list[Any]]:
     """TRL's VLLMClient pushes on CPU within the block: `init_communicator` (NCCL) does nothing,
     and `update_named_params` sends `model_of()`'s weights through the service's four phases with
-    the shared-memory engine. Yields the push reports (training.weight_transfer.TransferStats)."""
+    the shared-memory engine. Yields the push reports (dualvllm.training.weight_transfer.TransferStats)."""
     from trl.generation.vllm_client import VLLMClient as TRLClient
 
-    from engines.vllm_client import VLLMClient
-    from training import weight_transfer
+    from dualvllm.engines.vllm_client import VLLMClient
+    from dualvllm.training import weight_transfer
 
     pushes: list[Any] = []
 

@@ -3,14 +3,14 @@
     POST /v1/completions        prompt(s) -> q* completions (stream: server-sent events)
     POST /v1/chat/completions   messages rendered with the base's chat template -> q* replies
     GET  /v1/models             the pair, under the name requests give as `model`
-    POST /inference/v1/generate vLLM's tokens in, tokens out (service.generate)
+    POST /inference/v1/generate vLLM's tokens in, tokens out (dualvllm.service.generate)
     POST /v1/chat/completions/render  a chat request as the /inference/v1/generate request it becomes
     GET  /health                200 while the coordinator is open (no key needed)
-    GET  /metrics               Prometheus text (service.metrics)
+    GET  /metrics               Prometheus text (dualvllm.service.metrics)
 
 Every request's sequences join the coordinator's one continuous batch, so concurrent
 clients share its steps. A completion with `echo` and `logprobs` also scores its prompt
-under q* (service.scoring), with one prompt-logprobs request per server. A request passes,
+under q* (dualvllm.service.scoring), with one prompt-logprobs request per server. A request passes,
 in order: the key (401), JSON and the schema (400), the model name (404; "<name>@alpha=A"
 fixes alpha), what q* cannot do (400), prompt and context checks (400), the per-request
 token ceiling (400), and the queue (429 with Retry-After). A client that disconnects
@@ -35,30 +35,30 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequen
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from common.errors import (
+from dualvllm.common.errors import (
     GenerationFailedError,
     InvalidInputError,
     LifecycleError,
     ServiceBusyError,
     UnknownModelError,
 )
-from coordinator.core import DualVLLMCoordinator
-from coordinator.outputs import GenerationOutput
-from coordinator.sequence import TokenListener
-from engines.protocol import Engine, PromptScoringEngine
-from service import responses
-from service.config import ServiceConfig
-from service.dev_routes import DevRoutes
-from service.errors import RequestError, error_body, error_of
-from service.formats import CHAT, COMPLETION, Format, TokenLogprobs
-from service.jobs import RequestQueue, Job
-from service.metrics import ServiceMetrics
-from service.generate import generate_response, render_response
-from service.schema import ChatCompletionRequest, CompletionRequest, GenerateRequest
-from service.batching import BatchedScoring
-from service.scoring import PromptScores, ScoringSettings, score_prompts, scoring_engine, vllm_prompt_logprobs
-from service.streaming import stream_choices
-from service.tokens import TokenTexts
+from dualvllm.coordinator.core import DualVLLMCoordinator
+from dualvllm.coordinator.outputs import GenerationOutput
+from dualvllm.coordinator.sequence import TokenListener
+from dualvllm.engines.protocol import Engine, PromptScoringEngine
+from dualvllm.service import responses
+from dualvllm.service.config import ServiceConfig
+from dualvllm.service.dev_routes import DevRoutes
+from dualvllm.service.errors import RequestError, error_body, error_of
+from dualvllm.service.formats import CHAT, COMPLETION, Format, TokenLogprobs
+from dualvllm.service.jobs import RequestQueue, Job
+from dualvllm.service.metrics import ServiceMetrics
+from dualvllm.service.generate import generate_response, render_response
+from dualvllm.service.schema import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from dualvllm.service.batching import BatchedScoring
+from dualvllm.service.scoring import PromptScores, ScoringSettings, score_prompts, scoring_engine, vllm_prompt_logprobs
+from dualvllm.service.streaming import stream_choices
+from dualvllm.service.tokens import TokenTexts
 
 log = logging.getLogger("dualvllm.service")
 # "<served name>@alpha=0.25" names the pair with dualvllm.fixed_alpha 0.25: how clients that
@@ -183,7 +183,7 @@ class QStarService:
         return await self._run(request, await self._completion_job(body))
 
     async def generate_tokens(self, request: web.Request) -> web.StreamResponse:
-        """vLLM's POST /inference/v1/generate: token ids in, token ids out (service.generate),
+        """vLLM's POST /inference/v1/generate: token ids in, token ids out (dualvllm.service.generate),
         checked and run as the same request to /v1/completions would be."""
         raw = await _parse(request, GenerateRequest)
         _refuse(raw.unsupported())
@@ -226,7 +226,7 @@ class QStarService:
 
     async def render_chat(self, request: web.Request) -> web.Response:
         """vLLM's POST /v1/chat/completions/render: the chat request as the generate request
-        (/inference/v1/generate) that samples the same reply (service.generate)."""
+        (/inference/v1/generate) that samples the same reply (dualvllm.service.generate)."""
         body = self._with_model(await _parse(request, ChatCompletionRequest))
         theta_ids, t_ids, budget = await self._rendered(body)
         self._job(CHAT, body, [(theta_ids, t_ids)], budget, top_logprobs=body.top_logprobs or 0,
@@ -414,7 +414,7 @@ class QStarService:
         """vLLM's `prompt_logprobs` of each prompt, by the model asked for: the base alone
         (alpha 0) or the teacher alone (alpha 1) answer with their server's own prompt logprobs
         (exact ranks over the whole vocabulary); q* (any other alpha, or alpha*) with log q*
-        over the merged candidates (service.scoring), ranks among them."""
+        over the merged candidates (dualvllm.service.scoring), ranks among them."""
         k, alpha = job.prompt_logprobs, job.options.fixed_alpha
         assert k is not None
         if alpha in (0.0, 1.0):
@@ -431,7 +431,7 @@ class QStarService:
         return [vllm_prompt_logprobs(s, texts) for s in scores]
 
     async def score(self, job: Job, top_n: int | None = None) -> list[PromptScores]:
-        """Every prompt token's log q* (service.scoring), once per prompt whatever n is; `top_n`
+        """Every prompt token's log q* (dualvllm.service.scoring), once per prompt whatever n is; `top_n`
         of q*'s candidates per position (default: the request's top logprobs)."""
         config, options = self.coordinator.config, job.options
         prompts = []
@@ -449,7 +449,7 @@ class QStarService:
 
     def scorers(self, param: str) -> tuple[BatchedScoring | PromptScoringEngine, BatchedScoring | PromptScoringEngine]:
         """The base's and the teacher's prompt scoring, concurrent requests merged into one call
-        per server (service.batching; the engines themselves with scoring_call_tokens 0); a 400
+        per server (dualvllm.service.batching; the engines themselves with scoring_call_tokens 0); a 400
         naming `param` if an engine cannot score prompts."""
         if self._scorers is None:
             theta, t = (scoring_engine(e, param) for e in _engines(self.coordinator))
@@ -464,7 +464,7 @@ class QStarService:
         ids = {i for o in outputs for i in TokenLogprobs.of(o).token_ids()} | _scored_ids(scores or [])
         return await self.token_texts(ids, as_ids=bool(job.request.return_tokens_as_token_ids))
 
-    # -- what a stream asks (service.streaming.Generation) -------------------------------
+    # -- what a stream asks (dualvllm.service.streaming.Generation) -------------------------------
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 from collections.abc import Awaitable, Callable, Sequence
 
-from common.errors import LifecycleError, ServerRejectedError
-from engines.protocol import PromptScoringEngine, TopKBatch
+from dualvllm.common.errors import LifecycleError, ServerRejectedError
+from dualvllm.engines.protocol import PromptScoringEngine, TopKBatch
 
 R = TypeVar("R")
 Prompts = Sequence[Sequence[int]]
@@ -114,7 +114,7 @@ def _fail(waiting: _Waiting, err: BaseException) -> None:
 
 
 class BatchedScoring:
-    """An engine's two prompt-scoring calls (engines.protocol.PromptScoringEngine), each through
+    """An engine's two prompt-scoring calls (dualvllm.engines.protocol.PromptScoringEngine), each through
     a Batcher: what the service scores prompts with."""
 
     def __init__(self, engine: PromptScoringEngine, max_tokens: int = MAX_CALL_TOKENS) -> None:

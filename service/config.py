@@ -11,8 +11,8 @@ from __future__ import annotations
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from common.validation import RaisesInvalidInput
-from engines.vllm_plugin.net import is_loopback
+from dualvllm.common.validation import RaisesInvalidInput
+from dualvllm.engines.vllm_plugin.net import is_loopback
 
 
 class ServiceConfig(RaisesInvalidInput, BaseSettings):
@@ -33,8 +33,8 @@ class ServiceConfig(RaisesInvalidInput, BaseSettings):
     max_body_bytes: int = Field(8 * 2**20, ge=1024, description="Largest request body accepted (HTTP 413 above).")
     default_max_tokens: int = Field(16, ge=1, description="max_tokens of a completion request that gives none (OpenAI's default); chat requests default to the room left in the context.")
     scoring_call_tokens: int = Field(
-        16_384, ge=0, description="Prompt tokens per merged scoring call: concurrent echo and prompt_logprobs requests go to each server together, up to this many tokens per call (service.batching); 0 = each request on its own call.")
-    dev_mode: bool = Field(False, description="Serve vLLM's dev routes (server_info, the weight-transfer phases, reset_prefix_cache), forwarded to the base servers, so a trainer written for vLLM (TRL) can push weights through the service (service.dev_routes). Off loopback the API key guards them, as every route.")
+        16_384, ge=0, description="Prompt tokens per merged scoring call: concurrent echo and prompt_logprobs requests go to each server together, up to this many tokens per call (dualvllm.service.batching); 0 = each request on its own call.")
+    dev_mode: bool = Field(False, description="Serve vLLM's dev routes (server_info, the weight-transfer phases, reset_prefix_cache), forwarded to the base servers, so a trainer written for vLLM (TRL) can push weights through the service (dualvllm.service.dev_routes). Off loopback the API key guards them, as every route.")
 
     @model_validator(mode="after")
     def _key_off_loopback(self) -> ServiceConfig:

@@ -32,11 +32,11 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from common.errors import WeightSyncError
-from coordinator.core import DualVLLMCoordinator
-from engines.pool import live_members
-from engines.protocol import WeightTransferServer
-from service.errors import RequestError
+from dualvllm.common.errors import WeightSyncError
+from dualvllm.coordinator.core import DualVLLMCoordinator
+from dualvllm.engines.pool import live_members
+from dualvllm.engines.protocol import WeightTransferServer
+from dualvllm.service.errors import RequestError
 
 log = logging.getLogger("dualvllm.service")
 
@@ -239,7 +239,7 @@ async def _json(request: web.Request) -> dict[str, Any]:
 
 
 def _not_dev_mode(base: WeightTransferServer) -> web.Response:
-    from service.errors import error_body
+    from dualvllm.service.errors import error_body
 
     return web.json_response(error_body(
         f"the base server at {base.url} has no /server_info: it runs without dev mode. Start `dualvllm serve` with "

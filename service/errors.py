@@ -1,7 +1,7 @@
 """How the service's failures become HTTP answers: OpenAI error objects, in one place.
 
 Requests the service refuses itself raise RequestError (with status, code and field);
-everything else is classified by the project's error tree (common.errors).
+everything else is classified by the project's error tree (dualvllm.common.errors).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from common.errors import (GenerationFailedError, InvalidInputError, LifecycleError, ServerError, ServerRejectedError,
+from dualvllm.common.errors import (GenerationFailedError, InvalidInputError, LifecycleError, ServerError, ServerRejectedError,
                            ServiceBusyError, TopKUnsupportedError, UnknownModelError, WeightSyncError)
 
 log = logging.getLogger("dualvllm.service")

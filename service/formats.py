@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 from collections.abc import Mapping, Sequence
 
-from coordinator.outputs import GenerationOutput
-from service import responses
-from service.schema import QStarOptions
+from dualvllm.coordinator.outputs import GenerationOutput
+from dualvllm.service import responses
+from dualvllm.service.schema import QStarOptions
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,11 @@ import uuid
 from typing import Any
 from collections.abc import Mapping, Sequence
 
-from coordinator.outputs import GenerationOutput
-from service import responses
-from service.formats import CHAT, TokenLogprobs
-from service.jobs import Job
-from service.schema import ChatCompletionRequest, GenerateRequest
+from dualvllm.coordinator.outputs import GenerationOutput
+from dualvllm.service import responses
+from dualvllm.service.formats import CHAT, TokenLogprobs
+from dualvllm.service.jobs import Job
+from dualvllm.service.schema import ChatCompletionRequest, GenerateRequest
 
 
 def generate_response(request: GenerateRequest, job: Job, outputs: Sequence[GenerationOutput], model: str,

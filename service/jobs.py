@@ -1,7 +1,7 @@
 """What a validated request becomes (Job) and the service's bounded queue (RequestQueue).
 
 A leaf of service/: it imports the request schema and the two response formats, nothing
-that serves. The handlers (service.app) build Jobs; streaming, metrics and the handlers
+that serves. The handlers (dualvllm.service.app) build Jobs; streaming, metrics and the handlers
 read them.
 """
 
@@ -13,10 +13,10 @@ import math
 from dataclasses import dataclass
 from collections.abc import Callable, Iterator
 
-from common.errors import ServiceBusyError
-from coordinator.sequence import SamplingParams
-from service.formats import Format
-from service.schema import ChatCompletionRequest, CompletionRequest, QStarOptions
+from dualvllm.common.errors import ServiceBusyError
+from dualvllm.coordinator.sequence import SamplingParams
+from dualvllm.service.formats import Format
+from dualvllm.service.schema import ChatCompletionRequest, CompletionRequest, QStarOptions
 
 # Retry-After bounds: sooner is a busy loop for clients, later leaves the service idle.
 RETRY_AFTER_MIN_S = 1

@@ -16,9 +16,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from coordinator.core import DualVLLMCoordinator
-from coordinator.outputs import GenerationOutput
-from service.jobs import RequestQueue
+from dualvllm.coordinator.core import DualVLLMCoordinator
+from dualvllm.coordinator.outputs import GenerationOutput
+from dualvllm.service.jobs import RequestQueue
 
 # Request latency buckets (s): a q* request runs from a few ms (one token) to minutes.
 REQUEST_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)

@@ -1,8 +1,8 @@
 """OpenAI response objects built from the coordinator's GenerationOutputs (pure functions):
 the parts completions and chat share, and echo's (completions only). Where the two differ,
-service.formats decides.
+dualvllm.service.formats decides.
 
-A choice's `dualvllm` object carries what q* adds (see service.schema): always the mean
+A choice's `dualvllm` object carries what q* adds (see dualvllm.service.schema): always the mean
 alpha and the coordinator's own finish reason; with `return_token_ids` the per-token
 token ids, alpha, log q*, log pi_theta and log pi_t (what a trainer needs for importance
 weights); with `return_diagnostics` the diagnostics summaries. A choice that echoes a
@@ -15,9 +15,9 @@ from __future__ import annotations
 from typing import Any
 from collections.abc import Mapping, Sequence
 
-from coordinator.outputs import GenerationOutput
-from service.schema import QStarOptions
-from service.scoring import PromptScores
+from dualvllm.coordinator.outputs import GenerationOutput
+from dualvllm.service.schema import QStarOptions
+from dualvllm.service.scoring import PromptScores
 
 # The coordinator's finish reasons, in OpenAI's words.
 FINISH_REASONS = {

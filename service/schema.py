@@ -13,7 +13,7 @@ the `openai` package):
     t_messages         chat: the teacher's own messages, rendered with the teacher's template
     top_k              mix only each model's top_k most likely tokens (<= the service's top_k)
     return_token_ids   per choice: token ids, alpha, log q*, log pi_theta, log pi_t per token
-    return_diagnostics per choice: KL/ESS/entropy summaries (theory.diagnostics)
+    return_diagnostics per choice: KL/ESS/entropy summaries (dualvllm.theory.diagnostics)
     ignore_eos         generate past EOS up to max_tokens (fixed lengths, for benchmarks)
 """
 
@@ -150,7 +150,7 @@ class CompletionRequest(_Sampling):
     echo: bool = False  # the prompt before the completion; with logprobs, each prompt token's log q*
     best_of: int | None = None
     suffix: str | None = None
-    prompt_logprobs: int | None = Field(None, ge=-1)  # vLLM's: each prompt token's top logprobs (service.scoring)
+    prompt_logprobs: int | None = Field(None, ge=-1)  # vLLM's: each prompt token's top logprobs (dualvllm.service.scoring)
 
     @model_validator(mode="after")
     def _teacher_prompt_only_for_completions(self) -> CompletionRequest:

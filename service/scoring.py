@@ -1,9 +1,9 @@
 """Log q* of a given text: what `echo` with `logprobs` returns (lm-eval's loglikelihood requests).
 
 For every prompt token y_j after the first, both servers report their top-k before it in
-one prompt-logprobs request each (engines.protocol.PromptScoringEngine), always with y_j's
+one prompt-logprobs request each (dualvllm.engines.protocol.PromptScoringEngine), always with y_j's
 own logprob among them. The rows then go through the same math as a sampling step:
-merge_topk with the coordinator's fill rule, then coordinator.step.solve_target (alpha*
+merge_topk with the coordinator's fill rule, then dualvllm.coordinator.step.solve_target (alpha*
 per position, or the request's fixed alpha; temperature 1), and log q*(y_j) is read off
 the merged candidates. Since both servers report y_j, it is always a candidate with its
 exact logprobs, even where it is outside both top-k lists (sampling would never draw
@@ -26,10 +26,10 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from coordinator.step import solve_target, top_candidates
-from engines.protocol import Engine, PromptScoringEngine, TopKBatch
-from service.errors import RequestError
-from theory.merge import FillRule, merge_topk
+from dualvllm.coordinator.step import solve_target, top_candidates
+from dualvllm.engines.protocol import Engine, PromptScoringEngine, TopKBatch
+from dualvllm.service.errors import RequestError
+from dualvllm.theory.merge import FillRule, merge_topk
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ def score_rows(theta: TopKBatch, t: TopKBatch, tokens: np.ndarray, settings: Sco
 
 class PromptScorer(Protocol):
     """What scoring needs of each model: PromptScoringEngine's prompt_topk (an engine, or the
-    service's batched front of one, service.batching)."""
+    service's batched front of one, dualvllm.service.batching)."""
 
     async def prompt_topk(self, prompts: Sequence[Sequence[int]], k: int) -> list[TopKBatch]: ...
 

@@ -16,7 +16,7 @@ answer's. The last chunk of a choice carries the rest of its final text, the log
 its tokens not sent yet, its finish_reason and its `dualvllm` record.
 
 Streaming is written against `Generation`, the little it needs of the service; chat and
-completion differ only through the job's format (service.formats).
+completion differ only through the job's format (dualvllm.service.formats).
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 
 from aiohttp import web
 
-from common.errors import GenerationFailedError
-from coordinator.outputs import GenerationOutput
-from coordinator.sequence import TokenListener
-from service import responses
-from service.errors import error_of
-from service.formats import TokenLogprobs
-from service.jobs import Job
+from dualvllm.common.errors import GenerationFailedError
+from dualvllm.coordinator.outputs import GenerationOutput
+from dualvllm.coordinator.sequence import TokenListener
+from dualvllm.service import responses
+from dualvllm.service.errors import error_of
+from dualvllm.service.formats import TokenLogprobs
+from dualvllm.service.jobs import Job
 
 log = logging.getLogger("dualvllm.service")
 

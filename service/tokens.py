@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 
-from coordinator.core import DualVLLMCoordinator
+from dualvllm.coordinator.core import DualVLLMCoordinator
 
 # Detokenize requests in flight at once while filling the cache.
 MAX_CONCURRENT_DETOKENIZE = 16

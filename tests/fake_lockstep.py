@@ -45,8 +45,8 @@ from typing import Callable, Sequence
 import numpy as np
 from urllib.parse import urlsplit
 
-from common.errors import ServerConnectError, ServerUnavailableError
-from engines.vllm_plugin import wire
+from dualvllm.common.errors import ServerConnectError, ServerUnavailableError
+from dualvllm.engines.vllm_plugin import wire
 
 VOCAB_SIZE = 32
 EOS_ID = 0  # also the stop token the scheduler forces to end a request

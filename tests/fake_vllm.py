@@ -72,7 +72,7 @@ def write_fake_weights(directory: Path, seed: int) -> Path:
     """A checkpoint directory the fake's reload_weights switches to: FakeModel(seed=seed).
 
     It also holds what a real checkpoint does, a config.json and a model.safetensors (one
-    tiny tensor), because every push checks them before it sends anything (engines.weights_dir).
+    tiny tensor), because every push checks them before it sends anything (dualvllm.engines.weights_dir).
     """
     from safetensors.numpy import save_file
 

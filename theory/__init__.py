@@ -5,10 +5,10 @@ KL(q* || pi_theta) = KL(q* || pi_t). Every function is vectorized over a batch o
 of padded candidate arrays with a mask.
 """
 
-from theory.alpha import alpha_kls, solve_alpha, symmetry_gap
-from theory.diagnostics import DIAGNOSTIC_KEYS, summarize, token_diagnostics
-from theory.merge import FILL_RULES, FillRule, MergedTopK, merge_topk
-from theory.mixture import (
+from dualvllm.theory.alpha import alpha_kls, solve_alpha, symmetry_gap
+from dualvllm.theory.diagnostics import DIAGNOSTIC_KEYS, summarize, token_diagnostics
+from dualvllm.theory.merge import FILL_RULES, FillRule, MergedTopK, merge_topk
+from dualvllm.theory.mixture import (
     apply_temperature,
     greedy_indices,
     log_normalize,
@@ -16,7 +16,7 @@ from theory.mixture import (
     mixture_logprobs,
     sample_indices,
 )
-from theory.passk import pass_at_k
+from dualvllm.theory.passk import pass_at_k
 
 __all__ = [
     "DIAGNOSTIC_KEYS", "FILL_RULES", "FillRule", "MergedTopK", "alpha_kls", "apply_temperature",

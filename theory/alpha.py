@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from theory.mixture import all_candidates, log_normalize, masked, mixture_logprobs
+from dualvllm.theory.mixture import all_candidates, log_normalize, masked, mixture_logprobs
 
 # |l| below this on every candidate means the two rows are the same distribution.
 IDENTICAL_ATOL = 1e-12

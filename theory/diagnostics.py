@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from theory.mixture import log_normalize, masked
+from dualvllm.theory.mixture import log_normalize, masked
 
 DIAGNOSTIC_KEYS = ("kl_theta", "kl_t", "kl_diff", "ess_theta", "ess_t", "ess_ratio", "entropy_q",
                    "coverage_theta", "coverage_t")

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from theory.mixture import apply_temperature, greedy_indices, masked, sample_indices
+from dualvllm.theory.mixture import apply_temperature, greedy_indices, masked, sample_indices
 
 NOT_A_CANDIDATE = -1  # draft_index of a drafted token outside the candidate set
 

@@ -1,19 +1,19 @@
 """The bundled tiny base and teacher models, their tokenizer and their task.
 
 `BASE_DIR` and `TEACHER_DIR` are Hugging Face checkpoint directories (Qwen2
-architecture, character-level tokenizer) built by `python -m tinymodels.build`; the
-task (reversed-digit two-digit addition) is in `tinymodels.task`. The teacher solves
+architecture, character-level tokenizer) built by `python -m dualvllm.tinymodels.build`; the
+task (reversed-digit two-digit addition) is in `dualvllm.tinymodels.task`. The teacher solves
 the task; the base is deliberately weak, so sampling from q* has something to gain.
-`TEACHER_HARD_DIR` (`python -m tinymodels.build --hard-teacher`) also solves the hard
+`TEACHER_HARD_DIR` (`python -m dualvllm.tinymodels.build --hard-teacher`) also solves the hard
 task, the same with three-digit operands, which the base almost never solves.
-`BASE_HINT_DIR` (`python -m tinymodels.build --hint-base`) is the base trained further to
-read a hint: shown the answer in front of the question (`tinymodels.task.HINT_TEMPLATE`)
+`BASE_HINT_DIR` (`python -m dualvllm.tinymodels.build --hint-base`) is the base trained further to
+read a hint: shown the answer in front of the question (`dualvllm.tinymodels.task.HINT_TEMPLATE`)
 it copies it, on either task; without one it is as weak as the base. It makes the base its
 own privileged-information teacher (`--teacher self --teacher-template`).
-`TEACHER_LONG_DIR` (`python -m tinymodels.build --long-teacher`) solves the long task
+`TEACHER_LONG_DIR` (`python -m dualvllm.tinymodels.build --long-teacher`) solves the long task
 (two 19-digit numbers, 20-digit answers), which the base never solves.
-`BASE_MIXED_DIR` and `TEACHER_MIXED_DIR` (`python -m tinymodels.build --mixed-pair`) are the
-mixed task's pair (`tinymodels.task.mixed_problems`): a base that answers as the base does and
+`BASE_MIXED_DIR` and `TEACHER_MIXED_DIR` (`python -m dualvllm.tinymodels.build --mixed-pair`) are the
+mixed task's pair (`dualvllm.tinymodels.task.mixed_problems`): a base that answers as the base does and
 also copies a hint (the skill its training never asks for, so that forgetting shows), and a
 teacher that solves two of the three difficulties: on the test split, two-digit 100%, long 100%,
 three-digit 10.5% (see docs/training.md).

@@ -1,14 +1,14 @@
 """Build the bundled tiny models: a character-level tokenizer and three tiny Qwen2 models.
 
-    python -m tinymodels.build                 # writes tinymodels/{base,teacher}/, build_report.json
-    python -m tinymodels.build --hard-teacher  # writes tinymodels/teacher-hard/, report "teacher_hard"
-    python -m tinymodels.build --measure-hard  # measures the models on hard_test, report "hard_task"
-    python -m tinymodels.build --hint-base     # writes tinymodels/base-hint/, report "base_hint"
-    python -m tinymodels.build --long-teacher  # writes tinymodels/teacher-long/, report "teacher_long"
-    python -m tinymodels.build --shape small   # a random pair at a real model's shape (tinymodels/shapes.py),
+    python -m dualvllm.tinymodels.build                 # writes tinymodels/{base,teacher}/, build_report.json
+    python -m dualvllm.tinymodels.build --hard-teacher  # writes tinymodels/teacher-hard/, report "teacher_hard"
+    python -m dualvllm.tinymodels.build --measure-hard  # measures the models on hard_test, report "hard_task"
+    python -m dualvllm.tinymodels.build --hint-base     # writes tinymodels/base-hint/, report "base_hint"
+    python -m dualvllm.tinymodels.build --long-teacher  # writes tinymodels/teacher-long/, report "teacher_long"
+    python -m dualvllm.tinymodels.build --shape small   # a random pair at a real model's shape (tinymodels/shapes.py),
                                                # built in the cache unless there; prints its two directories
 
-Both models learn the task in `tinymodels.task` with a plain next-token loss over the
+Both models learn the task in `dualvllm.tinymodels.task` with a plain next-token loss over the
 whole sequence "AB+CD=<reversed sum><eos>". The teacher trains until it is (nearly)
 perfect; the base starts from another seed and stops at the first evaluation where its
 greedy accuracy on a held-out slice of the train split reaches BASE_TARGET_ACCURACY,
@@ -17,7 +17,7 @@ thread, so a rerun on the same software gives the same checkpoints; it takes abo
 minutes on a 2-core machine.
 
 The hard teacher has the same tokenizer and architecture and learns both the two-digit
-task and the three-digit hard task (`tinymodels.task.hard_problems`), half of each batch
+task and the three-digit hard task (`dualvllm.tinymodels.task.hard_problems`), half of each batch
 from each; the base and teacher never see three-digit problems. It starts from the
 teacher's weights: from a random start, 3,000 steps of the mix left it below 10% on both
 tasks, while from the teacher its three-digit accuracy stays near 2% for ~600 steps, then
@@ -26,14 +26,14 @@ temperature 1, which shows that the base almost never solves the hard task while
 teacher does.
 
 The hint-reading base starts from the base's weights and learns only prompts that carry
-their answer in front (`tinymodels.task.HINT_TEMPLATE`, "579 123+456="), two- and
+their answer in front (`dualvllm.tinymodels.task.HINT_TEMPLATE`, "579 123+456="), two- and
 three-digit alike, half of each batch from each: it learns to copy the hint, and never
 sees a question without one, so without a hint it stays near the base on both tasks
 (measured into the report). Each command merges its entries into build_report.json and leaves the
 others as they are.
 
 The long teacher starts from the teacher's weights and learns only the long task
-(`tinymodels.task.long_problems`, 20-digit answers), with the loss on the answer alone (its
+(`dualvllm.tinymodels.task.long_problems`, 20-digit answers), with the loss on the answer alone (its
 prompts are random digits), until it answers 99% of a held-out slice. Its record also holds
 the base's greedy accuracy there (0%: it never saw a 19-digit operand).
 
@@ -59,9 +59,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
-import tinymodels
-from tinymodels.shapes import SHAPES, ensure_pair
-from tinymodels.task import (EOS_TEXT, HARD_ROWS, LONG_DIGITS, LONG_ROWS, MIXED_DIFFICULTIES, LongProblem, Problem, hard_problems,
+from dualvllm import tinymodels
+from dualvllm.tinymodels.shapes import SHAPES, ensure_pair
+from dualvllm.tinymodels.task import (EOS_TEXT, HARD_ROWS, LONG_DIGITS, LONG_ROWS, MIXED_DIFFICULTIES, LongProblem, Problem, hard_problems,
                              hinted, long_problems, mixed_problems, problems, retained_problems, score)
 
 PAD_TEXT = "<pad>"
@@ -480,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tied or args.cache_dir:
         parser.error("--tied and --cache-dir go with --shape")
     torch.set_num_threads(1)  # one thread: bitwise-reproducible float reductions
-    command = ("python -m tinymodels.build " + shlex.join(argv if argv is not None else sys.argv[1:])).strip()
+    command = ("python -m dualvllm.tinymodels.build " + shlex.join(argv if argv is not None else sys.argv[1:])).strip()
     if args.hard_teacher:
         entries = {"teacher_hard": {"command": command, **build_hard_teacher(args, build_tokenizer())}}
     elif args.hint_base:

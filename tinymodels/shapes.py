@@ -1,9 +1,9 @@
 """Random-weight Qwen3 model pairs at a real model's shape: a 151,936-token vocabulary, thousands of positions.
 
-    python -m tinymodels.build --shape small            # prints the base and teacher directories
-    python -m tinymodels.build --shape qwen3-0.6b --tied
+    python -m dualvllm.tinymodels.build --shape small            # prints the base and teacher directories
+    python -m dualvllm.tinymodels.build --shape qwen3-0.6b --tied
 
-    from tinymodels.shapes import ensure_pair
+    from dualvllm.tinymodels.shapes import ensure_pair
     base_dir, teacher_dir = ensure_pair("small")         # builds once, then reuses the cache
 
 The bundled tiny models (vocabulary 98, 64 positions) say nothing about the cost of a real
@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from collections.abc import Iterator
 
-from common.errors import InvalidInputError
+from dualvllm.common.errors import InvalidInputError
 
 # torch, transformers and tokenizers are imported inside the functions that build: finding a
 # cached pair costs a walk over the repository's text, not ~10 s of imports.
@@ -298,7 +298,7 @@ def build_pair(shape: Shape, tied: bool, out: Path) -> dict:
         save_model(out / name, weights, config, tokenizer)
     report = {
         "shape": shape.name, "tied": tied, "key": pair_key(shape, tied), "builder_version": BUILDER_VERSION,
-        "command": f"python -m tinymodels.build --shape {shape.name}" + (" --tied" if tied else ""),
+        "command": f"python -m dualvllm.tinymodels.build --shape {shape.name}" + (" --tied" if tied else ""),
         "config": dataclasses.asdict(shape), "recipe": dataclasses.asdict(RECIPE),
         **_sizes(out / "base"),
         "tokenizer": {"trained_tokens": trained, "reserved_tokens": shape.vocab_size - n_real,

@@ -9,7 +9,7 @@ sampling and RL. Pure Python: importing it does not import torch.
 
 The splits are also committed as dataset files, one {"prompt", "answer"} row per problem
 (`DATA_DIR`/train.jsonl and test.jsonl), which training reads like any user dataset.
-`python -m tinymodels.task` rewrites them; a unit test keeps them equal to `problems`.
+`python -m dualvllm.tinymodels.task` rewrites them; a unit test keeps them equal to `problems`.
 
 The hard task is the same with three-digit operands ("123+456=" -> "975"). Its 810,000
 pairs are too many to enumerate, so `hard_problems` draws a seeded sample of a split and

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from training import lora
+from dualvllm.training import lora
 
 PREFIX = "step-"
 

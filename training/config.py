@@ -35,12 +35,12 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError, model_validator
 
-from common.errors import InvalidInputError
-from coordinator.config import CoordinatorConfig
-from training.config_sources import Sources, flag
-from training.losses import Correction, Normalization
-from training.regimes import Regimes
-from training.task_config import TOY_LEARNING_RATE, TaskConfig, bundled
+from dualvllm.common.errors import InvalidInputError
+from dualvllm.coordinator.config import CoordinatorConfig
+from dualvllm.training.config_sources import Sources, flag
+from dualvllm.training.losses import Correction, Normalization
+from dualvllm.training.regimes import Regimes
+from dualvllm.training.task_config import TOY_LEARNING_RATE, TaskConfig, bundled
 
 log = logging.getLogger("dualvllm.training")
 

@@ -25,7 +25,7 @@ classes' options and picks the class from `--method`. So argparse keeps the flag
 Why the sources are merged here and not by BaseSettings. A pydantic-settings source runs
 inside one BaseSettings class's `__init__`; the class of a training run is only known once
 `method` is (from the flags, else the file), and is then chosen by validating the merged
-values against the union of the method classes (training.config.TrainConfig.parse). So the
+values against the union of the method classes (dualvllm.training.config.TrainConfig.parse). So the
 file is read with pydantic-settings' YAML source, and precedence is the one merge below.
 """
 
@@ -40,7 +40,7 @@ from collections.abc import Collection, Mapping
 
 from pydantic_settings import BaseSettings, SettingsConfigDict, YamlConfigSettingsSource
 
-from common.errors import InvalidInputError
+from dualvllm.common.errors import InvalidInputError
 
 # A recipe section whose keys are the options of an embedded config, merged key by key.
 NESTED = "coordinator"

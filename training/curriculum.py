@@ -28,7 +28,7 @@ import numpy as np
 from scipy.signal import find_peaks
 from scipy.stats import gaussian_kde
 
-from common.errors import InvalidInputError
+from dualvllm.common.errors import InvalidInputError
 
 # Below this many seen tasks a KDE's valleys are noise: one bucket.
 MIN_TASKS_FOR_KDE = 5
@@ -201,7 +201,7 @@ class Curriculum:
         self._skip_left[tasks] = np.where(spreads <= ZERO_ADVANTAGE_ATOL, self.skip_steps, 0)
 
     def observe(self, task_indices: Sequence[int], groups: Sequence[Sequence[Any]]) -> None:
-        """`update` with the rewards of each group's rollouts (training.rollouts.Chooser)."""
+        """`update` with the rewards of each group's rollouts (dualvllm.training.rollouts.Chooser)."""
         self.update(task_indices, [[r.reward for r in group] for group in groups])
 
     def buckets(self) -> list[list[int]]:

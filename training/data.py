@@ -35,13 +35,13 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from common.errors import InputFormatError, InvalidInputError
-from common.jsonl import read_objects
-from coordinator.outputs import Prompt
-from coordinator.prompts import prompt_problem
-from tinymodels.task import DATA_DIR
+from dualvllm.common.errors import InputFormatError, InvalidInputError
+from dualvllm.common.jsonl import read_objects
+from dualvllm.coordinator.outputs import Prompt
+from dualvllm.coordinator.prompts import prompt_problem
+from dualvllm.tinymodels.task import DATA_DIR
 
-# The bundled arithmetic task (tinymodels.task), as dataset files read by the same code path.
+# The bundled arithmetic task (dualvllm.tinymodels.task), as dataset files read by the same code path.
 BUNDLED_TRAIN = DATA_DIR / "train.jsonl"
 BUNDLED_TEST = DATA_DIR / "test.jsonl"
 
@@ -140,7 +140,7 @@ def build_examples(rows: Iterable[tuple[int, Row]], *, source: str, prompt_templ
 def format_template(text: str, name: str, values: Mapping[str, Any], *, source: str, line: int) -> str:
     """`text`, a `str.format` template over `values` (a row's fields), checked as build_examples checks
     its templates: InvalidInputError for a malformed template, InputFormatError(source, line) for a row
-    it cannot format. For callers that build prompts outside build_examples (training.trl_rollouts)."""
+    it cannot format. For callers that build prompts outside build_examples (dualvllm.training.trl_rollouts)."""
     return _Template.parse(text, name).format(values, functools.partial(InputFormatError, source, line))
 
 

@@ -18,9 +18,9 @@ Pure functions of tensors; shapes on every line. Each is one term of the learner
   tinker-cookbook `distillation/train_on_policy.py`): a per-token advantage
   -c (log pi_theta(y_t) - log pi_t(y_t)) on the sampled token, the negative per-token
   reverse KL, detached. Under q* the learner's gradient at y_t is importance weighted by
-  min(pi_theta / q*, cap) (training.losses.policy_loss applies it).
+  min(pi_theta / q*, cap) (dualvllm.training.losses.policy_loss applies it).
 - (LUFFY's guided-token shaping f(p) = p / (p + gamma) is a form of the policy-gradient
-  term, so it lives in training.losses: `guided_shaping`.)
+  term, so it lives in dualvllm.training.losses: `guided_shaping`.)
 - Supervised fine-tuning: the mean negative log-likelihood of chosen rollouts (SFT on
   teacher samples, rejection fine-tuning on verified ones).
 """
@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from training.losses import normalize
+from dualvllm.training.losses import normalize
 
 # log(1 - sum of top-k probabilities) must stay finite when the top-k holds (almost) all the mass.
 TAIL_MAX_LOG_SUM = -1e-7
@@ -79,7 +79,7 @@ def topk_divergence(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tens
     `student_logprobs`: the learner's log pi_theta at the teacher's top-k ids (with grad);
     `teacher_logprobs`: the teacher's recorded top-k (raw logprobs, -inf in padding). The
     learner's tail is 1 - its mass on those ids, so nothing else of its distribution is
-    needed: training.logprobs computes these K values chunk by chunk, without [B, T, V].
+    needed: dualvllm.training.logprobs computes these K values chunk by chunk, without [B, T, V].
     """
     valid = torch.isfinite(teacher_logprobs)  # [..., K]
     student_log = with_tail(student_logprobs, valid)  # [..., K + 1]
@@ -91,7 +91,7 @@ def topk_distillation(student_logits: torch.Tensor, teacher_ids: torch.Tensor, t
                       *, beta: float = 0.0) -> torch.Tensor:
     """`topk_divergence` from whole logits: [B, T, V] (with grad), int64 [B, T, K], [B, T, K] -> [B, T].
 
-    For callers that hold the logits anyway (training.trl_trainer, small tests); the learner
+    For callers that hold the logits anyway (dualvllm.training.trl_trainer, small tests); the learner
     never builds them. log pi(v) = z_v - logsumexp(z): no second [B, T, V] tensor.
     """
     logits = student_logits.float()  # [B, T, V]
@@ -112,7 +112,7 @@ def sft_loss(logp_policy: torch.Tensor, mask: torch.Tensor, chosen: torch.Tensor
     Averaged over the chosen rollouts' tokens only (unchosen ones would dilute it). No
     chosen rollout gives 0, still with a graph, so the caller may backpropagate.
     `batch_tokens`: the chosen tokens of the whole batch when these rows are one micro-batch
-    of it (training.losses.normalize).
+    of it (dualvllm.training.losses.normalize).
     """
     rows = mask * chosen[:, None].to(mask.dtype)  # [B, T]
     return normalize(-logp_policy, rows, "dapo", batch_tokens=batch_tokens)

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Sequence
 
-from common.errors import NoTrainingSignalError
-from coordinator import DualVLLMCoordinator
-from training.config import DPOTrainConfig
-from training.recipe import held_out, prepare
-from training.rollouts import Groups, sample_batch
-from training.serving import serving
-from training.verifiers import verifier_pool
+from dualvllm.common.errors import NoTrainingSignalError
+from dualvllm.coordinator import DualVLLMCoordinator
+from dualvllm.training.config import DPOTrainConfig
+from dualvllm.training.recipe import held_out, prepare
+from dualvllm.training.rollouts import Groups, sample_batch
+from dualvllm.training.serving import serving
+from dualvllm.training.verifiers import verifier_pool
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ class DPORecipe:
         from transformers import AutoModelForCausalLM
         from trl import DPOConfig, DPOTrainer
 
-        from training import lora
+        from dualvllm.training import lora
 
         config = self.config
         torch.manual_seed(config.seed)

@@ -4,7 +4,7 @@ An arm is a fixed way to sample: the base alone (alpha = 0), q* (alpha* per toke
 the teacher alone (alpha = 1). For every held-out task an arm decodes greedily once and,
 with `samples` > 0, samples `samples` completions at the temperature; a completion is
 correct when its total reward reaches `success` (1.0: an exact answer, every test passed).
-pass@k is the unbiased estimator of theory.passk, averaged over tasks. `dualvllm eval`
+pass@k is the unbiased estimator of dualvllm.theory.passk, averaged over tasks. `dualvllm eval`
 and the training runs' periodic evaluation both call `evaluate`.
 """
 
@@ -19,12 +19,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from coordinator.core import DualVLLMCoordinator
-from coordinator.sequence import SamplingParams
-from theory.passk import pass_at_k
-from training.config import EvalConfig
-from training.rewards import RewardSpec, score_completions
-from training.rollouts import Task, reward_fields
+from dualvllm.coordinator.core import DualVLLMCoordinator
+from dualvllm.coordinator.sequence import SamplingParams
+from dualvllm.theory.passk import pass_at_k
+from dualvllm.training.config import EvalConfig
+from dualvllm.training.rewards import RewardSpec, score_completions
+from dualvllm.training.rollouts import Task, reward_fields
 
 # The group of a row without the group_by field.
 GROUP_MISSING = "(none)"
@@ -130,10 +130,10 @@ async def run_eval(config: EvalConfig, *, show_progress: bool = True) -> str:
     """
     from transformers import AutoTokenizer
 
-    import tinymodels
-    from training.problems import load_problems
-    from training.serving import serving
-    from training.verifiers import verifier_pool
+    from dualvllm import tinymodels
+    from dualvllm.training.problems import load_problems
+    from dualvllm.training.serving import serving
+    from dualvllm.training.verifiers import verifier_pool
 
     if config.dataset is not None and config.eval_dataset is None:
         config = config.model_copy(update={"eval_dataset": config.dataset})

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from training.learner import Packed, completion_states
-from training.logprobs import body_and_head
+from dualvllm.training.learner import Packed, completion_states
+from dualvllm.training.logprobs import body_and_head
 
 
 @torch.no_grad()

@@ -9,7 +9,7 @@
              new weights into the base server (verified), checkpoint, log metrics
     cleanup  stop the sampler, the pool and the servers
 
-The held-out tasks are evaluated (training.evaluation: the base alone, greedy accuracy and
+The held-out tasks are evaluated (dualvllm.training.evaluation: the base alone, greedy accuracy and
 pass@k) at the start, every `eval_every` updates and after the last one (once, with the
 sampler stopped). Every await of the shutdown is bounded (common/tasks.py).
 """
@@ -29,22 +29,22 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from common.errors import InvalidInputError
-from common.tasks import stop
-from engines.transformers_engine import TransformersEngine
-from training import checkpoint, lora, untie
-from training.checkpoint import RunState
-from training.config import AdaptiveTrainConfig, StreamingTrainConfig
-from training.curriculum import Curriculum
-from training.inprocess import in_process
-from training.forgetting import state_kl
-from training.learner import Learner, Objective, pack
-from training.regimes import NEVER, Regimes
-from training.recipe import held_out, prepare
-from training.rollouts import Rollout, Sampled, ScoredBatch, Task, produce, sample_batch
-from training.serving import serving
-from training.verifiers import verifier_pool
-from training.weight_sync import BasePusher, new_push_dir, prune_pushed, push_metrics
+from dualvllm.common.errors import InvalidInputError
+from dualvllm.common.tasks import stop
+from dualvllm.engines.transformers_engine import TransformersEngine
+from dualvllm.training import checkpoint, lora, untie
+from dualvllm.training.checkpoint import RunState
+from dualvllm.training.config import AdaptiveTrainConfig, StreamingTrainConfig
+from dualvllm.training.curriculum import Curriculum
+from dualvllm.training.inprocess import in_process
+from dualvllm.training.forgetting import state_kl
+from dualvllm.training.learner import Learner, Objective, pack
+from dualvllm.training.regimes import NEVER, Regimes
+from dualvllm.training.recipe import held_out, prepare
+from dualvllm.training.rollouts import Rollout, Sampled, ScoredBatch, Task, produce, sample_batch
+from dualvllm.training.serving import serving
+from dualvllm.training.verifiers import verifier_pool
+from dualvllm.training.weight_sync import BasePusher, new_push_dir, prune_pushed, push_metrics
 
 log = logging.getLogger("dualvllm.training")
 

@@ -16,11 +16,11 @@ import contextlib
 from typing import Any
 from collections.abc import AsyncIterator
 
-import tinymodels
-from coordinator import DualVLLMCoordinator
-from engines.transformers_engine import TransformersEngine
-from training.config import TrainConfig
-from training.serving import coordinator_config
+from dualvllm import tinymodels
+from dualvllm.coordinator import DualVLLMCoordinator
+from dualvllm.engines.transformers_engine import TransformersEngine
+from dualvllm.training.config import TrainConfig
+from dualvllm.training.serving import coordinator_config
 
 
 @contextlib.asynccontextmanager

@@ -1,17 +1,17 @@
 """The learner: the base model in this process, updated on scored rollouts.
 
 One update's loss is a sum of terms (`Objective`, from TrainConfig):
-- the reward policy gradient of GRPO (training.losses.policy_loss) with its off-policy
+- the reward policy gradient of GRPO (dualvllm.training.losses.policy_loss) with its off-policy
   correction, plus on-policy distillation's per-token teacher advantages when opd_coef > 0
   (--method opd: those alone, no reward advantage), LUFFY's shaping on guided rollouts;
 - supervised fine-tuning on chosen rollouts (--method sft: all of them, teacher samples;
   --method rft: those whose reward reaches rft_min_reward);
-- distill_coef x the top-k JSD to the teacher at every visited state (training.distill;
+- distill_coef x the top-k JSD to the teacher at every visited state (dualvllm.training.distill;
   --method distill: that term alone).
 
 None of it needs whole next-token distributions: the log-probabilities of the sampled
 tokens and at the teacher's top-k ids come from the last hidden states through the lm_head
-chunk by chunk (training.logprobs), so no [B, T, V] logits exist (issue 41: 40 GB at
+chunk by chunk (dualvllm.training.logprobs), so no [B, T, V] logits exist (issue 41: 40 GB at
 Qwen3's vocabulary for 64 x 1,024 tokens). With `micro_batch_size` a few rollouts go
 through the model at a time and their gradients accumulate; what the loss needs from the
 whole batch (the normalizers, the group advantages) is computed first, so each
@@ -31,22 +31,22 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from training import lora
-from training.distill import sft_loss, teacher_advantages, topk_divergence
-from training.logprobs import body_and_head, last_hidden_states, selected_logprobs
-from training.losses import advantages as group_advantages, normalize, policy_loss
-from training.rollouts import Rollout, ScoredBatch
+from dualvllm.training import lora
+from dualvllm.training.distill import sft_loss, teacher_advantages, topk_divergence
+from dualvllm.training.logprobs import body_and_head, last_hidden_states, selected_logprobs
+from dualvllm.training.losses import advantages as group_advantages, normalize, policy_loss
+from dualvllm.training.rollouts import Rollout, ScoredBatch
 
 log = logging.getLogger("dualvllm.training")
 
 # Completion positions per lm_head chunk: one chunk's float32 logits at Qwen3's vocabulary are
-# 256 x 151,936 x 4 B = 156 MB, and its backward holds a few such buffers (training.logprobs).
+# 256 x 151,936 x 4 B = 156 MB, and its backward holds a few such buffers (dualvllm.training.logprobs).
 LOGIT_CHUNK_SIZE = 256
 
 
 @dataclass(frozen=True)
 class Objective:
-    """What one update optimizes (see the module docstring); built by `training.grpo.objective`."""
+    """What one update optimizes (see the module docstring); built by `dualvllm.training.grpo.objective`."""
 
     method: str = "grpo"  # grpo, sft, rft, opd, distill or adaptive
     correction: str = "sequence"
@@ -148,7 +148,7 @@ def token_logprobs(model: Any, packed: Packed, ids: torch.Tensor, *,
                    chunk_size: int = LOGIT_CHUNK_SIZE) -> torch.Tensor:
     """log pi(ids[b, t, j] | prompt, y_<t) at every completion state: int64 [B, T, J] -> [B, T, J], 0 where padded.
 
-    One pass of the body, then the lm_head `chunk_size` states at a time (training.logprobs):
+    One pass of the body, then the lm_head `chunk_size` states at a time (dualvllm.training.logprobs):
     no [B, T, V] tensor, with or without gradients.
     """
     real = packed.target_mask.bool()  # [B, T]
@@ -228,10 +228,10 @@ class Learner:
     `micro_batch_size`: rollouts per forward and backward pass, their gradients accumulated
     (None: the whole batch in one pass). `gradient_checkpointing`: recompute each decoder
     layer in backward instead of keeping its activations. `logit_chunk_size`: completion
-    positions per lm_head chunk (training.logprobs).
+    positions per lm_head chunk (dualvllm.training.logprobs).
 
     The model is in train mode only during an update: between updates an in-process engine
-    (training.inprocess) samples the same weights with a KV cache, which transformers'
+    (dualvllm.training.inprocess) samples the same weights with a KV cache, which transformers'
     checkpointed layers drop in train mode.
     """
 
@@ -282,7 +282,7 @@ class Learner:
         """Add the gradient of the update's loss on `batch` to the parameters' .grad; {"loss", **metrics}.
 
         Micro-batch by micro-batch, each backpropagating its exact share of the whole batch's
-        loss: the whole batch's normalizers (training.losses.normalize) and advantages. The
+        loss: the whole batch's normalizers (dualvllm.training.losses.normalize) and advantages. The
         "sequence" correction's advantages read every rollout's log pi_theta - log q*, so
         they come from a first pass without gradients. The metrics are computed afterwards
         on the whole batch's values, as `loss` computes them. Equal to
@@ -369,7 +369,7 @@ class Learner:
 
     @staticmethod
     def _advantages_need_logprobs(objective: Objective) -> bool:
-        """Only the "sequence" correction's advantages depend on log pi_theta (training.losses.advantages)."""
+        """Only the "sequence" correction's advantages depend on log pi_theta (dualvllm.training.losses.advantages)."""
         return objective.method in ("grpo", "adaptive") and objective.correction == "sequence"
 
     def _first_pass_logprobs(self, prepared: Prepared, slices: Sequence[slice]) -> torch.Tensor:

@@ -4,7 +4,7 @@ At a real vocabulary the logits are by far the largest tensor of an update: Qwen
 V = 151,936 over 64 rollouts x 1,024 completion tokens is 40 GB in float32, and a
 log_softmax over them is 40 GB more. Yet the learner's losses read only a few entries of
 each next-token distribution: log pi(y_t) of the sampled token (every policy-gradient and
-SFT term) and log pi at the teacher's top-k ids (the distillation term, training.distill),
+SFT term) and log pi at the teacher's top-k ids (the distillation term, dualvllm.training.distill),
 each log pi(v) = z_v - logsumexp(z). So, as TRL computes `selective_log_softmax` row by
 row and Liger's fused linear cross-entropy runs the head chunk by chunk:
 
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from training import lora
+from dualvllm.training import lora
 
 # Config fields of causal LMs whose forward transforms the head's output (Gemma 2/3 soft-cap the
 # logits, Cohere and Granite scale them), each with its value meaning "untransformed":
@@ -47,7 +47,7 @@ def body_and_head(model: Any) -> tuple[Any, Any]:
         value = getattr(base.config, name, None)
         if value is not None and value != neutral:
             raise ValueError(f"{type(base).__name__} applies {name}={value} to its logits, which the chunked "
-                             "log-probabilities (training.logprobs) do not; train a model without it")
+                             "log-probabilities (dualvllm.training.logprobs) do not; train a model without it")
     head = base.get_output_embeddings()
     if head is None:
         raise ValueError(f"{type(base).__name__} exposes no output embeddings (lm_head); the learner needs a causal LM")

@@ -223,7 +223,7 @@ def policy_loss(
     its Gamma weight phi(W); "none": each token weighs 1. `token_advantages` are added to
     the rollout's advantage at each token, weighed by min(pi/q*, is_cap) whatever the
     correction (a per-token term needs no sequence weight). Rows of `shaped` use
-    -A f(pi_theta(y_t)) (training.distill.guided_shaping) instead of -w A log pi_theta(y_t).
+    -A f(pi_theta(y_t)) (dualvllm.training.distill.guided_shaping) instead of -w A log pi_theta(y_t).
     Every term is per token given the rollout's advantage, so a micro-batch's loss with the
     whole batch's `batch_rows` and `batch_tokens` is its exact share (`normalize`); its
     metrics describe only these rows.

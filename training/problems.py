@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Callable
 
-from common.errors import InvalidInputError
-from training.task_config import SELF_TEACHERS, TaskConfig
-from training.data import BUNDLED_TEST, BUNDLED_TRAIN, Example, build_examples, held_out_split, load_rows
-from training.rewards import RewardSpec, required_fields, reward_spec
-from training.rollouts import Task
+from dualvllm.common.errors import InvalidInputError
+from dualvllm.training.task_config import SELF_TEACHERS, TaskConfig
+from dualvllm.training.data import BUNDLED_TEST, BUNDLED_TRAIN, Example, build_examples, held_out_split, load_rows
+from dualvllm.training.rewards import RewardSpec, required_fields, reward_spec
+from dualvllm.training.rollouts import Task
 
 log = logging.getLogger(__name__)
 

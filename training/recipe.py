@@ -13,12 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import tinymodels
-from common.errors import InvalidInputError
-from training import checkpoint
-from training.config import TrainConfig
-from training.evaluation import evaluate
-from training.problems import Problems, load_problems
+from dualvllm import tinymodels
+from dualvllm.common.errors import InvalidInputError
+from dualvllm.training import checkpoint
+from dualvllm.training.config import TrainConfig
+from dualvllm.training.evaluation import evaluate
+from dualvllm.training.problems import Problems, load_problems
 
 
 @dataclass(frozen=True)

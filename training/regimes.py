@@ -29,8 +29,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from common.errors import InvalidInputError
-from training.curriculum import ema_update, emas_from_json, emas_to_json, weighted_draw
+from dualvllm.common.errors import InvalidInputError
+from dualvllm.training.curriculum import ema_update, emas_from_json, emas_to_json, weighted_draw
 
 NEVER, SOMETIMES, ALWAYS = 0, 1, 2
 REGIME_NAMES = ("never", "sometimes", "always")

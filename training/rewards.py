@@ -55,8 +55,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Callable, Mapping, Sequence
 
-from common.errors import InvalidInputError
-from training.verifiers import code_reward_cases, exact_match, gsm8k_reward, math_reward
+from dualvllm.common.errors import InvalidInputError
+from dualvllm.training.verifiers import code_reward_cases, exact_match, gsm8k_reward, math_reward
 
 log = logging.getLogger("dualvllm.training")
 

@@ -18,10 +18,10 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import numpy as np
 
-from coordinator.core import DualVLLMCoordinator
-from coordinator.outputs import GenerationOutput
-from coordinator.sequence import SamplingParams
-from training.rewards import RewardSpec, score_completions
+from dualvllm.coordinator.core import DualVLLMCoordinator
+from dualvllm.coordinator.outputs import GenerationOutput
+from dualvllm.coordinator.sequence import SamplingParams
+from dualvllm.training.rewards import RewardSpec, score_completions
 
 log = logging.getLogger("dualvllm.training")
 # The on-policy part of a pooled group draws from its own seeds, apart from every batch's q* part.
@@ -52,7 +52,7 @@ class Rollout:
     alphas: tuple[float, ...]
     text: str
     reward: float
-    # log pi_t(y_t), raw (the fill value of theory.merge where y_t was outside the teacher's
+    # log pi_t(y_t), raw (the fill value of dualvllm.theory.merge where y_t was outside the teacher's
     # top-k): what on-policy distillation's per-token advantage needs. Empty when not recorded.
     logprobs_t: tuple[float, ...] = ()
     # The teacher's top-k at each visited state, int64 ids and raw logprobs [T, k] (-inf in
@@ -165,8 +165,8 @@ def _rollout(task: Task, output: GenerationOutput, reward: float, on_policy: boo
 
 
 class Chooser(Protocol):
-    """Picks each batch's prompts and learns from their groups: training.curriculum.Curriculum,
-    training.regimes.Regimes. Its state goes into each batch, for the checkpoint."""
+    """Picks each batch's prompts and learns from their groups: dualvllm.training.curriculum.Curriculum,
+    dualvllm.training.regimes.Regimes. Its state goes into each batch, for the checkpoint."""
 
     def choose(self, count: int) -> list[int]: ...
 

@@ -15,10 +15,10 @@ import contextlib
 from pathlib import Path
 from collections.abc import AsyncIterator
 
-import tinymodels
-from coordinator import CoordinatorConfig, DualVLLMCoordinator
-from engines.launcher import VLLMServer, launch_replicas, replica_configs
-from training.task_config import TaskConfig
+from dualvllm import tinymodels
+from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator
+from dualvllm.engines.launcher import VLLMServer, launch_replicas, replica_configs
+from dualvllm.training.task_config import TaskConfig
 
 # The batch a run's coordinator gets unless its config sets one: the run's batch, at least this.
 MIN_BATCH = 64

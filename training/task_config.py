@@ -16,11 +16,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-import tinymodels
-from common.validation import RaisesInvalidInput
-from coordinator.config import CoordinatorConfig
-from coordinator.sequence import SamplingParams
-from training.config_sources import flag
+from dualvllm import tinymodels
+from dualvllm.common.validation import RaisesInvalidInput
+from dualvllm.coordinator.config import CoordinatorConfig
+from dualvllm.coordinator.sequence import SamplingParams
+from dualvllm.training.config_sources import flag
 
 # The teacher may be the base model itself, shown the teacher's prompt: "self" on the base
 # server (always the current weights), "self-frozen" on a second server with the starting weights.
@@ -143,7 +143,7 @@ class TaskConfig(RaisesInvalidInput, BaseModel):
 
     @model_validator(mode="after")
     def _task_is_consistent(self) -> TaskConfig:
-        from training.rewards import reward_spec
+        from dualvllm.training.rewards import reward_spec
 
         reward_spec(self.reward, self.reward_weights, length_budget=self.length_budget,
                     format_pattern=self.format_pattern)

@@ -12,7 +12,7 @@ bounded); each call hands one `generate_batch` to that loop and waits for it.
     -> prompt_ids, completion_ids, logprobs = log q* per token (the behaviour policy),
        and extra fields alpha, logprob_t, logprob_theta (teacher_topk_ids and
        teacher_topk_logprobs with record_topk), which TRL hands to the reward functions
-       and training.trl_trainer.QStarGRPOTrainer's loss reads
+       and dualvllm.training.trl_trainer.QStarGRPOTrainer's loss reads
 
 The teacher's prompt comes from the dataset, as in `dualvllm train` (training/data.py): a
 column (`teacher_column`, text or a chat) or a template over the row's fields and `prompt`,
@@ -32,11 +32,11 @@ from collections.abc import Awaitable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from common import loop
-from common.errors import GenerationFailedError, InvalidInputError, LifecycleError, ShutdownTimeoutError
-from coordinator import CoordinatorConfig, DualVLLMCoordinator, GenerationOutput
-from engines.protocol import Engine
-from training.data import format_template
+from dualvllm.common import loop
+from dualvllm.common.errors import GenerationFailedError, InvalidInputError, LifecycleError, ShutdownTimeoutError
+from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator, GenerationOutput
+from dualvllm.engines.protocol import Engine
+from dualvllm.training.data import format_template
 
 T = TypeVar("T")
 # Opening checks both servers (health, tokenizers, top-k): seconds, unless a server is still starting.

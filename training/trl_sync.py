@@ -5,7 +5,7 @@
       every rank   accelerator.get_state_dict(model)   the full weights; a collective under
                                                        FSDP and ZeRO-3, so all ranks call it
       main only    inside coordinator.paused(): push into every base replica and verify
-                   each (training.weight_sync.BasePusher): in memory through vLLM's
+                   each (dualvllm.training.weight_sync.BasePusher): in memory through vLLM's
                    weight-transfer API when the servers have a weight-transfer engine,
                    else saved to a new directory and reloaded from there (`weights_via`)
       every rank   accelerator.wait_for_everyone()     no rank samples before the push is done
@@ -26,10 +26,10 @@ from collections.abc import Sequence
 
 from transformers import TrainerCallback
 
-from common.errors import InvalidInputError
-from training import lora, untie
-from training.trl_rollouts import QStarRollouts
-from training.weight_sync import (BasePusher, PushReport, WeightsVia, new_push_dir, prune_pushed, push_metrics,
+from dualvllm.common.errors import InvalidInputError
+from dualvllm.training import lora, untie
+from dualvllm.training.trl_rollouts import QStarRollouts
+from dualvllm.training.weight_sync import (BasePusher, PushReport, WeightsVia, new_push_dir, prune_pushed, push_metrics,
                                   write_push)
 
 # A push of the bundled models takes well under a second; a large model's save and reload take
@@ -111,7 +111,7 @@ class QStarWeightSync(TrainerCallback):
             return report
         dtype = self.rollouts.run(self._pusher.served_dtype(), timeout_s=self.push_timeout_s,
                                   what="asking the base server's dtype")
-        # In the server's dtype, compared like with like (training.weight_sync.write_push); a
+        # In the server's dtype, compared like with like (dualvllm.training.weight_sync.write_push); a
         # sharded model (state_dict given) is probed on a CPU copy of the checkpoint.
         expected = write_push(model, trainer.processing_class, out_dir, probes, dtype=dtype, state_dict=state_dict)
         report = self.rollouts.run(self._reload(out_dir, expected), timeout_s=self.push_timeout_s,

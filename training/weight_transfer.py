@@ -9,7 +9,7 @@ weight_transfer.py), driven by `SharedMemoryTrainerEngine` below; on GPUs vLLM's
 would be driven the same way, through the same `WeightTransferTrainerFactory` and the same
 `LearnerSource` (that path has not run here: no GPU). The trainer code is vLLM's own where
 the pinned version has it: `WeightSource`, `TrainerWeightTransferEngine`, the factory and
-`layerwise_groups`; the HTTP calls are engines.vllm_client's, bridged to vLLM's synchronous
+`layerwise_groups`; the HTTP calls are dualvllm.engines.vllm_client's, bridged to vLLM's synchronous
 `VLLMWeightSyncClient` protocol.
 
 `pause(mode="keep")` freezes the requests in flight instead of draining them: they keep their
@@ -41,11 +41,11 @@ from vllm.distributed.weight_transfer import (
 )
 from vllm.distributed.weight_transfer.base import TrainerInitInfo
 
-from common.errors import ServerError, ServerRejectedError, ServerUnavailableError, WeightSyncError
-from engines.vllm_client import VLLMClient
-from engines.weight_transfer import BACKEND, SEGMENT_PREFIX, ShmInitInfo, ShmUpdateInfo, aligned, segment_path
-from training import lora
-from training.weight_sync import PushReport, compare_logprobs, learner_logprobs, mismatch_message, resume_after_failure
+from dualvllm.common.errors import ServerError, ServerRejectedError, ServerUnavailableError, WeightSyncError
+from dualvllm.engines.vllm_client import VLLMClient
+from dualvllm.engines.weight_transfer import BACKEND, SEGMENT_PREFIX, ShmInitInfo, ShmUpdateInfo, aligned, segment_path
+from dualvllm.training import lora
+from dualvllm.training.weight_sync import PushReport, compare_logprobs, learner_logprobs, mismatch_message, resume_after_failure
 
 log = logging.getLogger("dualvllm.training")
 
@@ -338,7 +338,7 @@ def expected_logprobs(model: Any, probes: Sequence[Sequence[int]], dtype: str) -
     """What a server computing in `dtype` must answer on `probes` once it holds `model`'s weights
     -> float64 [B, vocab]: the learner's own logprobs in float32, else those of a copy of its
     (merged) weights rounded to `dtype`, built one tensor at a time and freed on return (like
-    with like, as training.weight_sync.write_push does from the checkpoint it writes)."""
+    with like, as dualvllm.training.weight_sync.write_push does from the checkpoint it writes)."""
     if dtype == "float32" and not lora.is_lora(model):
         return learner_logprobs(model, probes)
     from transformers import AutoModelForCausalLM

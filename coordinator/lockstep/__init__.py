@@ -8,6 +8,6 @@
 - probe.py: whether a server can run lockstep sequences (start-up and rejoin).
 """
 
-from coordinator.lockstep.scheduler import LockstepScheduler
+from dualvllm.coordinator.lockstep.scheduler import LockstepScheduler
 
 __all__ = ["LockstepScheduler"]

@@ -18,15 +18,15 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from coordinator.admission import MAX_HOLD_S, AdmissionGate
-from coordinator.config import CoordinatorConfig
-from coordinator.delivery import Delivery
-from coordinator.lockstep.placement import Placement
-from coordinator.lockstep.requests import Requests
-from coordinator.lockstep.shell import Shell
-from coordinator.lockstep import waits
-from coordinator.lockstep.table import ROLES, Live, LockstepTable, Stream
-from coordinator.sequence import SequenceState
+from dualvllm.coordinator.admission import MAX_HOLD_S, AdmissionGate
+from dualvllm.coordinator.config import CoordinatorConfig
+from dualvllm.coordinator.delivery import Delivery
+from dualvllm.coordinator.lockstep.placement import Placement
+from dualvllm.coordinator.lockstep.requests import Requests
+from dualvllm.coordinator.lockstep.shell import Shell
+from dualvllm.coordinator.lockstep import waits
+from dualvllm.coordinator.lockstep.table import ROLES, Live, LockstepTable, Stream
+from dualvllm.coordinator.sequence import SequenceState
 
 log = logging.getLogger("dualvllm.coordinator")
 

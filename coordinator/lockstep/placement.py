@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-from common.errors import ServerError
-from coordinator.lockstep.table import ROLES, Live
-from engines.pool import ReplicaPool, as_pool, members
-from engines.vllm_client import VLLMClient
+from dualvllm.common.errors import ServerError
+from dualvllm.coordinator.lockstep.table import ROLES, Live
+from dualvllm.engines.pool import ReplicaPool, as_pool, members
+from dualvllm.engines.vllm_client import VLLMClient
 
 
 class Placement:

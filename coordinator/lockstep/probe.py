@@ -16,15 +16,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from common.errors import LockstepUnavailableError
-from engines.lockstep_channel import LockstepChannel
-from engines.protocol import ModelInfo
-from engines.vllm_client import VLLMClient
-from engines.vllm_plugin import wire
+from dualvllm.common.errors import LockstepUnavailableError
+from dualvllm.engines.lockstep_channel import LockstepChannel
+from dualvllm.engines.protocol import ModelInfo
+from dualvllm.engines.vllm_client import VLLMClient
+from dualvllm.engines.vllm_plugin import wire
 
 NO_PLUGIN = ("it has no dualvllm lockstep plugin: it generated a lockstep request's tokens itself (start it "
              "with `dualvllm serve --lockstep`, or add --logits-processors "
-             "engines.vllm_plugin.processor:LockstepProcessor --no-enable-chunked-prefill)")
+             "dualvllm.engines.vllm_plugin.processor:LockstepProcessor --no-enable-chunked-prefill)")
 
 
 def lockstep_stop_token(infos: tuple[ModelInfo, ModelInfo], eos_ids: frozenset[int]) -> int:

@@ -18,21 +18,21 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from common.errors import ServerError
-from coordinator.config import CoordinatorConfig
-from coordinator.lockstep.admission import Admission
-from coordinator.lockstep.placement import Placement
-from coordinator.lockstep.requests import Requests
-from coordinator.lockstep.shell import Shell
-from coordinator.lockstep.table import Live, LockstepTable, Stream
-from engines.vllm_client import VLLMClient
+from dualvllm.common.errors import ServerError
+from dualvllm.coordinator.config import CoordinatorConfig
+from dualvllm.coordinator.lockstep.admission import Admission
+from dualvllm.coordinator.lockstep.placement import Placement
+from dualvllm.coordinator.lockstep.requests import Requests
+from dualvllm.coordinator.lockstep.shell import Shell
+from dualvllm.coordinator.lockstep.table import Live, LockstepTable, Stream
+from dualvllm.engines.vllm_client import VLLMClient
 
 log = logging.getLogger("dualvllm.coordinator")
 
 # A sequence whose requests the servers keep ending on their own this often has
 # something wrong with it (a server restarting in a loop); it fails instead.
 MAX_RESUBMISSIONS = 64
-# A sequence's requests may break this often (each already retried per engines.http's
+# A sequence's requests may break this often (each already retried per dualvllm.engines.http's
 # rules) before it fails: a connection closing under a reused request is worth a resend,
 # a server that stays down is not.
 MAX_REQUEST_FAILURES = 3

@@ -15,8 +15,8 @@ import secrets
 from dataclasses import dataclass
 from collections.abc import Callable
 
-from coordinator.lockstep.table import THETA, Live, LockstepTable, Stream
-from engines.vllm_plugin import wire
+from dualvllm.coordinator.lockstep.table import THETA, Live, LockstepTable, Stream
+from dualvllm.engines.vllm_plugin import wire
 
 
 @dataclass(eq=False)

@@ -26,24 +26,24 @@ import time
 from typing import Any
 from collections.abc import AsyncIterator, Coroutine
 
-from common.errors import LifecycleError
-from common.tasks import bounded, stop
-from coordinator.config import CoordinatorConfig
-from coordinator.delivery import Delivery
-from coordinator.lockstep.admission import Admission
-from coordinator.lockstep.placement import Placement
-from coordinator.lockstep.probe import probe_plugin
-from coordinator.lockstep.recovery import Recovery
-from coordinator.lockstep.requests import Requests
-from coordinator.lockstep import waits
-from coordinator.lockstep.table import THETA, T, Live, LockstepTable, gather
-from coordinator.scheduler import record_rows, sample_rows
-from coordinator.sequence import SequenceState
-from coordinator.stats import Statistics, StepTiming
-from engines.lockstep_channel import LockstepChannel
-from engines.pool import ReplicaPool
-from engines.vllm_client import VLLMClient
-from engines.vllm_plugin import wire
+from dualvllm.common.errors import LifecycleError
+from dualvllm.common.tasks import bounded, stop
+from dualvllm.coordinator.config import CoordinatorConfig
+from dualvllm.coordinator.delivery import Delivery
+from dualvllm.coordinator.lockstep.admission import Admission
+from dualvllm.coordinator.lockstep.placement import Placement
+from dualvllm.coordinator.lockstep.probe import probe_plugin
+from dualvllm.coordinator.lockstep.recovery import Recovery
+from dualvllm.coordinator.lockstep.requests import Requests
+from dualvllm.coordinator.lockstep import waits
+from dualvllm.coordinator.lockstep.table import THETA, T, Live, LockstepTable, gather
+from dualvllm.coordinator.scheduler import record_rows, sample_rows
+from dualvllm.coordinator.sequence import SequenceState
+from dualvllm.coordinator.stats import Statistics, StepTiming
+from dualvllm.engines.lockstep_channel import LockstepChannel
+from dualvllm.engines.pool import ReplicaPool
+from dualvllm.engines.vllm_client import VLLMClient
+from dualvllm.engines.vllm_plugin import wire
 
 log = logging.getLogger("dualvllm.coordinator")
 

@@ -29,9 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from coordinator.sequence import SequenceState
-from engines.protocol import PAD_TOKEN_ID, TopKBatch
-from engines.vllm_plugin import wire
+from dualvllm.coordinator.sequence import SequenceState
+from dualvllm.engines.protocol import PAD_TOKEN_ID, TopKBatch
+from dualvllm.engines.vllm_plugin import wire
 
 UNSET = -2  # a report row not decided yet
 THETA, T = 0, 1

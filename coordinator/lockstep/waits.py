@@ -10,7 +10,7 @@ server that is not waiting here (its batch busy with other work) is parked the s
 
 from __future__ import annotations
 
-from coordinator.lockstep.table import UNSET, LockstepTable
+from dualvllm.coordinator.lockstep.table import UNSET, LockstepTable
 
 
 def blocked_servers(table: LockstepTable) -> set[str]:

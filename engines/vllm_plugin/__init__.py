@@ -1,6 +1,6 @@
 """dualvllm's vLLM plugin: lockstep decoding, run inside each vLLM server.
 
-Started with `--logits-processors engines.vllm_plugin.processor:LockstepProcessor` (the
+Started with `--logits-processors dualvllm.engines.vllm_plugin.processor:LockstepProcessor` (the
 launcher adds it for `--lockstep`). At every decode step the processor sends the top-k
 of each row that belongs to a lockstep request to that request's coordinator, waits for
 the chosen tokens, and masks every other logit, so the server generates, natively and

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from engines.vllm_plugin import wire
+from dualvllm.engines.vllm_plugin import wire
 
 _READ_SIZE = 1 << 16
 

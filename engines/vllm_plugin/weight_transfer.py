@@ -1,6 +1,6 @@
 """The server side of dualvllm's in-memory weight push: a vLLM weight-transfer engine for CPU.
 
-Registered under engines.weight_transfer.BACKEND by `register`, a `vllm.general_plugins` entry
+Registered under dualvllm.engines.weight_transfer.BACKEND by `register`, a `vllm.general_plugins` entry
 point that vLLM runs in every server process; a server uses it when started with
 `--weight-transfer-config '{"backend": "dualvllm_shm"}'` (the launcher adds it to dev-mode base
 servers on the CPU build). The wire format and why shared memory: engines/weight_transfer.py.
@@ -25,7 +25,7 @@ import mmap
 import os
 from typing import Any
 
-from engines.weight_transfer import BACKEND, ShmInitInfo, ShmUpdateInfo, segment_path
+from dualvllm.engines.weight_transfer import BACKEND, ShmInitInfo, ShmUpdateInfo, segment_path
 
 log = logging.getLogger("vllm.dualvllm_weight_transfer")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.launcher import pair_configs
+from dualvllm.engines.launcher import pair_configs
 from tests.integration.pairs import running_pair
 
 pytestmark = pytest.mark.integration

@@ -9,7 +9,7 @@ from typing import Iterator
 
 import pytest
 
-from engines.launcher import ServerConfig, VLLMServer, pair_configs, start_servers
+from dualvllm.engines.launcher import ServerConfig, VLLMServer, pair_configs, start_servers
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ import pytest
 from tests.processes import dualvllm
 from tests.recipes import TINY_ARITH
 from tests.waiting import eventually
-from tinymodels.task import problems
+from dualvllm.tinymodels.task import problems
 
 REPO = Path(__file__).resolve().parents[2]
 # How often a wait reads the files of a run in progress: often enough, without taking CPU from it.
@@ -44,8 +44,8 @@ def read_ids(path: Path) -> list[str]:
 
 def assert_top_k_above_max_logprobs_is_refused(urls: list[str], top_k: int) -> None:
     """serve passed --max-logprobs to vLLM, and the coordinator's start-up says how to fix a larger top_k."""
-    from coordinator import CoordinatorConfig, DualVLLMCoordinator
-    from common.errors import TopKUnsupportedError
+    from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator
+    from dualvllm.common.errors import TopKUnsupportedError
 
     async def connect() -> None:
         async with DualVLLMCoordinator(CoordinatorConfig(theta_url=urls[0], t_url=urls[1], top_k=top_k)):

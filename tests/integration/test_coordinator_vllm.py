@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import tinymodels
-from coordinator import CoordinatorConfig, DualVLLMCoordinator
-from common.errors import InvalidInputError, LockstepUnavailableError, ServerStartupError
-from engines.launcher import ServerConfig, VLLMServer
-from engines.vllm_client import VLLMClient
+from dualvllm import tinymodels
+from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator
+from dualvllm.common.errors import InvalidInputError, LockstepUnavailableError, ServerStartupError
+from dualvllm.engines.launcher import ServerConfig, VLLMServer
+from dualvllm.engines.vllm_client import VLLMClient
 from tests.exact_q import chi_square_pvalue, exact_q_star
-from tinymodels.task import problems, score
+from dualvllm.tinymodels.task import problems, score
 
 
 def config(pair, **kw) -> CoordinatorConfig:
@@ -140,8 +140,8 @@ async def test_first_token_follows_exact_q_star(vllm_pair, mode, batch):
 
 async def test_servers_without_tokenizers_generate_what_servers_with_them_generate(vllm_pair, tmp_path):
     """--skip-tokenizer-init servers plus the coordinator's own tokenizers: same tokens, text, stops."""
-    from common.errors import ServerStatusError
-    from engines.launcher import launch_pair, pair_configs
+    from dualvllm.common.errors import ServerStatusError
+    from dualvllm.engines.launcher import launch_pair, pair_configs
 
     prompts = [p.prompt for p in problems("test", n=16, seed=6)]
     kw = dict(max_tokens=6, temperature=0, stop=["+"])

@@ -23,15 +23,15 @@ import numpy as np
 import pytest
 import transformers
 
-import tinymodels
+from dualvllm import tinymodels
 
-from coordinator import CoordinatorConfig, DualVLLMCoordinator
-from engines.launcher import VLLMServer, pair_configs
-from engines.vllm_client import VLLMClient
+from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator
+from dualvllm.engines.launcher import VLLMServer, pair_configs
+from dualvllm.engines.vllm_client import VLLMClient
 from tests.integration.pairs import running_pair
 from tests.waiting import eventually
-from tinymodels.task import problems
-from training.weight_sync import push_weights
+from dualvllm.tinymodels.task import problems
+from dualvllm.training.weight_sync import push_weights
 
 # 24 blocks of 32 tokens hold the 16 prompts (one block each, ~7 tokens) but not 16
 # sequences of ~47 tokens (two blocks each): preemptions start past 32 tokens.

@@ -16,12 +16,12 @@ import numpy as np
 import psutil
 import pytest
 
-from coordinator import CoordinatorConfig, DualVLLMCoordinator
-from engines.launcher import launch_pair, pair_configs
-from engines.vllm_plugin import spin
+from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator
+from dualvllm.engines.launcher import launch_pair, pair_configs
+from dualvllm.engines.vllm_plugin import spin
 from tests import processes
 from tests.waiting import eventually
-from tinymodels.task import problems
+from dualvllm.tinymodels.task import problems
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # How often a wait scrapes the servers' /metrics: each scrape takes CPU the servers share.
@@ -132,7 +132,7 @@ async def test_a_killed_coordinator_leaves_the_servers_serving(vllm_pair):
     theta, t = vllm_pair
     script = textwrap.dedent(f"""
         import asyncio, sys
-        from coordinator import CoordinatorConfig, DualVLLMCoordinator
+        from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator
         async def main():
             cfg = CoordinatorConfig(theta_url="{theta.url}", t_url="{t.url}", mode="lockstep", max_batch_size=8)
             async with DualVLLMCoordinator(cfg) as c:
@@ -186,7 +186,7 @@ async def test_plain_requests_to_a_lockstep_server_do_not_stall_while_lockstep_s
     # the server (unit tests check what the hook does with it). Its log line is no proof: importing
     # TRL sets VLLM_LOGGING_LEVEL=ERROR in os.environ, which every server started afterwards inherits.
     hooks = {e.value for e in importlib.metadata.entry_points(group="vllm.general_plugins")}
-    assert "engines.vllm_plugin.spin:register" in hooks, "dualvllm is not installed with its entry points"
+    assert "dualvllm.engines.vllm_plugin.spin:register" in hooks, "dualvllm is not installed with its entry points"
     # (Its engine processes inherit the API server's environment; their own /proc environ is
     # overwritten by vLLM's process titles.)
     assert psutil.Process(theta.pid).environ().get(spin.SPIN_ENV) == "0.001"

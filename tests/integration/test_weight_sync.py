@@ -10,15 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import tinymodels
-from common.errors import WeightSyncError
-from engines.launcher import ServerConfig, VLLMServer
-from engines.vllm_client import VLLMClient
+from dualvllm import tinymodels
+from dualvllm.common.errors import WeightSyncError
+from dualvllm.engines.launcher import ServerConfig, VLLMServer
+from dualvllm.engines.vllm_client import VLLMClient
 from tests.waiting import eventually
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-from training.weight_sync import (learner_logprobs, push_weights, reload_and_verify,  # noqa: E402
+from dualvllm.training.weight_sync import (learner_logprobs, push_weights, reload_and_verify,  # noqa: E402
                                   verify_server_matches, write_push)
 
 
@@ -93,7 +93,7 @@ async def test_the_tied_embedding_trap_is_caught(dev_servers, tmp_path):
 
 
 async def test_a_lora_learner_is_pushed_as_merged_weights(dev_servers, tmp_path):
-    from training import lora
+    from dualvllm.training import lora
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(tinymodels.BASE_DIR)
     learner = lora.wrap(transformers.AutoModelForCausalLM.from_pretrained(tinymodels.BASE_DIR), rank=4, alpha=8)

@@ -13,20 +13,20 @@ import signal
 
 import pytest
 
-import tinymodels
-from common.errors import WeightSyncError
-from coordinator import CoordinatorConfig, DualVLLMCoordinator
-from engines.launcher import ServerConfig, VLLMServer, pair_configs
-from engines.vllm_admin import VLLMAdmin
-from engines.vllm_client import VLLMClient
-from engines.weight_transfer import SEGMENT_PREFIX, SHM_DIR
+from dualvllm import tinymodels
+from dualvllm.common.errors import WeightSyncError
+from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator
+from dualvllm.engines.launcher import ServerConfig, VLLMServer, pair_configs
+from dualvllm.engines.vllm_admin import VLLMAdmin
+from dualvllm.engines.vllm_client import VLLMClient
+from dualvllm.engines.weight_transfer import SEGMENT_PREFIX, SHM_DIR
 from tests.integration.pairs import running_pair
 from tests.waiting import eventually
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-from training import weight_transfer  # noqa: E402
-from training.weight_sync import BasePusher, learner_logprobs  # noqa: E402
+from dualvllm.training import weight_transfer  # noqa: E402
+from dualvllm.training.weight_sync import BasePusher, learner_logprobs  # noqa: E402
 
 TOKENS = 56  # and the prompts' 6: the bundled models' 64 positions, as long as they go
 PROMPTS = ["12+34=", "57+68=", "4+5=", "90+15=", "33+44=", "21+7=", "8+80=", "61+19="]
@@ -114,7 +114,7 @@ async def test_a_lora_push_moves_only_the_adapted_layers(transfer_pair):
         for name, param in learner.named_parameters():
             if "lora_B" in name:
                 param.normal_(std=0.5)
-    from training import lora
+    from dualvllm.training import lora
 
     only = lora.adapted_names(learner)
     expected = weight_transfer.expected_logprobs(learner, probes(tokenizer), "float32")

@@ -16,13 +16,13 @@ from typing import Callable
 
 import pytest
 
-from common.errors import DualVLLMError, InvalidInputError, LifecycleError
-from coordinator.config import CoordinatorConfig
-from coordinator.core import DualVLLMCoordinator, _params
-from coordinator.sequence import SamplingParams
-from coordinator.prompts import split_prompt
+from dualvllm.common.errors import DualVLLMError, InvalidInputError, LifecycleError
+from dualvllm.coordinator.config import CoordinatorConfig
+from dualvllm.coordinator.core import DualVLLMCoordinator, _params
+from dualvllm.coordinator.sequence import SamplingParams
+from dualvllm.coordinator.prompts import split_prompt
 from dualvllm import cli
-from engines.launcher import ServerConfig, VLLMServer, free_port
+from dualvllm.engines.launcher import ServerConfig, VLLMServer, free_port
 from tests.recipes import TINY_ARITH
 
 GOOD_LINE = '{"prompt": "12+34="}\n'
@@ -204,7 +204,7 @@ PYTHON_API: list[tuple[str, Callable[[], object], type[DualVLLMError], str]] = [
 
 
 def _train_config(**values: object) -> object:
-    from training.config import TrainConfig
+    from dualvllm.training.config import TrainConfig
 
     return TrainConfig.parse(config_file=TINY_ARITH, output_dir=Path("unused"), **values)
 
@@ -221,7 +221,7 @@ def test_the_table_covers_at_least_25_kinds():
 
 
 def test_config_json_records_the_method(tmp_path):
-    from training.config import TrainConfig
+    from dualvllm.training.config import TrainConfig
 
     config = TrainConfig.parse(config_file=TINY_ARITH, output_dir=tmp_path, method="dpo", dpo_beta=0.3)
     assert json.loads(config.model_dump_json())["method"] == "dpo"

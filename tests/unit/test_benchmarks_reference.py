@@ -11,8 +11,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `benchmarks` is 
 
 from benchmarks.reference_protocol import ReferenceProtocolClient  # noqa: E402
 from tests.fake_vllm import tokenize  # noqa: E402
-from theory.alpha import solve_alpha  # noqa: E402
-from theory.mixture import apply_temperature  # noqa: E402
+from dualvllm.theory.alpha import solve_alpha  # noqa: E402
+from dualvllm.theory.mixture import apply_temperature  # noqa: E402
 
 
 async def test_each_token_sends_the_full_text_once_to_each_server(fake_theta, fake_t):

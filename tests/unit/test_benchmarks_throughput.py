@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-import tinymodels
+from dualvllm import tinymodels
 from benchmarks import harness
-from engines.launcher import pair_configs
+from dualvllm.engines.launcher import pair_configs
 from tests.processes import REPO
 
 

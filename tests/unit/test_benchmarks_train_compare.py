@@ -9,10 +9,10 @@ import pytest
 pytest.importorskip("torch")
 import argparse  # noqa: E402
 
-import tinymodels  # noqa: E402
+from dualvllm import tinymodels  # noqa: E402
 from benchmarks.train_compare import (ARMS, LONG_ARMS, RECIPE, TASKS, NotRun, finished_with, joined, run_arm,  # noqa: E402
                                       training_subset)
-from training.config import TrainConfig  # noqa: E402
+from dualvllm.training.config import TrainConfig  # noqa: E402
 
 
 def train_config(**values) -> TrainConfig:
@@ -92,7 +92,7 @@ def test_teacher_tokens_count_the_batches_dropped_as_stale(tmp_path):
 
 
 def test_a_training_subset_is_the_datasets_first_rows_and_mixes_the_difficulties(tmp_path):
-    from tinymodels.task import MIXED_DATA
+    from dualvllm.tinymodels.task import MIXED_DATA
 
     path = training_subset(MIXED_DATA["train"], 30, tmp_path)
     rows = [json.loads(line) for line in path.read_text().splitlines()]

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from common.errors import ShutdownTimeoutError
-from common.tasks import bounded, stop
+from dualvllm.common.errors import ShutdownTimeoutError
+from dualvllm.common.tasks import bounded, stop
 
 pytestmark = pytest.mark.timeout(30)
 

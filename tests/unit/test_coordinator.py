@@ -7,8 +7,8 @@ import gc
 import numpy as np
 import pytest
 
-from coordinator import CoordinatorConfig, DualVLLMCoordinator
-from common.errors import (
+from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator
+from dualvllm.common.errors import (
     IncompatibleModelsError,
     InvalidInputError,
     LifecycleError,
@@ -18,8 +18,8 @@ from common.errors import (
 )
 from tests.exact_q import chi_square_pvalue
 from tests.fake_vllm import EOS_ID, VOCAB_SIZE, Failure, detokenize, rendezvous, tokenize
-from theory.alpha import solve_alpha
-from theory.mixture import mixture_logprobs
+from dualvllm.theory.alpha import solve_alpha
+from dualvllm.theory.mixture import mixture_logprobs
 
 
 def config(theta, t, **kw) -> CoordinatorConfig:
@@ -281,7 +281,7 @@ async def test_startup_refuses_a_top_k_the_servers_do_not_allow(fake_theta, fake
 
 
 async def test_startup_refuses_a_top_k_above_the_vocabulary_before_asking_a_server(fake_theta, fake_t, monkeypatch):
-    monkeypatch.setattr("engines.vllm_answers.config_int",
+    monkeypatch.setattr("dualvllm.engines.vllm_answers.config_int",
                         lambda root, key, minimum=1: VOCAB_SIZE if key == "vocab_size" else None)
     with pytest.raises(InvalidInputError, match=f"top_k <= {VOCAB_SIZE}"):
         async with DualVLLMCoordinator(config(fake_theta, fake_t, top_k=VOCAB_SIZE + 1)):
@@ -360,8 +360,8 @@ async def test_auto_mode_falls_back_to_per_token_on_servers_without_the_plugin(f
 # -- per-call top_k and top_logprobs (what the HTTP service exposes) ---------------------
 
 def test_keep_top_cuts_each_row_to_its_own_k_wherever_its_entries_sit():
-    from coordinator.step import keep_top
-    from engines.protocol import TopKBatch
+    from dualvllm.coordinator.step import keep_top
+    from dualvllm.engines.protocol import TopKBatch
 
     batch = TopKBatch(token_ids=np.array([[4, 7, 9], [5, 2, -1]]),
                       logprobs=np.array([[-2.0, -0.5, -1.0], [-0.1, -3.0, -np.inf]]))
@@ -372,7 +372,7 @@ def test_keep_top_cuts_each_row_to_its_own_k_wherever_its_entries_sit():
 
 
 def test_top_candidates_lists_the_most_likely_first_and_skips_padding():
-    from coordinator.step import top_candidates
+    from dualvllm.coordinator.step import top_candidates
 
     ids = np.array([[3, 8, -1], [1, 2, 6]])
     logq = np.array([[np.log(0.3), np.log(0.7), -np.inf], np.log([0.2, 0.5, 0.3])])

@@ -3,7 +3,7 @@
 Each test drives a real LockstepScheduler and its real LockstepChannel (TCP) with two
 FakeLockstepServer (tests/fake_lockstep.py): in-process fakes of vLLM servers running the
 dualvllm plugin, with scripted admission and misbehaviour. The expected tokens come from
-replaying coordinator.step.mix_and_sample token by token over the fakes' synthetic top-k
+replaying dualvllm.coordinator.step.mix_and_sample token by token over the fakes' synthetic top-k
 with each sequence's own sampler: lockstep must give exactly the per-token step's tokens
 whatever the servers' admission order, parks and resubmissions.
 """
@@ -16,22 +16,22 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from common.errors import LifecycleError, LockstepUnavailableError
-from coordinator.config import CoordinatorConfig
-import coordinator.admission
-import coordinator.lockstep.recovery
-from coordinator.admission import AdmissionGate
-from coordinator.lockstep import LockstepScheduler
-from coordinator.lockstep.recovery import MAX_REQUEST_FAILURES
-from coordinator.lockstep.probe import lockstep_stop_token, probe_servers
-from coordinator.outputs import GenerationOutput
-from coordinator.sequence import SamplingParams, SequenceState
-from coordinator.stats import Statistics
-from coordinator.step import mix_and_sample
-from engines.lockstep_channel import LockstepChannel
-from engines.pool import ReplicaPool
-from engines.protocol import ModelInfo, TopKBatch
-from engines.vllm_plugin import wire
+from dualvllm.common.errors import LifecycleError, LockstepUnavailableError
+from dualvllm.coordinator.config import CoordinatorConfig
+from dualvllm.coordinator import admission
+from dualvllm.coordinator.lockstep import recovery
+from dualvllm.coordinator.admission import AdmissionGate
+from dualvllm.coordinator.lockstep import LockstepScheduler
+from dualvllm.coordinator.lockstep.recovery import MAX_REQUEST_FAILURES
+from dualvllm.coordinator.lockstep.probe import lockstep_stop_token, probe_servers
+from dualvllm.coordinator.outputs import GenerationOutput
+from dualvllm.coordinator.sequence import SamplingParams, SequenceState
+from dualvllm.coordinator.stats import Statistics
+from dualvllm.coordinator.step import mix_and_sample
+from dualvllm.engines.lockstep_channel import LockstepChannel
+from dualvllm.engines.pool import ReplicaPool
+from dualvllm.engines.protocol import ModelInfo, TopKBatch
+from dualvllm.engines.vllm_plugin import wire
 from tests.fake_lockstep import EOS_ID, VOCAB_SIZE, FakeLockstepServer, FakeModel, FakeRequest
 from tests.waiting import eventually
 
@@ -291,7 +291,7 @@ async def test_without_aligned_admission_sequences_start_as_soon_as_there_is_roo
 
 
 async def test_the_gate_holds_longer_after_a_hand_over_slower_than_its_wait(rig):
-    slow_s = 3 * coordinator.admission.INITIAL_DELAY_S  # from taking a request in to the engine
+    slow_s = 3 * admission.INITIAL_DELAY_S  # from taking a request in to the engine
     theta, t = rig.servers(t={"arrival_delay_s": slow_s})
     cfg = config(max_batch_size=2)
     scheduler = rig.scheduler(theta, t, cfg)
@@ -305,7 +305,7 @@ async def test_the_gate_holds_longer_after_a_hand_over_slower_than_its_wait(rig)
     # The first rounds missed and the wait grew. How many rounds align after that depends on
     # how busy the machine is (it failed once under load), so the sans-IO test below checks the
     # rule itself: a miss doubles the wait, an aligned round shrinks it.
-    assert gate.misses > 0 and scheduler.gate.delay_s > coordinator.admission.INITIAL_DELAY_S
+    assert gate.misses > 0 and scheduler.gate.delay_s > admission.INITIAL_DELAY_S
 
 
 def test_the_gate_compares_the_servers_admission_steps_not_the_next_report():
@@ -314,13 +314,13 @@ def test_the_gate_compares_the_servers_admission_steps_not_the_next_report():
     # A server that plans a step ahead (async scheduling) admits in its second report, on both
     # servers alike: aligned, and the wait shrinks.
     gate.arm()
-    assert gate.opened(pairs) == coordinator.admission.INITIAL_DELAY_S
+    assert gate.opened(pairs) == admission.INITIAL_DELAY_S
     for server in ("A", "B"):
         gate.observe(server, set())
     gate.observe("A", {1, 3})
     gate.observe("B", {2, 4})
     assert (gate.counters.admitted, gate.counters.misses) == (2, 0)
-    assert gate.delay_s == pytest.approx(coordinator.admission.SHRINK * coordinator.admission.INITIAL_DELAY_S)
+    assert gate.delay_s == pytest.approx(admission.SHRINK * admission.INITIAL_DELAY_S)
     # B admits sequence (3, 4) a step after A: a miss, and the wait doubles.
     before = gate.delay_s
     gate.arm()
@@ -337,9 +337,9 @@ def test_the_gate_compares_the_servers_admission_steps_not_the_next_report():
         gate.opened(pairs)
         gate.forget(("B", 4))
         gate.observe("A", {1, 3})
-        for _ in range(coordinator.admission.LOOK_AHEAD_REPORTS):
+        for _ in range(admission.LOOK_AHEAD_REPORTS):
             gate.observe("B", set())
-    assert gate.delay_s == coordinator.admission.MAX_DELAY_S
+    assert gate.delay_s == admission.MAX_DELAY_S
     assert gate.counters.admitted == 4 + 10 and gate.counters.misses == 1 + 10
 
 
@@ -650,7 +650,7 @@ async def test_parks_do_not_count_as_requests_the_server_ended(rig, monkeypatch)
     park per step, more than MAX_RESUBMISSIONS in all. A single early end by the server
     afterwards must be resubmitted, not taken for a server that keeps ending requests."""
     limit = 4  # MAX_RESUBMISSIONS, lowered so that the test needs a dozen steps, not 70
-    monkeypatch.setattr(coordinator.lockstep.recovery, "MAX_RESUBMISSIONS", limit)
+    monkeypatch.setattr(recovery, "MAX_RESUBMISSIONS", limit)
 
     def one_running(server, queued):
         return queued[:1] if not server.running else []

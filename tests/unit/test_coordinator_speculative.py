@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator import CoordinatorConfig, DualVLLMCoordinator
-from common.errors import InvalidInputError
+from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator
+from dualvllm.common.errors import InvalidInputError
 from tests.exact_q import chi_square_pvalue, exact_q_star, two_sample_pvalue
 from tests.fake_vllm import VOCAB_SIZE, Failure, tokenize
 
@@ -206,7 +206,7 @@ async def test_a_failed_draft_fails_its_sequence_and_a_failed_scoring_the_round(
 
 
 async def test_speculative_mode_needs_engines_that_draft(fake_theta, fake_t):
-    from coordinator.speculative import speculative_scheduler
+    from dualvllm.coordinator.speculative import speculative_scheduler
 
     with pytest.raises(InvalidInputError, match="speculative_gamma"):
         speculative_scheduler(object(), object())

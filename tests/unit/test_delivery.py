@@ -8,9 +8,9 @@ from typing import Sequence
 
 import numpy as np
 
-from coordinator.delivery import Delivery, stop_window
-from coordinator.sequence import SamplingParams, SequenceState
-from coordinator.stats import Statistics
+from dualvllm.coordinator.delivery import Delivery, stop_window
+from dualvllm.coordinator.sequence import SamplingParams, SequenceState
+from dualvllm.coordinator.stats import Statistics
 
 # Token id i decodes to LETTERS[i]; ids >= 100 are byte pieces: three in a row are one 3-byte
 # character (as byte-level tokenizers split it), fewer followed by a letter decode to a
@@ -143,7 +143,7 @@ async def checked(decoder: Decoder, tokens: list[int], stop: str | tuple[str, ..
 
 
 async def test_after_calibration_only_windows_that_may_hold_a_stop_string_are_decoded():
-    from coordinator.stop_filter import CALIBRATION_WINDOWS
+    from dualvllm.coordinator.stop_filter import CALIBRATION_WINDOWS
 
     decoder = Decoder()
     filler = [i % 20 for i in range(300)]  # a..t

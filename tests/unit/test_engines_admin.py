@@ -10,14 +10,14 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from common.errors import (
+from dualvllm.common.errors import (
     MalformedResponseError,
     ServerInternalError,
     ServerRejectedError,
     ServerTimeoutError,
     WeightSyncError,
 )
-from engines.vllm_client import VLLMClient
+from dualvllm.engines.vllm_client import VLLMClient
 from tests.fake_vllm import Failure, write_fake_weights
 
 TIMEOUT_S = 1.0  # the client's request timeout in these tests

@@ -1,4 +1,4 @@
-"""engines.vllm_answers: vLLM's /v1/completions answers read into the engine's types, no server."""
+"""dualvllm.engines.vllm_answers: vLLM's /v1/completions answers read into the engine's types, no server."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from engines import vllm_answers as answers
-from engines.protocol import PAD_TOKEN_ID
+from dualvllm.engines import vllm_answers as answers
+from dualvllm.engines.protocol import PAD_TOKEN_ID
 
 
 def key(token: int) -> str:

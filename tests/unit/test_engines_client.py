@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from common.errors import (
+from dualvllm.common.errors import (
     InvalidInputError,
     LifecycleError,
     MalformedResponseError,
@@ -23,8 +23,8 @@ from common.errors import (
     TopKUnsupportedError,
     UnknownModelError,
 )
-from engines.http import RetryPolicy, request_json
-from engines.vllm_client import VLLMClient
+from dualvllm.engines.http import RetryPolicy, request_json
+from dualvllm.engines.vllm_client import VLLMClient
 from tests.fake_vllm import EOS_ID, Failure
 
 
@@ -212,7 +212,7 @@ async def test_client_lifecycle_is_enforced(fake_theta):
 
 
 def test_vocab_size_and_pad_token_come_from_a_readable_model_dir(tmp_path):
-    from engines.vllm_answers import config_int as _config_int
+    from dualvllm.engines.vllm_answers import config_int as _config_int
 
     assert _config_int(tmp_path, "vocab_size") is None  # nothing to read: unknown
     (tmp_path / "config.json").write_text('{"text_config": {"vocab_size": 151936}}')
@@ -226,7 +226,7 @@ def test_vocab_size_and_pad_token_come_from_a_readable_model_dir(tmp_path):
 
 async def test_a_local_tokenizer_is_the_models_own_and_sends_no_tokenize_requests(fake_theta):
     transformers = pytest.importorskip("transformers")
-    import tinymodels
+    from dualvllm import tinymodels
 
     fake_theta.root = str(tinymodels.BASE_DIR)
     expected = transformers.AutoTokenizer.from_pretrained(tinymodels.BASE_DIR)
@@ -244,7 +244,7 @@ async def test_a_local_tokenizer_needs_the_model_directory_here(fake_theta):
             await client.tokenize("ab")
 
 
-# -- which calls are resent: engines.http's table, VLLMClient.IDEMPOTENT_POSTS --------
+# -- which calls are resent: dualvllm.engines.http's table, VLLMClient.IDEMPOTENT_POSTS --------
 
 ROUTES = [  # (method, path, payload, idempotent)
     ("GET", "/health", None, True),

@@ -8,8 +8,8 @@ import textwrap
 
 import pytest
 
-from common.errors import InvalidInputError, LifecycleError, ServerStartupError
-from engines.launcher import ServerConfig, VLLMServer, pair_configs, split_cores
+from dualvllm.common.errors import InvalidInputError, LifecycleError, ServerStartupError
+from dualvllm.engines.launcher import ServerConfig, VLLMServer, pair_configs, split_cores
 from tests.waiting import eventually
 
 
@@ -34,14 +34,14 @@ def test_gpu_servers_share_the_gpu_and_skip_eager_mode():
 
 def test_lockstep_is_the_default_and_picks_the_plugin_of_the_model_runner(monkeypatch):
     cpu = VLLMServer(ServerConfig(model="m", port=1, device="cpu"))
-    assert "engines.vllm_plugin.processor:LockstepProcessor" in cpu.command()
+    assert "dualvllm.engines.vllm_plugin.processor:LockstepProcessor" in cpu.command()
     assert "--no-enable-chunked-prefill" in cpu.command()
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     gpu = VLLMServer(ServerConfig(model="m", port=1, device="gpu"))
-    assert "engines.vllm_plugin.processor:LockstepProcessor" in gpu.command()
+    assert "dualvllm.engines.vllm_plugin.processor:LockstepProcessor" in gpu.command()
     assert gpu.environment()["VLLM_USE_V2_MODEL_RUNNER"] == "0"  # the tested plugin, unless asked
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    assert "engines.vllm_plugin.processor_v2:LockstepProcessorV2" in gpu.command()
+    assert "dualvllm.engines.vllm_plugin.processor_v2:LockstepProcessorV2" in gpu.command()
     assert gpu.environment()["VLLM_USE_V2_MODEL_RUNNER"] == "1"
     plain = VLLMServer(ServerConfig(model="m", port=1, device="cpu", lockstep=False)).command()
     assert "--logits-processors" not in plain and "--no-enable-chunked-prefill" not in plain
@@ -74,7 +74,7 @@ def test_uni_executor_keeps_the_model_in_the_engine_core_and_binds_it_there(monk
 
 
 def test_pair_configs_bind_each_server_to_its_own_cores_unless_told(monkeypatch):
-    monkeypatch.setattr("engines.launcher.is_cpu_build", lambda: True)
+    monkeypatch.setattr("dualvllm.engines.launcher.is_cpu_build", lambda: True)
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     theta, t = pair_configs()
     assert (theta.cpu_cores, t.cpu_cores) == ("0", "1")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engines.protocol import PAD_TOKEN_ID, TopKBatch
+from dualvllm.engines.protocol import PAD_TOKEN_ID, TopKBatch
 
 INF = np.inf
 

@@ -8,14 +8,14 @@ import shutil
 import numpy as np
 import pytest
 
-import tinymodels
-from coordinator import CoordinatorConfig, DualVLLMCoordinator
-from common.errors import InvalidInputError, LifecycleError
+from dualvllm import tinymodels
+from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator
+from dualvllm.common.errors import InvalidInputError, LifecycleError
 from tests.exact_q import chi_square_pvalue, exact_q_star
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-from engines.transformers_engine import TransformersEngine, topk_logprobs  # noqa: E402
+from dualvllm.engines.transformers_engine import TransformersEngine, topk_logprobs  # noqa: E402
 
 
 def reference_logprobs(model, context: list[int]) -> np.ndarray:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from common import heap
+from dualvllm.common import heap
 
 
 def tracked(x: object) -> bool:

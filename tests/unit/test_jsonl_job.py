@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from common.errors import InputFormatError, InvalidInputError
+from dualvllm.common.errors import InputFormatError, InvalidInputError
 from dualvllm.jsonl_job import done_ids, job_seed, read_jobs
 
 
@@ -63,7 +63,7 @@ def test_job_seeds_are_stable_and_distinct():
 
 
 async def test_failed_prompts_are_not_written_and_a_rerun_completes_without_duplicates(tmp_path, fake_theta, fake_t):
-    from coordinator import CoordinatorConfig, DualVLLMCoordinator, SamplingParams
+    from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator, SamplingParams
     from dualvllm.jsonl_job import run_jobs
     from tests.fake_vllm import Failure
 

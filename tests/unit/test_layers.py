@@ -1,11 +1,22 @@
-"""The import layers of STYLE.md: theory <- engines, coordinator (no torch) <- training <- CLI."""
+"""The import layers of STYLE.md: theory <- engines, coordinator (no torch) <- training <- CLI,
+each installed as dualvllm.<name> and imported by that name only."""
 
 from __future__ import annotations
 
+import ast
+import os
+import re
 import subprocess
 import sys
+import tomllib
+from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+# The folders at the top of the repository, each installed as dualvllm.<name> through its
+# symlink dualvllm/<name> -> ../<name> (pyproject's packages.find takes only dualvllm*).
+PACKAGES = ("common", "theory", "engines", "coordinator", "service", "training", "tinymodels")
 
 
 def imported_after(module: str) -> set[str]:
@@ -13,47 +24,102 @@ def imported_after(module: str) -> set[str]:
     return set(subprocess.check_output([sys.executable, "-c", code], text=True).split())
 
 
-@pytest.mark.parametrize("module", ["theory", "engines", "coordinator", "service.app", "dualvllm.cli",
-                                    "tinymodels.task"])
+@pytest.mark.parametrize("module", ["dualvllm.theory", "dualvllm.engines", "dualvllm.coordinator", "dualvllm.service.app",
+                                    "dualvllm.cli", "dualvllm.tinymodels.task"])
 def test_sampling_side_never_imports_torch_or_transformers(module):
     loaded = imported_after(module)
     assert not {"torch", "transformers", "vllm"} & loaded, f"importing {module} pulled in heavy packages"
 
 
 def test_common_is_the_bottom_layer():
-    loaded = imported_after("common.errors") | imported_after("common.validation")
-    assert not {"theory", "engines", "coordinator", "training", "dualvllm", "numpy", "aiohttp"} & loaded
+    loaded = imported_after("dualvllm.common.errors") | imported_after("dualvllm.common.validation")
+    above = {m for m in loaded if m.startswith("dualvllm.") and m.split(".")[1] != "common"}
+    assert not above and not {"numpy", "aiohttp"} & loaded, sorted(above | {"numpy", "aiohttp"} & loaded)
 
 
 def test_theory_has_no_io_dependencies():
-    loaded = imported_after("theory")
-    assert not {"aiohttp", "asyncio", "coordinator", "engines"} & loaded
+    loaded = imported_after("dualvllm.theory")
+    assert not {"aiohttp", "asyncio", "dualvllm.coordinator", "dualvllm.engines"} & loaded
 
 
 # service/'s own layers, bottom to top: a module imports only from layers below its own, so
 # none needs TYPE_CHECKING or an import order to load (an errors <-> responses <-> scoring
-# circle once made `import service.errors` fail on its own).
+# circle once made `import dualvllm.service.errors` fail on its own).
 SERVICE_LAYERS = [{"errors", "schema", "config", "tokens", "batching"}, {"scoring"}, {"responses"}, {"formats"}, {"jobs"},
                   {"metrics", "streaming", "dev_routes", "generate"}, {"app"}]
 
 
 def test_service_modules_import_one_way():
-    import ast
-    from pathlib import Path
-
-    package = Path(__file__).resolve().parents[2] / "service"
+    package = REPO / "service"
     layer = {name: level for level, names in enumerate(SERVICE_LAYERS) for name in names}
+    seen = 0
     assert set(layer) == {p.stem for p in package.glob("*.py")} - {"__init__"}, "a service module without a layer"
     for name, level in layer.items():
         tree = ast.parse((package / f"{name}.py").read_text())
-        used = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module == "service"
-                for alias in node.names}
-        used |= {node.module.split(".")[1] for node in ast.walk(tree)
-                 if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("service.")}
-        used |= {alias.name.split(".")[1] for node in ast.walk(tree) if isinstance(node, ast.Import)
-                 for alias in node.names if alias.name.startswith("service.")}
+        used = {alias.name for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom) and node.module == "dualvllm.service" for alias in node.names}
+        used |= {node.module.split(".")[2] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dualvllm.service.")}
+        used |= {alias.name.split(".")[2] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                 for alias in node.names if alias.name.startswith("dualvllm.service.")}
+        seen += len(used)
         above = {u for u in used if layer[u] >= level and u != name}
         assert not above, f"service.{name} imports {sorted(above)}, which are not below it"
+    assert seen > 10, "found almost no imports of service/ modules: is the check reading them by their names?"
+
+
+def test_every_package_is_installed_as_dualvllm_name_and_nothing_else():
+    for name in PACKAGES:
+        link = REPO / "dualvllm" / name
+        assert link.is_symlink() and os.readlink(link) == f"../{name}", f"{link} is not a symlink to ../{name}"
+    top_level = {p.name for p in REPO.iterdir() if (p / "__init__.py").is_file() and not p.name.startswith(".")}
+    assert top_level == {*PACKAGES, "dualvllm", "tests"}, "a new top-level package: link it from dualvllm/ too"
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert setuptools["packages"]["find"]["include"] == ["dualvllm*"]
+    assert set(setuptools["package-data"]) == {"dualvllm.tinymodels"}
+
+
+def python_files():
+    """Every Python file of the repository (packages, tests, benchmarks, examples, scripts): its
+    own folders only, not the dualvllm/<name> links to them, nor a venv or build output."""
+    for folder, subfolders, files in os.walk(REPO):  # os.walk does not follow the links
+        subfolders[:] = [d for d in subfolders if not d.startswith(".") and d not in {"build", "runs", "__pycache__"}]
+        yield from (Path(folder) / f for f in files if f.endswith(".py"))
+
+
+OLD_NAME = re.compile(rf"(?<![\w./-])(?:{'|'.join(PACKAGES)})(?:\.\w+)+")
+
+
+def names_a_module(dotted: str) -> bool:
+    """Whether `<package>.<module>[.attribute...]` names a module of the repository by its old,
+    bare name (a package and at least one module or subpackage below it)."""
+    parts = dotted.split(".")
+    return any((REPO.joinpath(*parts[:n]).with_suffix(".py")).is_file() or (REPO.joinpath(*parts[:n]) / "__init__.py").is_file()
+               for n in range(2, len(parts) + 1))
+
+
+def test_nothing_imports_or_names_a_package_by_its_bare_name():
+    """Installed, only dualvllm.<name> exists; in a checkout a bare `training` would still import,
+    as a second copy of every module it loads. Strings count: monkeypatch targets, vLLM's
+    --logits-processors and `python -m` commands name modules too."""
+    found, checked = [], 0
+    for path in python_files():
+        checked += 1
+        where = path.relative_to(REPO)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                names = [m.group(0) for m in OLD_NAME.finditer(node.value) if names_a_module(m.group(0))]
+                found += [f"{where}:{node.lineno}: {name!r} in a string" for name in names]
+                continue
+            else:
+                continue
+            found += [f"{where}:{node.lineno}: import {name}" for name in names if name.split(".")[0] in PACKAGES]
+    assert checked > 200, f"read {checked} Python files: the check would say nothing"
+    assert found == []
 
 
 MAX_METHODS = 20  # issue 45: no class of the sampling side has more, dunders and properties included

@@ -7,12 +7,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coordinator.sequence import SamplingParams
-from coordinator.lockstep import waits
-from coordinator.lockstep.table import THETA, T, UNSET, Live, LockstepTable, gather
-from coordinator.sequence import SequenceState
-from engines.protocol import PAD_TOKEN_ID
-from engines.vllm_plugin import wire
+from dualvllm.coordinator.sequence import SamplingParams
+from dualvllm.coordinator.lockstep import waits
+from dualvllm.coordinator.lockstep.table import THETA, T, UNSET, Live, LockstepTable, gather
+from dualvllm.coordinator.sequence import SequenceState
+from dualvllm.engines.protocol import PAD_TOKEN_ID
+from dualvllm.engines.vllm_plugin import wire
 
 K = 2  # top-k width of the synthetic rows
 

@@ -12,9 +12,9 @@ import time
 import numpy as np
 import pytest
 
-from engines.lockstep_channel import LockstepChannel
-from engines.vllm_plugin import wire
-from engines.vllm_plugin.link import CoordinatorLink
+from dualvllm.engines.lockstep_channel import LockstepChannel
+from dualvllm.engines.vllm_plugin import wire
+from dualvllm.engines.vllm_plugin.link import CoordinatorLink
 from tests.fake_lockstep import read_message
 from tests.waiting import eventually
 

@@ -9,8 +9,8 @@ import warnings
 import pytest
 import uvloop
 
-from common import loop
-from common.errors import InvalidInputError
+from dualvllm.common import loop
+from dualvllm.common.errors import InvalidInputError
 from dualvllm import cli
 
 

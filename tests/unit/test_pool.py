@@ -7,12 +7,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from common.errors import IncompatibleModelsError, InvalidInputError, WeightSyncError
-from coordinator import CoordinatorConfig, DualVLLMCoordinator
-from engines.pool import ReplicaPool
+from dualvllm.common.errors import IncompatibleModelsError, InvalidInputError, WeightSyncError
+from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator
+from dualvllm.engines.pool import ReplicaPool
 from tests.fake_vllm import FakeModel, FakeVLLM, Failure, running_fakes, tokenize, write_fake_weights
 from tests.waiting import eventually
-from training.weight_sync import BasePusher
+from dualvllm.training.weight_sync import BasePusher
 
 PROMPTS = ["abc", "de", "fgh", "ij", "klm", "no", "ab", "cd"]
 

@@ -10,10 +10,10 @@ from typing import Any, AsyncIterator
 import aiohttp
 import pytest
 
-from common.errors import InvalidInputError
-from coordinator import CoordinatorConfig, DualVLLMCoordinator
-from service.app import serve
-from service.config import ServiceConfig
+from dualvllm.common.errors import InvalidInputError
+from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator
+from dualvllm.service.app import serve
+from dualvllm.service.config import ServiceConfig
 from tests.fake_vllm import EOS_ID, VOCAB_SIZE, FakeModel, FakeVLLM, Failure, detokenize, tokenize
 from tests.waiting import eventually
 
@@ -23,7 +23,7 @@ MODEL = "fake-base+fake-teacher"
 @contextlib.asynccontextmanager
 async def running(theta: FakeVLLM, t: FakeVLLM, coordinator: dict[str, Any] | None = None,
                   **service: Any) -> AsyncIterator[tuple[str, DualVLLMCoordinator]]:
-    """(base URL, coordinator) of a q* service started by service.app.serve on a free port."""
+    """(base URL, coordinator) of a q* service started by dualvllm.service.app.serve on a free port."""
     options = {**dict(retry_delay=0.0, top_k=8, mode="per_token", max_retries=1), **(coordinator or {})}
     async with DualVLLMCoordinator(CoordinatorConfig(theta_url=theta.url, t_url=t.url, **options)) as c:
         listening: asyncio.Future[str] = asyncio.get_running_loop().create_future()

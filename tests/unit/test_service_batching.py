@@ -1,4 +1,4 @@
-"""Concurrent prompt-scoring requests merged into one server call (service.batching).
+"""Concurrent prompt-scoring requests merged into one server call (dualvllm.service.batching).
 
 The server side is a coroutine gated by events: a call stays in flight until the test lets it
 answer, so what queues behind it is decided by the test, not by the clock.
@@ -10,8 +10,8 @@ import asyncio
 
 import pytest
 
-from common.errors import LifecycleError, ServerRejectedError, ServerUnavailableError
-from service.batching import Batcher
+from dualvllm.common.errors import LifecycleError, ServerRejectedError, ServerUnavailableError
+from dualvllm.service.batching import Batcher
 from tests.waiting import eventually
 
 

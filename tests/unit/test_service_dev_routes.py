@@ -1,4 +1,4 @@
-"""vLLM's dev routes on the q* service (service.dev_routes), forwarded to the base servers, as
+"""vLLM's dev routes on the q* service (dualvllm.service.dev_routes), forwarded to the base servers, as
 TRL's stock client drives them, against fake vLLM servers (the real phases move weights in
 tests/integration/test_service_trl.py).
 
@@ -13,7 +13,7 @@ import asyncio
 
 import pytest
 
-from service import dev_routes
+from dualvllm.service import dev_routes
 from tests.unit.test_service import MODEL, post, running
 from tests.waiting import eventually
 

@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from service.streaming import ChoiceText, Decided
+from dualvllm.service.streaming import ChoiceText, Decided
 from tests.unit.test_service import MODEL, completion, in_flight, metrics_text, post, running
 from tests.waiting import eventually
 
@@ -97,7 +97,7 @@ async def test_a_stream_left_mid_way_leaves_no_task_behind(fake_theta, fake_t):
         await eventually(let_go, f"the abandoned stream's sequence and tasks gone (at rest: {at_rest:g} tasks)")
 
 
-# -- what a streamed choice shows, synchronously (service.streaming.ChoiceText) ---------------
+# -- what a streamed choice shows, synchronously (dualvllm.service.streaming.ChoiceText) ---------------
 
 def test_text_waits_for_a_whole_character_and_past_a_possible_stop_string():
     choice = ChoiceText(hold=len("STOP") - 1, stops=("STOP",))  # the last 3 characters may begin "STOP"

@@ -6,13 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import tinymodels
-from coordinator import CoordinatorConfig, DualVLLMCoordinator
+from dualvllm import tinymodels
+from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator
 from tests.exact_q import chi_square_pvalue, exact_q_star
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
-from engines.transformers_engine import TransformersEngine  # noqa: E402
+from dualvllm.engines.transformers_engine import TransformersEngine  # noqa: E402
 
 
 async def test_draft_and_scoring_give_the_top_k_before_every_token():

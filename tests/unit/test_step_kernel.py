@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator import kernel
-from theory.alpha import solve_alpha
-from theory.merge import merge_topk
-from theory.mixture import apply_temperature, greedy_indices, mixture_logprobs, sample_indices
+from dualvllm.coordinator import kernel
+from dualvllm.theory.alpha import solve_alpha
+from dualvllm.theory.merge import merge_topk
+from dualvllm.theory.mixture import apply_temperature, greedy_indices, mixture_logprobs, sample_indices
 from tests.unit.test_theory_merge import topk_pairs
 
 
@@ -51,7 +51,7 @@ def steps(draw):
 
 
 def reference_target(merged, temperature, fixed, caps, tol=1e-6, max_iter=20):
-    """coordinator.step.solve_target as it was before the kernel: theory/ calls, vectorized."""
+    """dualvllm.coordinator.step.solve_target as it was before the kernel: theory/ calls, vectorized."""
     mask = merged.mask
     temps = np.where(temperature == 0.0, 1.0, temperature)
     lp_theta = apply_temperature(merged.logp_theta, temps, mask)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from scipy.optimize import brentq
 
 from tests.unit.theory_strategies import distribution_pairs
-from theory import alpha_kls, log_partition, solve_alpha, symmetry_gap
+from dualvllm.theory import alpha_kls, log_partition, solve_alpha, symmetry_gap
 
 
 def exact_alpha(lp: np.ndarray, lr: np.ndarray) -> float:

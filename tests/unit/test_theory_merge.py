@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from theory import merge_topk
+from dualvllm.theory import merge_topk
 
 LN = np.log
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from scipy.stats import chisquare
 
 from tests.unit.theory_strategies import distribution_pairs
-from theory import (
+from dualvllm.theory import (
     DIAGNOSTIC_KEYS,
     apply_temperature,
     greedy_indices,

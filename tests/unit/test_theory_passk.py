@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from theory.passk import pass_at_k
+from dualvllm.theory.passk import pass_at_k
 
 
 def test_hand_values():

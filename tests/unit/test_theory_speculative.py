@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from tests.exact_q import chi_square_pvalue
 from tests.unit.theory_strategies import distribution_pairs
-from theory.speculative import (
+from dualvllm.theory.speculative import (
     NOT_A_CANDIDATE,
     acceptance_probabilities,
     decide_round,

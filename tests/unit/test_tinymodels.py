@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-import tinymodels
-from tinymodels.task import (HARD_MAX_SAMPLE, HARD_ROWS, HARD_TEST, HARD_TRAIN, HINT_TEMPLATE, LONG_DIGITS, LONG_ROWS,
+from dualvllm import tinymodels
+from dualvllm.tinymodels.task import (HARD_MAX_SAMPLE, HARD_ROWS, HARD_TEST, HARD_TRAIN, HINT_TEMPLATE, LONG_DIGITS, LONG_ROWS,
                              LONG_TEST, LONG_TRAIN, MIXED_DATA, MIXED_DIFFICULTIES, MIXED_ROWS, RETAINED_ROWS,
                              RETAINED_TEST, LongProblem, Problem, hard_problems, hinted, long_problems, problems,
                              score, write_dataset, write_mixed_datasets)
@@ -66,7 +66,7 @@ def test_hard_problems_are_seeded_three_digit_and_split_by_a_fixed_hash():
 def test_hard_dataset_files_are_what_the_generator_writes_with_right_answers(tmp_path, split, path):
     fresh = tmp_path / path.name
     write_dataset(split, fresh, hard=True)
-    assert path.read_bytes() == fresh.read_bytes(), f"{path} drifted from tinymodels.task: python -m tinymodels.task"
+    assert path.read_bytes() == fresh.read_bytes(), f"{path} drifted from dualvllm.tinymodels.task: python -m dualvllm.tinymodels.task"
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(rows) == HARD_ROWS[split] == len({row["prompt"] for row in rows})
     for row in rows[:2000]:
@@ -108,7 +108,7 @@ def test_long_problems_are_seeded_split_by_a_fixed_hash_and_refuse_bad_arguments
 def test_long_dataset_files_are_what_the_generator_writes_with_right_answers(tmp_path, split, path):
     fresh = tmp_path / path.name
     write_dataset(split, fresh, long=True)
-    assert path.read_bytes() == fresh.read_bytes(), f"{path} drifted from tinymodels.task: python -m tinymodels.task"
+    assert path.read_bytes() == fresh.read_bytes(), f"{path} drifted from dualvllm.tinymodels.task: python -m dualvllm.tinymodels.task"
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(rows) == LONG_ROWS[split] == len({row["prompt"] for row in rows})
     for row in rows[:2000]:
@@ -125,7 +125,7 @@ def test_score_is_exact_match_and_never_raises(completion, expected):
 
 
 def test_importing_the_package_and_task_does_not_import_torch():
-    code = "import tinymodels, tinymodels.task, sys; print('torch' in sys.modules)"
+    code = "import dualvllm.tinymodels, dualvllm.tinymodels.task, sys; print('torch' in sys.modules)"
     assert subprocess.check_output([sys.executable, "-c", code], text=True).strip() == "False"
 
 
@@ -154,7 +154,7 @@ def test_teacher_solves_the_task_and_the_base_is_weak():
     pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tinymodels.build import greedy_accuracy
+    from dualvllm.tinymodels.build import greedy_accuracy
 
     tokenizer = AutoTokenizer.from_pretrained(tinymodels.TEACHER_DIR)
     held_out = problems("test", n=200, seed=5)
@@ -169,7 +169,7 @@ def test_hard_teacher_solves_both_tasks_and_the_base_not_the_hard_one():
     pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tinymodels.build import HARD_MAX_LEN, greedy_accuracy
+    from dualvllm.tinymodels.build import HARD_MAX_LEN, greedy_accuracy
 
     tokenizer = AutoTokenizer.from_pretrained(tinymodels.TEACHER_HARD_DIR)
     assert tokenizer.get_vocab() == AutoTokenizer.from_pretrained(tinymodels.BASE_DIR).get_vocab()
@@ -188,7 +188,7 @@ def test_hard_teacher_solves_both_tasks_and_the_base_not_the_hard_one():
 
 def test_encode_leaves_the_prompt_out_of_the_loss_when_asked():
     pytest.importorskip("torch")
-    from tinymodels.build import EOS_ID, build_tokenizer, encode
+    from dualvllm.tinymodels.build import EOS_ID, build_tokenizer, encode
 
     problem = LongProblem("91", "11")  # "91+11=" then "030" and <eos>
     ids, labels = encode(build_tokenizer(), [problem], max_len=12, prompt_loss=False)
@@ -202,7 +202,7 @@ def test_long_teacher_solves_the_long_task_and_the_base_does_not():
     pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tinymodels.build import LONG_MAX_LEN, greedy_accuracy
+    from dualvllm.tinymodels.build import LONG_MAX_LEN, greedy_accuracy
 
     tokenizer = AutoTokenizer.from_pretrained(tinymodels.TEACHER_LONG_DIR)
     assert tokenizer.get_vocab() == AutoTokenizer.from_pretrained(tinymodels.BASE_DIR).get_vocab()
@@ -219,7 +219,7 @@ def test_answer_logprob_of_a_uniform_model_is_answer_length_times_log_vocab():
     torch = pytest.importorskip("torch")
     from types import SimpleNamespace
 
-    from tinymodels.build import HARD_MAX_LEN, answer_logprob, build_tokenizer
+    from dualvllm.tinymodels.build import HARD_MAX_LEN, answer_logprob, build_tokenizer
 
     class Uniform:
         """Equal logits over 98 tokens everywhere: every token has log-probability -log 98."""
@@ -239,7 +239,7 @@ def test_the_hint_base_reads_a_hint_and_is_the_base_without_one():
     pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tinymodels.build import HARD_MAX_LEN, HINT_MAX_LEN, greedy_accuracy
+    from dualvllm.tinymodels.build import HARD_MAX_LEN, HINT_MAX_LEN, greedy_accuracy
 
     tokenizer = AutoTokenizer.from_pretrained(tinymodels.BASE_HINT_DIR)
     assert tokenizer.get_vocab() == AutoTokenizer.from_pretrained(tinymodels.BASE_DIR).get_vocab()
@@ -255,7 +255,7 @@ def test_mixed_dataset_files_are_what_the_generator_writes_and_mix_three_difficu
     write_mixed_datasets(tmp_path)
     for path in [*MIXED_DATA.values(), RETAINED_TEST]:
         assert path.read_bytes() == (tmp_path / path.name).read_bytes(), (
-            f"{path} drifted from tinymodels.task: python -m tinymodels.task")
+            f"{path} drifted from dualvllm.tinymodels.task: python -m dualvllm.tinymodels.task")
     rows = {split: [json.loads(line) for line in path.read_text().splitlines()] for split, path in MIXED_DATA.items()}
     for split, split_rows in rows.items():
         counts = {d: sum(r["difficulty"] == d for r in split_rows) for d in MIXED_DIFFICULTIES}

@@ -1,4 +1,4 @@
-"""tinymodels.shapes: random Qwen3 pairs at a real shape, built into a temporary cache.
+"""dualvllm.tinymodels.shapes: random Qwen3 pairs at a real shape, built into a temporary cache.
 
 The small pair is built once for the module (~10 s on 2 cores) and once more to check that a
 rebuild writes the same bytes; the other tests read those two builds.
@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, Qwen3ForCausalLM, TokenizersBackend
 
-from common.errors import InvalidInputError
-from tinymodels import shapes
-from tinymodels.shapes import (ENTROPY_RANGE_NATS, QWEN3_VOCAB_SIZE, SHAPES, build_tokenizer, cache_root, ensure_pair,
+from dualvllm.common.errors import InvalidInputError
+from dualvllm.tinymodels import shapes
+from dualvllm.tinymodels.shapes import (ENTROPY_RANGE_NATS, QWEN3_VOCAB_SIZE, SHAPES, build_tokenizer, cache_root, ensure_pair,
                                model_config, pair_dir)
 
 MULTIBYTE = ("é", "数学", "🙂", "naïve café, 数学は楽しい 🚀\n\tdone")
@@ -245,7 +245,7 @@ def test_the_tokenizer_build_fills_any_vocabulary_size():
 
 
 def test_the_build_command_prints_the_pair_it_ensures(pair, capsys):
-    from tinymodels.build import main
+    from dualvllm.tinymodels.build import main
 
     assert main(["--shape", "small", "--cache-dir", str(pair[0].parent.parent)]) == 0
     assert capsys.readouterr().out.splitlines() == [str(pair[0]), str(pair[1])]

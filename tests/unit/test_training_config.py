@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-import tinymodels
-from common.errors import InvalidInputError
-from coordinator.config import CoordinatorConfig
+from dualvllm import tinymodels
+from dualvllm.common.errors import InvalidInputError
+from dualvllm.coordinator.config import CoordinatorConfig
 from dualvllm import cli
 from tests.recipes import QWEN_GSM8K, RECIPES, TINY_ARITH, TINY_HARD
-from tinymodels.task import HARD_TEST, HARD_TRAIN
-from training.config import METHOD_CLASSES, TRAIN_OPTIONS, DistillTrainConfig, EvalConfig, GRPOTrainConfig, TrainConfig
-from training.serving import coordinator_config
+from dualvllm.tinymodels.task import HARD_TEST, HARD_TRAIN
+from dualvllm.training.config import METHOD_CLASSES, TRAIN_OPTIONS, DistillTrainConfig, EvalConfig, GRPOTrainConfig, TrainConfig
+from dualvllm.training.serving import coordinator_config
 
 # What `dualvllm train --output-dir X` resolved to before the defaults became a real LLM's
 # (every field of the one TrainConfig then, but output_dir and method; written out from it).

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from training.curriculum import Curriculum, bucket_weights, difficulty_buckets, ema_update, weighted_draw
+from dualvllm.training.curriculum import Curriculum, bucket_weights, difficulty_buckets, ema_update, weighted_draw
 
 HARD = [1.0] + [0.0] * 9  # mean 0.1, has advantage
 EASY = [1.0] * 9 + [0.0]  # mean 0.9, has advantage

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from common.errors import InputFormatError, InvalidInputError
-from tinymodels.task import problems, write_dataset
-from training.data import BUNDLED_TEST, BUNDLED_TRAIN, Example, build_examples, held_out_split, load_rows
+from dualvllm.common.errors import InputFormatError, InvalidInputError
+from dualvllm.tinymodels.task import problems, write_dataset
+from dualvllm.training.data import BUNDLED_TEST, BUNDLED_TRAIN, Example, build_examples, held_out_split, load_rows
 
 
 def write_jsonl(tmp_path, rows, name="data.jsonl"):
@@ -41,7 +41,7 @@ def datasets_lib(tmp_path, monkeypatch):
 def test_bundled_files_are_what_the_generator_writes_and_hold_the_task(tmp_path, split, path):
     fresh = tmp_path / f"{split}.jsonl"
     write_dataset(split, fresh)
-    assert path.read_bytes() == fresh.read_bytes(), f"{path} drifted from tinymodels.task: python -m tinymodels.task"
+    assert path.read_bytes() == fresh.read_bytes(), f"{path} drifted from dualvllm.tinymodels.task: python -m dualvllm.tinymodels.task"
     loaded = build_examples(load_rows(path), source=str(path), required_fields=["answer"])
     assert [(e.theta_prompt, e.row["answer"]) for e in loaded] == [(p.prompt, p.answer) for p in problems(split)]
     assert all(e.t_prompt is None for e in loaded)

@@ -8,9 +8,9 @@ import math
 import pytest
 
 torch = pytest.importorskip("torch")
-from training.distill import (  # noqa: E402
+from dualvllm.training.distill import (  # noqa: E402
     generalized_jsd, sft_loss, teacher_advantages, topk_distillation, topk_divergence, with_tail)
-from training.losses import gamma_weights, guided_shaping, policy_loss  # noqa: E402
+from dualvllm.training.losses import gamma_weights, guided_shaping, policy_loss  # noqa: E402
 
 log = math.log
 PAD = -1
@@ -49,7 +49,7 @@ def test_topk_distillation_compares_the_teachers_top_k_and_a_tail_by_hand():
     want = 0.6 * log(0.6 / 0.2) + 0.3 * log(0.3 / 0.4) + 0.1 * log(0.1 / 0.4)  # 0.434233
     kl = topk_distillation(student_logits, ids, teacher)
     assert kl.shape == (1, 1) and kl.item() == pytest.approx(want, rel=1e-5)
-    # The learner's log-probabilities at the teacher's ids are all the divergence needs (training.logprobs).
+    # The learner's log-probabilities at the teacher's ids are all the divergence needs (dualvllm.training.logprobs).
     assert topk_divergence(logs(0.2, 0.4).reshape(1, 1, 2), teacher.double()).item() == pytest.approx(want)
     kl.sum().backward()
     # d KL / d logit_j = s_j - (target mass given to j's bucket share): for id 3 (in the tail) it

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from training.dpo import Pair, mine_pairs, write_pairs
-from training.rollouts import Rollout
+from dualvllm.training.dpo import Pair, mine_pairs, write_pairs
+from dualvllm.training.rollouts import Rollout
 
 
 def r(text: str, reward: float) -> Rollout:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator import CoordinatorConfig, DualVLLMCoordinator, SamplingParams
-from theory.passk import pass_at_k
-from training.evaluation import GROUP_MISSING, evaluate, render
-from training.rewards import reward_spec
-from training.rollouts import Task
-from training.verifiers import verifier_pool
+from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator, SamplingParams
+from dualvllm.theory.passk import pass_at_k
+from dualvllm.training.evaluation import GROUP_MISSING, evaluate, render
+from dualvllm.training.rewards import reward_spec
+from dualvllm.training.rollouts import Task
+from dualvllm.training.verifiers import verifier_pool
 
 # A completion is "correct" when it starts with one of these letters (the fake models' alphabet).
 PATTERN = r"^[a-e]"

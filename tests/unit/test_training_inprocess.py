@@ -9,8 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 from tests.recipes import TINY_ARITH  # noqa: E402
-from training.config import TrainConfig  # noqa: E402
-from training.grpo import train_grpo  # noqa: E402
+from dualvllm.training.config import TrainConfig  # noqa: E402
+from dualvllm.training.grpo import train_grpo  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -38,8 +38,8 @@ async def test_the_recipe_trains_in_process_from_live_weights(tmp_path, fields):
 
 async def test_a_grpo_run_without_signal_stops_at_stop_without_signal(tmp_path, monkeypatch, caplog):
     """On the hard task the bundled base is never right, so on-policy groups all score 0: no signal."""
-    from tinymodels.task import HARD_TEST, HARD_TRAIN
-    from training import grpo
+    from dualvllm.tinymodels.task import HARD_TEST, HARD_TRAIN
+    from dualvllm.training import grpo
 
     monkeypatch.setattr(grpo, "NO_SIGNAL_WARNING_STEPS", 1)
 
@@ -68,7 +68,7 @@ async def test_a_grpo_run_with_signal_goes_on_past_stop_without_signal(tmp_path)
 
 
 async def test_a_run_on_the_mixed_task_reports_each_difficulty_the_retained_skill_and_the_kl_from_start(tmp_path):
-    from tinymodels.task import MIXED_DATA, RETAINED_TEST
+    from dualvllm.tinymodels.task import MIXED_DATA, RETAINED_TEST
 
     config = TrainConfig.parse(config_file=TINY_ARITH, output_dir=tmp_path / "run", engine="transformers", steps=2,
                                prompts_per_step=2, group_size=4, eval_every=2, eval_prompts=12, max_tokens=21, seed=0,
@@ -89,10 +89,10 @@ async def test_a_run_on_the_mixed_task_reports_each_difficulty_the_retained_skil
 def test_the_kl_from_start_is_the_full_vocabulary_kl_at_each_completion_state():
     import transformers
 
-    import tinymodels
-    from training.forgetting import state_kl
-    from training.learner import pack
-    from training.rollouts import Rollout
+    from dualvllm import tinymodels
+    from dualvllm.training.forgetting import state_kl
+    from dualvllm.training.learner import pack
+    from dualvllm.training.rollouts import Rollout
 
     base = transformers.AutoModelForCausalLM.from_pretrained(tinymodels.BASE_DIR).eval()
     teacher = transformers.AutoModelForCausalLM.from_pretrained(tinymodels.TEACHER_DIR).eval()
@@ -114,9 +114,9 @@ def test_the_kl_from_start_is_the_full_vocabulary_kl_at_each_completion_state():
 async def test_the_adaptive_recipe_guides_the_prompts_its_base_never_solves(tmp_path):
     """On the hard task the bundled base is never right: every prompt's group is the teacher's
     samples plus two on-policy probes, and the probes keep it never-solved."""
-    import tinymodels
-    from tinymodels.task import HARD_TEST, HARD_TRAIN
-    from training import checkpoint
+    from dualvllm import tinymodels
+    from dualvllm.tinymodels.task import HARD_TEST, HARD_TRAIN
+    from dualvllm.training import checkpoint
 
     config = TrainConfig.parse(config_file=TINY_ARITH, output_dir=tmp_path / "run", engine="transformers",
                                method="adaptive", steps=4, prompts_per_step=2, group_size=4, eval_every=4,
@@ -139,7 +139,7 @@ async def test_the_adaptive_recipe_guides_the_prompts_its_base_never_solves(tmp_
 async def test_a_run_killed_after_its_last_metrics_resumes_without_duplicates(tmp_path):
     import shutil
 
-    from training import checkpoint
+    from dualvllm.training import checkpoint
 
     fields = {"output_dir": tmp_path / "run", "engine": "transformers", "method": "adaptive", "steps": 3,
               "prompts_per_step": 2, "group_size": 3, "probe_rollouts": 1, "eval_every": 3, "eval_prompts": 4,

@@ -7,11 +7,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import tinymodels  # noqa: E402
-from training import checkpoint  # noqa: E402
-from training.checkpoint import RunState  # noqa: E402
-from training.learner import Learner, Objective, Packed, completion_logprobs, pack  # noqa: E402
-from training.rollouts import Rollout, ScoredBatch  # noqa: E402
+from dualvllm import tinymodels  # noqa: E402
+from dualvllm.training import checkpoint  # noqa: E402
+from dualvllm.training.checkpoint import RunState  # noqa: E402
+from dualvllm.training.learner import Learner, Objective, Packed, completion_logprobs, pack  # noqa: E402
+from dualvllm.training.rollouts import Rollout, ScoredBatch  # noqa: E402
 
 
 @pytest.fixture(scope="module")

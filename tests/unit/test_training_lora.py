@@ -8,10 +8,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-import tinymodels  # noqa: E402
-from training import checkpoint, lora  # noqa: E402
-from training.checkpoint import RunState  # noqa: E402
-from training.learner import Learner  # noqa: E402
+from dualvllm import tinymodels  # noqa: E402
+from dualvllm.training import checkpoint, lora  # noqa: E402
+from dualvllm.training.checkpoint import RunState  # noqa: E402
+from dualvllm.training.learner import Learner  # noqa: E402
 
 PROMPT = torch.tensor([[19, 20, 13, 21, 22, 31]])  # "12+34="
 

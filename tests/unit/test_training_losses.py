@@ -7,7 +7,7 @@ import math
 import pytest
 
 torch = pytest.importorskip("torch")
-from training.losses import (  # noqa: E402
+from dualvllm.training.losses import (  # noqa: E402
     advantages,
     effective_sample_size_ratio,
     group_advantages,

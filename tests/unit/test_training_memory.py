@@ -2,7 +2,7 @@
 micro-batches with gradient accumulation (training/learner.py), against the plain computation.
 
 The reference is written here from the full-vocabulary forward: log_softmax over the model's
-whole logits, then the loss terms of training.losses / training.distill on the whole batch.
+whole logits, then the loss terms of dualvllm.training.losses / dualvllm.training.distill on the whole batch.
 The learner must give the same loss and the same gradient for every parameter whatever its
 micro-batch size, lm_head chunk and gradient checkpointing; and it must never allocate a
 tensor the size of the logits.
@@ -20,10 +20,10 @@ transformers = pytest.importorskip("transformers")
 
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from training.distill import generalized_jsd, with_tail  # noqa: E402
-from training.learner import Learner, Objective, completion_logprobs, pack  # noqa: E402
-from training.losses import advantages as group_advantages, normalize, policy_loss  # noqa: E402
-from training.rollouts import Rollout, ScoredBatch  # noqa: E402
+from dualvllm.training.distill import generalized_jsd, with_tail  # noqa: E402
+from dualvllm.training.learner import Learner, Objective, completion_logprobs, pack  # noqa: E402
+from dualvllm.training.losses import advantages as group_advantages, normalize, policy_loss  # noqa: E402
+from dualvllm.training.rollouts import Rollout, ScoredBatch  # noqa: E402
 
 PAD = 0
 TOPK = 4
@@ -195,7 +195,7 @@ def test_gradient_checkpointing_changes_no_gradient_and_leaves_sampling_with_a_c
 
 
 def test_a_lora_model_with_checkpointing_gets_the_full_vocabulary_gradient_on_its_adapters():
-    from training import lora
+    from dualvllm.training import lora
 
     objective = Objective(method="distill", distill_coef=1.0, distill_beta=0.5)
     batch = rollouts()
@@ -295,7 +295,7 @@ def test_the_chunks_logits_are_not_kept_for_backward():
 
 def test_an_update_flushes_denormal_floats_in_its_backward_and_restores_the_threads_flag():
     """A rollout with a tiny sequence weight backpropagates denormal gradients, ~100x slower on x86
-    (training.learner.denormals_flushed): the update's backward zeroes them, in a worker thread too,
+    (dualvllm.training.learner.denormals_flushed): the update's backward zeroes them, in a worker thread too,
     and the thread flushes as before once it is over (left on, the flag broke hypothesis's floats)."""
     import threading
 

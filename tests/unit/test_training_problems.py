@@ -9,12 +9,12 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-import tinymodels
-from common.errors import InvalidInputError
-from tinymodels.task import problems
+from dualvllm import tinymodels
+from dualvllm.common.errors import InvalidInputError
+from dualvllm.tinymodels.task import problems
 from tests.recipes import TINY_ARITH
-from training.config import TrainConfig
-from training.problems import load_problems
+from dualvllm.training.config import TrainConfig
+from dualvllm.training.problems import load_problems
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_a_user_dataset_with_templates_and_a_held_out_split(tmp_path, tokenizer)
 @pytest.mark.parametrize("rows, fields, held", [(40, {}, 4), (4000, {}, 200), (4000, {"eval_prompts": 50}, 50),
                                                  (3, {}, 1), (40, {"eval_fraction": 0.5}, 20)])
 def test_the_held_out_share_fits_the_dataset(tmp_path, tokenizer, caplog, rows, fields, held):
-    with caplog.at_level("INFO", logger="training.problems"):
+    with caplog.at_level("INFO", logger="dualvllm.training.problems"):
         loaded = load_problems(config(tmp_path, dataset=gsm8k_file(tmp_path, rows), prompt_template="{question}",
                                       reward=("gsm8k",), **fields), tokenizer)
     assert (len(loaded.train), len(loaded.held_out)) == (rows - held, held)
@@ -90,7 +90,7 @@ def test_refusals_before_any_server(tmp_path, tokenizer, values, message):
 
 
 def test_the_tokenizers_own_chat_template_is_used_and_needed(tmp_path, tokenizer):
-    # The bundled models' template renders a chat as its messages' text (tinymodels.build.CHAT_TEMPLATE).
+    # The bundled models' template renders a chat as its messages' text (dualvllm.tinymodels.build.CHAT_TEMPLATE).
     loaded = load_problems(config(tmp_path, chat_template="tokenizer", eval_prompts=2), tokenizer)
     assert loaded.train[0].prompt_text == loaded.train[0].row["prompt"]
     bare = copy.deepcopy(tokenizer)
@@ -100,7 +100,7 @@ def test_the_tokenizers_own_chat_template_is_used_and_needed(tmp_path, tokenizer
 
 
 def test_the_mixed_task_with_its_retained_skill_and_groups(tmp_path, tokenizer):
-    from tinymodels.task import MIXED_DATA, RETAINED_TEST
+    from dualvllm.tinymodels.task import MIXED_DATA, RETAINED_TEST
 
     loaded = load_problems(config(tmp_path, dataset=MIXED_DATA["train"], eval_dataset=MIXED_DATA["val"],
                                   retained_dataset=RETAINED_TEST, eval_group_by="difficulty", eval_prompts=60),

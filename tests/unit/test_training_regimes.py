@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.errors import InvalidInputError
-from training.regimes import ALWAYS, NEVER, SOMETIMES, Regimes
+from dualvllm.common.errors import InvalidInputError
+from dualvllm.training.regimes import ALWAYS, NEVER, SOMETIMES, Regimes
 
 
 def test_a_prompt_moves_between_regimes_with_hysteresis():

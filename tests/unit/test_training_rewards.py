@@ -16,11 +16,11 @@ from typing import Any, Callable
 
 import pytest
 
-from common.errors import InvalidInputError
-from training.rewards import (BUILT_IN, RewardSpec, Scores, reward_code, reward_exact, reward_format,
+from dualvllm.common.errors import InvalidInputError
+from dualvllm.training.rewards import (BUILT_IN, RewardSpec, Scores, reward_code, reward_exact, reward_format,
                               reward_gsm8k, reward_length, reward_math, reward_spec, required_fields,
                               score_completions, weighted_total)
-from training.verifiers import verifier_pool
+from dualvllm.training.verifiers import verifier_pool
 
 pytest.importorskip("math_verify")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from training.curriculum import Curriculum
-from training.rollouts import Rollout, Sampled, ScoredBatch, Task, produce
+from dualvllm.training.curriculum import Curriculum
+from dualvllm.training.rollouts import Rollout, Sampled, ScoredBatch, Task, produce
 
 
 def task(i: int) -> Task:

@@ -2,7 +2,7 @@
 
 One fixed batch (2 prompts x 4 rollouts of the bundled task, with recorded log q*, log pi_t,
 the teacher's top-k and rewards) goes through real TRL (QStarGRPOTrainer, fed by a rollout
-function that returns the batch) and through training.learner.Learner; both start from the
+function that returns the batch) and through dualvllm.training.learner.Learner; both start from the
 bundled base's weights. Nothing of TRL or transformers is mocked.
 """
 
@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 import torch
 
-import tinymodels
-from common.errors import InvalidInputError
-from training.learner import Learner, Objective
-from training.rollouts import Rollout, ScoredBatch
+from dualvllm import tinymodels
+from dualvllm.common.errors import InvalidInputError
+from dualvllm.training.learner import Learner, Objective
+from dualvllm.training.rollouts import Rollout, ScoredBatch
 
 datasets = pytest.importorskip("datasets")
 trl = pytest.importorskip("trl")
-from training.trl_trainer import QStarGRPOConfig, QStarGRPOTrainer  # noqa: E402
+from dualvllm.training.trl_trainer import QStarGRPOConfig, QStarGRPOTrainer  # noqa: E402
 
 PROMPTS = ("12+34=", "507+18=")  # different lengths: TRL pads prompts on the left, the learner on the right
 COMPLETIONS = (("64<eos>", "46<eos>", "6<eos>", "64"), ("525<eos>", "52<eos>", "5255", "1<eos>"))
@@ -276,7 +276,7 @@ def test_every_trl_private_method_overridden_still_exists_with_its_signature():
 
     from trl import GRPOTrainer, __version__
 
-    from training.trl_trainer import OVERRIDDEN
+    from dualvllm.training.trl_trainer import OVERRIDDEN
 
     for name, parameters in OVERRIDDEN.items():
         assert hasattr(GRPOTrainer, name), (

@@ -9,12 +9,12 @@ import warnings
 import numpy as np
 import pytest
 
-import tinymodels
-from common.errors import InvalidInputError, LifecycleError
-from coordinator import CoordinatorConfig, GenerationOutput
-from engines.transformers_engine import TransformersEngine
-from tinymodels.task import HINT_TEMPLATE
-from training.trl_rollouts import QStarRollouts, rollout_fields
+from dualvllm import tinymodels
+from dualvllm.common.errors import InvalidInputError, LifecycleError
+from dualvllm.coordinator import CoordinatorConfig, GenerationOutput
+from dualvllm.engines.transformers_engine import TransformersEngine
+from dualvllm.tinymodels.task import HINT_TEMPLATE
+from dualvllm.training.trl_rollouts import QStarRollouts, rollout_fields
 
 datasets = pytest.importorskip("datasets")
 pytest.importorskip("trl")
@@ -82,7 +82,7 @@ def _engines(teacher=tinymodels.TEACHER_DIR):
 def _trainer(tmp_path, rollouts, tokenizer, *, steps: int = 2):
     from transformers import AutoModelForCausalLM
 
-    from training.trl_trainer import QStarGRPOConfig, QStarGRPOTrainer
+    from dualvllm.training.trl_trainer import QStarGRPOConfig, QStarGRPOTrainer
 
     def exact(prompts, completions, answer, **_):
         return [float(c.strip() == a) for c, a in zip(completions, answer)]

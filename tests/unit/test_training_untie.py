@@ -1,4 +1,4 @@
-"""training.untie: a tied checkpoint becomes the same model with its own output layer."""
+"""dualvllm.training.untie: a tied checkpoint becomes the same model with its own output layer."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from common.errors import InvalidInputError
-from training import untie
+from dualvllm.common.errors import InvalidInputError
+from dualvllm.training import untie
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -40,7 +40,7 @@ def test_an_untied_copy_gives_the_same_logits_and_owns_its_output_layer(tmp_path
 
 def test_a_tied_base_is_refused_with_the_command_that_unties_it(tmp_path):
     model = tied_checkpoint(tmp_path / "tied")
-    with pytest.raises(InvalidInputError, match=r"ties its input and output embeddings.*python -m training.untie"):
+    with pytest.raises(InvalidInputError, match=r"ties its input and output embeddings.*python -m dualvllm.training.untie"):
         untie.refuse_tied(model, str(tmp_path / "tied"))
     model.config.tie_word_embeddings = False
     untie.refuse_tied(model, str(tmp_path / "tied"))  # untied: nothing to say

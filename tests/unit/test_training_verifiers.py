@@ -11,8 +11,8 @@ import time
 import psutil
 import pytest
 
-from training.sandbox import SandboxLimits, run_tests
-from training.verifiers import code_reward, exact_match, math_reward, score_in_pool, verifier_pool
+from dualvllm.training.sandbox import SandboxLimits, run_tests
+from dualvllm.training.verifiers import code_reward, exact_match, math_reward, score_in_pool, verifier_pool
 
 pytest.importorskip("math_verify")
 
@@ -96,7 +96,7 @@ async def test_scoring_runs_in_a_process_pool():
 # A parent that opens a verifier pool, starts its worker, prints the worker's pid and waits.
 POOL_PARENT = """
 import os, time
-from training.verifiers import exact_match, verifier_pool
+from dualvllm.training.verifiers import exact_match, verifier_pool
 with verifier_pool() as pool:
     assert pool.submit(exact_match, "1", "1").result() == 1.0
     print(*[p.pid for p in pool._processes.values()], flush=True)

@@ -17,8 +17,8 @@ torch = pytest.importorskip("torch")
 from vllm import SamplingParams  # noqa: E402
 from vllm.v1.sample.logits_processor import BatchUpdate  # noqa: E402
 
-from engines.lockstep_channel import LockstepChannel  # noqa: E402
-from engines.vllm_plugin import processor, wire  # noqa: E402
+from dualvllm.engines.lockstep_channel import LockstepChannel  # noqa: E402
+from dualvllm.engines.vllm_plugin import processor, wire  # noqa: E402
 from tests.waiting import eventually  # noqa: E402
 
 STOP = 1

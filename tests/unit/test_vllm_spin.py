@@ -11,7 +11,7 @@ pytest.importorskip("vllm")
 import vllm  # noqa: E402
 from vllm.distributed.device_communicators import shm_broadcast  # noqa: E402
 
-from engines.vllm_plugin import spin  # noqa: E402
+from dualvllm.engines.vllm_plugin import spin  # noqa: E402
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""A push never kills a server (engines.weights_dir, training.weight_sync), against the fake vLLM.
+"""A push never kills a server (dualvllm.engines.weights_dir, dualvllm.training.weight_sync), against the fake vLLM.
 
 - Every path a server is told to reload is absolute and checked first: a relative path is
   resolved here, and a missing or corrupt checkpoint raises WeightSyncError before any
@@ -19,12 +19,12 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from common.errors import WeightSyncError
-from coordinator import CoordinatorConfig, DualVLLMCoordinator
-from engines.vllm_client import VLLMClient
-from engines.weights_dir import checked_weights_dir
+from dualvllm.common.errors import WeightSyncError
+from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator
+from dualvllm.engines.vllm_client import VLLMClient
+from dualvllm.engines.weights_dir import checked_weights_dir
 from tests.fake_vllm import Failure, FakeModel, FakeVLLM, running_fakes, tokenize, write_fake_weights
-from training.weight_sync import BasePusher, reload_and_verify
+from dualvllm.training.weight_sync import BasePusher, reload_and_verify
 
 NEW_SEED = 7  # fake_theta starts on FakeModel(seed=1)
 PROBES = [[1, 2, 3], [4], [5, 6, 7, 8]]

@@ -1,4 +1,4 @@
-"""Pushes are written in the server's dtype and verified like with like (training.weight_sync).
+"""Pushes are written in the server's dtype and verified like with like (dualvllm.training.weight_sync).
 
 A server that computes in bfloat16 serves the checkpoint's weights rounded to bfloat16; the
 learner keeps float32 master weights. The expected logprobs are therefore those of the
@@ -12,9 +12,9 @@ import json
 import numpy as np
 import pytest
 
-from engines.vllm_client import VLLMClient
+from dualvllm.engines.vllm_client import VLLMClient
 from tests.fake_vllm import FakeModel, FakeVLLM
-from training.weight_sync import PUSH_TOLERANCE, learner_logprobs, write_push
+from dualvllm.training.weight_sync import PUSH_TOLERANCE, learner_logprobs, write_push
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -1,4 +1,4 @@
-"""A weight reload is never resent blindly (training.weight_sync), against the fake vLLM.
+"""A weight reload is never resent blindly (dualvllm.training.weight_sync), against the fake vLLM.
 
 The fake's /collective_rpc reload_weights switches its model to the seed written in the
 checkpoint directory; the learner's logprobs are the FakeModel's own, so no torch is needed.
@@ -13,11 +13,11 @@ import logging
 import numpy as np
 import pytest
 
-from common.errors import WeightSyncError
-from engines.protocol import TopKBatch
-from engines.vllm_client import VLLMClient
+from dualvllm.common.errors import WeightSyncError
+from dualvllm.engines.protocol import TopKBatch
+from dualvllm.engines.vllm_client import VLLMClient
 from tests.fake_vllm import Failure, FakeModel, write_fake_weights
-from training.weight_sync import RELOAD_TIMEOUT_S, compare_logprobs, push_weights, reload_and_verify
+from dualvllm.training.weight_sync import RELOAD_TIMEOUT_S, compare_logprobs, push_weights, reload_and_verify
 
 NEW_SEED, OTHER_SEED = 7, 3  # fake_theta starts on FakeModel(seed=1)
 PROBES = [[1, 2, 3], [4], [5, 6, 7, 8]]

@@ -1,4 +1,4 @@
-"""The trainer side of the in-memory weight push (training.weight_transfer), against a receiver
+"""The trainer side of the in-memory weight push (dualvllm.training.weight_transfer), against a receiver
 that reads the shared-memory segments as the server's engine does.
 
 The server side (engines/vllm_plugin/weight_transfer.py) runs inside real vLLM servers in
@@ -18,9 +18,9 @@ pytest.importorskip("vllm")
 
 from vllm.distributed.weight_transfer.base import layerwise_groups  # noqa: E402
 
-from engines.weight_transfer import SEGMENT_PREFIX, SHM_DIR, ShmInitInfo, ShmUpdateInfo, segment_path  # noqa: E402
-from training import lora  # noqa: E402
-from training.weight_transfer import (  # noqa: E402
+from dualvllm.engines.weight_transfer import SEGMENT_PREFIX, SHM_DIR, ShmInitInfo, ShmUpdateInfo, segment_path  # noqa: E402
+from dualvllm.training import lora  # noqa: E402
+from dualvllm.training.weight_transfer import (  # noqa: E402
     LearnerSource,
     SharedMemoryTrainerEngine,
     ShmTrainerInitInfo,

@@ -19,16 +19,16 @@ from pathlib import Path
 
 import pytest
 
-import tinymodels
-from coordinator import CoordinatorConfig
+from dualvllm import tinymodels
+from dualvllm.coordinator import CoordinatorConfig
 from tests import processes
 from tests.recipes import TINY_ARITH
 
 datasets = pytest.importorskip("datasets")
 pytest.importorskip("trl")
-from training.trl_rollouts import QStarRollouts  # noqa: E402
-from training.trl_sync import QStarWeightSync  # noqa: E402
-from training.trl_trainer import QStarGRPOConfig, QStarGRPOTrainer  # noqa: E402
+from dualvllm.training.trl_rollouts import QStarRollouts  # noqa: E402
+from dualvllm.training.trl_sync import QStarWeightSync  # noqa: E402
+from dualvllm.training.trl_trainer import QStarGRPOConfig, QStarGRPOTrainer  # noqa: E402
 
 ROWS = [{"prompt": "57+44=", "answer": "101"}, {"prompt": "85+10=", "answer": "59"}]
 # One update of 2 x 4 rollouts, two verified pushes (the start weights and the update), and the

@@ -10,7 +10,7 @@ TRL's `trl.generation.vllm_client.VLLMClient` is synchronous. Then, with TRL's o
 - examples/trl_stock_grpo.py: a stock `GRPOTrainer` with `use_vllm=True, vllm_mode="server"`
   pointed at the service, with TRL's importance-sampling correction on. TRL's trainer-side
   weight sync needs CUDA (`init_communicator` refuses other devices): on CPU the example
-  replaces its push with the CPU weight-transfer engine (training.weight_transfer) driven
+  replaces its push with the CPU weight-transfer engine (dualvllm.training.weight_transfer) driven
   through the service's own four forwarded phases, and the base server is then checked to
   serve the trained weights. The CUDA/NCCL path through the service has not run (no GPU).
 """
@@ -29,10 +29,10 @@ import numpy as np
 import pytest
 import requests
 
-import tinymodels
-from coordinator import CoordinatorConfig, DualVLLMCoordinator
-from service.app import serve
-from service.config import ServiceConfig
+from dualvllm import tinymodels
+from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator
+from dualvllm.service.app import serve
+from dualvllm.service.config import ServiceConfig
 
 datasets = pytest.importorskip("datasets")
 trl = pytest.importorskip("trl")
@@ -155,8 +155,8 @@ def test_the_stock_grpo_example_samples_q_star_and_pushes_through_the_service(se
     """examples/trl_stock_grpo.py: a stock GRPOTrainer whose only change is vllm_server_base_url."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engines.vllm_client import VLLMClient
-    from training.weight_sync import compare_logprobs, learner_logprobs
+    from dualvllm.engines.vllm_client import VLLMClient
+    from dualvllm.training.weight_sync import compare_logprobs, learner_logprobs
 
     theta, _ = dev_pair
     trainer, pushes = EXAMPLE.train(service.url.result(), tmp_path, max_steps=STEPS, rows=ROWS)

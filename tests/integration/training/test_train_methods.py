@@ -17,8 +17,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 from tests.recipes import TINY_ARITH  # noqa: E402
-from training.config import TrainConfig  # noqa: E402
-from training.grpo import train_grpo  # noqa: E402
+from dualvllm.training.config import TrainConfig  # noqa: E402
+from dualvllm.training.grpo import train_grpo  # noqa: E402
 
 
 

@@ -18,15 +18,15 @@ from pathlib import Path
 
 import pytest
 
-import tinymodels
-from coordinator import CoordinatorConfig
+from dualvllm import tinymodels
+from dualvllm.coordinator import CoordinatorConfig
 from tests import processes
 
 datasets = pytest.importorskip("datasets")
 pytest.importorskip("trl")
-from training.trl_rollouts import QStarRollouts  # noqa: E402
-from training.trl_sync import QStarWeightSync  # noqa: E402
-from training.trl_trainer import QStarGRPOConfig, QStarGRPOTrainer  # noqa: E402
+from dualvllm.training.trl_rollouts import QStarRollouts  # noqa: E402
+from dualvllm.training.trl_sync import QStarWeightSync  # noqa: E402
+from dualvllm.training.trl_trainer import QStarGRPOConfig, QStarGRPOTrainer  # noqa: E402
 
 ROWS = [{"prompt": "57+44=", "answer": "101"}, {"prompt": "85+10=", "answer": "59"},
         {"prompt": "45+27=", "answer": "27"}, {"prompt": "90+61=", "answer": "151"}]
@@ -46,7 +46,7 @@ def exact(prompts, completions, answer, **_):
 def test_trl_trains_on_qstar_rollouts_and_pushes_every_step(dev_pair, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from training.weight_sync import learner_logprobs
+    from dualvllm.training.weight_sync import learner_logprobs
 
     theta, t = dev_pair
     tokenizer = AutoTokenizer.from_pretrained(tinymodels.BASE_DIR)
