@@ -23,8 +23,12 @@ def read_objects(path: Path, *, what: str = "input") -> list[tuple[int, dict[str
                 try:
                     text = raw.decode("utf-8")
                 except UnicodeDecodeError as exc:
-                    raise InputFormatError(str(path), number, f"not UTF-8 text (byte {raw[exc.start]:#04x} at "
-                                           f"column {exc.start + 1}); JSONL files are UTF-8: re-encode it") from exc
+                    raise InputFormatError(
+                        str(path),
+                        number,
+                        f"not UTF-8 text (byte {raw[exc.start]:#04x} at "
+                        f"column {exc.start + 1}); JSONL files are UTF-8: re-encode it",
+                    ) from exc
                 if not text.strip():
                     continue
                 try:
@@ -35,6 +39,7 @@ def read_objects(path: Path, *, what: str = "input") -> list[tuple[int, dict[str
                     raise InputFormatError(str(path), number, "each line must be a JSON object")
                 objects.append((number, record))
     except OSError as exc:
-        raise InvalidInputError(f"cannot read the {what} {path}: {exc.strerror or exc}; give a readable "
-                                "JSONL file") from exc
+        raise InvalidInputError(
+            f"cannot read the {what} {path}: {exc.strerror or exc}; give a readable JSONL file"
+        ) from exc
     return objects

@@ -34,14 +34,17 @@ def chosen() -> str:
     """The loop `run` will use: DUALVLLM_EVENT_LOOP if set, else uvloop when it is installed."""
     name = os.environ.get(LOOP_ENV, "").strip().lower()
     if name and name not in LOOPS:
-        raise InvalidInputError(f"{LOOP_ENV}={os.environ[LOOP_ENV]!r} is not an event loop dualvllm knows; "
-                                f"set it to one of {', '.join(LOOPS)}, or unset it (uvloop when installed)")
+        raise InvalidInputError(
+            f"{LOOP_ENV}={os.environ[LOOP_ENV]!r} is not an event loop dualvllm knows; "
+            f"set it to one of {', '.join(LOOPS)}, or unset it (uvloop when installed)"
+        )
     if name == "asyncio":
         return name
     if importlib.util.find_spec("uvloop") is None:  # a dependency except on Windows, where it is not built
         if name == "uvloop":
-            raise InvalidInputError(f"{LOOP_ENV}=uvloop, but uvloop is not installed: `pip install uvloop`, "
-                                    f"or set {LOOP_ENV}=asyncio")
+            raise InvalidInputError(
+                f"{LOOP_ENV}=uvloop, but uvloop is not installed: `pip install uvloop`, or set {LOOP_ENV}=asyncio"
+            )
         return "asyncio"
     return "uvloop"
 

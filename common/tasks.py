@@ -45,8 +45,9 @@ async def stop(*tasks: asyncio.Task | None, what: str, timeout_s: float) -> None
         left = deadline - loop.time()
         if left <= 0:
             names = ", ".join(sorted(task.get_name() for task in running))
-            raise ShutdownTimeoutError(f"{what} did not stop within {timeout_s:g} s of being cancelled "
-                                       f"(still running: {names})")
+            raise ShutdownTimeoutError(
+                f"{what} did not stop within {timeout_s:g} s of being cancelled (still running: {names})"
+            )
         await asyncio.wait(running, timeout=min(CANCEL_RETRY_S, left))
     for task in tasks:
         if task is not None and not task.cancelled() and task.exception() is not None:

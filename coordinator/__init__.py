@@ -10,6 +10,11 @@ from dualvllm.coordinator.outputs import FinishReason, GenerationOutput, Prompt
 from dualvllm.coordinator.sequence import SamplingParams
 
 __all__ = [
-    "CoordinatorConfig", "DualVLLMCoordinator", "FinishReason", "GenerationOutput", "Prompt",
-    "SamplingParams", "generate_with_optimal_sampling",
+    "CoordinatorConfig",
+    "DualVLLMCoordinator",
+    "FinishReason",
+    "GenerationOutput",
+    "Prompt",
+    "SamplingParams",
+    "generate_with_optimal_sampling",
 ]

@@ -134,8 +134,9 @@ class AdmissionGate:
                 still.append(pair)
         self._pending = still
         if not still and self._reports:  # the round is resolved: adapt the wait
-            self.delay_s = min(2 * self.delay_s, MAX_DELAY_S) if self._missed else max(SHRINK * self.delay_s,
-                                                                                      MIN_DELAY_S)
+            self.delay_s = (
+                min(2 * self.delay_s, MAX_DELAY_S) if self._missed else max(SHRINK * self.delay_s, MIN_DELAY_S)
+            )
             self._reports = {}
 
     def forget(self, request: tuple[str, int]) -> None:

@@ -32,9 +32,7 @@ async def check_health(theta: Engine, t: Engine) -> None:
 
 async def check_tokenizers(theta: Engine, t: Engine, infos: tuple[ModelInfo, ModelInfo]) -> None:
     """Refuse a pair whose tokenizers give different ids for the same text."""
-    ids = await asyncio.gather(
-        *(e.tokenize(p, add_special_tokens=False) for p in TOKENIZER_PROBES for e in (theta, t))
-    )
+    ids = await asyncio.gather(*(e.tokenize(p, add_special_tokens=False) for p in TOKENIZER_PROBES for e in (theta, t)))
     for i, probe in enumerate(TOKENIZER_PROBES):
         ids_theta, ids_t = ids[2 * i], ids[2 * i + 1]
         if ids_theta != ids_t:
@@ -77,9 +75,11 @@ async def check_top_k(theta: Engine, t: Engine, k: int, probe_ids: list[int], vo
     if vocab_size is not None and k > vocab_size:
         raise InvalidInputError(
             f"top_k={k} is larger than the models' vocabulary of {vocab_size} tokens (a vLLM server "
-            f"asked for that many logprobs fails and stops serving); use top_k <= {vocab_size}.")
+            f"asked for that many logprobs fails and stops serving); use top_k <= {vocab_size}."
+        )
     results = await asyncio.gather(
-        theta.next_token_topk([probe_ids], k), t.next_token_topk([probe_ids], k),
+        theta.next_token_topk([probe_ids], k),
+        t.next_token_topk([probe_ids], k),
         return_exceptions=True,
     )
     for result in results:

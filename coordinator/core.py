@@ -145,16 +145,25 @@ class DualVLLMCoordinator:
                 raise InvalidInputError(
                     f"prompt {same}: the base and the teacher are one model (one server), and this prompt is the "
                     "same for both, so q* would be the model itself. Give a (theta_prompt, t_prompt) pair whose "
-                    "teacher prompt adds information (e.g. the answer), or use a separate teacher server")
+                    "teacher prompt adds information (e.g. the answer), or use a separate teacher server"
+                )
         if seeds is not None and len(seeds) != len(prompts):
             raise InvalidInputError(f"got {len(seeds)} seeds for {len(prompts)} prompts; give one per prompt")
         base_seed = int(self._seed_source.integers(2**63)) if seed is None else seed
         rng_keys = [[int(s)] for s in seeds] if seeds is not None else [[base_seed, i] for i in range(len(prompts))]
         sink: asyncio.Queue[GenerationOutput] = asyncio.Queue()
         sequences = [
-            SequenceState(index=i, prompt=prompt, theta_prompt_ids=ids_theta, t_prompt_ids=ids_t,
-                          params=params, rng=np.random.default_rng(rng_keys[i]), sink=sink, listener=on_tokens,
-                          key=next(self._sequence_keys))
+            SequenceState(
+                index=i,
+                prompt=prompt,
+                theta_prompt_ids=ids_theta,
+                t_prompt_ids=ids_t,
+                params=params,
+                rng=np.random.default_rng(rng_keys[i]),
+                sink=sink,
+                listener=on_tokens,
+                key=next(self._sequence_keys),
+            )
             for i, (prompt, (ids_theta, ids_t)) in enumerate(zip(prompts, encoded))
         ]
         runnable = []
@@ -162,15 +171,16 @@ class DualVLLMCoordinator:
             longest = max(len(seq.theta_prompt_ids), len(seq.t_prompt_ids))
             if longest >= scheduler.max_len:
                 seq.finish_reason, seq.text = "context_limit", ""
-                seq.error = (f"the prompt has {longest} tokens and leaves no room in the "
-                             f"servers' context limit of {scheduler.max_len} tokens")
+                seq.error = (
+                    f"the prompt has {longest} tokens and leaves no room in the "
+                    f"servers' context limit of {scheduler.max_len} tokens"
+                )
                 sink.put_nowait(seq.output())
             else:
                 runnable.append(seq)
         scheduler.submit(runnable)
         try:
-            with tqdm(total=len(sequences), disable=not show_progress, unit="seq",
-                      desc="generating") as progress:
+            with tqdm(total=len(sequences), disable=not show_progress, unit="seq", desc="generating") as progress:
                 for _ in range(len(sequences)):
                     output = await sink.get()
                     progress.update(1)
@@ -191,8 +201,9 @@ class DualVLLMCoordinator:
     ) -> list[GenerationOutput]:
         """Generate for every prompt; outputs in input order. Arguments as in `stream`."""
         outputs: list[GenerationOutput | None] = [None] * len(prompts)
-        async for output in self.stream(prompts, params, seed=seed, seeds=seeds, show_progress=show_progress,
-                                        **settings):
+        async for output in self.stream(
+            prompts, params, seed=seed, seeds=seeds, show_progress=show_progress, **settings
+        ):
             outputs[output.index] = output
         assert all(o is not None for o in outputs)
         return outputs  # type: ignore[return-value]
@@ -204,14 +215,20 @@ class DualVLLMCoordinator:
             raise TopKUnsupportedError(
                 f"top_k={params.top_k} is above the coordinator's top_k={self.config.top_k}, the candidates it asks "
                 "the servers for (checked against their --max-logprobs at start-up); ask for at most "
-                f"{self.config.top_k}, or restart the coordinator with a larger top_k")
+                f"{self.config.top_k}, or restart the coordinator with a larger top_k"
+            )
         if params.record_topk > self.config.top_k:
-            raise InvalidInputError(f"record_topk={params.record_topk} is above the coordinator's top_k="
-                                    f"{self.config.top_k}, the candidates the servers send; ask for at most that")
-        if self.mode == "speculative" and (params.top_k is not None or params.top_logprobs or params.record_topk
-                                           or params.max_alpha is not None):
-            raise InvalidInputError("a per-call top_k, top_logprobs, record_topk and max_alpha are not available in "
-                                    "speculative mode; use per-token or lockstep mode (speculative_gamma=0)")
+            raise InvalidInputError(
+                f"record_topk={params.record_topk} is above the coordinator's top_k="
+                f"{self.config.top_k}, the candidates the servers send; ask for at most that"
+            )
+        if self.mode == "speculative" and (
+            params.top_k is not None or params.top_logprobs or params.record_topk or params.max_alpha is not None
+        ):
+            raise InvalidInputError(
+                "a per-call top_k, top_logprobs, record_topk and max_alpha are not available in "
+                "speculative mode; use per-token or lockstep mode (speculative_gamma=0)"
+            )
         return params
 
     async def encode(self, prompts: Sequence[Prompt]) -> list[tuple[list[int], list[int]]]:
@@ -224,8 +241,12 @@ class DualVLLMCoordinator:
         """The text of `token_ids`, by the base model's tokenizer (as outputs' texts are)."""
         return await self._require_open().theta.detokenize(token_ids)
 
-    async def render_chat(self, messages: Sequence[Mapping[str, Any]], role: str = "theta",
-                          template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    async def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        role: str = "theta",
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
         """Token ids of a chat, rendered with the chat template of the base (role "theta") or
         the teacher ("t"), ending with the prompt for the assistant's turn; `template_kwargs`:
         extra template variables (vLLM's chat_template_kwargs)."""
@@ -307,8 +328,7 @@ class DualVLLMCoordinator:
 
     def _require_open(self) -> Session:
         if self._state != "open" or self._session is None:
-            raise LifecycleError(
-                "the coordinator is not open; use `async with DualVLLMCoordinator(config) as c:`")
+            raise LifecycleError("the coordinator is not open; use `async with DualVLLMCoordinator(config) as c:`")
         return self._session
 
 
@@ -317,9 +337,13 @@ def _params(params: SamplingParams | None, settings: dict[str, Any]) -> Sampling
     if params is None:
         return SamplingParams(**settings)
     if not isinstance(params, SamplingParams):
-        raise InvalidInputError(f"params must be a SamplingParams (or give its fields as keywords, e.g. "
-                                f"max_tokens=...), got {type(params).__name__}")
+        raise InvalidInputError(
+            f"params must be a SamplingParams (or give its fields as keywords, e.g. "
+            f"max_tokens=...), got {type(params).__name__}"
+        )
     if settings:
-        raise InvalidInputError(f"got a SamplingParams and sampling keywords ({', '.join(sorted(settings))}); "
-                                "give one of them (dataclasses.replace(params, ...) changes a field)")
+        raise InvalidInputError(
+            f"got a SamplingParams and sampling keywords ({', '.join(sorted(settings))}); "
+            "give one of them (dataclasses.replace(params, ...) changes a field)"
+        )
     return params

@@ -31,7 +31,7 @@ def stop_window(stops: Sequence[str]) -> int:
 
 def _window(seq: SequenceState) -> list[int]:
     """The tokens a stop-string check decodes: the newest `stop_window` of the text's."""
-    return seq.tokens_for_text()[-stop_window(seq.params.stop):]
+    return seq.tokens_for_text()[-stop_window(seq.params.stop) :]
 
 
 def _has_stop(seq: SequenceState, text: str) -> bool:
@@ -82,8 +82,9 @@ class Delivery:
         return unsettled
 
     async def _texts(self, sequences: list[SequenceState], tokens: list[list[int]]) -> list[str | None]:
-        texts = await asyncio.gather(*(self._decode(seq, ids) for seq, ids in zip(sequences, tokens)),
-                                     return_exceptions=True)
+        texts = await asyncio.gather(
+            *(self._decode(seq, ids) for seq, ids in zip(sequences, tokens)), return_exceptions=True
+        )
         for text in texts:
             if isinstance(text, BaseException):
                 raise text

@@ -37,8 +37,23 @@ _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
 
 
 @_jit
-def merge_rows(ids_theta, lp_theta, ids_t, lp_t, fill, floor, vocab_size,
-               token_ids, raw_theta, raw_t, rep_theta, rep_t, counts, cov_theta, cov_t):
+def merge_rows(
+    ids_theta,
+    lp_theta,
+    ids_t,
+    lp_t,
+    fill,
+    floor,
+    vocab_size,
+    token_ids,
+    raw_theta,
+    raw_t,
+    rep_theta,
+    rep_t,
+    counts,
+    cov_theta,
+    cov_t,
+):
     """dualvllm.theory.merge.merge_topk row by row. Inputs [B, w1] / [B, w2] (PAD padding); outputs
     [B, w1 + w2], candidates sorted by id in the first counts[b] slots of each row;
     `vocab_size` < 0: unknown."""
@@ -143,8 +158,9 @@ def _log_normalize(values, n, temperature, out):
 
 
 @_jit
-def target_rows(raw_theta, raw_t, counts, temperature, fixed_alpha, max_alpha, tol, max_iter,
-                lp_theta, lp_t, alpha, logq):
+def target_rows(
+    raw_theta, raw_t, counts, temperature, fixed_alpha, max_alpha, tol, max_iter, lp_theta, lp_t, alpha, logq
+):
     """dualvllm.coordinator.step.solve_target row by row: temperature (0 = greedy rows use 1), alpha*
     where fixed_alpha is NaN (capped at max_alpha), and log q* over the candidates."""
     mixed = np.empty(raw_theta.shape[1], np.float64)
@@ -196,8 +212,7 @@ def _solve_alpha(lp, lt, n, tol, max_iter, l, q):
         if f > 0:
             hi = a
         newton = a - f / df
-        bisect = (not math.isfinite(newton) or newton <= lo or newton >= hi
-                  or abs(2.0 * f) > abs(step_before * df))
+        bisect = not math.isfinite(newton) or newton <= lo or newton >= hi or abs(2.0 * f) > abs(step_before * df)
         new = 0.5 * (lo + hi) if bisect else newton
         step_before, step = step, abs(new - a)
         done = f == 0 or hi - lo < tol or step < tol
@@ -234,19 +249,72 @@ def sample_rows(logq, counts, uniforms, greedy, index):
 
 
 @_jit
-def step_rows(ids_theta, lp_theta, ids_t, lp_t, fill, floor, vocab_size, temperature, fixed_alpha, max_alpha,
-              uniforms, greedy, tol, max_iter,
-              token_ids, raw_theta, raw_t, rep_theta, rep_t, counts, cov_theta, cov_t, lp_tempered_theta,
-              lp_tempered_t, alpha, logq, index, chosen):
+def step_rows(
+    ids_theta,
+    lp_theta,
+    ids_t,
+    lp_t,
+    fill,
+    floor,
+    vocab_size,
+    temperature,
+    fixed_alpha,
+    max_alpha,
+    uniforms,
+    greedy,
+    tol,
+    max_iter,
+    token_ids,
+    raw_theta,
+    raw_t,
+    rep_theta,
+    rep_t,
+    counts,
+    cov_theta,
+    cov_t,
+    lp_tempered_theta,
+    lp_tempered_t,
+    alpha,
+    logq,
+    index,
+    chosen,
+):
     """The three phases in one call (one dispatch instead of three: at batch 1 the calls cost more
     than the math), and the chosen candidate's token id, log q*, raw logprobs -> chosen [4, B]."""
-    merge_rows(ids_theta, lp_theta, ids_t, lp_t, fill, floor, vocab_size,
-               token_ids, raw_theta, raw_t, rep_theta, rep_t, counts, cov_theta, cov_t)
+    merge_rows(
+        ids_theta,
+        lp_theta,
+        ids_t,
+        lp_t,
+        fill,
+        floor,
+        vocab_size,
+        token_ids,
+        raw_theta,
+        raw_t,
+        rep_theta,
+        rep_t,
+        counts,
+        cov_theta,
+        cov_t,
+    )
     for b in range(counts.shape[0]):
         if counts[b] == 0:
             return False
-    target_rows(raw_theta, raw_t, counts, temperature, fixed_alpha, max_alpha, tol, max_iter,
-                lp_tempered_theta, lp_tempered_t, alpha, logq)
+    target_rows(
+        raw_theta,
+        raw_t,
+        counts,
+        temperature,
+        fixed_alpha,
+        max_alpha,
+        tol,
+        max_iter,
+        lp_tempered_theta,
+        lp_tempered_t,
+        alpha,
+        logq,
+    )
     sample_rows(logq, counts, uniforms, greedy, index)
     for b in range(counts.shape[0]):
         j = index[b]
@@ -257,8 +325,17 @@ def step_rows(ids_theta, lp_theta, ids_t, lp_t, fill, floor, vocab_size, tempera
 
 # -- the array-level calls (allocate the outputs, check the inputs) ---------------------------
 
-def merge(ids_theta: np.ndarray, logp_theta: np.ndarray, ids_t: np.ndarray, logp_t: np.ndarray, *,
-          fill: FillRule = "min", floor: float = DEFAULT_FLOOR, vocab_size: int | None = None) -> MergedTopK:
+
+def merge(
+    ids_theta: np.ndarray,
+    logp_theta: np.ndarray,
+    ids_t: np.ndarray,
+    logp_t: np.ndarray,
+    *,
+    fill: FillRule = "min",
+    floor: float = DEFAULT_FLOOR,
+    vocab_size: int | None = None,
+) -> MergedTopK:
     """dualvllm.theory.merge.merge_topk, compiled: the same arguments and result."""
     if fill not in FILL_RULES:
         raise ValueError(f"unknown fill rule {fill!r}; choose one of {FILL_RULES}")
@@ -266,25 +343,56 @@ def merge(ids_theta: np.ndarray, logp_theta: np.ndarray, ids_t: np.ndarray, logp
     logp_theta, logp_t = np.ascontiguousarray(logp_theta, np.float64), np.ascontiguousarray(logp_t, np.float64)
     batch, w_theta = ids_theta.shape
     if ids_t.shape[0] != batch or logp_theta.shape != ids_theta.shape or logp_t.shape != ids_t.shape:
-        raise ValueError(f"merge shapes disagree: ids_theta {ids_theta.shape}, logp_theta {logp_theta.shape}, "
-                         f"ids_t {ids_t.shape}, logp_t {logp_t.shape}")
+        raise ValueError(
+            f"merge shapes disagree: ids_theta {ids_theta.shape}, logp_theta {logp_theta.shape}, "
+            f"ids_t {ids_t.shape}, logp_t {logp_t.shape}"
+        )
     width = w_theta + ids_t.shape[1]
     token_ids = np.empty((batch, width), np.int64)
     raw_theta, raw_t = np.empty((batch, width)), np.empty((batch, width))
     rep_theta, rep_t = np.empty((batch, width), np.bool_), np.empty((batch, width), np.bool_)
     counts = np.empty(batch, np.int64)
     coverage_theta, coverage_t = np.empty(batch), np.empty(batch)
-    merge_rows(ids_theta, logp_theta, ids_t, logp_t, FILL_CODES[fill], float(floor),
-               -1 if vocab_size is None else int(vocab_size),
-               token_ids, raw_theta, raw_t, rep_theta, rep_t, counts, coverage_theta, coverage_t)
+    merge_rows(
+        ids_theta,
+        logp_theta,
+        ids_t,
+        logp_t,
+        FILL_CODES[fill],
+        float(floor),
+        -1 if vocab_size is None else int(vocab_size),
+        token_ids,
+        raw_theta,
+        raw_t,
+        rep_theta,
+        rep_t,
+        counts,
+        coverage_theta,
+        coverage_t,
+    )
     n = max(int(counts.max(initial=0)), 1)
     mask = np.arange(n) < counts[:, None]  # [B, n]
-    return MergedTopK(token_ids[:, :n], raw_theta[:, :n], raw_t[:, :n], mask, rep_theta[:, :n], rep_t[:, :n],
-                      coverage_theta, coverage_t)
+    return MergedTopK(
+        token_ids[:, :n],
+        raw_theta[:, :n],
+        raw_t[:, :n],
+        mask,
+        rep_theta[:, :n],
+        rep_t[:, :n],
+        coverage_theta,
+        coverage_t,
+    )
 
 
-def target(merged: MergedTopK, temperature: np.ndarray, fixed_alpha: np.ndarray, max_alpha: np.ndarray | None, *,
-           tol: float, max_iter: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def target(
+    merged: MergedTopK,
+    temperature: np.ndarray,
+    fixed_alpha: np.ndarray,
+    max_alpha: np.ndarray | None,
+    *,
+    tol: float,
+    max_iter: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(tempered logp_theta, logp_t [B, n], alpha [B], log q* [B, n]) of merged rows; see target_rows."""
     counts = merged.mask.sum(axis=1)
     if counts.size and counts.min() == 0:
@@ -293,17 +401,33 @@ def target(merged: MergedTopK, temperature: np.ndarray, fixed_alpha: np.ndarray,
     lp_theta, lp_t, logq = np.empty(shape), np.empty(shape), np.empty(shape)
     alpha = np.empty(shape[0])
     caps = np.ones(shape[0]) if max_alpha is None else np.ascontiguousarray(max_alpha, np.float64)
-    target_rows(np.ascontiguousarray(merged.logp_theta), np.ascontiguousarray(merged.logp_t), counts,
-                np.ascontiguousarray(temperature, np.float64), np.ascontiguousarray(fixed_alpha, np.float64), caps,
-                float(tol), int(max_iter), lp_theta, lp_t, alpha, logq)
+    target_rows(
+        np.ascontiguousarray(merged.logp_theta),
+        np.ascontiguousarray(merged.logp_t),
+        counts,
+        np.ascontiguousarray(temperature, np.float64),
+        np.ascontiguousarray(fixed_alpha, np.float64),
+        caps,
+        float(tol),
+        int(max_iter),
+        lp_theta,
+        lp_t,
+        alpha,
+        logq,
+    )
     return lp_theta, lp_t, alpha, logq
 
 
 def sample(logq: np.ndarray, mask: np.ndarray, uniforms: np.ndarray, greedy: np.ndarray) -> np.ndarray:
     """One candidate index per row -> int64 [B]; see sample_rows."""
     index = np.empty(logq.shape[0], np.int64)
-    sample_rows(np.ascontiguousarray(logq), mask.sum(axis=1), np.ascontiguousarray(uniforms, np.float64),
-                np.ascontiguousarray(greedy, np.bool_), index)
+    sample_rows(
+        np.ascontiguousarray(logq),
+        mask.sum(axis=1),
+        np.ascontiguousarray(uniforms, np.float64),
+        np.ascontiguousarray(greedy, np.bool_),
+        index,
+    )
     return index
 
 
@@ -319,10 +443,22 @@ class Step(NamedTuple):
     candidate_logq: np.ndarray  # float64 [B, n]
 
 
-def step(ids_theta: np.ndarray, logp_theta: np.ndarray, ids_t: np.ndarray, logp_t: np.ndarray, *,
-         temperature: np.ndarray, fixed_alpha: np.ndarray, max_alpha: np.ndarray | None, uniforms: np.ndarray,
-         fill: FillRule, vocab_size: int | None, tol: float, max_iter: int,
-         floor: float = DEFAULT_FLOOR) -> Step:
+def step(
+    ids_theta: np.ndarray,
+    logp_theta: np.ndarray,
+    ids_t: np.ndarray,
+    logp_t: np.ndarray,
+    *,
+    temperature: np.ndarray,
+    fixed_alpha: np.ndarray,
+    max_alpha: np.ndarray | None,
+    uniforms: np.ndarray,
+    fill: FillRule,
+    vocab_size: int | None,
+    tol: float,
+    max_iter: int,
+    floor: float = DEFAULT_FLOOR,
+) -> Step:
     """merge, target and sample in one compiled call: what they return, for a step's records."""
     if fill not in FILL_RULES:
         raise ValueError(f"unknown fill rule {fill!r}; choose one of {FILL_RULES}")
@@ -330,8 +466,10 @@ def step(ids_theta: np.ndarray, logp_theta: np.ndarray, ids_t: np.ndarray, logp_
     logp_theta, logp_t = np.ascontiguousarray(logp_theta, np.float64), np.ascontiguousarray(logp_t, np.float64)
     batch = ids_theta.shape[0]
     if ids_t.shape[0] != batch or logp_theta.shape != ids_theta.shape or logp_t.shape != ids_t.shape:
-        raise ValueError(f"merge shapes disagree: ids_theta {ids_theta.shape}, logp_theta {logp_theta.shape}, "
-                         f"ids_t {ids_t.shape}, logp_t {logp_t.shape}")
+        raise ValueError(
+            f"merge shapes disagree: ids_theta {ids_theta.shape}, logp_theta {logp_theta.shape}, "
+            f"ids_t {ids_t.shape}, logp_t {logp_t.shape}"
+        )
     shape = (batch, ids_theta.shape[1] + ids_t.shape[1])
     token_ids = np.empty(shape, np.int64)
     raw_theta, raw_t, lp_theta, lp_t, logq = (np.empty(shape) for _ in range(5))
@@ -340,22 +478,66 @@ def step(ids_theta: np.ndarray, logp_theta: np.ndarray, ids_t: np.ndarray, logp_
     coverage_theta, coverage_t, alpha = np.empty(batch), np.empty(batch), np.empty(batch)
     chosen = np.empty((4, batch))
     complete = step_rows(
-        ids_theta, logp_theta, ids_t, logp_t, FILL_CODES[fill], float(floor), -1 if vocab_size is None else int(vocab_size),
-        np.ascontiguousarray(temperature, np.float64), np.ascontiguousarray(fixed_alpha, np.float64),
+        ids_theta,
+        logp_theta,
+        ids_t,
+        logp_t,
+        FILL_CODES[fill],
+        float(floor),
+        -1 if vocab_size is None else int(vocab_size),
+        np.ascontiguousarray(temperature, np.float64),
+        np.ascontiguousarray(fixed_alpha, np.float64),
         np.ones(batch) if max_alpha is None else np.ascontiguousarray(max_alpha, np.float64),
-        np.ascontiguousarray(uniforms, np.float64), np.ascontiguousarray(temperature == 0.0), float(tol), int(max_iter),
-        token_ids, raw_theta, raw_t, rep_theta, rep_t, counts, coverage_theta, coverage_t, lp_theta, lp_t, alpha, logq,
-        index, chosen)
+        np.ascontiguousarray(uniforms, np.float64),
+        np.ascontiguousarray(temperature == 0.0),
+        float(tol),
+        int(max_iter),
+        token_ids,
+        raw_theta,
+        raw_t,
+        rep_theta,
+        rep_t,
+        counts,
+        coverage_theta,
+        coverage_t,
+        lp_theta,
+        lp_t,
+        alpha,
+        logq,
+        index,
+        chosen,
+    )
     if not complete:
         raise ValueError("a row has no candidates: both servers reported an empty top-k")
     n = max(int(counts.max(initial=0)), 1)
-    return Step(chosen[0].astype(np.int64), alpha, chosen[1], chosen[2], chosen[3], coverage_theta, coverage_t,
-                token_ids[:, :n], logq[:, :n])
+    return Step(
+        chosen[0].astype(np.int64),
+        alpha,
+        chosen[1],
+        chosen[2],
+        chosen[3],
+        coverage_theta,
+        coverage_t,
+        token_ids[:, :n],
+        logq[:, :n],
+    )
 
 
 def warm_up() -> None:
     """Load the compiled step now (from numba's cache, or by compiling it), with the argument
     types every scheduler passes, so that no request waits for it."""
     ids, logprobs = np.array([[1, 2]], np.int64), np.log(np.array([[0.6, 0.3]]))
-    step(ids, logprobs, ids, logprobs, temperature=np.ones(1), fixed_alpha=np.full(1, np.nan), max_alpha=None,
-         uniforms=np.full(1, 0.5), fill="min", vocab_size=None, tol=1e-6, max_iter=20)
+    step(
+        ids,
+        logprobs,
+        ids,
+        logprobs,
+        temperature=np.ones(1),
+        fixed_alpha=np.full(1, np.nan),
+        max_alpha=None,
+        uniforms=np.full(1, 0.5),
+        fill="min",
+        vocab_size=None,
+        tol=1e-6,
+        max_iter=20,
+    )

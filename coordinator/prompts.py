@@ -34,18 +34,20 @@ def prompt_problem(prompt: object) -> str | None:
 def _part_problem(part: object) -> str | None:
     if isinstance(part, str):
         return None if part else "the prompt is empty; give at least one character"
-    if isinstance(part, Sequence) and part and all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in part
+    if (
+        isinstance(part, Sequence)
+        and part
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in part)
     ):
         return None
     shown = repr(part) if len(repr(part)) <= 60 else repr(part)[:57] + "..."
-    return ("a prompt must be a non-empty string, a non-empty list of token ids (ints >= 0), or a "
-            f"(theta_prompt, t_prompt) pair of those; got {shown}")
+    return (
+        "a prompt must be a non-empty string, a non-empty list of token ids (ints >= 0), or a "
+        f"(theta_prompt, t_prompt) pair of those; got {shown}"
+    )
 
 
-async def encode_prompts(
-    prompts: Sequence[Prompt], theta: Engine, t: Engine
-) -> list[tuple[list[int], list[int]]]:
+async def encode_prompts(prompts: Sequence[Prompt], theta: Engine, t: Engine) -> list[tuple[list[int], list[int]]]:
     """Token ids of every prompt for each model; text is tokenized by that model's server,
     once per distinct text: RL calls repeat each prompt for its group of samples (GRPO's G),
     and every /tokenize is an HTTP request (with 8 samples a prompt, a sequence's own CPU fell
@@ -73,5 +75,7 @@ async def encode_prompts(
         for task in texts.values():
             task.cancel()
     # Each sequence gets its own list: a caller may change one prompt's ids without the others'.
-    return [tuple(ids if isinstance(ids, list) else list(ids.result()) for ids in pair)  # type: ignore[misc]
-            for pair in encoded]
+    return [
+        tuple(ids if isinstance(ids, list) else list(ids.result()) for ids in pair)  # type: ignore[misc]
+        for pair in encoded
+    ]

@@ -180,14 +180,25 @@ class Scheduler:
         finished = time.perf_counter()
         merge_s, alpha_s, sample_s = step.phase_s
         timing = StepTiming(
-            batch=len(active), theta_s=theta_s, t_s=t_s, servers_s=answered - started,
-            merge_s=merge_s, alpha_s=alpha_s, sample_s=sample_s,
+            batch=len(active),
+            theta_s=theta_s,
+            t_s=t_s,
+            servers_s=answered - started,
+            merge_s=merge_s,
+            alpha_s=alpha_s,
+            sample_s=sample_s,
             # what _sample spent outside the three phases (building its inputs) counts here too
             bookkeeping_s=(finished - answered) - (merge_s + alpha_s + sample_s),
             total_s=finished - started,
         )
-        self._stats.record_step(len(active), float(step.alpha.sum()), finished - started,
-                                float(step.coverage_theta.sum()), float(step.coverage_t.sum()), timing)
+        self._stats.record_step(
+            len(active),
+            float(step.alpha.sum()),
+            finished - started,
+            float(step.coverage_theta.sum()),
+            float(step.coverage_t.sum()),
+            timing,
+        )
         self._warn_if_k_is_too_small()
 
     def _warn_if_k_is_too_small(self) -> None:
@@ -200,13 +211,20 @@ class Scheduler:
         if low:
             self._coverage_warned = True
             described = ", ".join(f"{name} {mean:.3f}" for name, mean in low.items())
-            log.warning("top_k=%d covers little of the models' probability mass (mean over %d tokens: %s; "
-                        "warning below %.2f): q* and alpha* are then approximate. Raise top_k (and the "
-                        "servers' --max-logprobs); see theory/THEORY.md for the measured error.",
-                        self._config.top_k, stats.tokens, described, threshold)
+            log.warning(
+                "top_k=%d covers little of the models' probability mass (mean over %d tokens: %s; "
+                "warning below %.2f): q* and alpha* are then approximate. Raise top_k (and the "
+                "servers' --max-logprobs); see theory/THEORY.md for the measured error.",
+                self._config.top_k,
+                stats.tokens,
+                described,
+                threshold,
+            )
 
-def sample_rows(sequences: list[SequenceState], theta: TopKBatch, t: TopKBatch, config: CoordinatorConfig,
-                vocab_size: int | None) -> StepResult:
+
+def sample_rows(
+    sequences: list[SequenceState], theta: TopKBatch, t: TopKBatch, config: CoordinatorConfig, vocab_size: int | None
+) -> StepResult:
     """One token for each sequence from both servers' top-k rows (in sequence order), each
     drawn with the sequence's own sampler and settings: the step of every per-token mode."""
     n = len(sequences)
@@ -221,7 +239,8 @@ def sample_rows(sequences: list[SequenceState], theta: TopKBatch, t: TopKBatch, 
         ks = per_row([config.top_k if p.top_k is None else p.top_k for p in params]).astype(np.int64)
         theta, t = keep_top(theta, ks), keep_top(t, ks)
     return mix_and_sample(
-        theta, t,
+        theta,
+        t,
         temperature=per_row([p.temperature for p in params]),
         fixed_alpha=per_row([np.nan if p.fixed_alpha is None else p.fixed_alpha for p in params]),
         uniforms=np.fromiter(map(SequenceState.uniform, sequences), np.float64, n),
@@ -230,13 +249,22 @@ def sample_rows(sequences: list[SequenceState], theta: TopKBatch, t: TopKBatch, 
         alpha_tol=config.alpha_tol,
         alpha_max_iter=config.alpha_max_iter,
         with_diagnostics=any(p.return_diagnostics for p in params),
-        max_alpha=(per_row([1.0 if p.max_alpha is None else p.max_alpha for p in params])
-                   if any(p.max_alpha is not None for p in params) else None),
+        max_alpha=(
+            per_row([1.0 if p.max_alpha is None else p.max_alpha for p in params])
+            if any(p.max_alpha is not None for p in params)
+            else None
+        ),
     )
 
 
-def record_rows(sequences: list[SequenceState], step: StepResult, eos_ids: frozenset[int], max_len: int,
-                theta: TopKBatch, t: TopKBatch) -> None:
+def record_rows(
+    sequences: list[SequenceState],
+    step: StepResult,
+    eos_ids: frozenset[int],
+    max_len: int,
+    theta: TopKBatch,
+    t: TopKBatch,
+) -> None:
     """Append each sequence's sampled token and its per-token values (and apply the stop rules),
     with q*'s top candidates and both models' top-k (`theta`, `t`: the step's rows, in
     sequence order) for the sequences that ask for them."""
@@ -247,8 +275,16 @@ def record_rows(sequences: list[SequenceState], step: StepResult, eos_ids: froze
     if step.diagnostics:
         diagnostics = {key: values.tolist() for key, values in step.diagnostics.items()}
         for row, seq in enumerate(sequences):
-            seq.append(tokens[row], alphas[row], lq[row], lth[row], lt[row],
-                       {key: values[row] for key, values in diagnostics.items()}, eos_ids, max_len)
+            seq.append(
+                tokens[row],
+                alphas[row],
+                lq[row],
+                lth[row],
+                lt[row],
+                {key: values[row] for key, values in diagnostics.items()},
+                eos_ids,
+                max_len,
+            )
     else:  # the usual step: one zip, no dict per row
         for seq, token, alpha, q, theta_lp, t_lp in zip(sequences, tokens, alphas, lq, lth, lt):
             seq.append(token, alpha, q, theta_lp, t_lp, NO_DIAGNOSTICS, eos_ids, max_len)

@@ -46,8 +46,9 @@ class SamplingParams:
             raise InvalidInputError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
         for name in ("fixed_alpha", "max_alpha"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not 0.0 <= value <= 1.0):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0
+            ):
                 raise InvalidInputError(f"{name} must be in [0, 1] (0 = base only) or None, got {value!r}")
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if any(not isinstance(s, str) or not s for s in stops):
@@ -56,14 +57,17 @@ class SamplingParams:
         if not all(_count(i) for i in ids):
             raise InvalidInputError(f"stop_token_ids must be token ids (integers >= 0), got {ids!r}")
         if self.top_k is not None and (not _count(self.top_k) or self.top_k < 1):
-            raise InvalidInputError(f"top_k must be a positive integer or None (all fetched candidates), "
-                                    f"got {self.top_k!r}")
+            raise InvalidInputError(
+                f"top_k must be a positive integer or None (all fetched candidates), got {self.top_k!r}"
+            )
         if not _count(self.top_logprobs) or self.top_logprobs > MAX_TOP_LOGPROBS:
-            raise InvalidInputError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], "
-                                    f"got {self.top_logprobs!r}")
+            raise InvalidInputError(
+                f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}"
+            )
         if not _count(self.record_topk):
-            raise InvalidInputError(f"record_topk must be an integer >= 0 (0 = record nothing), "
-                                    f"got {self.record_topk!r}")
+            raise InvalidInputError(
+                f"record_topk must be an integer >= 0 (0 = record nothing), got {self.record_topk!r}"
+            )
         # Normalized forms (the dataclass is frozen: set through object).
         object.__setattr__(self, "temperature", float(t))
         object.__setattr__(self, "stop", stops)
@@ -144,8 +148,17 @@ class SequenceState:
     def fail(self, message: str) -> None:
         self.finish_reason, self.error = "error", message
 
-    def append(self, token: int, alpha: float, logprob_q: float, logprob_theta: float, logprob_t: float,
-               diagnostics: Mapping[str, float], eos_ids: frozenset[int], max_len: int) -> None:
+    def append(
+        self,
+        token: int,
+        alpha: float,
+        logprob_q: float,
+        logprob_theta: float,
+        logprob_t: float,
+        diagnostics: Mapping[str, float],
+        eos_ids: frozenset[int],
+        max_len: int,
+    ) -> None:
         """Record one emitted token (the per-token values GenerationOutput reports; `diagnostics`
         kept only if the call asked for them), then finish on EOS, a stop token, max_tokens or
         the context limit (`max_len` tokens of prompt + generation), in that order.
@@ -181,8 +194,17 @@ class SequenceState:
     def truncate(self, n: int) -> None:
         """Forget every token after the first n (and its records, text and finish)."""
         assert n >= self.published, f"sequence {self.index}: {self.published} tokens were already published"
-        for values in (self.tokens, self.alphas, self.logprobs_q, self.logprobs_theta, self.logprobs_t,
-                       self.top_logprobs, self.topk_ids, self.topk_logprobs, *self.diagnostics.values()):
+        for values in (
+            self.tokens,
+            self.alphas,
+            self.logprobs_q,
+            self.logprobs_theta,
+            self.logprobs_t,
+            self.top_logprobs,
+            self.topk_ids,
+            self.topk_logprobs,
+            *self.diagnostics.values(),
+        ):
             del values[n:]
         self.finish_reason, self.text = None, None
 

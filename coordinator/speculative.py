@@ -102,7 +102,8 @@ def speculative_scheduler(theta: object, t: object) -> type[Scheduler]:
         if not isinstance(engine, SpeculativeEngine):
             raise InvalidInputError(
                 f"speculative_gamma > 0 needs engines that draft and score continuations (the vLLM "
-                f"client, TransformersEngine); {type(engine).__name__} does not. Set speculative_gamma=0.")
+                f"client, TransformersEngine); {type(engine).__name__} does not. Set speculative_gamma=0."
+            )
     return SpeculativeScheduler
 
 
@@ -147,18 +148,32 @@ class SpeculativeScheduler(Scheduler):
         counts = await asyncio.gather(*(self._emit(seq, recs) for seq, recs in zip(sequences, records)))
         emitted = [rec for recs, n in zip(records, counts) for rec in recs[:n]]
         self.acceptance.emitted += len(emitted)
-        self._stats.record_step(len(emitted), sum(r.alpha for r in emitted), time.perf_counter() - started,
-                                sum(r.coverage_theta for r in emitted), sum(r.coverage_t for r in emitted))
+        self._stats.record_step(
+            len(emitted),
+            sum(r.alpha for r in emitted),
+            time.perf_counter() - started,
+            sum(r.coverage_theta for r in emitted),
+            sum(r.coverage_t for r in emitted),
+        )
         self._warn_if_k_is_too_small()
 
     async def _draft_sampled(self, active: list[SequenceState]) -> list[Draft | BaseException]:
         """One seeded request per sequence, all concurrent -> a Draft or the error, per sequence."""
         k = self._config.top_k
         seeds = [int(seq.rng.integers(SEED_BOUND)) for seq in active]
-        return await asyncio.gather(*(
-            self._drafter.draft(self._draft_context(seq), max_tokens=self._draft_length(seq), k=k,
-                                temperature=seq.params.temperature, seed=seed)
-            for seq, seed in zip(active, seeds)), return_exceptions=True)
+        return await asyncio.gather(
+            *(
+                self._drafter.draft(
+                    self._draft_context(seq),
+                    max_tokens=self._draft_length(seq),
+                    k=k,
+                    temperature=seq.params.temperature,
+                    seed=seed,
+                )
+                for seq, seed in zip(active, seeds)
+            ),
+            return_exceptions=True,
+        )
 
     async def _draft_argmax(self, active: list[SequenceState]) -> list[Draft | BaseException]:
         """Batched greedy requests, one per draft length (vLLM takes one max_tokens per request)
@@ -167,26 +182,42 @@ class SpeculativeScheduler(Scheduler):
         for i, seq in enumerate(active):
             by_length.setdefault(self._draft_length(seq), []).append(i)
         limit = self._config.max_prompts_per_request
-        requests = [(length, members[start:start + limit])
-                    for length, members in by_length.items() for start in range(0, len(members), limit)]
-        answers = await asyncio.gather(*(
-            self._drafter.draft_argmax([self._draft_context(active[i]) for i in members], max_tokens=length,
-                                       k=self._config.top_k)
-            for length, members in requests), return_exceptions=True)
+        requests = [
+            (length, members[start : start + limit])
+            for length, members in by_length.items()
+            for start in range(0, len(members), limit)
+        ]
+        answers = await asyncio.gather(
+            *(
+                self._drafter.draft_argmax(
+                    [self._draft_context(active[i]) for i in members], max_tokens=length, k=self._config.top_k
+                )
+                for length, members in requests
+            ),
+            return_exceptions=True,
+        )
         return _per_item([members for _, members in requests], answers, len(active))
 
     async def _score(self, sequences: list[SequenceState], drafts: list[Draft]) -> list[TopKBatch | BaseException]:
         """The scorer's top-k before every drafted token: one request per max_prompts_per_request
         drafted tokens (the scorer gets one prompt per token), all concurrent."""
         chunks = _chunks([d.token_ids.shape[0] for d in drafts], self._config.max_prompts_per_request)
-        answers = await asyncio.gather(*(
-            self._scorer.score_continuations([self._score_context(sequences[i]) for i in chunk],
-                                             [drafts[i].token_ids.tolist() for i in chunk], self._config.top_k)
-            for chunk in chunks), return_exceptions=True)
+        answers = await asyncio.gather(
+            *(
+                self._scorer.score_continuations(
+                    [self._score_context(sequences[i]) for i in chunk],
+                    [drafts[i].token_ids.tolist() for i in chunk],
+                    self._config.top_k,
+                )
+                for chunk in chunks
+            ),
+            return_exceptions=True,
+        )
         return _per_item(chunks, answers, len(sequences))
 
-    def _judge(self, sequences: list[SequenceState], drafts: list[Draft],
-               scored: list[TopKBatch]) -> list[list[TokenRecord]]:
+    def _judge(
+        self, sequences: list[SequenceState], drafts: list[Draft], scored: list[TopKBatch]
+    ) -> list[list[TokenRecord]]:
         """q* at every drafted position and the speculative rule -> the tokens each sequence may keep."""
         lengths = np.array([d.token_ids.shape[0] for d in drafts], dtype=np.int64)  # [S]
         drafted = TopKBatch.concat([d.topk for d in drafts])
@@ -196,8 +227,9 @@ class SpeculativeScheduler(Scheduler):
         temperature = np.repeat([p.temperature for p in params], lengths)  # [R]
         fixed = np.repeat([np.nan if p.fixed_alpha is None else p.fixed_alpha for p in params], lengths)
         cfg = self._config
-        merged = kernel.merge(theta.token_ids, theta.logprobs, t.token_ids, t.logprobs,
-                              fill=cfg.fill_rule, vocab_size=self._vocab_size)
+        merged = kernel.merge(
+            theta.token_ids, theta.logprobs, t.token_ids, t.logprobs, fill=cfg.fill_rule, vocab_size=self._vocab_size
+        )
         target = solve_target(merged, temperature, fixed, alpha_tol=cfg.alpha_tol, alpha_max_iter=cfg.alpha_max_iter)
         tokens = np.concatenate([d.token_ids for d in drafts])  # [R]
         hit = merged.token_ids == tokens[:, None]  # [R, n]
@@ -206,16 +238,20 @@ class SpeculativeScheduler(Scheduler):
         if self._argmax:
             logp = point_mass_logprobs(draft_index, merged.token_ids.shape[1])
         else:
-            reported, raw = ((merged.reported_theta, merged.logp_theta) if self._drafter_is_theta
-                             else (merged.reported_t, merged.logp_t))
+            reported, raw = (
+                (merged.reported_theta, merged.logp_theta)
+                if self._drafter_is_theta
+                else (merged.reported_t, merged.logp_t)
+            )
             logp = draft_logprobs(raw, reported, np.where(greedy, 1.0, temperature))
         accept_u = np.concatenate([s.rng.random(n) for s, n in zip(sequences, lengths)])
         residual_u = np.concatenate([s.rng.random(n) for s, n in zip(sequences, lengths)])
         decision = decide_round(target.logq, logp, merged.mask, draft_index, lengths, greedy, accept_u, residual_u)
         diagnostics = None
         if any(p.return_diagnostics for p in params):
-            diagnostics = token_diagnostics(target.logp_theta, target.logp_t, target.logq, merged.mask,
-                                            merged.coverage_theta, merged.coverage_t)
+            diagnostics = token_diagnostics(
+                target.logp_theta, target.logp_t, target.logq, merged.mask, merged.coverage_theta, merged.coverage_t
+            )
         self._count(decision, lengths)
         return _records(target, decision, draft_index, lengths, diagnostics)
 
@@ -255,8 +291,16 @@ class SpeculativeScheduler(Scheduler):
                 return
 
     def _append(self, seq: SequenceState, record: TokenRecord) -> None:
-        seq.append(record.token, record.alpha, record.logprob_q, record.logprob_theta, record.logprob_t,
-                   record.diagnostics, self._eos_ids, self._max_len)
+        seq.append(
+            record.token,
+            record.alpha,
+            record.logprob_q,
+            record.logprob_theta,
+            record.logprob_t,
+            record.diagnostics,
+            self._eos_ids,
+            self._max_len,
+        )
 
 
 def _chunks(sizes: list[int], limit: int) -> list[list[int]]:
@@ -294,13 +338,22 @@ def _answered(sequences: list[SequenceState], results: list, what: str) -> list[
         else:
             kept.append(i)
     if failed:
-        log.warning("%s: request failed for %d sequences: %s", what, failed,
-                    next(r for r in results if isinstance(r, DualVLLMError)))
+        log.warning(
+            "%s: request failed for %d sequences: %s",
+            what,
+            failed,
+            next(r for r in results if isinstance(r, DualVLLMError)),
+        )
     return kept
 
 
-def _records(target: Target, decision: RoundDecision, draft_index: np.ndarray, lengths: np.ndarray,
-             diagnostics: dict[str, np.ndarray] | None) -> list[list[TokenRecord]]:
+def _records(
+    target: Target,
+    decision: RoundDecision,
+    draft_index: np.ndarray,
+    lengths: np.ndarray,
+    diagnostics: dict[str, np.ndarray] | None,
+) -> list[list[TokenRecord]]:
     """Per sequence: its kept drafted tokens, then the replacement if one was drawn."""
     merged = target.merged
     out = []
@@ -310,11 +363,20 @@ def _records(target: Target, decision: RoundDecision, draft_index: np.ndarray, l
         picks = [(offset + j, int(draft_index[offset + j])) for j in range(kept)]
         if decision.replacement[s] >= 0:
             picks.append((offset + kept, int(decision.replacement[s])))
-        out.append([TokenRecord(
-            token=int(merged.token_ids[r, j]), alpha=float(target.alpha[r]), logprob_q=float(target.logq[r, j]),
-            logprob_theta=float(merged.logp_theta[r, j]), logprob_t=float(merged.logp_t[r, j]),
-            coverage_theta=float(merged.coverage_theta[r]), coverage_t=float(merged.coverage_t[r]),
-            diagnostics={key: float(v[r]) for key, v in diagnostics.items()} if diagnostics else {},
-        ) for r, j in picks])
+        out.append(
+            [
+                TokenRecord(
+                    token=int(merged.token_ids[r, j]),
+                    alpha=float(target.alpha[r]),
+                    logprob_q=float(target.logq[r, j]),
+                    logprob_theta=float(merged.logp_theta[r, j]),
+                    logprob_t=float(merged.logp_t[r, j]),
+                    coverage_theta=float(merged.coverage_theta[r]),
+                    coverage_t=float(merged.coverage_t[r]),
+                    diagnostics={key: float(v[r]) for key, v in diagnostics.items()} if diagnostics else {},
+                )
+                for r, j in picks
+            ]
+        )
         offset += length
     return out

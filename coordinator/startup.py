@@ -14,8 +14,14 @@ import logging
 from dataclasses import dataclass
 from typing import cast
 
-from dualvllm.coordinator.checks import (TOKENIZER_PROBES, check_health, check_tokenizers, check_top_k, replica_pairs,
-                                resolve_eos)
+from dualvllm.coordinator.checks import (
+    TOKENIZER_PROBES,
+    check_health,
+    check_tokenizers,
+    check_top_k,
+    replica_pairs,
+    resolve_eos,
+)
 from dualvllm.coordinator.config import CoordinatorConfig
 from dualvllm.coordinator.lockstep import LockstepScheduler
 from dualvllm.coordinator.lockstep.probe import lockstep_stop_token, probe_servers
@@ -54,8 +60,12 @@ class Session:
         return self.scheduler.max_len
 
 
-async def open_session(config: CoordinatorConfig, given: tuple[Engine | None, Engine | None],
-                       stack: contextlib.AsyncExitStack, stats: Statistics) -> Session:
+async def open_session(
+    config: CoordinatorConfig,
+    given: tuple[Engine | None, Engine | None],
+    stack: contextlib.AsyncExitStack,
+    stats: Statistics,
+) -> Session:
     """Start-up: engines (`given` ones, else clients of the configured servers, closed by `stack`),
     the checks, the pools' prober, the scheduler. Raises what a check refuses."""
     theta, t = given
@@ -79,22 +89,37 @@ async def open_session(config: CoordinatorConfig, given: tuple[Engine | None, En
         pool.membership.start_probing()
         stack.push_async_callback(pool.close)
     max_len = min(infos[0].max_model_len, infos[1].max_model_len)
-    log.info("coordinator ready: base %s, teacher %s, top_k=%d, eos=%s, max_model_len=%d",
-             infos[0].name, infos[1].name, config.top_k, sorted(eos_ids), max_len)
+    log.info(
+        "coordinator ready: base %s, teacher %s, top_k=%d, eos=%s, max_model_len=%d",
+        infos[0].name,
+        infos[1].name,
+        config.top_k,
+        sorted(eos_ids),
+        max_len,
+    )
     vocab_size = min(vocab_sizes) if vocab_sizes else None
-    scheduler: Scheduling | None = await _lockstep_scheduler(config, stats, theta, t, eos_ids, max_len, vocab_size,
-                                                             stop_token=lockstep_stop_token(infos, eos_ids))
+    scheduler: Scheduling | None = await _lockstep_scheduler(
+        config, stats, theta, t, eos_ids, max_len, vocab_size, stop_token=lockstep_stop_token(infos, eos_ids)
+    )
     if scheduler is None:
         per_step = speculative_scheduler(theta, t) if config.speculative_gamma else Scheduler
-        scheduler = per_step(theta, t, config=config, eos_ids=eos_ids, max_len=max_len, stats=stats,
-                             vocab_size=vocab_size)
+        scheduler = per_step(
+            theta, t, config=config, eos_ids=eos_ids, max_len=max_len, stats=stats, vocab_size=vocab_size
+        )
     log.info("decoding mode: %s", scheduler.mode)
     return Session(theta=theta, t=t, infos=infos, eos_ids=eos_ids, vocab_size=vocab_size, scheduler=scheduler)
 
 
-async def _lockstep_scheduler(config: CoordinatorConfig, stats: Statistics, theta: Engine, t: Engine,
-                              eos_ids: frozenset[int], max_len: int, vocab_size: int | None,
-                              stop_token: int) -> LockstepScheduler | None:
+async def _lockstep_scheduler(
+    config: CoordinatorConfig,
+    stats: Statistics,
+    theta: Engine,
+    t: Engine,
+    eos_ids: frozenset[int],
+    max_len: int,
+    vocab_size: int | None,
+    stop_token: int,
+) -> LockstepScheduler | None:
     """A lockstep scheduler when the mode allows it and both servers carry the plugin; None
     for per-token mode. mode="lockstep" without the plugin raises LockstepUnavailableError."""
     if config.mode == "per_token" or config.speculative_gamma:
@@ -105,8 +130,9 @@ async def _lockstep_scheduler(config: CoordinatorConfig, stats: Statistics, thet
             raise LockstepUnavailableError("lockstep mode needs vLLM servers (VLLMClient engines)")
         return None
     channel = LockstepChannel(config.lockstep_host)
-    probe = await probe_servers(channel, roles[0] + roles[1], await theta.tokenize("Hello"), stop_token,
-                                config.request_timeout)
+    probe = await probe_servers(
+        channel, roles[0] + roles[1], await theta.tokenize("Hello"), stop_token, config.request_timeout
+    )
     if probe.unavailable is not None:
         channel.close()
         if config.mode == "lockstep":
@@ -114,9 +140,18 @@ async def _lockstep_scheduler(config: CoordinatorConfig, stats: Statistics, thet
         log.info("per-token mode: %s", probe.unavailable)
         return None
     # Every member of each role is a VLLMClient (vllm_members said so): a client, or a pool of them.
-    scheduler = LockstepScheduler(cast(LockstepRole, theta), cast(LockstepRole, t), config=config, eos_ids=eos_ids,
-                                  max_len=max_len, stats=stats, channel=channel, stop_token=stop_token,
-                                  capacity=probe.capacity, vocab_size=vocab_size)
+    scheduler = LockstepScheduler(
+        cast(LockstepRole, theta),
+        cast(LockstepRole, t),
+        config=config,
+        eos_ids=eos_ids,
+        max_len=max_len,
+        stats=stats,
+        channel=channel,
+        stop_token=stop_token,
+        capacity=probe.capacity,
+        vocab_size=vocab_size,
+    )
 
     async def check_plugin(replica: Engine) -> None:
         await scheduler.check_plugin(cast(VLLMClient, replica))
@@ -124,13 +159,23 @@ async def _lockstep_scheduler(config: CoordinatorConfig, stats: Statistics, thet
     for pool in filter(None, map(as_pool, (theta, t))):  # a replica restarted without the plugin stays out
         pool.membership.add_rejoin_check(check_plugin)
     if scheduler.capacity < config.max_batch_size:
-        log.info("lockstep: at most %d sequences at once (%d per server, the servers' max_num_seqs), not "
-                 "max_batch_size=%d", scheduler.capacity, probe.capacity, config.max_batch_size)
+        log.info(
+            "lockstep: at most %d sequences at once (%d per server, the servers' max_num_seqs), not max_batch_size=%d",
+            scheduler.capacity,
+            probe.capacity,
+            config.max_batch_size,
+        )
     return scheduler
 
 
-async def _role(config: CoordinatorConfig, stack: contextlib.AsyncExitStack, urls: tuple[str, ...], name: str,
-                model: str | None, api_key: str | None) -> Engine:
+async def _role(
+    config: CoordinatorConfig,
+    stack: contextlib.AsyncExitStack,
+    urls: tuple[str, ...],
+    name: str,
+    model: str | None,
+    api_key: str | None,
+) -> Engine:
     """The engine of one role: a client of its server, or a pool of its replicas' clients."""
     clients = [await stack.enter_async_context(_client(config, url, name, model, api_key)) for url in urls]
     if len(clients) == 1:
@@ -146,7 +191,14 @@ def _client(config: CoordinatorConfig, url: str, name: str, model: str | None, a
         # for a self-teacher); waiting for a connection would start the roles apart.
         pool = max(pool, 2 * config.max_batch_size + 8)
     return VLLMClient(
-        url, name=name, model=model, api_key=api_key, request_timeout_s=config.request_timeout,
-        connect_timeout_s=config.connect_timeout, connection_pool_size=pool,
-        max_retries=config.max_retries, retry_delay_s=config.retry_delay, local_tokenizer=config.local_tokenizers,
+        url,
+        name=name,
+        model=model,
+        api_key=api_key,
+        request_timeout_s=config.request_timeout,
+        connect_timeout_s=config.connect_timeout,
+        connection_pool_size=pool,
+        max_retries=config.max_retries,
+        retry_delay_s=config.retry_delay,
+        local_tokenizer=config.local_tokenizers,
     )

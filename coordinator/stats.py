@@ -47,9 +47,15 @@ class Statistics:
     step_latencies_s: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW_STEPS))
     step_timings: deque[StepTiming] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW_STEPS))
 
-    def record_step(self, n_tokens: int, alpha_sum: float, seconds: float,
-                    coverage_theta_sum: float = 0.0, coverage_t_sum: float = 0.0,
-                    timing: StepTiming | None = None) -> None:
+    def record_step(
+        self,
+        n_tokens: int,
+        alpha_sum: float,
+        seconds: float,
+        coverage_theta_sum: float = 0.0,
+        coverage_t_sum: float = 0.0,
+        timing: StepTiming | None = None,
+    ) -> None:
         self.steps += 1
         self.tokens += n_tokens
         self.alpha_sum += alpha_sum

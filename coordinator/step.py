@@ -46,8 +46,15 @@ class Target:
     logq: np.ndarray  # float64 [B, n]
 
 
-def solve_target(merged: MergedTopK, temperature: np.ndarray, fixed_alpha: np.ndarray, *,
-                 alpha_tol: float, alpha_max_iter: int, max_alpha: np.ndarray | None = None) -> Target:
+def solve_target(
+    merged: MergedTopK,
+    temperature: np.ndarray,
+    fixed_alpha: np.ndarray,
+    *,
+    alpha_tol: float,
+    alpha_max_iter: int,
+    max_alpha: np.ndarray | None = None,
+) -> Target:
     """Temperature, alpha* (where fixed_alpha is NaN, capped at `max_alpha` [B] when given)
     and q* of merged rows -> Target.
 
@@ -55,8 +62,9 @@ def solve_target(merged: MergedTopK, temperature: np.ndarray, fixed_alpha: np.nd
     use temperature 1. Shared by the per-token step and speculative rounds, so both sample
     from the very same q*.
     """
-    logp_theta, logp_t, alpha, logq = kernel.target(merged, temperature, fixed_alpha, max_alpha,
-                                                     tol=alpha_tol, max_iter=alpha_max_iter)
+    logp_theta, logp_t, alpha, logq = kernel.target(
+        merged, temperature, fixed_alpha, max_alpha, tol=alpha_tol, max_iter=alpha_max_iter
+    )
     return Target(merged, logp_theta, logp_t, alpha, logq)
 
 
@@ -76,24 +84,46 @@ def mix_and_sample(
 ) -> StepResult:
     started = time.perf_counter()
     if not with_diagnostics:  # the usual case: one compiled call (coordinator/kernel.py)
-        out = kernel.step(theta.token_ids, theta.logprobs, t.token_ids, t.logprobs, temperature=temperature,
-                          fixed_alpha=fixed_alpha, max_alpha=max_alpha, uniforms=uniforms, fill=fill,
-                          vocab_size=vocab_size, tol=alpha_tol, max_iter=alpha_max_iter)
-        return StepResult(token_ids=out.token_ids, alpha=out.alpha, logprob_q=out.logprob_q,
-                          logprob_theta=out.logprob_theta, logprob_t=out.logprob_t, coverage_theta=out.coverage_theta,
-                          coverage_t=out.coverage_t, diagnostics=None, candidates=out.candidates,
-                          candidate_logq=out.candidate_logq, phase_s=(0.0, time.perf_counter() - started, 0.0))
+        out = kernel.step(
+            theta.token_ids,
+            theta.logprobs,
+            t.token_ids,
+            t.logprobs,
+            temperature=temperature,
+            fixed_alpha=fixed_alpha,
+            max_alpha=max_alpha,
+            uniforms=uniforms,
+            fill=fill,
+            vocab_size=vocab_size,
+            tol=alpha_tol,
+            max_iter=alpha_max_iter,
+        )
+        return StepResult(
+            token_ids=out.token_ids,
+            alpha=out.alpha,
+            logprob_q=out.logprob_q,
+            logprob_theta=out.logprob_theta,
+            logprob_t=out.logprob_t,
+            coverage_theta=out.coverage_theta,
+            coverage_t=out.coverage_t,
+            diagnostics=None,
+            candidates=out.candidates,
+            candidate_logq=out.candidate_logq,
+            phase_s=(0.0, time.perf_counter() - started, 0.0),
+        )
     merged = kernel.merge(theta.token_ids, theta.logprobs, t.token_ids, t.logprobs, fill=fill, vocab_size=vocab_size)
     mask = merged.mask
     merged_at = time.perf_counter()
-    target = solve_target(merged, temperature, fixed_alpha, alpha_tol=alpha_tol, alpha_max_iter=alpha_max_iter,
-                          max_alpha=max_alpha)
+    target = solve_target(
+        merged, temperature, fixed_alpha, alpha_tol=alpha_tol, alpha_max_iter=alpha_max_iter, max_alpha=max_alpha
+    )
     solved_at = time.perf_counter()
     logq = target.logq  # [B, n]
     index = kernel.sample(logq, mask, uniforms, greedy=temperature == 0.0)  # [B]
     rows = np.arange(index.shape[0])
-    diagnostics = token_diagnostics(target.logp_theta, target.logp_t, logq, mask,
-                                    merged.coverage_theta, merged.coverage_t)
+    diagnostics = token_diagnostics(
+        target.logp_theta, target.logp_t, logq, mask, merged.coverage_theta, merged.coverage_t
+    )
     return StepResult(
         token_ids=merged.token_ids[rows, index],
         alpha=target.alpha,
@@ -119,8 +149,9 @@ def keep_top(batch: TopKBatch, ks: np.ndarray) -> TopKBatch:
     rank = np.empty_like(order)
     np.put_along_axis(rank, order, np.arange(order.shape[1])[None, :], axis=1)  # [B, w]
     keep = rank < ks[:, None]
-    return TopKBatch(token_ids=np.where(keep, batch.token_ids, PAD_TOKEN_ID),
-                     logprobs=np.where(keep, batch.logprobs, -np.inf))
+    return TopKBatch(
+        token_ids=np.where(keep, batch.token_ids, PAD_TOKEN_ID), logprobs=np.where(keep, batch.logprobs, -np.inf)
+    )
 
 
 def top_candidates(token_ids: np.ndarray, logq: np.ndarray, n: int) -> list[dict[int, float]]:
@@ -132,5 +163,6 @@ def top_candidates(token_ids: np.ndarray, logq: np.ndarray, n: int) -> list[dict
     best = np.argsort(-logq, axis=1, kind="stable")[:, :n]  # [R, n]
     ids = np.take_along_axis(token_ids, best, axis=1).tolist()
     values = np.take_along_axis(logq, best, axis=1).tolist()
-    return [{i: v for i, v in zip(row_ids, row_values) if i != PAD_TOKEN_ID}
-            for row_ids, row_values in zip(ids, values)]
+    return [
+        {i: v for i, v in zip(row_ids, row_values) if i != PAD_TOKEN_ID} for row_ids, row_values in zip(ids, values)
+    ]

@@ -81,9 +81,12 @@ class StopFilter:
                 self._agreed += 1
                 continue
             self.enabled = False
-            log.warning("stop strings: this tokenizer decodes tokens %s to %r, which is not their own texts "
-                        "joined (spaces aside); every stop-string check is decoded by the server from now on",
-                        list(window), text)
+            log.warning(
+                "stop strings: this tokenizer decodes tokens %s to %r, which is not their own texts "
+                "joined (spaces aside); every stop-string check is decoded by the server from now on",
+                list(window),
+                text,
+            )
 
     def _joined(self, window: Sequence[int]) -> str | None:
         """The window's tokens' own texts joined, spaces removed; None when a token's text alone

@@ -39,15 +39,50 @@ from dualvllm.coordinator.sequence import SamplingParams
 from dualvllm.engines.launcher import ServerConfig, launch_replicas, replica_configs
 
 # Coordinator fields exposed as flags (the rest are for the Python API / environment).
-COORDINATOR_FLAGS = ("theta_url", "t_url", "theta_urls", "t_urls", "top_k", "fill_rule", "max_batch_size", "max_retries",
-                     "request_timeout", "seed", "speculative_gamma", "speculative_drafter", "speculative_proposal",
-                     "local_tokenizers", "mode", "replica_probe_interval")
+COORDINATOR_FLAGS = (
+    "theta_url",
+    "t_url",
+    "theta_urls",
+    "t_urls",
+    "top_k",
+    "fill_rule",
+    "max_batch_size",
+    "max_retries",
+    "request_timeout",
+    "seed",
+    "speculative_gamma",
+    "speculative_drafter",
+    "speculative_proposal",
+    "local_tokenizers",
+    "mode",
+    "replica_probe_interval",
+)
 # q* endpoint fields exposed as flags of `serve`.
-SERVICE_FLAGS = ("service_host", "service_port", "api_key", "served_model_name", "max_queued_sequences",
-                 "max_request_tokens", "max_body_bytes", "default_max_tokens", "scoring_call_tokens")
+SERVICE_FLAGS = (
+    "service_host",
+    "service_port",
+    "api_key",
+    "served_model_name",
+    "max_queued_sequences",
+    "max_request_tokens",
+    "max_body_bytes",
+    "default_max_tokens",
+    "scoring_call_tokens",
+)
 # Server fields exposed as flags; the model directories are --base/--teacher.
-SERVER_FLAGS = ("host", "max_logprobs", "max_model_len", "dtype", "kv_cache_space_gib", "gpu_memory_utilization",
-                "skip_tokenizer_init", "dev_mode", "weight_transfer", "lockstep", "lockstep_timeout_s")
+SERVER_FLAGS = (
+    "host",
+    "max_logprobs",
+    "max_model_len",
+    "dtype",
+    "kv_cache_space_gib",
+    "gpu_memory_utilization",
+    "skip_tokenizer_init",
+    "dev_mode",
+    "weight_transfer",
+    "lockstep",
+    "lockstep_timeout_s",
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -111,21 +146,38 @@ async def _generate(args: argparse.Namespace) -> int:
         if same is not None:
             raise InvalidInputError(
                 f"--theta-url and --t-url are one server, so the teacher is the base model shown another prompt: "
-                f"every line needs a theta_prompt and a t_prompt that differ (id {same.id} has one prompt for both)")
+                f"every line needs a theta_prompt and a t_prompt that differ (id {same.id} has one prompt for both)"
+            )
     # Checked before any server starts.
-    params = SamplingParams(args.max_tokens, temperature=args.temperature, stop=tuple(args.stop or ()),
-                            fixed_alpha=args.fixed_alpha, return_diagnostics=args.diagnostics)
+    params = SamplingParams(
+        args.max_tokens,
+        temperature=args.temperature,
+        stop=tuple(args.stop or ()),
+        fixed_alpha=args.fixed_alpha,
+        return_diagnostics=args.diagnostics,
+    )
     async with _coordinator(args) as coordinator:
-        report = await run_jobs(coordinator, args.input, args.output, params, seed=coordinator.config.seed or 0,
-                                show_progress=not args.quiet)
+        report = await run_jobs(
+            coordinator,
+            args.input,
+            args.output,
+            params,
+            seed=coordinator.config.seed or 0,
+            show_progress=not args.quiet,
+        )
         stats = coordinator.get_statistics()
-    print(f"{report.written} written, {report.skipped} already done, {len(report.failed)} failed "
-          f"of {report.total}; {stats['tokens']} tokens at {stats['tokens_per_s']:.1f} tokens/s, "
-          f"mean alpha {stats['mean_alpha']:.3f}")
+    print(
+        f"{report.written} written, {report.skipped} already done, {len(report.failed)} failed "
+        f"of {report.total}; {stats['tokens']} tokens at {stats['tokens_per_s']:.1f} tokens/s, "
+        f"mean alpha {stats['mean_alpha']:.3f}"
+    )
     if report.failed:
         first_id, first_error = report.failed[0]
-        print(f"dualvllm: {len(report.failed)} prompts failed (first: id {first_id}: {first_error}). "
-              "They were not written; rerun the same command to retry them.", file=sys.stderr)
+        print(
+            f"dualvllm: {len(report.failed)} prompts failed (first: id {first_id}: {first_error}). "
+            "They were not written; rerun the same command to retry them.",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -157,15 +209,19 @@ async def _train(args: argparse.Namespace) -> int:
         from dualvllm.training.dpo import train_dpo
 
         dpo = await train_dpo(config)
-        print(f"{dpo.pairs} preference pairs ({dpo.pairs_path}); held-out greedy accuracy of the base "
-              f"{dpo.accuracy_before:.1%} -> {dpo.accuracy_after:.1%}; model in {dpo.model_dir}")
+        print(
+            f"{dpo.pairs} preference pairs ({dpo.pairs_path}); held-out greedy accuracy of the base "
+            f"{dpo.accuracy_before:.1%} -> {dpo.accuracy_after:.1%}; model in {dpo.model_dir}"
+        )
         return 0
     from dualvllm.training.grpo import train_grpo
 
     report = await train_grpo(config, resume=args.resume)
-    print(f"{report.steps_done} steps; held-out greedy accuracy of the base {report.accuracy_before:.1%} -> "
-          f"{report.accuracy_after:.1%}; {report.dropped_stale_batches} stale batches dropped; "
-          f"metrics in {report.metrics_path}")
+    print(
+        f"{report.steps_done} steps; held-out greedy accuracy of the base {report.accuracy_before:.1%} -> "
+        f"{report.accuracy_after:.1%}; {report.dropped_stale_batches} stale batches dropped; "
+        f"metrics in {report.metrics_path}"
+    )
     return 0
 
 
@@ -180,8 +236,9 @@ async def _eval(args: argparse.Namespace) -> int:
 
 
 @contextlib.asynccontextmanager
-async def _coordinator(args: argparse.Namespace, default_local: bool = False,
-                       launched: list[Any] | None = None) -> AsyncIterator[DualVLLMCoordinator]:
+async def _coordinator(
+    args: argparse.Namespace, default_local: bool = False, launched: list[Any] | None = None
+) -> AsyncIterator[DualVLLMCoordinator]:
     """A coordinator on the servers named by the flags, starting local ones if asked (added
     to `launched`), or on two in-process transformers engines with `--engine transformers`."""
     overrides = _given(args, CoordinatorConfig, COORDINATOR_FLAGS)
@@ -194,7 +251,8 @@ async def _coordinator(args: argparse.Namespace, default_local: bool = False,
         if args.engine == "transformers":
             engines = await stack.enter_async_context(_in_process_engines(args))
             yield await stack.enter_async_context(
-                DualVLLMCoordinator(config, theta_engine=engines[0], t_engine=engines[1]))
+                DualVLLMCoordinator(config, theta_engine=engines[0], t_engine=engines[1])
+            )
             return
         if local:
             pairs = _server_configs(args)
@@ -216,8 +274,10 @@ async def _in_process_engines(args: argparse.Namespace) -> AsyncIterator[tuple[A
     if args.theta_url or args.t_url or args.theta_urls or args.t_urls:
         raise InvalidInputError("--engine transformers runs the models in this process; drop the server URLs")
     dtype = args.dtype if args.dtype not in (None, "auto") else "float32"
-    async with TransformersEngine(args.base or tinymodels.BASE_DIR, name="theta", dtype=dtype) as theta, \
-            TransformersEngine(args.teacher or tinymodels.TEACHER_DIR, name="t", dtype=dtype) as t:
+    async with (
+        TransformersEngine(args.base or tinymodels.BASE_DIR, name="theta", dtype=dtype) as theta,
+        TransformersEngine(args.teacher or tinymodels.TEACHER_DIR, name="t", dtype=dtype) as t,
+    ):
         yield theta, t
 
 
@@ -243,8 +303,12 @@ def _add_schema_flags(parser: argparse.ArgumentParser | Any, schema: type[BaseMo
     description and default as help. Flags default to None, so only given ones override."""
     for name in names:
         field = schema.model_fields[name]
-        _add_flag(parser, name, field, field.description if field.is_required()
-                  else f"{field.description} (default: {field.default})")
+        _add_flag(
+            parser,
+            name,
+            field,
+            field.description if field.is_required() else f"{field.description} (default: {field.default})",
+        )
 
 
 def _add_train_flags(parser: argparse.ArgumentParser) -> None:
@@ -273,8 +337,9 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
         _add_flag(parser, name, field, text, required=False)
 
 
-def _add_flag(parser: argparse.ArgumentParser | Any, name: str, field: Any, text: str,
-              required: bool | None = None) -> None:
+def _add_flag(
+    parser: argparse.ArgumentParser | Any, name: str, field: Any, text: str, required: bool | None = None
+) -> None:
     flag = "--" + name.replace("_", "-")
     required = field.is_required() if required is None else required
     text = text.replace("%", "%%")  # argparse formats help strings
@@ -306,21 +371,28 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 
     serve = commands.add_parser(
-        "serve", help="the OpenAI-compatible q* endpoint, over the base and teacher servers it starts "
-                      "(or those of --theta-url/--t-url), until Ctrl-C")
-    serve.add_argument("--servers-only", action="store_true",
-                       help="start the two vLLM servers and print their URLs, without the q* endpoint")
+        "serve",
+        help="the OpenAI-compatible q* endpoint, over the base and teacher servers it starts "
+        "(or those of --theta-url/--t-url), until Ctrl-C",
+    )
+    serve.add_argument(
+        "--servers-only",
+        action="store_true",
+        help="start the two vLLM servers and print their URLs, without the q* endpoint",
+    )
     _add_server_flags(serve)
     _add_coordinator_flags(serve)
-    group = serve.add_argument_group("q* endpoint (unset flags fall back to DUALVLLM_* variables; prefer "
-                                     "DUALVLLM_API_KEY to --api-key, which `ps` shows)")
+    group = serve.add_argument_group(
+        "q* endpoint (unset flags fall back to DUALVLLM_* variables; prefer "
+        "DUALVLLM_API_KEY to --api-key, which `ps` shows)"
+    )
     from dualvllm.service.config import ServiceConfig
 
     _add_schema_flags(group, ServiceConfig, SERVICE_FLAGS)
     serve.set_defaults(command=_serve)
 
     generate = commands.add_parser("generate", help="generate from q* for a JSONL file of prompts (resumable)")
-    generate.add_argument("--input", type=Path, required=True, help="JSONL: one {\"prompt\": ...} per line")
+    generate.add_argument("--input", type=Path, required=True, help='JSONL: one {"prompt": ...} per line')
     generate.add_argument("--output", type=Path, required=True, help="JSONL results; existing ids are skipped")
     _add_sampling_flags(generate)
     generate.add_argument("--diagnostics", action="store_true", help="add per-token KL/ESS/entropy summaries")
@@ -330,8 +402,10 @@ def _parser() -> argparse.ArgumentParser:
     generate.set_defaults(command=_generate)
 
     demo = commands.add_parser(
-        "demo", help="q* vs base vs teacher on the bundled tiny arithmetic models "
-                     "(starts both servers unless --theta-url and --t-url are given)")
+        "demo",
+        help="q* vs base vs teacher on the bundled tiny arithmetic models "
+        "(starts both servers unless --theta-url and --t-url are given)",
+    )
     demo.add_argument("--num-prompts", type=int, default=64, help="held-out problems per arm")
     demo.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of every arm")
     _add_server_flags(demo)
@@ -339,15 +413,18 @@ def _parser() -> argparse.ArgumentParser:
     demo.set_defaults(command=_demo)
 
     train = commands.add_parser(
-        "train", help="train the base on q* rollouts (grpo, sft, rft, opd, distill or dpo); the defaults are a real "
-                      "LLM's, the bundled tiny models' are --config recipes/tiny-arith.yaml")
+        "train",
+        help="train the base on q* rollouts (grpo, sft, rft, opd, distill or dpo); the defaults are a real "
+        "LLM's, the bundled tiny models' are --config recipes/tiny-arith.yaml",
+    )
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
     _add_config_flag(train)
     _add_train_flags(train)
     train.set_defaults(command=_train)
 
     evaluate = commands.add_parser(
-        "eval", help="greedy accuracy and pass@k of the base alone, q* and the teacher alone on held-out prompts")
+        "eval", help="greedy accuracy and pass@k of the base alone, q* and the teacher alone on held-out prompts"
+    )
     from dualvllm.training.config import EvalConfig
     from dualvllm.training.config_sources import NESTED
 
@@ -358,18 +435,27 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_config_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", type=Path, default=None, metavar="RECIPE.yaml",
-                        help="a recipe file: options under their names, one a line, and the coordinator's in a "
-                             "coordinator: section (recipes/: tiny-arith.yaml is the bundled models' values); the "
-                             "flags given override it")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="RECIPE.yaml",
+        help="a recipe file: options under their names, one a line, and the coordinator's in a "
+        "coordinator: section (recipes/: tiny-arith.yaml is the bundled models' values); the "
+        "flags given override it",
+    )
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most per prompt")
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy decoding of q*")
     parser.add_argument("--stop", action="append", help="stop string (repeatable); not included in the text")
-    parser.add_argument("--fixed-alpha", type=float, default=None,
-                        help="use this alpha instead of alpha* (0 = base only, 1 = teacher only)")
+    parser.add_argument(
+        "--fixed-alpha",
+        type=float,
+        default=None,
+        help="use this alpha instead of alpha* (0 = base only, 1 = teacher only)",
+    )
 
 
 def _add_server_flags(parser: argparse.ArgumentParser) -> None:
@@ -377,18 +463,26 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--base", help="base model (pi_theta) directory; default: the bundled tiny base")
     group.add_argument("--teacher", help="teacher model (pi_t) directory; default: the bundled tiny teacher")
     group.add_argument("--log-dir", type=Path, default=None, help="write theta.log and t.log here")
-    group.add_argument("--replicas", type=int, default=1,
-                       help="start this many (base, teacher) pairs, each on its own cores when there are enough; "
-                            "the coordinator pools the replicas of each role, and a replica that dies hands its "
-                            "sequences to the others (default: 1)")
+    group.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="start this many (base, teacher) pairs, each on its own cores when there are enough; "
+        "the coordinator pools the replicas of each role, and a replica that dies hands its "
+        "sequences to the others (default: 1)",
+    )
     _add_schema_flags(group, ServerConfig, SERVER_FLAGS)
 
 
 def _add_coordinator_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("coordinator (unset flags fall back to DUALVLLM_* variables)")
-    group.add_argument("--engine", choices=("vllm", "transformers"), default="vllm",
-                       help="vllm: servers (started or given by URL); transformers: both models in "
-                            "this process, no vLLM needed (slower; the fallback and the exact reference)")
+    group.add_argument(
+        "--engine",
+        choices=("vllm", "transformers"),
+        default="vllm",
+        help="vllm: servers (started or given by URL); transformers: both models in "
+        "this process, no vLLM needed (slower; the fallback and the exact reference)",
+    )
     _add_schema_flags(group, CoordinatorConfig, COORDINATOR_FLAGS)
 
 

@@ -49,12 +49,13 @@ def read_jobs(path: Path) -> list[Job]:
     for number, record in read_objects(path):
         job = _parse_record(str(path), number, record)
         if job.id in seen:
-            raise InputFormatError(str(path), number,
-                                   f"id {job.id!r} already used on line {seen[job.id]}; ids must be unique")
+            raise InputFormatError(
+                str(path), number, f"id {job.id!r} already used on line {seen[job.id]}; ids must be unique"
+            )
         seen[job.id] = number
         jobs.append(job)
     if not jobs:
-        raise InvalidInputError(f"{path} has no prompts; expected JSON lines like {{\"prompt\": \"...\"}}")
+        raise InvalidInputError(f'{path} has no prompts; expected JSON lines like {{"prompt": "..."}}')
     return jobs
 
 
@@ -78,21 +79,24 @@ def _parse_record(path: str, number: int, record: dict[str, Any]) -> Job:
 def check_output(path: Path, *, input_path: Path) -> None:
     """Refuse an output that cannot be appended to, before any server starts."""
     if path.exists() and input_path.exists() and path.samefile(input_path):
-        raise InvalidInputError(f"--output {path} is the input file; results would be appended to the "
-                                "prompts. Give another path")
+        raise InvalidInputError(
+            f"--output {path} is the input file; results would be appended to the prompts. Give another path"
+        )
     if path.is_dir():
         raise InvalidInputError(f"--output {path} is a directory; give a file path (e.g. {path / 'out.jsonl'})")
     folder = next(p for p in path.absolute().parents if p.exists())
     if not folder.is_dir():
-        raise InvalidInputError(f"cannot write the output {path}: {folder} is a file, not a folder; choose "
-                                "another path")
+        raise InvalidInputError(
+            f"cannot write the output {path}: {folder} is a file, not a folder; choose another path"
+        )
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a", encoding="utf-8"):
             pass
     except OSError as exc:
-        raise InvalidInputError(f"cannot write the output {path}: {exc.strerror or exc}; choose a "
-                                "writable path") from exc
+        raise InvalidInputError(
+            f"cannot write the output {path}: {exc.strerror or exc}; choose a writable path"
+        ) from exc
 
 
 def done_ids(path: Path) -> set[str]:
@@ -140,7 +144,9 @@ async def run_jobs(
     output_path.parent.mkdir(parents=True, exist_ok=True)
     with open(output_path, "a", encoding="utf-8") as out:
         async for output in coordinator.stream(
-            [job.prompt for job in pending], params, seeds=[job_seed(seed, job.id) for job in pending],
+            [job.prompt for job in pending],
+            params,
+            seeds=[job_seed(seed, job.id) for job in pending],
             show_progress=show_progress,
         ):
             job = pending[output.index]

@@ -32,19 +32,28 @@ async def serve_servers(pairs: list[tuple[ServerConfig, ServerConfig]]) -> None:
         while True:
             dead = [server for server in servers if not server.running and server.name not in reported]
             if dead and len(servers) == 2:
-                raise ServerStartupError(f"{dead[0].name} server exited while serving; the other one was stopped. "
-                                         f"Log {dead[0].log_path}:\n{dead[0].log_tail()}")
+                raise ServerStartupError(
+                    f"{dead[0].name} server exited while serving; the other one was stopped. "
+                    f"Log {dead[0].log_path}:\n{dead[0].log_tail()}"
+                )
             for server in dead:
-                print(f"{server.name} server ({server.url}) exited; the others serve on. Log {server.log_path}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"{server.name} server ({server.url}) exited; the others serve on. Log {server.log_path}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 reported.add(server.name)
             if len(reported) == len(servers):
                 raise ServerStartupError("every server exited; see their logs above")
             await asyncio.sleep(LIVENESS_POLL_S)
 
 
-async def serve_endpoint(coordinator: DualVLLMCoordinator, config: ServiceConfig,
-                         servers: Sequence[VLLMServer], sock: socket.socket | None = None) -> None:
+async def serve_endpoint(
+    coordinator: DualVLLMCoordinator,
+    config: ServiceConfig,
+    servers: Sequence[VLLMServer],
+    sock: socket.socket | None = None,
+) -> None:
     """Serve the q* endpoint until interrupted, or until a server started for it exits: with
     replica pools, until every replica of a role has (the pool fails over until then).
     `sock`: the endpoint's socket, bound before the servers started (dualvllm.service.app.listening_socket)."""
@@ -53,9 +62,11 @@ async def serve_endpoint(coordinator: DualVLLMCoordinator, config: ServiceConfig
         if servers:
             _print_servers(*servers)
         print(f"q* endpoint: {url}/v1  (model {model!r}, mode {coordinator.mode})")
-        print(f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
-              f"-d '{{\"model\": \"{model}\", \"prompt\": \"12+34=\", "
-              f"\"max_tokens\": 8}}'")
+        print(
+            f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
+            f'-d \'{{"model": "{model}", "prompt": "12+34=", '
+            f'"max_tokens": 8}}\''
+        )
         print("Ctrl-C stops it" + (" and the servers." if servers else "."), flush=True)
 
     endpoint = asyncio.create_task(serve(coordinator, config, ready=ready, sock=sock))
@@ -63,8 +74,10 @@ async def serve_endpoint(coordinator: DualVLLMCoordinator, config: ServiceConfig
         while not endpoint.done():
             dead = _role_lost(servers)
             if dead is not None:
-                raise ServerStartupError(f"{dead.name} server exited while serving; the endpoint was stopped. "
-                                         f"Log {dead.log_path}:\n{dead.log_tail()}")
+                raise ServerStartupError(
+                    f"{dead.name} server exited while serving; the endpoint was stopped. "
+                    f"Log {dead.log_path}:\n{dead.log_tail()}"
+                )
             await asyncio.wait([endpoint], timeout=LIVENESS_POLL_S)
         endpoint.result()
     finally:
@@ -81,8 +94,10 @@ def _print_servers(*servers: VLLMServer) -> None:
     if len(thetas) == 1:
         print(f"export DUALVLLM_THETA_URL={thetas[0].url} DUALVLLM_T_URL={ts[0].url}")
     else:
-        print(f"export DUALVLLM_THETA_URLS={','.join(s.url for s in thetas)} "
-              f"DUALVLLM_T_URLS={','.join(s.url for s in ts)}")
+        print(
+            f"export DUALVLLM_THETA_URLS={','.join(s.url for s in thetas)} "
+            f"DUALVLLM_T_URLS={','.join(s.url for s in ts)}"
+        )
 
 
 def _role_lost(servers: Sequence[VLLMServer]) -> VLLMServer | None:

@@ -9,6 +9,13 @@ from dualvllm.engines.protocol import PAD_TOKEN_ID, Engine, ModelInfo, TopKBatch
 from dualvllm.engines.vllm_client import VLLMClient
 
 __all__ = [
-    "PAD_TOKEN_ID", "Engine", "ModelInfo", "ServerConfig", "TopKBatch", "VLLMClient",
-    "VLLMServer", "launch_pair", "pair_configs",
+    "PAD_TOKEN_ID",
+    "Engine",
+    "ModelInfo",
+    "ServerConfig",
+    "TopKBatch",
+    "VLLMClient",
+    "VLLMServer",
+    "launch_pair",
+    "pair_configs",
 ]

@@ -102,8 +102,9 @@ async def request_json(
     attempt = 0
     while True:
         try:
-            return await _request_once(session, method, url, server=server, data=data, decode=decode,
-                                       timeout=timeout, on_headers=on_headers)
+            return await _request_once(
+                session, method, url, server=server, data=data, decode=decode, timeout=timeout, on_headers=on_headers
+            )
         except ServerError as err:
             safe_to_resend = idempotent or not err.request_sent
             if not (err.retryable and safe_to_resend) or attempt >= retry.max_retries:
@@ -115,14 +116,21 @@ async def request_json(
 
 
 async def _request_once(
-    session: aiohttp.ClientSession, method: str, url: str, *, server: str, data: bytes | None,
-    decode: Callable[[bytes], Any], timeout: aiohttp.ClientTimeout | None = None,
+    session: aiohttp.ClientSession,
+    method: str,
+    url: str,
+    *,
+    server: str,
+    data: bytes | None,
+    decode: Callable[[bytes], Any],
+    timeout: aiohttp.ClientTimeout | None = None,
     on_headers: Callable[[], None] | None = None,
 ) -> Any:
     try:
         options: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}  # else the session's
-        async with session.request(method, url, data=data, headers=JSON_HEADERS if data else None,
-                                   **options) as response:
+        async with session.request(
+            method, url, data=data, headers=JSON_HEADERS if data else None, **options
+        ) as response:
             status = response.status
             if on_headers is not None and status < 400:
                 on_headers()
@@ -130,18 +138,23 @@ async def _request_once(
     except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
         # aiohttp raises these before writing a byte of the request.
         raise ServerConnectError(
-            server, url, f"cannot connect ({type(exc).__name__}: {exc}); nothing was sent; is it "
-            "running, and is the URL right?"
+            server,
+            url,
+            f"cannot connect ({type(exc).__name__}: {exc}); nothing was sent; is it running, and is the URL right?",
         ) from exc
     except TimeoutError as exc:
         raise ServerTimeoutError(
-            server, url, "no answer within the request timeout; raise request_timeout if the "
-            "server is just slow (long contexts, large batches)"
+            server,
+            url,
+            "no answer within the request timeout; raise request_timeout if the "
+            "server is just slow (long contexts, large batches)",
         ) from exc
     except aiohttp.ClientError as exc:
         raise ServerUnavailableError(
-            server, url, f"the connection broke after it opened ({type(exc).__name__}: {exc}), so the "
-            "server may have received the request; is it still running? Check its log for a crash."
+            server,
+            url,
+            f"the connection broke after it opened ({type(exc).__name__}: {exc}), so the "
+            "server may have received the request; is it still running? Check its log for a crash.",
         ) from exc
     if status >= 400:
         body = raw.decode("utf-8", errors="replace")
@@ -160,7 +173,5 @@ def expect(condition: bool, server: str, url: str, what: str) -> None:
     """Raise MalformedResponseError unless a response has the shape the API promises."""
     if not condition:
         raise MalformedResponseError(
-            server, url, f"unexpected response: {what}; is this a vLLM OpenAI-compatible server "
-            "of a supported version?"
+            server, url, f"unexpected response: {what}; is this a vLLM OpenAI-compatible server of a supported version?"
         )
-

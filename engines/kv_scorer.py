@@ -82,9 +82,14 @@ class CachedScorer:
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, past: Any = None) -> Any:
         """The model over ids [B, n] after `past` (None: nothing), keeping the last position's logits."""
         with self._timed("forward"):
-            return self._model(input_ids=ids.to(self._device), attention_mask=mask.to(self._device),
-                               position_ids=positions.to(self._device), past_key_values=past,
-                               use_cache=self._kv_cache, **self._last_logits_only)
+            return self._model(
+                input_ids=ids.to(self._device),
+                attention_mask=mask.to(self._device),
+                position_ids=positions.to(self._device),
+                past_key_values=past,
+                use_cache=self._kv_cache,
+                **self._last_logits_only,
+            )
 
     def _prefill(self, contexts: list[tuple[int, ...]]) -> tuple[torch.Tensor, _Batch | None]:
         """Run whole contexts, left-padded into one batch -> last-position logits [B, V], their batch."""
@@ -97,15 +102,16 @@ class CachedScorer:
             ids = torch.zeros((len(contexts), width), dtype=torch.long)
             mask = torch.zeros((len(contexts), width), dtype=torch.long)
             for row, context in enumerate(contexts):
-                ids[row, width - len(context):] = torch.tensor(context)
-                mask[row, width - len(context):] = 1
+                ids[row, width - len(context) :] = torch.tensor(context)
+                mask[row, width - len(context) :] = 1
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
         result = self._forward(ids, mask, positions, _growing_cache([]) if self._kv_cache else None)
         batch = _Batch(contexts, result.past_key_values, mask.to(self._device)) if self._kv_cache else None
-        return result.logits[:, -1, :self._vocab], batch
+        return result.logits[:, -1, : self._vocab], batch
 
-    def _extend(self, previous: _Batch, rows: list[int],
-                contexts: list[tuple[int, ...]]) -> tuple[torch.Tensor, _Batch]:
+    def _extend(
+        self, previous: _Batch, rows: list[int], contexts: list[tuple[int, ...]]
+    ) -> tuple[torch.Tensor, _Batch]:
         """Run each context's last token on row `rows[i]` of `previous` (its prefix) -> logits [B, V],
         their batch. When every row continues in order, the cache is extended in place."""
         import torch
@@ -116,7 +122,7 @@ class CachedScorer:
             ids = torch.tensor([[c[-1]] for c in contexts])
             positions = torch.tensor([[len(c) - 1] for c in contexts])
         result = self._forward(ids, mask, positions, batch.cache)
-        return result.logits[:, -1, :self._vocab], _Batch(contexts, result.past_key_values, mask)
+        return result.logits[:, -1, : self._vocab], _Batch(contexts, result.past_key_values, mask)
 
     @contextlib.contextmanager
     def _timed(self, phase: str) -> Iterator[None]:
@@ -170,8 +176,9 @@ class _Batch:
         return _Batch(contexts, _growing_cache(layers), self.mask[index, cut:])
 
 
-def _combine(parts: list[tuple[list[int], torch.Tensor, _Batch | None]],
-             contexts: list[tuple[int, ...]]) -> tuple[torch.Tensor, _Batch | None]:
+def _combine(
+    parts: list[tuple[list[int], torch.Tensor, _Batch | None]], contexts: list[tuple[int, ...]]
+) -> tuple[torch.Tensor, _Batch | None]:
     """The logits [B, V] and the batch of every context, in the callers' order, from parts that
     each hold some of them (`indices` into `contexts`). One part is already in order (the
     common step); two are merged once, so that the next step finds its rows in order."""
@@ -186,9 +193,13 @@ def _combine(parts: list[tuple[list[int], torch.Tensor, _Batch | None]],
     batches = [(torch.tensor(indices, device=logits.device), batch) for indices, _, batch in parts]
     assert all(batch is not None for _, batch in batches), "two parts mean cached rows, so a KV cache is kept"
     width = max(batch.width for _, batch in batches)
-    layers = [tuple(_scatter_rows([(index, batch.layers()[layer][j]) for index, batch in batches], size, width, axis=2)
-                    for j in (0, 1))
-              for layer in range(len(batches[0][1].layers()))]
+    layers = [
+        tuple(
+            _scatter_rows([(index, batch.layers()[layer][j]) for index, batch in batches], size, width, axis=2)
+            for j in (0, 1)
+        )
+        for layer in range(len(batches[0][1].layers()))
+    ]
     mask = _scatter_rows([(index, batch.mask) for index, batch in batches], size, width, axis=1)
     return logits, _Batch(list(contexts), _growing_cache(layers), mask)
 
@@ -229,8 +240,9 @@ def _growing_layer() -> type:
         appending writes one position; `keys` and `values` are views of the filled part.
         Only `update` is used: the engine gathers rows itself (`_Batch.select`)."""
 
-        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
-                   **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+        ) -> tuple[torch.Tensor, torch.Tensor]:
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
                 self.filled, self.buffers = 0, ()
@@ -240,11 +252,11 @@ def _growing_layer() -> type:
                 for new, old in zip((key_states, value_states), self.buffers or (None, None)):
                     buffer = new.new_empty((*new.shape[:-2], 2 * end, new.shape[-1]))  # [B, H, room, D]
                     if old is not None:
-                        buffer[..., :self.filled, :] = old[..., :self.filled, :]
+                        buffer[..., : self.filled, :] = old[..., : self.filled, :]
                     grown.append(buffer)
                 self.buffers = tuple(grown)
             for buffer, new in zip(self.buffers, (key_states, value_states)):
-                buffer[..., self.filled:end, :] = new
+                buffer[..., self.filled : end, :] = new
             self.filled = end
             self.keys, self.values = (buffer[..., :end, :] for buffer in self.buffers)
             return self.keys, self.values

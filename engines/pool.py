@@ -45,13 +45,26 @@ _EMPTY = TopKBatch(token_ids=np.zeros((0, 0), dtype=np.int64), logprobs=np.zeros
 class ReplicaPool:
     """Implements `dualvllm.engines.protocol.Engine` for one role over several engines of the same weights."""
 
-    def __init__(self, replicas: Sequence[Engine], *, name: str, probe_contexts: Sequence[Sequence[int]] = (),
-                 probe_interval_s: float = PROBE_INTERVAL_S, tolerance: float = WEIGHTS_TOLERANCE_NATS) -> None:
+    def __init__(
+        self,
+        replicas: Sequence[Engine],
+        *,
+        name: str,
+        probe_contexts: Sequence[Sequence[int]] = (),
+        probe_interval_s: float = PROBE_INTERVAL_S,
+        tolerance: float = WEIGHTS_TOLERANCE_NATS,
+    ) -> None:
         assert replicas, "a pool needs at least one replica"
         self.name = name
         self.url = ",".join(getattr(r, "url", r.name) for r in replicas)
-        self.membership = Membership(replicas, name=name, url=self.url, probe_contexts=probe_contexts,
-                                     probe_interval_s=probe_interval_s, tolerance=tolerance)
+        self.membership = Membership(
+            replicas,
+            name=name,
+            url=self.url,
+            probe_contexts=probe_contexts,
+            probe_interval_s=probe_interval_s,
+            tolerance=tolerance,
+        )
         self._assigned: dict[int, int] = {}  # sequence key -> replica index
 
     async def close(self) -> None:
@@ -69,8 +82,9 @@ class ReplicaPool:
     async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return await self.membership.call_any(lambda r: r.tokenize(text, add_special_tokens=add_special_tokens))
 
-    async def tokenize_chat(self, messages: Sequence[Mapping[str, Any]],
-                            template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    async def tokenize_chat(
+        self, messages: Sequence[Mapping[str, Any]], template_kwargs: Mapping[str, Any] | None = None
+    ) -> list[int]:
         return await self.membership.call_any(lambda r: r.tokenize_chat(messages, template_kwargs))
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
@@ -88,8 +102,9 @@ class ReplicaPool:
         """vLLM's prompt logprobs (dualvllm.engines.protocol.PromptScoringEngine), from any healthy replica."""
         return await self.membership.call_any(lambda r: r.prompt_logprobs(prompts, k))  # type: ignore[attr-defined]
 
-    async def next_token_topk(self, contexts: Sequence[Sequence[int]], k: int,
-                              keys: Sequence[int] | None = None) -> TopKBatch:
+    async def next_token_topk(
+        self, contexts: Sequence[Sequence[int]], k: int, keys: Sequence[int] | None = None
+    ) -> TopKBatch:
         """Top-k after each context; `keys` name the sequences (None: one-off rows, spread anew)."""
         if keys is None:  # one-off rows: spread, not kept
             keys = [-1 - i for i in range(len(contexts))]
@@ -101,8 +116,12 @@ class ReplicaPool:
         while len(answers) < len(chunks):
             pending = [c for c in range(len(chunks)) if c not in answers]
             got = await asyncio.gather(
-                *(self.membership.replicas[chunks[c][0]].next_token_topk([contexts[i] for i in chunks[c][1]], k) for c in pending),
-                return_exceptions=True)
+                *(
+                    self.membership.replicas[chunks[c][0]].next_token_topk([contexts[i] for i in chunks[c][1]], k)
+                    for c in pending
+                ),
+                return_exceptions=True,
+            )
             orphans: list[int] = []
             for c, answer in zip(pending, got):
                 replica, rows = chunks[c]
@@ -118,8 +137,9 @@ class ReplicaPool:
                     answers[c] = answer
             if orphans:  # their replica is down now: `assign` moves (and counts) the kept ones
                 chunks.extend(self._route([keys[i] for i in orphans], orphans).items())
-        return _reassemble(len(contexts), [(rows, answers[c]) for c, (_, rows) in enumerate(chunks)
-                                           if answers[c] is not _EMPTY])
+        return _reassemble(
+            len(contexts), [(rows, answers[c]) for c, (_, rows) in enumerate(chunks) if answers[c] is not _EMPTY]
+        )
 
     # -- routing -------------------------------------------------------------------------
 
@@ -153,9 +173,11 @@ class ReplicaPool:
         best = min(members.healthy, key=lambda r: loads.get(r, 0))
         if current is not None:
             members.counters.moves += 1
-            log.debug("%s: a sequence moves from %s to %s", self.name, members.describe(current),
-                      members.describe(best))
+            log.debug(
+                "%s: a sequence moves from %s to %s", self.name, members.describe(current), members.describe(best)
+            )
         return best
+
 
 def _reassemble(size: int, parts: list[tuple[list[int], TopKBatch]]) -> TopKBatch:
     """One TopKBatch in call order from each replica's answer for its rows."""

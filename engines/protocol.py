@@ -53,9 +53,12 @@ class TopKBatch:
     def concat(cls, batches: Sequence[TopKBatch]) -> TopKBatch:
         """The rows of several batches, in order, padded to the widest."""
         widths = [b.token_ids.shape[1] for b in batches]
-        return cls.from_flat(np.concatenate([b.token_ids.ravel() for b in batches]),
-                             np.concatenate([b.logprobs.ravel() for b in batches]),
-                             np.repeat(widths, [b.batch_size for b in batches]), max(widths))
+        return cls.from_flat(
+            np.concatenate([b.token_ids.ravel() for b in batches]),
+            np.concatenate([b.logprobs.ravel() for b in batches]),
+            np.repeat(widths, [b.batch_size for b in batches]),
+            max(widths),
+        )
 
 
 @dataclass(frozen=True)
@@ -81,16 +84,18 @@ class Engine(Protocol):
 
     async def model_info(self) -> ModelInfo: ...
 
-    async def next_token_topk(self, contexts: Sequence[Sequence[int]], k: int,
-                              keys: Sequence[int] | None = None) -> TopKBatch:
+    async def next_token_topk(
+        self, contexts: Sequence[Sequence[int]], k: int, keys: Sequence[int] | None = None
+    ) -> TopKBatch:
         """Top-k next-token logprobs after each context, in one batched call. `keys` name the
         contexts' sequences, for engines that route by sequence (engines/pool.py); others ignore them."""
         ...
 
     async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
-    async def tokenize_chat(self, messages: Sequence[Mapping[str, Any]],
-                            template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    async def tokenize_chat(
+        self, messages: Sequence[Mapping[str, Any]], template_kwargs: Mapping[str, Any] | None = None
+    ) -> list[int]:
         """A chat ([{"role", "content"}, ...]) rendered with the model's chat template, ending
         with the prompt of the assistant's turn; InvalidInputError if the model has none.
         `template_kwargs`: extra template variables (vLLM's chat_template_kwargs)."""
@@ -120,8 +125,7 @@ class Draft:
 class SpeculativeEngine(Engine, Protocol):
     """An engine that can also draft several tokens and score continuations in one call each."""
 
-    async def draft(self, context: Sequence[int], *, max_tokens: int, k: int, temperature: float,
-                    seed: int) -> Draft:
+    async def draft(self, context: Sequence[int], *, max_tokens: int, k: int, temperature: float, seed: int) -> Draft:
         """Sample `max_tokens` tokens after `context` from the top-k at `temperature` (0 = greedy).
 
         EOS does not stop a draft: the caller applies its own stop rules. `seed` makes the
@@ -137,8 +141,9 @@ class SpeculativeEngine(Engine, Protocol):
         """
         ...
 
-    async def score_continuations(self, contexts: Sequence[Sequence[int]],
-                                  continuations: Sequence[Sequence[int]], k: int) -> list[TopKBatch]:
+    async def score_continuations(
+        self, contexts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]], k: int
+    ) -> list[TopKBatch]:
         """Top-k before each token of each continuation, in one batched call.
 
         Row j of answer i is the top-k after contexts[i] + continuations[i][:j] (exactly the
@@ -167,15 +172,17 @@ class PromptScoringEngine(Engine, Protocol):
         ...
 
 
-async def score_by_prefixes(engine: Engine, contexts: Sequence[Sequence[int]],
-                            continuations: Sequence[Sequence[int]], k: int) -> list[TopKBatch]:
+async def score_by_prefixes(
+    engine: Engine, contexts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]], k: int
+) -> list[TopKBatch]:
     """SpeculativeEngine.score_continuations as one next_token_topk call over every prefix
     contexts[i] + continuations[i][:j], split back per continuation."""
     prefixes = [list(c) + list(x[:j]) for c, x in zip(contexts, continuations) for j in range(len(x))]
     top = await engine.next_token_topk(prefixes, k)
     bounds = np.cumsum([0, *(len(x) for x in continuations)])
-    return [TopKBatch(token_ids=top.token_ids[a:b], logprobs=top.logprobs[a:b])
-            for a, b in zip(bounds[:-1], bounds[1:])]
+    return [
+        TopKBatch(token_ids=top.token_ids[a:b], logprobs=top.logprobs[a:b]) for a, b in zip(bounds[:-1], bounds[1:])
+    ]
 
 
 @runtime_checkable

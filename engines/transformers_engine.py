@@ -48,8 +48,16 @@ T = TypeVar("T")
 class TransformersEngine:
     """A causal LM in this process; implements `dualvllm.engines.protocol.Engine`."""
 
-    def __init__(self, model: str | Path, *, name: str = "model", device: Device = "auto",
-                 dtype: str = "float32", kv_cache: bool = True, max_model_len: int | None = None) -> None:
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        name: str = "model",
+        device: Device = "auto",
+        dtype: str = "float32",
+        kv_cache: bool = True,
+        max_model_len: int | None = None,
+    ) -> None:
         self.model_path = str(model)
         self.name = name
         self._device_choice = device
@@ -63,12 +71,14 @@ class TransformersEngine:
         self._state = "new"
 
     @classmethod
-    def live(cls, model: Any, tokenizer: Any, *, name: str = "model", kv_cache: bool = True,
-             max_model_len: int | None = None) -> TransformersEngine:
+    def live(
+        cls, model: Any, tokenizer: Any, *, name: str = "model", kv_cache: bool = True, max_model_len: int | None = None
+    ) -> TransformersEngine:
         """An engine over a model object this process trains: it samples from the weights as they
         are (no copy, no push). Wrap every update in `updating()`."""
-        engine = cls(getattr(model, "name_or_path", "") or "live", name=name, kv_cache=kv_cache,
-                     max_model_len=max_model_len)
+        engine = cls(
+            getattr(model, "name_or_path", "") or "live", name=name, kv_cache=kv_cache, max_model_len=max_model_len
+        )
         engine._model, engine._tokenizer = model, tokenizer
         return engine
 
@@ -105,17 +115,23 @@ class TransformersEngine:
             cuda = torch.cuda.is_available()
             if self._device_choice == "cuda" and not cuda:
                 raise InvalidInputError(f"{self.name} engine asked for device 'cuda' but torch sees no GPU")
-            device = torch.device("cuda" if self._device_choice == "cuda" or
-                                  (self._device_choice == "auto" and cuda) else "cpu")
+            device = torch.device(
+                "cuda" if self._device_choice == "cuda" or (self._device_choice == "auto" and cuda) else "cpu"
+            )
             dtype = getattr(torch, self._dtype_name, None)
             if not isinstance(dtype, torch.dtype):
                 raise InvalidInputError(f"unknown dtype {self._dtype_name!r}; use float32, bfloat16 or float16")
             self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
             self._model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).to(device).eval()
-        last_logits_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(
-            self._model.forward).parameters else {}
-        self.scorer = CachedScorer(self._model, kv_cache=self._kv_cache, vocab=int(self._model.config.vocab_size),
-                                   forward_options=last_logits_only)
+        last_logits_only = (
+            {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self._model.forward).parameters else {}
+        )
+        self.scorer = CachedScorer(
+            self._model,
+            kv_cache=self._kv_cache,
+            vocab=int(self._model.config.vocab_size),
+            forward_options=last_logits_only,
+        )
 
     # -- Engine protocol -------------------------------------------------------------
 
@@ -125,15 +141,20 @@ class TransformersEngine:
     async def model_info(self) -> ModelInfo:
         self._require_open()
         limit = self._max_model_len or int(getattr(self._model.config, "max_position_embeddings", 0) or 0)
-        return ModelInfo(name=self.model_path, root=self.model_path, max_model_len=limit,
-                         vocab_size=int(self._model.config.vocab_size))
+        return ModelInfo(
+            name=self.model_path,
+            root=self.model_path,
+            max_model_len=limit,
+            vocab_size=int(self._model.config.vocab_size),
+        )
 
     async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         self._require_open()
         return list(self._tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    async def tokenize_chat(self, messages: Sequence[Mapping[str, Any]],
-                            template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    async def tokenize_chat(
+        self, messages: Sequence[Mapping[str, Any]], template_kwargs: Mapping[str, Any] | None = None
+    ) -> list[int]:
         self._require_open()
         return render_chat(self._tokenizer, messages, self.name, template_kwargs)
 
@@ -151,8 +172,9 @@ class TransformersEngine:
             ids.add(self._tokenizer.eos_token_id)
         return frozenset(ids)
 
-    async def next_token_topk(self, contexts: Sequence[Sequence[int]], k: int,
-                              keys: Sequence[int] | None = None) -> TopKBatch:
+    async def next_token_topk(
+        self, contexts: Sequence[Sequence[int]], k: int, keys: Sequence[int] | None = None
+    ) -> TopKBatch:
         """The k most likely next tokens per context (all of them when k >= vocabulary), sorted."""
         token_ids, logprobs = await self._scored(contexts, lambda logits: topk_logprobs(logits, k))
         assert (token_ids != PAD_TOKEN_ID).all()
@@ -181,8 +203,7 @@ class TransformersEngine:
 
     # -- speculative rounds (dualvllm.engines.protocol.SpeculativeEngine) ------------------------
 
-    async def draft(self, context: Sequence[int], *, max_tokens: int, k: int, temperature: float,
-                    seed: int) -> Draft:
+    async def draft(self, context: Sequence[int], *, max_tokens: int, k: int, temperature: float, seed: int) -> Draft:
         """Sample `max_tokens` tokens from the top-k at `temperature` (0 = argmax), seeded."""
         rng = np.random.default_rng(seed)
         sequence, rows = list(context), []
@@ -195,17 +216,22 @@ class TransformersEngine:
                 token = int(rng.choice(top.token_ids[0], p=np.exp(scaled - np.logaddexp.reduce(scaled))))
             rows.append(top)
             sequence.append(token)
-        return Draft(token_ids=np.asarray(sequence[len(context):], dtype=np.int64),
-                     topk=TopKBatch(token_ids=np.concatenate([r.token_ids for r in rows]),
-                                    logprobs=np.concatenate([r.logprobs for r in rows])))
+        return Draft(
+            token_ids=np.asarray(sequence[len(context) :], dtype=np.int64),
+            topk=TopKBatch(
+                token_ids=np.concatenate([r.token_ids for r in rows]),
+                logprobs=np.concatenate([r.logprobs for r in rows]),
+            ),
+        )
 
     async def draft_argmax(self, contexts: Sequence[Sequence[int]], *, max_tokens: int, k: int) -> list[Draft]:
         """The argmax continuation after every context (one draft at a time: the forward
         passes are serialized anyway)."""
         return [await self.draft(c, max_tokens=max_tokens, k=k, temperature=0.0, seed=0) for c in contexts]
 
-    async def score_continuations(self, contexts: Sequence[Sequence[int]],
-                                  continuations: Sequence[Sequence[int]], k: int) -> list[TopKBatch]:
+    async def score_continuations(
+        self, contexts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]], k: int
+    ) -> list[TopKBatch]:
         """The top-k before every continuation token: all prefixes scored in one batched call."""
         return await score_by_prefixes(self, contexts, continuations, k)
 
@@ -234,9 +260,9 @@ def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]
     ids = torch.empty((batch, width), dtype=torch.long, device=logits.device)
     totals = torch.empty((batch, 1), dtype=torch.float64, device=logits.device)  # sum_j exp(z_j - m), in [1, V]
     for start in range(0, batch, rows):
-        chunk = logits[start:start + rows]
-        values[start:start + rows], ids[start:start + rows] = _topk(chunk, width)
-        totals[start:start + rows] = (chunk - values[start:start + rows, :1]).exp_().sum(dim=-1, keepdim=True)
+        chunk = logits[start : start + rows]
+        values[start : start + rows], ids[start : start + rows] = _topk(chunk, width)
+        totals[start : start + rows] = (chunk - values[start : start + rows, :1]).exp_().sum(dim=-1, keepdim=True)
     logprobs = (values.double() - values[:, :1].double()) - totals.log()
     return ids.cpu().numpy(), logprobs.cpu().numpy()
 
@@ -257,7 +283,7 @@ def _topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = vocab // TOPK_BLOCK
     if blocks <= k:
         return torch.topk(logits, k, dim=-1)
-    maxima = logits[:, :blocks * TOPK_BLOCK].view(rows, blocks, TOPK_BLOCK).amax(dim=-1)  # [R, blocks]
+    maxima = logits[:, : blocks * TOPK_BLOCK].view(rows, blocks, TOPK_BLOCK).amax(dim=-1)  # [R, blocks]
     best = torch.topk(maxima, k, dim=-1).indices  # [R, k]
     columns = (best[:, :, None] * TOPK_BLOCK + torch.arange(TOPK_BLOCK, device=logits.device)).flatten(1)
     tail = torch.arange(blocks * TOPK_BLOCK, vocab, device=logits.device).expand(rows, -1)

@@ -92,18 +92,26 @@ class VLLMAdmin:
         dev mode has no /collective_rpc: WeightSyncError says how to restart it.
         """
         weights_dir = checked_weights_dir(weights_path)
-        timeout = None if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s,
-                                                                         connect=self._client.connect_timeout_s)
+        timeout = (
+            None
+            if timeout_s is None
+            else aiohttp.ClientTimeout(total=timeout_s, connect=self._client.connect_timeout_s)
+        )
         try:
-            await self._client.call("POST", "/collective_rpc",
-                            {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}},
-                            idempotent=False, timeout=timeout)
+            await self._client.call(
+                "POST",
+                "/collective_rpc",
+                {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}},
+                idempotent=False,
+                timeout=timeout,
+            )
         except ServerRejectedError as err:
             if err.status == 404:
                 raise WeightSyncError(
                     f"{self._client.name} server at {self._client.url} has no /collective_rpc: it was started without dev "
                     "mode. Restart it with VLLM_SERVER_DEV_MODE=1 (ServerConfig(dev_mode=True), or `dualvllm "
-                    "serve --dev-mode`), on a loopback host only") from err
+                    "serve --dev-mode`), on a loopback host only"
+                ) from err
             raise
 
     async def served_dtype(self) -> str | None:
@@ -119,8 +127,12 @@ class VLLMAdmin:
             return None
         model = config.get("model_config", {})
         dtype = str(model.get("dtype", "")) if isinstance(model, dict) else ""
-        expect(dtype.removeprefix("torch.") in SERVED_DTYPES, self._client.name, self._client.url,
-               f"/server_info names no model dtype among {sorted(SERVED_DTYPES)} (got {dtype!r})")
+        expect(
+            dtype.removeprefix("torch.") in SERVED_DTYPES,
+            self._client.name,
+            self._client.url,
+            f"/server_info names no model dtype among {sorted(SERVED_DTYPES)} (got {dtype!r})",
+        )
         return dtype.removeprefix("torch.")
 
     async def weight_transfer_backend(self) -> str | None:
@@ -141,9 +153,13 @@ class VLLMAdmin:
         config = info.get("vllm_config") if isinstance(info, dict) else None
         return config if isinstance(config, dict) else {}
 
-    async def reset_prefix_cache(self, *, attempts: int = RESET_ATTEMPTS,
-                                 retry_delay_s: float = RESET_RETRY_DELAY_S,
-                                 reset_running_requests: bool = False) -> None:
+    async def reset_prefix_cache(
+        self,
+        *,
+        attempts: int = RESET_ATTEMPTS,
+        retry_delay_s: float = RESET_RETRY_DELAY_S,
+        reset_running_requests: bool = False,
+    ) -> None:
         """Drop every cached KV block, so that none computed with old weights is reused.
 
         vLLM answers `success: false` while running requests hold blocks: asked again up to
@@ -154,8 +170,12 @@ class VLLMAdmin:
         path = "/reset_prefix_cache" + ("?reset_running_requests=true" if reset_running_requests else "")
         for attempt in range(attempts):
             answer = await self._client.call("POST", path, idempotent=True)
-            expect(isinstance(answer, dict) and "success" in answer, self._client.name, self._client.url,
-                   f"/reset_prefix_cache answered {answer!r}, not {{'success': bool}}")
+            expect(
+                isinstance(answer, dict) and "success" in answer,
+                self._client.name,
+                self._client.url,
+                f"/reset_prefix_cache answered {answer!r}, not {{'success': bool}}",
+            )
             if answer["success"]:
                 return
             if attempt + 1 < attempts:
@@ -163,7 +183,8 @@ class VLLMAdmin:
         raise WeightSyncError(
             f"{self._client.name} server at {self._client.url} refused to reset its prefix cache {attempts} times, and stale KV "
             "blocks would give wrong logprobs; running requests hold blocks: reset inside pause(), and check "
-            "that the server honours /pause")
+            "that the server honours /pause"
+        )
 
     # -- admin: vLLM's native weight transfer (dualvllm.training.weight_transfer); dev mode ----------
     #
@@ -189,8 +210,12 @@ class VLLMAdmin:
     async def world_size(self, include_dp: bool = True) -> int:
         """The server's worker count (TP x PP, x DP with `include_dp`): GET /get_world_size (dev mode)."""
         body = await self._client.call("GET", "/get_world_size" + ("" if include_dp else "?include_dp=false"))
-        expect(isinstance(body, dict) and isinstance(body.get("world_size"), int), self._client.name, self._client.url,
-               f"/get_world_size answered {body!r}, not {{'world_size': int}}")
+        expect(
+            isinstance(body, dict) and isinstance(body.get("world_size"), int),
+            self._client.name,
+            self._client.url,
+            f"/get_world_size answered {body!r}, not {{'world_size': int}}",
+        )
         return body["world_size"]
 
     async def weight_version(self) -> str | None:
@@ -206,5 +231,6 @@ class VLLMAdmin:
             if err.status == 404:
                 raise WeightSyncError(
                     f"{self._client.name} server at {self._client.url} has no {path}: it was started without dev mode. Restart it "
-                    "with VLLM_SERVER_DEV_MODE=1 (ServerConfig(dev_mode=True)), on a loopback host only") from err
+                    "with VLLM_SERVER_DEV_MODE=1 (ServerConfig(dev_mode=True)), on a loopback host only"
+                ) from err
             raise

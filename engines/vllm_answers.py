@@ -52,11 +52,10 @@ def _check(condition: bool, what: str) -> None:
 
 
 def token_id(key: str) -> int:
-    """"token_id:123" -> 123; any other key is a ValueError (the client always asks for ids)."""
-    if not key.startswith(TOKEN_ID_PREFIX) or not key[len(TOKEN_ID_PREFIX):].isdigit():
-        raise ValueError(f"logprob key {key[:40]!r} is not 'token_id:N'; the server ignored "
-                         "return_tokens_as_token_ids")
-    return int(key[len(TOKEN_ID_PREFIX):])
+    """ "token_id:123" -> 123; any other key is a ValueError (the client always asks for ids)."""
+    if not key.startswith(TOKEN_ID_PREFIX) or not key[len(TOKEN_ID_PREFIX) :].isdigit():
+        raise ValueError(f"logprob key {key[:40]!r} is not 'token_id:N'; the server ignored return_tokens_as_token_ids")
+    return int(key[len(TOKEN_ID_PREFIX) :])
 
 
 class TokenIdCache(dict[str, int]):
@@ -97,8 +96,10 @@ def next_token_rows(answer: Completion, batch_size: int, k: int, cache: TokenIdC
     entries = [c.logprobs.top_logprobs[0] if c.logprobs and c.logprobs.top_logprobs else None for c in choices]
     _check(all(entries), "choice without top_logprobs; was `logprobs` dropped by a proxy?")
     rows = np.fromiter((c.index for c in choices), np.int64, batch_size)  # [B]
-    _check(np.array_equal(np.sort(rows), np.arange(batch_size)),
-           f"choice indices {rows.tolist()[:8]}... are not 0..{batch_size - 1}")
+    _check(
+        np.array_equal(np.sort(rows), np.arange(batch_size)),
+        f"choice indices {rows.tolist()[:8]}... are not 0..{batch_size - 1}",
+    )
     batch = pad_rows(entries, k + 1, cache)  # type: ignore[arg-type]  # rows in answer order
     if np.array_equal(rows, np.arange(batch_size)):
         return batch
@@ -113,8 +114,10 @@ def _by_index(body: Any, count: int) -> list[dict[str, Any]]:
     ordered: list[dict[str, Any] | None] = [None] * count
     for choice in choices:  # type: ignore[union-attr]
         index = choice.get("index") if isinstance(choice, dict) else None
-        _check(isinstance(index, int) and 0 <= index < count and ordered[index] is None,
-               f"choice index {index!r} is not one of 0..{count - 1}, once each")
+        _check(
+            isinstance(index, int) and 0 <= index < count and ordered[index] is None,
+            f"choice index {index!r} is not one of 0..{count - 1}, once each",
+        )
         ordered[index] = choice  # type: ignore[index]
     return ordered  # type: ignore[return-value]
 
@@ -126,13 +129,17 @@ def echoed_prompt_rows(body: Any, prompts: Sequence[Sequence[int]], k: int, cach
     for choice, prompt in zip(_by_index(body, len(prompts)), prompts):
         logprobs = choice.get("logprobs") or {}
         tokens, top = logprobs.get("tokens") or [], logprobs.get("top_logprobs") or []
-        _check(len(tokens) == len(top) == len(prompt),
-               f"an echo answer has {len(tokens)} tokens and {len(top)} top_logprobs for a prompt of "
-               f"{len(prompt)} tokens; was `logprobs` dropped by a proxy?")
+        _check(
+            len(tokens) == len(top) == len(prompt),
+            f"an echo answer has {len(tokens)} tokens and {len(top)} top_logprobs for a prompt of "
+            f"{len(prompt)} tokens; was `logprobs` dropped by a proxy?",
+        )
         _check(token_ids(tokens, len(tokens), cache).tolist() == list(prompt), "the echoed tokens are not the prompt's")
         rows = top[1:]  # position 0 has no distribution (None)
-        _check(all(isinstance(row, dict) and key in row for row, key in zip(rows, tokens[1:])),
-               "a prompt position without its own token's logprob")
+        _check(
+            all(isinstance(row, dict) and key in row for row, key in zip(rows, tokens[1:])),
+            "a prompt position without its own token's logprob",
+        )
         answers.append(pad_rows(rows, k + 1, cache))
     return answers
 
@@ -142,9 +149,12 @@ def prompt_logprob_rows(body: Any, prompts: Sequence[Sequence[int]]) -> list[lis
     answers: list[list[dict[str, Any] | None]] = []
     for choice, prompt in zip(_by_index(body, len(prompts)), prompts):
         rows = choice.get("prompt_logprobs") or []
-        _check(isinstance(rows, list) and len(rows) == len(prompt) and
-               all(isinstance(row, dict) and str(token) in row for row, token in zip(rows[1:], prompt[1:])),
-               "prompt_logprobs do not cover the prompt, each position with its own token")
+        _check(
+            isinstance(rows, list)
+            and len(rows) == len(prompt)
+            and all(isinstance(row, dict) and str(token) in row for row, token in zip(rows[1:], prompt[1:])),
+            "prompt_logprobs do not cover the prompt, each position with its own token",
+        )
         answers.append(rows)
     return answers
 
@@ -164,7 +174,9 @@ def drafts(body: Any, count: int, k: int, cache: TokenIdCache) -> list[Draft]:
     for choice in _by_index(body, count):
         logprobs = choice.get("logprobs") or {}
         tokens, top = logprobs.get("tokens") or [], logprobs.get("top_logprobs") or []
-        _check(0 < len(tokens) == len(top), "a draft without per-token top_logprobs; was `logprobs` dropped by a proxy?")
+        _check(
+            0 < len(tokens) == len(top), "a draft without per-token top_logprobs; was `logprobs` dropped by a proxy?"
+        )
         rows = [top_row(entries, token, k) for entries, token in zip(top, tokens)]
         out.append(Draft(token_ids=token_ids(tokens, len(tokens), cache), topk=pad_rows(rows, k + 1, cache)))
     return out
@@ -176,7 +188,7 @@ def streamed_finish_reason(raw: bytes) -> str:
     for line in raw.splitlines():
         if not line.startswith(b"data: ") or line == b"data: [DONE]":
             continue
-        chunk = json.loads(line[len(b"data: "):])
+        chunk = json.loads(line[len(b"data: ") :])
         if "error" in chunk:
             raise ValueError(f"the server reported an error in the stream: {chunk['error']}")
         choices = chunk.get("choices") or [{}]
@@ -193,11 +205,19 @@ def neutral_sampling(k: int) -> dict[str, Any]:
     generation_config.json (e.g. top_p 0.8, repetition_penalty 1.05 for Qwen models), and
     any of them would change the distribution the acceptance test divides by.
     """
-    return {"top_k": k, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
-            "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_tokens": 0}
+    return {
+        "top_k": k,
+        "top_p": 1.0,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "min_tokens": 0,
+    }
 
 
 # -- the served model's directory, when it is readable here ------------------------------
+
 
 def config_int(root: Path, key: str, *, minimum: int = 1) -> int | None:
     """config.json's `key` (or its text_config's), if the server's model dir is readable here."""

@@ -28,7 +28,13 @@ from collections.abc import Callable, Mapping, Sequence
 
 import aiohttp
 
-from dualvllm.common.errors import LifecycleError, ServerError, ServerRejectedError, TopKUnsupportedError, UnknownModelError
+from dualvllm.common.errors import (
+    LifecycleError,
+    ServerError,
+    ServerRejectedError,
+    TopKUnsupportedError,
+    UnknownModelError,
+)
 from dualvllm.engines import vllm_answers as answers
 from dualvllm.engines.http import (
     CONNECT_TIMEOUT_S,
@@ -89,8 +95,9 @@ class VLLMClient:
 
     async def __aenter__(self) -> VLLMClient:
         if self._session is not None or self._closed:
-            raise LifecycleError(f"{self.name} client for {self.url} was already entered; "
-                                 "create a new VLLMClient for each `async with`")
+            raise LifecycleError(
+                f"{self.name} client for {self.url} was already entered; create a new VLLMClient for each `async with`"
+            )
         headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=self._pool_size, keepalive_timeout=KEEPALIVE_TIMEOUT_S),
@@ -114,17 +121,28 @@ class VLLMClient:
     # Every GET is. Any other POST counts as changing state and is resent only when
     # nothing was sent: /collective_rpc runs an arbitrary worker method (reload_weights),
     # and dualvllm.training.weight_sync checks what the server holds before it sends one again.
-    IDEMPOTENT_POSTS = frozenset({
-        "/tokenize", "/detokenize",  # read the tokenizer
-        "/v1/completions",  # generation changes no model state, only costs compute
-        "/reset_prefix_cache",  # emptying an empty cache changes nothing
-        "/pause", "/resume",  # set a state; a second send sets the same state
-    })
+    IDEMPOTENT_POSTS = frozenset(
+        {
+            "/tokenize",
+            "/detokenize",  # read the tokenizer
+            "/v1/completions",  # generation changes no model state, only costs compute
+            "/reset_prefix_cache",  # emptying an empty cache changes nothing
+            "/pause",
+            "/resume",  # set a state; a second send sets the same state
+        }
+    )
 
-    async def call(self, method: str, path: str, payload: Any = None,
-                   decode: Callable[[bytes], Any] = json.loads, *, idempotent: bool | None = None,
-                   timeout: aiohttp.ClientTimeout | None = None,
-                   on_headers: Callable[[], None] | None = None) -> Any:
+    async def call(
+        self,
+        method: str,
+        path: str,
+        payload: Any = None,
+        decode: Callable[[bytes], Any] = json.loads,
+        *,
+        idempotent: bool | None = None,
+        timeout: aiohttp.ClientTimeout | None = None,
+        on_headers: Callable[[], None] | None = None,
+    ) -> Any:
         """One JSON request to `path`, with retries; the building block of every call.
 
         Retried like a read if it is a GET or in IDEMPOTENT_POSTS (or `idempotent` says
@@ -133,8 +151,9 @@ class VLLMClient:
         client's request timeout for this call; `on_headers` is called when a 2xx answer starts.
         """
         if self._session is None:
-            raise LifecycleError(f"{self.name} client for {self.url} is not open; "
-                                 "use `async with VLLMClient(...) as client:`")
+            raise LifecycleError(
+                f"{self.name} client for {self.url} is not open; use `async with VLLMClient(...) as client:`"
+            )
         if idempotent is None:
             idempotent = method == "GET" or path.partition("?")[0] in self.IDEMPOTENT_POSTS
         self.requests += 1
@@ -146,9 +165,17 @@ class VLLMClient:
         started, ok = time.perf_counter(), False
         try:
             answer = await request_json(
-                self._session, method, self.url + path, server=self.name,
-                payload=payload, retry=self._retry, idempotent=idempotent, on_retry=count_retry,
-                decode=decode, timeout=timeout, on_headers=on_headers,
+                self._session,
+                method,
+                self.url + path,
+                server=self.name,
+                payload=payload,
+                retry=self._retry,
+                idempotent=idempotent,
+                on_retry=count_retry,
+                decode=decode,
+                timeout=timeout,
+                on_headers=on_headers,
             )
             ok = True
             return answer
@@ -196,8 +223,9 @@ class VLLMClient:
     async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return await self.tokens.tokenize(text, add_special_tokens=add_special_tokens)
 
-    async def tokenize_chat(self, messages: Sequence[Mapping[str, Any]],
-                            template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    async def tokenize_chat(
+        self, messages: Sequence[Mapping[str, Any]], template_kwargs: Mapping[str, Any] | None = None
+    ) -> list[int]:
         return await self.tokens.tokenize_chat(messages, template_kwargs)
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
@@ -206,8 +234,9 @@ class VLLMClient:
     async def eos_token_ids(self) -> frozenset[int]:
         return await self.tokens.eos_token_ids()
 
-    async def next_token_topk(self, contexts: Sequence[Sequence[int]], k: int,
-                              keys: Sequence[int] | None = None) -> TopKBatch:
+    async def next_token_topk(
+        self, contexts: Sequence[Sequence[int]], k: int, keys: Sequence[int] | None = None
+    ) -> TopKBatch:
         info = await self.model_info()
         payload = {
             "model": info.name,
@@ -218,8 +247,9 @@ class VLLMClient:
             "return_tokens_as_token_ids": True,
         }
         n, ids = len(contexts), self._token_ids
-        return await self._completions(payload, k,
-                                       decode=lambda raw: answers.next_token_rows(answers.decode_completion(raw), n, k, ids))
+        return await self._completions(
+            payload, k, decode=lambda raw: answers.next_token_rows(answers.decode_completion(raw), n, k, ids)
+        )
 
     async def prompt_topk(self, prompts: Sequence[Sequence[int]], k: int) -> list[TopKBatch]:
         """The top-k before every token of each prompt but its first, in one batched request:
@@ -232,12 +262,18 @@ class VLLMClient:
         """
         info = await self.model_info()
         payload = {
-            "model": info.name, "prompt": [list(p) for p in prompts], "max_tokens": 0, "echo": True,
-            "logprobs": k, "temperature": 0.0, "return_tokens_as_token_ids": True,
+            "model": info.name,
+            "prompt": [list(p) for p in prompts],
+            "max_tokens": 0,
+            "echo": True,
+            "logprobs": k,
+            "temperature": 0.0,
+            "return_tokens_as_token_ids": True,
         }
         ids = self._token_ids
         return await self._completions(
-            payload, k, decode=lambda raw: answers.echoed_prompt_rows(json.loads(raw), prompts, k, ids))
+            payload, k, decode=lambda raw: answers.echoed_prompt_rows(json.loads(raw), prompts, k, ids)
+        )
 
     async def prompt_logprobs(self, prompts: Sequence[Sequence[int]], k: int) -> list[list[dict[str, Any] | None]]:
         """vLLM's own prompt logprobs of each prompt, as its server gives them: per position
@@ -246,13 +282,18 @@ class VLLMClient:
         if the server allows it). One batched request; a q* service passes them through
         when a request scores with one model alone."""
         info = await self.model_info()
-        payload = {"model": info.name, "prompt": [list(p) for p in prompts], "max_tokens": 1,
-                   "temperature": 0.0, "prompt_logprobs": k}
-        return await self._completions(payload, k,
-                                       decode=lambda raw: answers.prompt_logprob_rows(json.loads(raw), prompts))
+        payload = {
+            "model": info.name,
+            "prompt": [list(p) for p in prompts],
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": k,
+        }
+        return await self._completions(
+            payload, k, decode=lambda raw: answers.prompt_logprob_rows(json.loads(raw), prompts)
+        )
 
-    async def _completions(self, payload: dict[str, Any], k: int,
-                           decode: Callable[[bytes], Any] = json.loads) -> Any:
+    async def _completions(self, payload: dict[str, Any], k: int, decode: Callable[[bytes], Any] = json.loads) -> Any:
         """POST /v1/completions; a refused logprob count becomes TopKUnsupportedError."""
         try:
             return await self.call("POST", "/v1/completions", payload, decode=decode)
@@ -266,9 +307,15 @@ class VLLMClient:
 
     # -- lockstep (engines/vllm_plugin) ------------------------------------------------
 
-    async def forced_generation(self, prompt_ids: Sequence[int], *, max_tokens: int, stop_token: int,
-                                lockstep_args: dict[str, int | str],
-                                on_accepted: Callable[[], None] | None = None) -> str:
+    async def forced_generation(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        max_tokens: int,
+        stop_token: int,
+        lockstep_args: dict[str, int | str],
+        on_accepted: Callable[[], None] | None = None,
+    ) -> str:
         """One lockstep request: the server generates whatever its plugin is told, until the
         coordinator ends it (`stop_token`) or `max_tokens`; returns the finish_reason.
 
@@ -283,18 +330,29 @@ class VLLMClient:
         """
         info = await self.model_info()
         payload = {
-            "model": info.name, "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stop_token_ids": [stop_token], "vllm_xargs": lockstep_args,
-            "stream": True, "stream_interval": max_tokens + 1,
+            "model": info.name,
+            "prompt": list(prompt_ids),
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stop_token_ids": [stop_token],
+            "vllm_xargs": lockstep_args,
+            "stream": True,
+            "stream_interval": max_tokens + 1,
         }
-        return await self.call("POST", "/v1/completions", payload, decode=answers.streamed_finish_reason,
-                               idempotent=False, on_headers=on_accepted,
-                               timeout=aiohttp.ClientTimeout(total=None, connect=self._timeout.connect))
+        return await self.call(
+            "POST",
+            "/v1/completions",
+            payload,
+            decode=answers.streamed_finish_reason,
+            idempotent=False,
+            on_headers=on_accepted,
+            timeout=aiohttp.ClientTimeout(total=None, connect=self._timeout.connect),
+        )
 
     # -- speculative rounds (dualvllm.engines.protocol.SpeculativeEngine) ------------------------
 
-    async def draft(self, context: Sequence[int], *, max_tokens: int, k: int, temperature: float,
-                    seed: int) -> Draft:
+    async def draft(self, context: Sequence[int], *, max_tokens: int, k: int, temperature: float, seed: int) -> Draft:
         """Native generation of `max_tokens` tokens sampled from the top-k at `temperature`.
 
         One request per sequence: vLLM gives every prompt of a batched request the same
@@ -302,9 +360,15 @@ class VLLMClient:
         """
         info = await self.model_info()
         payload = {
-            "model": info.name, "prompt": list(context), "max_tokens": max_tokens, "logprobs": k,
-            "temperature": temperature, "seed": seed, "ignore_eos": True,
-            "return_tokens_as_token_ids": True, **answers.neutral_sampling(k),
+            "model": info.name,
+            "prompt": list(context),
+            "max_tokens": max_tokens,
+            "logprobs": k,
+            "temperature": temperature,
+            "seed": seed,
+            "ignore_eos": True,
+            "return_tokens_as_token_ids": True,
+            **answers.neutral_sampling(k),
         }
         ids = self._token_ids
         (draft,) = await self._completions(payload, k, decode=lambda raw: answers.drafts(json.loads(raw), 1, k, ids))
@@ -314,14 +378,20 @@ class VLLMClient:
         """One batched request at temperature 0 for every context."""
         info = await self.model_info()
         payload = {
-            "model": info.name, "prompt": [list(c) for c in contexts], "max_tokens": max_tokens, "logprobs": k,
-            "temperature": 0.0, "ignore_eos": True, "return_tokens_as_token_ids": True,
+            "model": info.name,
+            "prompt": [list(c) for c in contexts],
+            "max_tokens": max_tokens,
+            "logprobs": k,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_tokens_as_token_ids": True,
         }
         n, ids = len(contexts), self._token_ids
         return await self._completions(payload, k, decode=lambda raw: answers.drafts(json.loads(raw), n, k, ids))
 
-    async def score_continuations(self, contexts: Sequence[Sequence[int]],
-                                  continuations: Sequence[Sequence[int]], k: int) -> list[TopKBatch]:
+    async def score_continuations(
+        self, contexts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]], k: int
+    ) -> list[TopKBatch]:
         """One batched next-token request over every prefix context + continuation[:j].
 
         Not `prompt_logprobs`: it returns the top-k at every prompt position and bypasses
@@ -343,4 +413,5 @@ def _pick_model(cards: list[dict[str, Any]], model: str | None, server: str, url
     served = [card.get("id") for card in cards]
     raise UnknownModelError(
         f"{server} server at {url} does not serve a model named {model!r}; it "
-        f"serves {served}. Use one of those names (or none, to take the first).")
+        f"serves {served}. Use one of those names (or none, to take the first)."
+    )

@@ -41,15 +41,26 @@ class ServerTokenizer:
             tokenizer = await self._load_tokenizer()
             return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
         info = await self._client.model_info()
-        body = await self._client.call("POST", "/tokenize", {
-            "model": info.name, "prompt": text, "add_special_tokens": add_special_tokens,
-        })
-        expect(isinstance(body, dict) and "tokens" in body, self._client.name, self._client.url,
-               "/tokenize answer has no 'tokens'")
+        body = await self._client.call(
+            "POST",
+            "/tokenize",
+            {
+                "model": info.name,
+                "prompt": text,
+                "add_special_tokens": add_special_tokens,
+            },
+        )
+        expect(
+            isinstance(body, dict) and "tokens" in body,
+            self._client.name,
+            self._client.url,
+            "/tokenize answer has no 'tokens'",
+        )
         return [int(t) for t in body["tokens"]]
 
-    async def tokenize_chat(self, messages: Sequence[Mapping[str, Any]],
-                            template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    async def tokenize_chat(
+        self, messages: Sequence[Mapping[str, Any]], template_kwargs: Mapping[str, Any] | None = None
+    ) -> list[int]:
         """A chat rendered with the model's chat template, up to the assistant's turn: the
         server's /tokenize with `messages`, or the local tokenizer's apply_chat_template."""
         if self._local:
@@ -59,8 +70,12 @@ class ServerTokenizer:
         if template_kwargs:
             request["chat_template_kwargs"] = dict(template_kwargs)
         body = await self._client.call("POST", "/tokenize", request)
-        expect(isinstance(body, dict) and "tokens" in body, self._client.name, self._client.url,
-               "/tokenize answer has no 'tokens'")
+        expect(
+            isinstance(body, dict) and "tokens" in body,
+            self._client.name,
+            self._client.url,
+            "/tokenize answer has no 'tokens'",
+        )
         return [int(t) for t in body["tokens"]]
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
@@ -68,8 +83,12 @@ class ServerTokenizer:
             return (await self._load_tokenizer()).decode(list(token_ids))
         info = await self._client.model_info()
         body = await self._client.call("POST", "/detokenize", {"model": info.name, "tokens": list(token_ids)})
-        expect(isinstance(body, dict) and "prompt" in body, self._client.name, self._client.url,
-               "/detokenize answer has no 'prompt'")
+        expect(
+            isinstance(body, dict) and "prompt" in body,
+            self._client.name,
+            self._client.url,
+            "/detokenize answer has no 'prompt'",
+        )
         return body["prompt"]
 
     async def _load_tokenizer(self) -> Any:
@@ -79,13 +98,15 @@ class ServerTokenizer:
                 raise InvalidInputError(
                     f"local_tokenizer: the {self._client.name} server's model directory {root} has no tokenizer "
                     "files readable here; run the coordinator where the model directory is, or turn "
-                    "local tokenizers off (and start the server without --skip-tokenizer-init).")
+                    "local tokenizers off (and start the server without --skip-tokenizer-init)."
+                )
             try:
                 import transformers
             except ImportError as err:
                 raise InvalidInputError(
                     "local_tokenizer needs the transformers package: pip install 'dualvllm[cpu]' "
-                    "(or transformers alone).") from err
+                    "(or transformers alone)."
+                ) from err
             self._tokenizer = await asyncio.to_thread(transformers.AutoTokenizer.from_pretrained, str(root))
         return self._tokenizer
 

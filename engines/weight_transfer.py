@@ -59,9 +59,11 @@ class ShmUpdateInfo:
 
     def __post_init__(self) -> None:
         if len({len(self.names), len(self.dtype_names), len(self.shapes), len(self.offsets)}) != 1:
-            raise ValueError(f"a chunk's names, dtype_names, shapes and offsets must have one entry per tensor; "
-                             f"got {len(self.names)}, {len(self.dtype_names)}, {len(self.shapes)}, "
-                             f"{len(self.offsets)}")
+            raise ValueError(
+                f"a chunk's names, dtype_names, shapes and offsets must have one entry per tensor; "
+                f"got {len(self.names)}, {len(self.dtype_names)}, {len(self.shapes)}, "
+                f"{len(self.offsets)}"
+            )
 
 
 def segment_path(name: str) -> Path:

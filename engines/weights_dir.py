@@ -44,8 +44,10 @@ def checked_weights_dir(path: Path | str) -> Path:
     given = "" if str(path) == str(weights_dir) else f" (given as {str(path)!r})"
 
     def refused(problem: str) -> WeightSyncError:
-        return WeightSyncError(f"checkpoint {weights_dir}{given} cannot be pushed: {problem}. Nothing was sent to "
-                               "the server; write the checkpoint again (save_pretrained) to a new directory")
+        return WeightSyncError(
+            f"checkpoint {weights_dir}{given} cannot be pushed: {problem}. Nothing was sent to "
+            "the server; write the checkpoint again (save_pretrained) to a new directory"
+        )
 
     if not weights_dir.is_dir():
         raise refused("it is not a directory" if weights_dir.exists() else "no such directory")
@@ -91,5 +93,6 @@ def _check_index(index: Path, names: dict[str, set[str]], refused: Refusal) -> N
         raise refused(f"its {INDEX_FILE} names shards that are not there: {', '.join(missing_shards[:5])}")
     absent = sorted(tensor for tensor, shard in weight_map.items() if tensor not in names[shard])
     if absent:
-        raise refused(f"its {INDEX_FILE} maps {len(absent)} tensor(s) to shards that do not hold them "
-                      f"(first: {absent[0]})")
+        raise refused(
+            f"its {INDEX_FILE} maps {len(absent)} tensor(s) to shards that do not hold them (first: {absent[0]})"
+        )

@@ -68,8 +68,9 @@ ALPHA_SUFFIX = "@alpha="
 ROLE_ALPHAS = {"teacher": 1.0, "base": 0.0}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Writes a whole response: (job, outputs in choice order, vLLM's prompt logprobs per prompt or None).
-Answer = Callable[[Job, Sequence[GenerationOutput], Sequence[list[dict[str, Any] | None]] | None],
-                  Awaitable[dict[str, Any]]]
+Answer = Callable[
+    [Job, Sequence[GenerationOutput], Sequence[list[dict[str, Any] | None]] | None], Awaitable[dict[str, Any]]
+]
 S = TypeVar("S", bound=BaseModel)
 A = TypeVar("A")
 B = TypeVar("B")
@@ -88,8 +89,7 @@ class QStarService:
         self._scorers: tuple[BatchedScoring | PromptScoringEngine, BatchedScoring | PromptScoringEngine] | None = None
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_body_bytes,
-                              middlewares=[self._errors, self._auth])
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._errors, self._auth])
         # "/teacher/..." and "/base/...": the same routes, whose model list names that model alone
         # first, for clients that take the first model of a base URL (TRL's VLLMClient: a
         # distillation trainer's teacher_model_server_url=http://HOST:PORT/teacher).
@@ -130,8 +130,9 @@ class QStarService:
         finally:
             # labelled by the route it matched (the app's own table: a bounded set), not the raw path
             resource = request.match_info.route.resource
-            self.metrics.request_done(resource.canonical if resource is not None else "other", status,
-                                      time.perf_counter() - started)
+            self.metrics.request_done(
+                resource.canonical if resource is not None else "other", status, time.perf_counter() - started
+            )
 
     def _answer(self, exc: Exception) -> web.Response:
         status, body = error_of(exc)
@@ -148,8 +149,12 @@ class QStarService:
         given = request.headers.get("Authorization", "")
         expected = f"Bearer {key.get_secret_value()}"
         if not hmac.compare_digest(given.encode(), expected.encode()):  # constant time
-            return _error(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
-                          "authentication_error", "invalid_api_key")
+            return _error(
+                401,
+                "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                "authentication_error",
+                "invalid_api_key",
+            )
         return await handler(request)
 
     # -- routes -------------------------------------------------------------------------
@@ -161,13 +166,28 @@ class QStarService:
 
     async def models(self, request: web.Request) -> web.Response:
         theta, t = self.coordinator.session.model_names
-        card: dict[str, Any] = {"id": self.model, "object": "model", "created": self.created, "owned_by": "dualvllm",
-                "max_model_len": self.coordinator.session.max_model_len,
-                "dualvllm": {"base": theta, "teacher": t, "mode": self.coordinator.mode,
-                             "top_k": self.coordinator.config.top_k}}
+        card: dict[str, Any] = {
+            "id": self.model,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "dualvllm",
+            "max_model_len": self.coordinator.session.max_model_len,
+            "dualvllm": {
+                "base": theta,
+                "teacher": t,
+                "mode": self.coordinator.mode,
+                "top_k": self.coordinator.config.top_k,
+            },
+        }
         # The base alone and the teacher alone; any alpha in [0, 1] works, these two are listed.
-        aliases = {alpha: {**card, "id": f"{self.model}{ALPHA_SUFFIX}{alpha:g}",
-                           "dualvllm": {**card["dualvllm"], "fixed_alpha": alpha}} for alpha in (0.0, 1.0)}
+        aliases = {
+            alpha: {
+                **card,
+                "id": f"{self.model}{ALPHA_SUFFIX}{alpha:g}",
+                "dualvllm": {**card["dualvllm"], "fixed_alpha": alpha},
+            }
+            for alpha in (0.0, 1.0)
+        }
         role = request.path.split("/")[1]
         if role in ROLE_ALPHAS:  # under /teacher or /base: that model first
             first = aliases.pop(ROLE_ALPHAS[role])
@@ -190,23 +210,29 @@ class QStarService:
         body = self._with_model(_validated(CompletionRequest, raw.as_completion(self._default_model(request))))
         job = await self._completion_job(body)
 
-        async def answer(job: Job, outputs: Sequence[GenerationOutput],
-                         rows: Sequence[list[dict[str, Any] | None]] | None) -> dict[str, Any]:
+        async def answer(
+            job: Job, outputs: Sequence[GenerationOutput], rows: Sequence[list[dict[str, Any] | None]] | None
+        ) -> dict[str, Any]:
             texts = await self.logprob_texts(job, outputs) if raw.output_mode == "text" else {}
             return generate_response(raw, job, outputs, body.model, None if rows is None else rows[0], texts)
+
         return await self._run(request, job, answer)
 
     async def _completion_job(self, body: CompletionRequest) -> Job:
         _refuse(body.unsupported())
         if body.max_tokens == 0 and not body.echo:
-            raise RequestError("max_tokens=0 generates nothing; it goes with echo=true (score the prompt), else "
-                               "ask for at least 1 token", param="max_tokens")
+            raise RequestError(
+                "max_tokens=0 generates nothing; it goes with echo=true (score the prompt), else "
+                "ask for at least 1 token",
+                param="max_tokens",
+            )
         prompts = body.prompts()
         if not prompts:
             raise RequestError("prompt is empty; give a string, token ids, or a list of them", param="prompt")
         if body.dualvllm.t_prompt is not None and len(prompts) > 1:
-            raise RequestError("dualvllm.t_prompt goes with one prompt; send one request per prompt",
-                           param="dualvllm.t_prompt")
+            raise RequestError(
+                "dualvllm.t_prompt goes with one prompt; send one request per prompt", param="dualvllm.t_prompt"
+            )
         t_prompt = body.dualvllm.t_prompt
         self._check_ids(prompts, "prompt")
         if t_prompt is not None:
@@ -214,14 +240,23 @@ class QStarService:
         encoded = await self.coordinator.encode([p if t_prompt is None else (p, t_prompt) for p in prompts])
         logprobs = body.logprobs
         max_tokens = self.config.default_max_tokens if body.max_tokens is None else body.max_tokens
-        return self._job(COMPLETION, body, encoded, max_tokens, top_logprobs=logprobs or 0,
-                         want_logprobs=logprobs is not None, echo=body.echo, prompt_logprobs=body.prompt_logprobs)
+        return self._job(
+            COMPLETION,
+            body,
+            encoded,
+            max_tokens,
+            top_logprobs=logprobs or 0,
+            want_logprobs=logprobs is not None,
+            echo=body.echo,
+            prompt_logprobs=body.prompt_logprobs,
+        )
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = self._with_model(await _parse(request, ChatCompletionRequest))
         theta_ids, t_ids, budget = await self._rendered(body)
-        job = self._job(CHAT, body, [(theta_ids, t_ids)], budget, top_logprobs=body.top_logprobs or 0,
-                        want_logprobs=body.logprobs)
+        job = self._job(
+            CHAT, body, [(theta_ids, t_ids)], budget, top_logprobs=body.top_logprobs or 0, want_logprobs=body.logprobs
+        )
         return await self._run(request, job)
 
     async def render_chat(self, request: web.Request) -> web.Response:
@@ -229,8 +264,9 @@ class QStarService:
         (/inference/v1/generate) that samples the same reply (dualvllm.service.generate)."""
         body = self._with_model(await _parse(request, ChatCompletionRequest))
         theta_ids, t_ids, budget = await self._rendered(body)
-        self._job(CHAT, body, [(theta_ids, t_ids)], budget, top_logprobs=body.top_logprobs or 0,
-                  want_logprobs=body.logprobs)  # the checks the chat request itself would pass
+        self._job(
+            CHAT, body, [(theta_ids, t_ids)], budget, top_logprobs=body.top_logprobs or 0, want_logprobs=body.logprobs
+        )  # the checks the chat request itself would pass
         return web.json_response(render_response(body, body.model, theta_ids, t_ids, budget), dumps=_dumps)
 
     async def _rendered(self, body: ChatCompletionRequest) -> tuple[list[int], list[int], int]:
@@ -240,8 +276,11 @@ class QStarService:
         extra = body.chat_template_kwargs
         theta_ids = await self.coordinator.render_chat([m.rendered() for m in body.messages], "theta", extra)
         t_messages = body.dualvllm.t_messages
-        t_ids = theta_ids if t_messages is None else await self.coordinator.render_chat(
-            [m.rendered() for m in t_messages], "t", extra)
+        t_ids = (
+            theta_ids
+            if t_messages is None
+            else await self.coordinator.render_chat([m.rendered() for m in t_messages], "t", extra)
+        )
         budget = body.token_budget()
         if budget is None:  # OpenAI's chat default: the rest of the context, within the ceiling
             room = self.coordinator.session.max_model_len - max(len(theta_ids), len(t_ids))
@@ -256,20 +295,27 @@ class QStarService:
         if model == self.model:
             return body
         if not model.startswith(self.model + ALPHA_SUFFIX):
-            raise UnknownModelError(f"the model {model!r} does not exist here; this service serves {self.model!r} "
-                                    f"and {self.model}{ALPHA_SUFFIX}A for a fixed alpha A in [0, 1] (GET /v1/models)")
-        given = model[len(self.model + ALPHA_SUFFIX):]
+            raise UnknownModelError(
+                f"the model {model!r} does not exist here; this service serves {self.model!r} "
+                f"and {self.model}{ALPHA_SUFFIX}A for a fixed alpha A in [0, 1] (GET /v1/models)"
+            )
+        given = model[len(self.model + ALPHA_SUFFIX) :]
         try:
             alpha = float(given)
         except ValueError:
             alpha = math.nan
         if not 0.0 <= alpha <= 1.0:  # NaN fails too
-            raise RequestError(f"the model {model!r} asks for alpha {given!r}; give a number in [0, 1], e.g. "
-                               f"{self.model}{ALPHA_SUFFIX}0 for the base alone", param="model")
+            raise RequestError(
+                f"the model {model!r} asks for alpha {given!r}; give a number in [0, 1], e.g. "
+                f"{self.model}{ALPHA_SUFFIX}0 for the base alone",
+                param="model",
+            )
         fixed = body.dualvllm.fixed_alpha
         if fixed is not None and fixed != alpha:
-            raise RequestError(f"the model {model!r} fixes alpha at {alpha:g} and dualvllm.fixed_alpha is {fixed:g}; "
-                               "give one of them", param="dualvllm.fixed_alpha")
+            raise RequestError(
+                f"the model {model!r} fixes alpha at {alpha:g} and dualvllm.fixed_alpha is {fixed:g}; give one of them",
+                param="dualvllm.fixed_alpha",
+            )
         return body.model_copy(update={"dualvllm": body.dualvllm.model_copy(update={"fixed_alpha": alpha})})
 
     def _default_model(self, request: web.Request) -> str:
@@ -287,12 +333,25 @@ class QStarService:
                 continue
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
-                raise RequestError(f"{param} {i} has token id {bad[0]}, outside the vocabulary of {vocab} tokens "
-                                   f"(ids 0 to {vocab - 1})", code="invalid_token_id", param=param)
+                raise RequestError(
+                    f"{param} {i} has token id {bad[0]}, outside the vocabulary of {vocab} tokens "
+                    f"(ids 0 to {vocab - 1})",
+                    code="invalid_token_id",
+                    param=param,
+                )
 
-    def _job(self, form: Format, body: CompletionRequest | ChatCompletionRequest,
-             prompts: list[tuple[list[int], list[int]]], max_tokens: int, *, top_logprobs: int,
-             want_logprobs: bool, echo: bool = False, prompt_logprobs: int | None = None) -> Job:
+    def _job(
+        self,
+        form: Format,
+        body: CompletionRequest | ChatCompletionRequest,
+        prompts: list[tuple[list[int], list[int]]],
+        max_tokens: int,
+        *,
+        top_logprobs: int,
+        want_logprobs: bool,
+        echo: bool = False,
+        prompt_logprobs: int | None = None,
+    ) -> Job:
         limit = self.coordinator.session.max_model_len
         for i, (theta_ids, t_ids) in enumerate(prompts):
             if not theta_ids or not t_ids:
@@ -302,21 +361,29 @@ class QStarService:
                 raise RequestError(
                     f"this model's maximum context length is {limit} tokens; prompt {i} has {longest} tokens and "
                     f"max_tokens is {max_tokens} ({longest + max_tokens} in all). Shorten the prompt or lower "
-                    "max_tokens", code="context_length_exceeded", param="max_tokens")
+                    "max_tokens",
+                    code="context_length_exceeded",
+                    param="max_tokens",
+                )
         job = Job(form, body, prompts, max_tokens, top_logprobs, want_logprobs, echo, prompt_logprobs)
         ceiling, generated = self.config.max_request_tokens, job.sequences * max_tokens
         if generated > ceiling:
             raise RequestError(
                 f"this request asks for up to {generated} tokens ({len(prompts)} prompts x n="
                 f"{body.n} x max_tokens={max_tokens}); the service allows {ceiling} per "
-                "request. Split it, or lower n or max_tokens", code="request_too_large", param="n")
+                "request. Split it, or lower n or max_tokens",
+                code="request_too_large",
+                param="n",
+            )
         # Scoring costs each server a top-k row per prompt token, as generating costs a step.
         scored = job.prompt_tokens if (echo and want_logprobs) or prompt_logprobs is not None else 0
         if generated + scored > ceiling:
             raise RequestError(
                 f"this request scores {scored} prompt tokens (echo with logprobs, or prompt_logprobs) and generates "
                 f"up to {generated}; the service allows {ceiling} tokens per request. Send fewer prompts per request",
-                code="request_too_large", param="prompt")
+                code="request_too_large",
+                param="prompt",
+            )
         return job
 
     async def _run(self, request: web.Request, job: Job, answer: Answer | None = None) -> web.StreamResponse:
@@ -326,8 +393,9 @@ class QStarService:
         self.coordinator.check(job.params)  # what the coordinator would refuse, refused before a stream's first byte
         # A scoring-only request (echo, max_tokens 0) never enters the coordinator's batch: it takes no place there.
         sequences = job.sequences if job.max_tokens else 0
-        with self.admission.hold(sequences, sequences * job.max_tokens,
-                                 lambda: self.coordinator.get_statistics()["tokens_per_s"]):
+        with self.admission.hold(
+            sequences, sequences * job.max_tokens, lambda: self.coordinator.get_statistics()["tokens_per_s"]
+        ):
             if job.request.stream:
                 return await stream_choices(request, self, job)
             if not job.echo and job.prompt_logprobs is None:
@@ -351,8 +419,9 @@ class QStarService:
         return await self.score(job) if job.want_logprobs else None
 
     @contextlib.asynccontextmanager
-    async def generate(self, job: Job, on_tokens: TokenListener | None = None
-                       ) -> AsyncIterator[AsyncIterator[GenerationOutput]]:
+    async def generate(
+        self, job: Job, on_tokens: TokenListener | None = None
+    ) -> AsyncIterator[AsyncIterator[GenerationOutput]]:
         """The coordinator's stream of the job's sequences (choice index = prompt x n + j);
         closing it (a disconnect cancels the handler) cancels the sequences still running."""
         body = job.request
@@ -374,41 +443,64 @@ class QStarService:
         finally:
             self.metrics.cancelled(len(prompts) - delivered)
 
-    async def response(self, job: Job, outputs: Sequence[GenerationOutput],
-                       prompt_logprobs: Sequence[list[dict[str, Any] | None]] | None = None) -> dict[str, Any]:
+    async def response(
+        self,
+        job: Job,
+        outputs: Sequence[GenerationOutput],
+        prompt_logprobs: Sequence[list[dict[str, Any] | None]] | None = None,
+    ) -> dict[str, Any]:
         """The whole (non-streamed) response of a job whose outputs are all in; with vLLM's
         `prompt_logprobs` (one list per prompt) in each choice."""
         texts = await self.logprob_texts(job, outputs)
         form = job.format
-        choices = [form.choice(o.index, o, job.options,
-                               form.logprobs(TokenLogprobs.of(o), texts, 0) if job.want_logprobs else None)
-                   for o in outputs]
+        choices = [
+            form.choice(
+                o.index, o, job.options, form.logprobs(TokenLogprobs.of(o), texts, 0) if job.want_logprobs else None
+            )
+            for o in outputs
+        ]
         if prompt_logprobs is not None:
             for choice, output in zip(choices, outputs):
                 choice["prompt_logprobs"] = prompt_logprobs[output.index // job.request.n]
-        body = responses.envelope(form.whole, form.request_id(), int(time.time()), self.model, choices,
-                                  responses.usage(job.prompt_tokens, outputs))
+        body = responses.envelope(
+            form.whole,
+            form.request_id(),
+            int(time.time()),
+            self.model,
+            choices,
+            responses.usage(job.prompt_tokens, outputs),
+        )
         if job.request.return_token_ids:  # vLLM's field, as TRL's client reads it
-            form.add_token_ids(body, [job.prompts[o.index // job.request.n][0] for o in outputs],
-                               [o.generated_tokens for o in outputs])
+            form.add_token_ids(
+                body, [job.prompts[o.index // job.request.n][0] for o in outputs], [o.generated_tokens for o in outputs]
+            )
         return body
 
-    async def echo_response(self, job: Job, outputs: Sequence[GenerationOutput],
-                            scores: list[PromptScores] | None) -> dict[str, Any]:
+    async def echo_response(
+        self, job: Job, outputs: Sequence[GenerationOutput], scores: list[PromptScores] | None
+    ) -> dict[str, Any]:
         """A completion whose choices start with their prompt (echo): its text and, with `scores`,
         each prompt token's log q* before the generated tokens' (`outputs`: none for max_tokens 0)."""
         body = job.request
         texts = await self.logprob_texts(job, outputs, scores)
-        prompt_texts = [p if isinstance(p, str) else await self.coordinator.detokenize(p)
-                        for p in body.prompts()]  # type: ignore[union-attr]
+        prompt_texts = [p if isinstance(p, str) else await self.coordinator.detokenize(p) for p in body.prompts()]  # type: ignore[union-attr]
         choices = []
         for index in range(job.sequences):
             prompt = index // body.n  # choice index = prompt x n + j, as the coordinator numbers outputs
             scored = None if scores is None else scores[prompt]
-            choices.append(responses.echo_choice(index, prompt_texts[prompt], scored,
-                                                 outputs[index] if outputs else None, job.options, texts))
-        return responses.envelope(job.format.whole, job.format.request_id(), int(time.time()), self.model,
-                                  choices, responses.usage(job.prompt_tokens, outputs))
+            choices.append(
+                responses.echo_choice(
+                    index, prompt_texts[prompt], scored, outputs[index] if outputs else None, job.options, texts
+                )
+            )
+        return responses.envelope(
+            job.format.whole,
+            job.format.request_id(),
+            int(time.time()),
+            self.model,
+            choices,
+            responses.usage(job.prompt_tokens, outputs),
+        )
 
     async def prompt_logprobs(self, job: Job) -> list[list[dict[str, Any] | None]]:
         """vLLM's `prompt_logprobs` of each prompt, by the model asked for: the base alone
@@ -422,10 +514,12 @@ class QStarService:
             scorer = self.scorers("prompt_logprobs")[side]
             return await scorer.prompt_logprobs([prompt[side] for prompt in job.prompts], k)
         if k == -1:
-            raise RequestError("prompt_logprobs=-1 (the whole vocabulary) is for one model alone: q* is defined "
-                               f"over each model's top-k candidates; ask for at most that many, or use "
-                               f"{self.model}{ALPHA_SUFFIX}0 (the base) or {ALPHA_SUFFIX}1 (the teacher)",
-                               param="prompt_logprobs")
+            raise RequestError(
+                "prompt_logprobs=-1 (the whole vocabulary) is for one model alone: q* is defined "
+                f"over each model's top-k candidates; ask for at most that many, or use "
+                f"{self.model}{ALPHA_SUFFIX}0 (the base) or {ALPHA_SUFFIX}1 (the teacher)",
+                param="prompt_logprobs",
+            )
         scores = await self.score(job, top_n=k)
         texts = await self.token_texts(_scored_ids(scores), as_ids=bool(job.request.return_tokens_as_token_ids))
         return [vllm_prompt_logprobs(s, texts) for s in scores]
@@ -437,15 +531,24 @@ class QStarService:
         prompts = []
         for i, (theta_ids, t_ids) in enumerate(job.prompts):
             if theta_ids != t_ids:  # the start-up check makes this rare: the tokenizers are the same
-                raise RequestError(f"the base and the teacher tokenize prompt {i} differently; echo scores one "
-                                   "token sequence under both, so give the prompt as token ids", param="prompt")
+                raise RequestError(
+                    f"the base and the teacher tokenize prompt {i} differently; echo scores one "
+                    "token sequence under both, so give the prompt as token ids",
+                    param="prompt",
+                )
             prompts.append(theta_ids)
-        settings = ScoringSettings(top_k=options.top_k or config.top_k, fill=config.fill_rule,
-                                   vocab_size=self.coordinator.session.vocab_size, alpha_tol=config.alpha_tol,
-                                   alpha_max_iter=config.alpha_max_iter, fixed_alpha=options.fixed_alpha,
-                                   top_n=job.top_logprobs if top_n is None else top_n)
-        return await score_prompts(*self.scorers("prompt_logprobs" if job.prompt_logprobs is not None else "echo"),
-                                   prompts, settings)
+        settings = ScoringSettings(
+            top_k=options.top_k or config.top_k,
+            fill=config.fill_rule,
+            vocab_size=self.coordinator.session.vocab_size,
+            alpha_tol=config.alpha_tol,
+            alpha_max_iter=config.alpha_max_iter,
+            fixed_alpha=options.fixed_alpha,
+            top_n=job.top_logprobs if top_n is None else top_n,
+        )
+        return await score_prompts(
+            *self.scorers("prompt_logprobs" if job.prompt_logprobs is not None else "echo"), prompts, settings
+        )
 
     def scorers(self, param: str) -> tuple[BatchedScoring | PromptScoringEngine, BatchedScoring | PromptScoringEngine]:
         """The base's and the teacher's prompt scoring, concurrent requests merged into one call
@@ -457,8 +560,9 @@ class QStarService:
             self._scorers = (BatchedScoring(theta, tokens), BatchedScoring(t, tokens)) if tokens else (theta, t)
         return self._scorers
 
-    async def logprob_texts(self, job: Job, outputs: Sequence[GenerationOutput],
-                            scores: Sequence[PromptScores] | None = None) -> dict[int, str]:
+    async def logprob_texts(
+        self, job: Job, outputs: Sequence[GenerationOutput], scores: Sequence[PromptScores] | None = None
+    ) -> dict[int, str]:
         if not job.want_logprobs:
             return {}
         ids = {i for o in outputs for i in TokenLogprobs.of(o).token_ids()} | _scored_ids(scores or [])
@@ -576,14 +680,22 @@ def listening_socket(config: ServiceConfig) -> socket.socket:
         return socket.create_server((config.service_host, config.service_port))
     except OSError as err:
         if err.errno == errno.EADDRINUSE:
-            raise InvalidInputError(f"the q* endpoint's address {where} is in use (another `dualvllm serve`?): pass "
-                                    "--service-port with a free port, or --service-port 0 to pick one") from err
-        raise InvalidInputError(f"the q* endpoint cannot listen on {where}: {err.strerror or err}; check "
-                                "--service-host and --service-port") from err
+            raise InvalidInputError(
+                f"the q* endpoint's address {where} is in use (another `dualvllm serve`?): pass "
+                "--service-port with a free port, or --service-port 0 to pick one"
+            ) from err
+        raise InvalidInputError(
+            f"the q* endpoint cannot listen on {where}: {err.strerror or err}; check --service-host and --service-port"
+        ) from err
 
 
-async def serve(coordinator: DualVLLMCoordinator, config: ServiceConfig, *,
-                ready: Callable[[str, str], None] | None = None, sock: socket.socket | None = None) -> None:
+async def serve(
+    coordinator: DualVLLMCoordinator,
+    config: ServiceConfig,
+    *,
+    ready: Callable[[str, str], None] | None = None,
+    sock: socket.socket | None = None,
+) -> None:
     """Serve until cancelled; `ready(url, model name)` is called once the socket listens.
     `sock`: a socket from `listening_socket(config)`, taken over (closed when serving ends);
     else one is bound here."""

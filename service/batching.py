@@ -48,8 +48,7 @@ class Batcher(Generic[R]):
     """Merges concurrent `score(prompts, key)` calls with the same key (the top-k or the number of
     logprobs asked for) into calls of `send(prompts, key) -> one answer per prompt`."""
 
-    def __init__(self, send: Callable[[Prompts, int], Awaitable[list[R]]],
-                 max_tokens: int = MAX_CALL_TOKENS) -> None:
+    def __init__(self, send: Callable[[Prompts, int], Awaitable[list[R]]], max_tokens: int = MAX_CALL_TOKENS) -> None:
         self._send = send
         self._max_tokens = max_tokens
         self._queues: dict[int, list[_Waiting[R]]] = {}

@@ -20,26 +20,48 @@ class ServiceConfig(RaisesInvalidInput, BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="DUALVLLM_", extra="forbid", frozen=True)
 
-    service_host: str = Field("127.0.0.1", description="Interface the q* endpoint binds; any other than loopback needs an API key.")
+    service_host: str = Field(
+        "127.0.0.1", description="Interface the q* endpoint binds; any other than loopback needs an API key."
+    )
     service_port: int = Field(8100, ge=0, le=65535, description="Port of the q* endpoint; 0 picks a free one.")
     api_key: SecretStr | None = Field(
-        None, description="Bearer token clients must send (Authorization: Bearer KEY), compared in constant time; None = no auth (loopback only). Set as DUALVLLM_API_KEY, it also keys the model servers (the coordinator sends it, `serve` starts them with it).")
+        None,
+        description="Bearer token clients must send (Authorization: Bearer KEY), compared in constant time; None = no auth (loopback only). Set as DUALVLLM_API_KEY, it also keys the model servers (the coordinator sends it, `serve` starts them with it).",
+    )
     served_model_name: str | None = Field(
-        None, description="The name clients give as `model`; None = '<base>+<teacher>' from the servers' model names.")
+        None, description="The name clients give as `model`; None = '<base>+<teacher>' from the servers' model names."
+    )
     max_queued_sequences: int = Field(
-        1024, ge=0, description="Sequences that may wait for a place in the running batch; a request that would exceed it gets HTTP 429 with Retry-After.")
+        1024,
+        ge=0,
+        description="Sequences that may wait for a place in the running batch; a request that would exceed it gets HTTP 429 with Retry-After.",
+    )
     max_request_tokens: int = Field(
-        65536, ge=1, description="Ceiling on n x max_tokens x prompts of one request, plus the prompt tokens echo with logprobs scores, so one client cannot take the whole service.")
+        65536,
+        ge=1,
+        description="Ceiling on n x max_tokens x prompts of one request, plus the prompt tokens echo with logprobs scores, so one client cannot take the whole service.",
+    )
     max_body_bytes: int = Field(8 * 2**20, ge=1024, description="Largest request body accepted (HTTP 413 above).")
-    default_max_tokens: int = Field(16, ge=1, description="max_tokens of a completion request that gives none (OpenAI's default); chat requests default to the room left in the context.")
+    default_max_tokens: int = Field(
+        16,
+        ge=1,
+        description="max_tokens of a completion request that gives none (OpenAI's default); chat requests default to the room left in the context.",
+    )
     scoring_call_tokens: int = Field(
-        16_384, ge=0, description="Prompt tokens per merged scoring call: concurrent echo and prompt_logprobs requests go to each server together, up to this many tokens per call (dualvllm.service.batching); 0 = each request on its own call.")
-    dev_mode: bool = Field(False, description="Serve vLLM's dev routes (server_info, the weight-transfer phases, reset_prefix_cache), forwarded to the base servers, so a trainer written for vLLM (TRL) can push weights through the service (dualvllm.service.dev_routes). Off loopback the API key guards them, as every route.")
+        16_384,
+        ge=0,
+        description="Prompt tokens per merged scoring call: concurrent echo and prompt_logprobs requests go to each server together, up to this many tokens per call (dualvllm.service.batching); 0 = each request on its own call.",
+    )
+    dev_mode: bool = Field(
+        False,
+        description="Serve vLLM's dev routes (server_info, the weight-transfer phases, reset_prefix_cache), forwarded to the base servers, so a trainer written for vLLM (TRL) can push weights through the service (dualvllm.service.dev_routes). Off loopback the API key guards them, as every route.",
+    )
 
     @model_validator(mode="after")
     def _key_off_loopback(self) -> ServiceConfig:
         if self.api_key is None and not is_loopback(self.service_host):
             raise ValueError(
                 f"service_host={self.service_host!r} is not loopback, and no API key is set: anyone who can reach "
-                "it could generate on your GPUs. Set --api-key or DUALVLLM_API_KEY, or bind 127.0.0.1")
+                "it could generate on your GPUs. Set --api-key or DUALVLLM_API_KEY, or bind 127.0.0.1"
+            )
         return self

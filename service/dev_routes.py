@@ -69,8 +69,9 @@ class UpdateInProgress:
         if self.task in done:
             self.task.result()  # raises why the hold failed
         if not self.held.is_set():
-            raise WeightSyncError(f"the coordinator did not hold its sequences within {HOLD_TIMEOUT_S:.0f} s for "
-                                  "the weight update")
+            raise WeightSyncError(
+                f"the coordinator did not hold its sequences within {HOLD_TIMEOUT_S:.0f} s for the weight update"
+            )
 
     async def end(self) -> None:
         """Let the coordinator go on; bounded by the hold's own exit (it resubmits its sequences)."""
@@ -107,8 +108,11 @@ class DevRoutes:
         """Every healthy base replica (one without a pool)."""
         admins = [getattr(m, "admin", None) for m in live_members(self.coordinator.base_engine)]
         if not admins or not all(isinstance(a, WeightTransferServer) for a in admins):
-            raise RequestError("the dev routes forward to vLLM base servers; this coordinator's base engine "
-                               f"{self.coordinator.base_engine.name!r} is not one", code="unsupported_parameter")
+            raise RequestError(
+                "the dev routes forward to vLLM base servers; this coordinator's base engine "
+                f"{self.coordinator.base_engine.name!r} is not one",
+                code="unsupported_parameter",
+            )
         return admins  # type: ignore[return-value]
 
     async def _each(self, call: Callable[[WeightTransferServer], Awaitable[Any]]) -> list[Any]:
@@ -124,10 +128,20 @@ class DevRoutes:
         model = dict(config.get("model_config") or {})
         model["logprobs_mode"] = "processed_logprobs"  # log q* of what was sampled, temperature applied
         theta, t = self.coordinator.session.model_names
-        return web.json_response({"vllm_config": {
-            **config, "model_config": model,
-            "dualvllm": {"base": theta, "teacher": t, "base_replicas": len(self.bases()),
-                         "mode": self.coordinator.mode}}})
+        return web.json_response(
+            {
+                "vllm_config": {
+                    **config,
+                    "model_config": model,
+                    "dualvllm": {
+                        "base": theta,
+                        "teacher": t,
+                        "base_replicas": len(self.bases()),
+                        "mode": self.coordinator.mode,
+                    },
+                }
+            }
+        )
 
     async def get_world_size(self, request: web.Request) -> web.Response:
         include_dp = request.query.get("include_dp", "true").lower() != "false"
@@ -147,8 +161,12 @@ class DevRoutes:
 
     async def start_weight_update(self, request: web.Request) -> web.Response:
         if self.update is not None:
-            raise RequestError("a weight update is already in progress: finish it (POST /finish_weight_update) "
-                               "before starting another", code="conflict", status=409)
+            raise RequestError(
+                "a weight update is already in progress: finish it (POST /finish_weight_update) "
+                "before starting another",
+                code="conflict",
+                status=409,
+            )
         update = self.update = UpdateInProgress(self.coordinator)
         try:
             await update.wait_held()
@@ -182,8 +200,12 @@ class DevRoutes:
 
     def _open(self, phase: str) -> UpdateInProgress:
         if self.update is None:
-            raise RequestError(f"{phase} needs a weight update in progress: POST /start_weight_update first (an "
-                               f"update idle for {self.idle_s:.0f} s is ended for its trainer)", code="conflict", status=409)
+            raise RequestError(
+                f"{phase} needs a weight update in progress: POST /start_weight_update first (an "
+                f"update idle for {self.idle_s:.0f} s is ended for its trainer)",
+                code="conflict",
+                status=409,
+            )
         return self.update
 
     async def _end(self, *, finish: bool, version: str | None = None) -> None:
@@ -195,7 +217,9 @@ class DevRoutes:
         self.watchdog = None
         errors: list[BaseException] = []
         steps: list[Callable[[WeightTransferServer], Awaitable[Any]]] = [
-            lambda c: c.reset_prefix_cache(reset_running_requests=True), lambda c: c.resume()]
+            lambda c: c.reset_prefix_cache(reset_running_requests=True),
+            lambda c: c.resume(),
+        ]
         if finish:
             steps.insert(0, lambda c: c.finish_weight_update(version, timeout_s=PHASE_TIMEOUT_S))
         for step in steps:
@@ -217,8 +241,11 @@ class DevRoutes:
             except TimeoutError:
                 break
         if self.update is update:
-            log.error("a weight update went %.0f s without a phase; its trainer is gone: ending it (the base servers "
-                      "keep what arrived) and resuming sampling", self.idle_s)
+            log.error(
+                "a weight update went %.0f s without a phase; its trainer is gone: ending it (the base servers "
+                "keep what arrived) and resuming sampling",
+                self.idle_s,
+            )
             try:
                 await self._end(finish=True)
             except Exception:  # logged: nobody waits on the watchdog
@@ -241,6 +268,11 @@ async def _json(request: web.Request) -> dict[str, Any]:
 def _not_dev_mode(base: WeightTransferServer) -> web.Response:
     from dualvllm.service.errors import error_body
 
-    return web.json_response(error_body(
-        f"the base server at {base.url} has no /server_info: it runs without dev mode. Start `dualvllm serve` with "
-        "--dev-mode (the servers and these routes, loopback only)", "invalid_request_error"), status=404)
+    return web.json_response(
+        error_body(
+            f"the base server at {base.url} has no /server_info: it runs without dev mode. Start `dualvllm serve` with "
+            "--dev-mode (the servers and these routes, loopback only)",
+            "invalid_request_error",
+        ),
+        status=404,
+    )

@@ -9,8 +9,17 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from dualvllm.common.errors import (GenerationFailedError, InvalidInputError, LifecycleError, ServerError, ServerRejectedError,
-                           ServiceBusyError, TopKUnsupportedError, UnknownModelError, WeightSyncError)
+from dualvllm.common.errors import (
+    GenerationFailedError,
+    InvalidInputError,
+    LifecycleError,
+    ServerError,
+    ServerRejectedError,
+    ServiceBusyError,
+    TopKUnsupportedError,
+    UnknownModelError,
+    WeightSyncError,
+)
 
 log = logging.getLogger("dualvllm.service")
 
@@ -30,8 +39,10 @@ def error_body(message: str, kind: str, code: str | None = None, param: str | No
 
 def error_of(exc: Exception) -> tuple[int, dict[str, Any]]:
     """(HTTP status, OpenAI error object) of a failure: the one place errors become answers."""
-    def answer(status: int, message: str, kind: str, code: str | None = None,
-               param: str | None = None) -> tuple[int, dict[str, Any]]:
+
+    def answer(
+        status: int, message: str, kind: str, code: str | None = None, param: str | None = None
+    ) -> tuple[int, dict[str, Any]]:
         return status, error_body(message, kind, code, param)
 
     if isinstance(exc, RequestError):

@@ -46,8 +46,9 @@ class Format(Protocol):
 
     def request_id(self) -> str: ...
 
-    def choice(self, index: int, output: GenerationOutput, options: QStarOptions,
-               logprobs: dict[str, Any] | None) -> dict[str, Any]: ...
+    def choice(
+        self, index: int, output: GenerationOutput, options: QStarOptions, logprobs: dict[str, Any] | None
+    ) -> dict[str, Any]: ...
 
     def delta(self, piece: str, first: bool) -> dict[str, Any]:
         """A stream chunk's text fields: `piece` follows what was sent; `first` opens the choice."""
@@ -58,8 +59,9 @@ class Format(Protocol):
         where the first token's text starts in the choice (what the tokens before it spelt)."""
         ...
 
-    def add_token_ids(self, body: dict[str, Any], prompts: Sequence[Sequence[int]] | None,
-                      generated: Sequence[Sequence[int]]) -> None:
+    def add_token_ids(
+        self, body: dict[str, Any], prompts: Sequence[Sequence[int]] | None, generated: Sequence[Sequence[int]]
+    ) -> None:
         """vLLM's return_token_ids: the prompt's ids (`prompts`, one per choice of `body`; None in
         a stream chunk after a choice's first) and each choice's generated ids (a stream chunk's:
         those decided since the choice's last chunk), where vLLM's server puts them."""
@@ -72,10 +74,16 @@ class CompletionFormat:
     def request_id(self) -> str:
         return f"cmpl-{uuid.uuid4().hex}"
 
-    def choice(self, index: int, output: GenerationOutput, options: QStarOptions,
-               logprobs: dict[str, Any] | None) -> dict[str, Any]:
-        return {"index": index, "text": output.generated_text, "logprobs": logprobs,
-                "finish_reason": responses.finish_reason(output), "dualvllm": responses.qstar_record(output, options)}
+    def choice(
+        self, index: int, output: GenerationOutput, options: QStarOptions, logprobs: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        return {
+            "index": index,
+            "text": output.generated_text,
+            "logprobs": logprobs,
+            "finish_reason": responses.finish_reason(output),
+            "dualvllm": responses.qstar_record(output, options),
+        }
 
     def delta(self, piece: str, first: bool) -> dict[str, Any]:
         return {"text": piece}
@@ -84,12 +92,15 @@ class CompletionFormat:
         """The legacy lists: log q* of each token, and per token a dict of the token itself and
         q*'s top candidates (as many as asked for, none for logprobs 0), as vLLM answers."""
         rows = tokens.top or [{} for _ in tokens.ids]
-        top = [{texts[token]: value, **{texts[i]: v for i, v in row.items()}}
-               for token, value, row in zip(tokens.ids, tokens.logprobs, rows)]
+        top = [
+            {texts[token]: value, **{texts[i]: v for i, v in row.items()}}
+            for token, value, row in zip(tokens.ids, tokens.logprobs, rows)
+        ]
         return responses.legacy_logprobs([texts[t] for t in tokens.ids], tokens.logprobs, top, offset)
 
-    def add_token_ids(self, body: dict[str, Any], prompts: Sequence[Sequence[int]] | None,
-                      generated: Sequence[Sequence[int]]) -> None:
+    def add_token_ids(
+        self, body: dict[str, Any], prompts: Sequence[Sequence[int]] | None, generated: Sequence[Sequence[int]]
+    ) -> None:
         for i, (choice, ids) in enumerate(zip(body["choices"], generated)):
             choice["token_ids"] = list(ids)
             if prompts is not None:
@@ -102,11 +113,16 @@ class ChatFormat:
     def request_id(self) -> str:
         return f"chatcmpl-{uuid.uuid4().hex}"
 
-    def choice(self, index: int, output: GenerationOutput, options: QStarOptions,
-               logprobs: dict[str, Any] | None) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": output.generated_text},
-                "logprobs": logprobs, "finish_reason": responses.finish_reason(output),
-                "dualvllm": responses.qstar_record(output, options)}
+    def choice(
+        self, index: int, output: GenerationOutput, options: QStarOptions, logprobs: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": output.generated_text},
+            "logprobs": logprobs,
+            "finish_reason": responses.finish_reason(output),
+            "dualvllm": responses.qstar_record(output, options),
+        }
 
     def delta(self, piece: str, first: bool) -> dict[str, Any]:
         return {"delta": {"role": "assistant", "content": piece} if first else {"content": piece}}
@@ -121,8 +137,9 @@ class ChatFormat:
             content.append(entry)
         return {"content": content}
 
-    def add_token_ids(self, body: dict[str, Any], prompts: Sequence[Sequence[int]] | None,
-                      generated: Sequence[Sequence[int]]) -> None:
+    def add_token_ids(
+        self, body: dict[str, Any], prompts: Sequence[Sequence[int]] | None, generated: Sequence[Sequence[int]]
+    ) -> None:
         if prompts is not None:
             body["prompt_token_ids"] = list(prompts[0])  # one conversation per chat request
         for choice, ids in zip(body["choices"], generated):

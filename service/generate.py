@@ -25,17 +25,27 @@ from dualvllm.service.jobs import Job
 from dualvllm.service.schema import ChatCompletionRequest, GenerateRequest
 
 
-def generate_response(request: GenerateRequest, job: Job, outputs: Sequence[GenerationOutput], model: str,
-                      prompt_logprobs: list[dict[str, Any] | None] | None, texts: Mapping[int, str]) -> dict[str, Any]:
+def generate_response(
+    request: GenerateRequest,
+    job: Job,
+    outputs: Sequence[GenerationOutput],
+    model: str,
+    prompt_logprobs: list[dict[str, Any] | None] | None,
+    texts: Mapping[int, str],
+) -> dict[str, Any]:
     """GenerateTokensResponse (output_mode "tokens") or GenerateTextResponse ("text") of a job
     whose outputs are all in; `texts` (text mode with logprobs) names every token they show."""
     logprobs = job.top_logprobs if job.want_logprobs else None
     choices = []
     for output in outputs:
         choice: dict[str, Any] = {
-            "index": output.index, "finish_reason": responses.finish_reason(output),
-            "stop_reason": _stop_reason(output), "token_ids": list(output.generated_tokens),
-            "logprobs": None, "dualvllm": responses.qstar_record(output, job.options)}
+            "index": output.index,
+            "finish_reason": responses.finish_reason(output),
+            "stop_reason": _stop_reason(output),
+            "token_ids": list(output.generated_tokens),
+            "logprobs": None,
+            "dualvllm": responses.qstar_record(output, job.options),
+        }
         if request.output_mode == "text":
             choice["text"] = output.generated_text
             if logprobs is not None:
@@ -44,10 +54,16 @@ def generate_response(request: GenerateRequest, job: Job, outputs: Sequence[Gene
             choice["logprobs"] = {"content": token_logprobs(TokenLogprobs.of(output), logprobs)}
         choices.append(choice)
     prompt_ids = job.prompts[0][0]
-    return {"request_id": request.request_id or f"generate-{uuid.uuid4().hex}", "model": model,
-            "created": int(time.time()), "output_mode": request.output_mode, "choices": choices,
-            "usage": responses.usage(len(prompt_ids), outputs), "prompt_logprobs": prompt_logprobs,
-            "prompt_token_ids": list(prompt_ids) if request.return_token_ids else None}
+    return {
+        "request_id": request.request_id or f"generate-{uuid.uuid4().hex}",
+        "model": model,
+        "created": int(time.time()),
+        "output_mode": request.output_mode,
+        "choices": choices,
+        "usage": responses.usage(len(prompt_ids), outputs),
+        "prompt_logprobs": prompt_logprobs,
+        "prompt_token_ids": list(prompt_ids) if request.return_token_ids else None,
+    }
 
 
 def token_logprobs(tokens: TokenLogprobs, shown: int) -> list[dict[str, Any]]:
@@ -59,25 +75,44 @@ def token_logprobs(tokens: TokenLogprobs, shown: int) -> list[dict[str, Any]]:
     for token, value, row in zip(tokens.ids, tokens.logprobs, rows):
         ranked = sorted(row.items(), key=lambda item: -item[1])
         ranks = {i: r for r, (i, _) in enumerate(ranked, 1)}
-        entries = [(token, value), *((i, v) for i, v in ranked if i != token)][:max(shown, 1)]
-        content.append({"token_id": token, "logprob": value, "rank": ranks.get(token),
-                        "top_logprobs": [{"token_id": i, "logprob": v, "rank": ranks.get(i)} for i, v in entries]})
+        entries = [(token, value), *((i, v) for i, v in ranked if i != token)][: max(shown, 1)]
+        content.append(
+            {
+                "token_id": token,
+                "logprob": value,
+                "rank": ranks.get(token),
+                "top_logprobs": [{"token_id": i, "logprob": v, "rank": ranks.get(i)} for i, v in entries],
+            }
+        )
     return content
 
 
-def render_response(body: ChatCompletionRequest, model: str, theta_ids: list[int], t_ids: list[int],
-                    max_tokens: int) -> dict[str, Any]:
+def render_response(
+    body: ChatCompletionRequest, model: str, theta_ids: list[int], t_ids: list[int], max_tokens: int
+) -> dict[str, Any]:
     """A chat request rendered into the generate request that samples the same reply: the
     base's token ids, the sampling fields, and the teacher's own ids when they differ."""
     options = body.dualvllm.model_dump(exclude={"t_messages", "t_prompt"}, exclude_defaults=True)
     if t_ids != theta_ids:
         options["t_prompt"] = list(t_ids)
-    params: dict[str, Any] = {"n": body.n, "temperature": body.temperature, "max_tokens": max_tokens,
-                              "seed": body.seed, "stop": body.stop, "stop_token_ids": body.stop_token_ids,
-                              "ignore_eos": body.ignore_eos,
-                              "logprobs": (body.top_logprobs or 0) if body.logprobs else None}
-    return {"request_id": f"render-{uuid.uuid4().hex}", "token_ids": list(theta_ids), "features": None,
-            "sampling_params": params, "model": model, "dualvllm": options}
+    params: dict[str, Any] = {
+        "n": body.n,
+        "temperature": body.temperature,
+        "max_tokens": max_tokens,
+        "seed": body.seed,
+        "stop": body.stop,
+        "stop_token_ids": body.stop_token_ids,
+        "ignore_eos": body.ignore_eos,
+        "logprobs": (body.top_logprobs or 0) if body.logprobs else None,
+    }
+    return {
+        "request_id": f"render-{uuid.uuid4().hex}",
+        "token_ids": list(theta_ids),
+        "features": None,
+        "sampling_params": params,
+        "model": model,
+        "dualvllm": options,
+    }
 
 
 def _stop_reason(output: GenerationOutput) -> int | None:

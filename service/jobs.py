@@ -45,11 +45,17 @@ class Job:
         """The coordinator's settings for the job's sequences. An echo-only job (max_tokens 0)
         gets those of a one-token call: the same settings shape its q*."""
         body, options = self.request, self.options
-        return SamplingParams(max(self.max_tokens, 1), temperature=body.temperature, stop=tuple(body.stop_strings()),
-                              stop_token_ids=body.stop_ids(),
-                              fixed_alpha=options.fixed_alpha, return_diagnostics=options.return_diagnostics,
-                              ignore_eos=options.ignore_eos or body.ignore_eos, top_k=options.top_k,
-                              top_logprobs=self.top_logprobs)
+        return SamplingParams(
+            max(self.max_tokens, 1),
+            temperature=body.temperature,
+            stop=tuple(body.stop_strings()),
+            stop_token_ids=body.stop_ids(),
+            fixed_alpha=options.fixed_alpha,
+            return_diagnostics=options.return_diagnostics,
+            ignore_eos=options.ignore_eos or body.ignore_eos,
+            top_k=options.top_k,
+            top_logprobs=self.top_logprobs,
+        )
 
     @property
     def sequences(self) -> int:
@@ -86,7 +92,8 @@ class RequestQueue:
                 f"the service is full: {self.sequences} sequences admitted, room for "
                 f"{self.capacity + self.max_queued} ({self.capacity} running, {self.max_queued} queued); "
                 f"this request needs {sequences}. Retry after {retry} s, or raise max_queued_sequences",
-                retry_after_s=retry)
+                retry_after_s=retry,
+            )
         self.sequences += sequences
         self.tokens += tokens
         try:

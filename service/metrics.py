@@ -30,18 +30,36 @@ class ServiceMetrics:
     def __init__(self, coordinator: DualVLLMCoordinator, admission: RequestQueue) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self._requests = Counter("dualvllm_requests", "HTTP requests answered, by route and status",
-                                 ("route", "status"), registry=r)
-        self._request_s = Histogram("dualvllm_request_seconds", "HTTP request latency, by route", ("route",),
-                                    buckets=REQUEST_BUCKETS_S, registry=r)
-        self._sequences = Counter("dualvllm_sequences", "Sequences by outcome: started, finished, failed, "
-                                  "cancelled (the client left)", ("outcome",), registry=r)
+        self._requests = Counter(
+            "dualvllm_requests", "HTTP requests answered, by route and status", ("route", "status"), registry=r
+        )
+        self._request_s = Histogram(
+            "dualvllm_request_seconds",
+            "HTTP request latency, by route",
+            ("route",),
+            buckets=REQUEST_BUCKETS_S,
+            registry=r,
+        )
+        self._sequences = Counter(
+            "dualvllm_sequences",
+            "Sequences by outcome: started, finished, failed, cancelled (the client left)",
+            ("outcome",),
+            registry=r,
+        )
         self._tokens = Counter("dualvllm_generated_tokens", "Tokens generated for finished sequences", registry=r)
-        self._server_s = Histogram("dualvllm_server_call_seconds", "Requests to the model servers (retries "
-                                   "included), by server and route", ("server", "route"),
-                                   buckets=SERVER_CALL_BUCKETS_S, registry=r)
-        self._server_failures = Counter("dualvllm_server_call_failures", "Requests to the model servers that "
-                                        "failed after their retries", ("server", "route"), registry=r)
+        self._server_s = Histogram(
+            "dualvllm_server_call_seconds",
+            "Requests to the model servers (retries included), by server and route",
+            ("server", "route"),
+            buckets=SERVER_CALL_BUCKETS_S,
+            registry=r,
+        )
+        self._server_failures = Counter(
+            "dualvllm_server_call_failures",
+            "Requests to the model servers that failed after their retries",
+            ("server", "route"),
+            registry=r,
+        )
         r.register(_CoordinatorCollector(coordinator, admission))
 
     def request_done(self, route: str, status: int, seconds: float) -> None:
@@ -82,19 +100,27 @@ class _CoordinatorCollector(Collector):
         gauges = {
             "dualvllm_tokens_per_second": ("Tokens sampled per second of coordinator work", stats["tokens_per_s"]),
             "dualvllm_alpha_mean": ("Mean alpha of every token sampled so far", stats["mean_alpha"]),
-            "dualvllm_step_latency_p50_seconds": ("Median coordinator step, recent steps",
-                                                  stats["step_latency_p50_ms"] / 1e3),
-            "dualvllm_step_latency_p95_seconds": ("95th percentile coordinator step, recent steps",
-                                                  stats["step_latency_p95_ms"] / 1e3),
+            "dualvllm_step_latency_p50_seconds": (
+                "Median coordinator step, recent steps",
+                stats["step_latency_p50_ms"] / 1e3,
+            ),
+            "dualvllm_step_latency_p95_seconds": (
+                "95th percentile coordinator step, recent steps",
+                stats["step_latency_p95_ms"] / 1e3,
+            ),
             "dualvllm_coordinator_tokens": ("Tokens sampled by the coordinator (every caller)", stats["tokens"]),
-            "dualvllm_coordinator_sequences_failed": ("Sequences the coordinator failed (every caller)",
-                                                      stats["sequences_failed"]),
+            "dualvllm_coordinator_sequences_failed": (
+                "Sequences the coordinator failed (every caller)",
+                stats["sequences_failed"],
+            ),
             "dualvllm_server_retries": ("Requests to the model servers that were retried", stats["retries"]),
             # Tasks of handlers, streams and the coordinator: a leak shows as growth at rest.
             "dualvllm_asyncio_tasks": ("Live asyncio tasks in the service's event loop", len(asyncio.all_tasks())),
             "dualvllm_active_sequences": ("Sequences in the running batch", self._admission.running),
-            "dualvllm_queued_sequences": ("Sequences waiting for the running batch",
-                                          self._admission.sequences - self._admission.running),
+            "dualvllm_queued_sequences": (
+                "Sequences waiting for the running batch",
+                self._admission.sequences - self._admission.running,
+            ),
         }
         for name, (text, value) in gauges.items():
             yield GaugeMetricFamily(name, text, value=value)

@@ -37,9 +37,13 @@ def qstar_record(output: GenerationOutput, options: QStarOptions) -> dict[str, A
     """The choice's `dualvllm` object."""
     record: dict[str, Any] = {"mean_alpha": _finite(output.mean_alpha), "finish_reason": output.finish_reason}
     if options.return_token_ids:
-        record.update(token_ids=output.generated_tokens, alpha=output.alpha_history,
-                      logprobs_q=output.logprobs_q, logprobs_theta=output.logprobs_theta,
-                      logprobs_t=output.logprobs_t)
+        record.update(
+            token_ids=output.generated_tokens,
+            alpha=output.alpha_history,
+            logprobs_q=output.logprobs_q,
+            logprobs_theta=output.logprobs_theta,
+            logprobs_t=output.logprobs_t,
+        )
     if options.return_diagnostics:
         record["diagnostics"] = output.diagnostics
     return record
@@ -61,13 +65,19 @@ def echo_logprobs(scores: PromptScores, output: GenerationOutput | None, texts: 
         ids += output.generated_tokens
         values += output.logprobs_q
         rows += output.top_logprobs or [{} for _ in output.generated_tokens]  # logprobs 0: the token alone
-    top = [None if row is None else {texts[i]: v for i, v in {**row, token: value}.items()}
-           for token, value, row in zip(ids, values, rows)]
+    top = [
+        None if row is None else {texts[i]: v for i, v in {**row, token: value}.items()}
+        for token, value, row in zip(ids, values, rows)
+    ]
     return legacy_logprobs([texts[t] for t in ids], values, top)
 
 
-def legacy_logprobs(tokens: list[str], values: Sequence[float | None],
-                    top: Sequence[Mapping[str, float | None] | None] | None, offset: int = 0) -> dict[str, Any]:
+def legacy_logprobs(
+    tokens: list[str],
+    values: Sequence[float | None],
+    top: Sequence[Mapping[str, float | None] | None] | None,
+    offset: int = 0,
+) -> dict[str, Any]:
     """OpenAI's completion logprobs of tokens with these texts; the first starts at `offset` in the
     choice's text (a stream chunk's tokens follow the earlier chunks')."""
     offsets, at = [], offset
@@ -77,8 +87,14 @@ def legacy_logprobs(tokens: list[str], values: Sequence[float | None],
     return {"tokens": tokens, "token_logprobs": list(values), "top_logprobs": top, "text_offset": offsets}
 
 
-def echo_choice(index: int, prompt_text: str, scores: PromptScores | None, output: GenerationOutput | None,
-                options: QStarOptions, texts: Mapping[int, str]) -> dict[str, Any]:
+def echo_choice(
+    index: int,
+    prompt_text: str,
+    scores: PromptScores | None,
+    output: GenerationOutput | None,
+    options: QStarOptions,
+    texts: Mapping[int, str],
+) -> dict[str, Any]:
     """A completion choice that starts with its prompt; `scores` when logprobs were asked for,
     `output` unless max_tokens was 0 (then the finish reason is "length", as vLLM gives)."""
     record: dict[str, Any]
@@ -89,13 +105,19 @@ def echo_choice(index: int, prompt_text: str, scores: PromptScores | None, outpu
     logprobs = None
     if scores is not None:
         logprobs = echo_logprobs(scores, output, texts)
-        record["prompt"] = {"token_ids": scores.token_ids, "alpha": scores.alpha, "logprobs_q": scores.logprob_q,
-                            "logprobs_theta": scores.logprob_theta, "logprobs_t": scores.logprob_t}
+        record["prompt"] = {
+            "token_ids": scores.token_ids,
+            "alpha": scores.alpha,
+            "logprobs_q": scores.logprob_q,
+            "logprobs_theta": scores.logprob_theta,
+            "logprobs_t": scores.logprob_t,
+        }
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason, "dualvllm": record}
 
 
-def envelope(kind: str, request_id: str, created: int, model: str, choices: list[dict[str, Any]],
-             usage_: dict[str, int] | None) -> dict[str, Any]:
+def envelope(
+    kind: str, request_id: str, created: int, model: str, choices: list[dict[str, Any]], usage_: dict[str, int] | None
+) -> dict[str, Any]:
     """A whole response ("text_completion" / "chat.completion") or one stream chunk
     ("text_completion" / "chat.completion.chunk")."""
     body: dict[str, Any] = {"id": request_id, "object": kind, "created": created, "model": model, "choices": choices}

@@ -119,15 +119,19 @@ class _Sampling(_Strict):
     def unsupported(self) -> str | None:
         """Why the request asks for what q* sampling cannot do, or None."""
         if self.top_p != 1.0:
-            return ("top_p must be 1: q* is sampled from its full candidate set (top_k per model); "
-                    "use dualvllm.top_k to mix fewer candidates")
+            return (
+                "top_p must be 1: q* is sampled from its full candidate set (top_k per model); "
+                "use dualvllm.top_k to mix fewer candidates"
+            )
         if self.presence_penalty or self.frequency_penalty:
             return "presence_penalty and frequency_penalty are not supported by q* sampling; leave them 0"
         if self.logit_bias:
             return "logit_bias is not supported by q* sampling"
         if self.top_k not in (None, 0, -1):
-            return (f"top_k={self.top_k} would truncate q* to its {self.top_k} likeliest tokens, which q* sampling "
-                    "does not do; leave top_k 0 (or -1), and set dualvllm.top_k to mix fewer candidates per model")
+            return (
+                f"top_k={self.top_k} would truncate q* to its {self.top_k} likeliest tokens, which q* sampling "
+                "does not do; leave top_k 0 (or -1), and set dualvllm.top_k to mix fewer candidates per model"
+            )
         if self.min_p not in (None, 0.0):
             return "min_p is not supported by q* sampling; leave it 0"
         if self.repetition_penalty not in (None, 1.0):
@@ -150,7 +154,9 @@ class CompletionRequest(_Sampling):
     echo: bool = False  # the prompt before the completion; with logprobs, each prompt token's log q*
     best_of: int | None = None
     suffix: str | None = None
-    prompt_logprobs: int | None = Field(None, ge=-1)  # vLLM's: each prompt token's top logprobs (dualvllm.service.scoring)
+    prompt_logprobs: int | None = Field(
+        None, ge=-1
+    )  # vLLM's: each prompt token's top logprobs (dualvllm.service.scoring)
 
     @model_validator(mode="after")
     def _teacher_prompt_only_for_completions(self) -> CompletionRequest:
@@ -160,13 +166,17 @@ class CompletionRequest(_Sampling):
 
     def unsupported(self) -> str | None:
         if self.prompt_logprobs is not None and (self.stream or self.echo):
-            return ("prompt_logprobs goes with stream=false and echo=false (echo with logprobs scores the "
-                    "prompt in OpenAI's shape instead)")
+            return (
+                "prompt_logprobs goes with stream=false and echo=false (echo with logprobs scores the "
+                "prompt in OpenAI's shape instead)"
+            )
         if self.echo and self.stream:
             return "echo is not streamed; send stream=false (the prompt's logprobs come in one answer)"
         if self.echo and self.dualvllm.t_prompt is not None:
-            return ("echo scores the prompt under both models, so both must see it; leave out "
-                    "dualvllm.t_prompt (the teacher's own prompt would not match the prompt's positions)")
+            return (
+                "echo scores the prompt under both models, so both must see it; leave out "
+                "dualvllm.t_prompt (the teacher's own prompt would not match the prompt's positions)"
+            )
         if self.best_of is not None and self.best_of != self.n:
             return "best_of is not supported; ask for n completions and rank them yourself"
         if self.suffix:
@@ -267,8 +277,10 @@ class GenerateRequest(_Strict):
     def unsupported(self) -> str | None:
         """Why the request asks for what the q* endpoint cannot do, or None."""
         if self.features is not None or self.content_parts:
-            return ("multimodal features and content parts are not supported: q* mixes two text models; send "
-                    "token ids alone")
+            return (
+                "multimodal features and content parts are not supported: q* mixes two text models; send "
+                "token ids alone"
+            )
         if self.stream:
             return "/inference/v1/generate is not streamed here; send stream=false, or stream /v1/completions"
         if self.priority:
@@ -280,8 +292,20 @@ class GenerateRequest(_Strict):
     def as_completion(self, model: str) -> dict[str, Any]:
         """The same request as /v1/completions takes it (token ids as the prompt), to be checked
         as a CompletionRequest; `model` when the body names none."""
-        params = self.sampling_params.model_dump(exclude={"output_kind", "detokenize", "skip_special_tokens",
-                                                          "spaces_between_special_tokens",
-                                                          "include_stop_str_in_output"})
-        return {**params, "model": self.model or model, "prompt": self.token_ids, "return_token_ids": True,
-                "return_tokens_as_token_ids": self.output_mode == "tokens", "dualvllm": self.dualvllm}
+        params = self.sampling_params.model_dump(
+            exclude={
+                "output_kind",
+                "detokenize",
+                "skip_special_tokens",
+                "spaces_between_special_tokens",
+                "include_stop_str_in_output",
+            }
+        )
+        return {
+            **params,
+            "model": self.model or model,
+            "prompt": self.token_ids,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": self.output_mode == "tokens",
+            "dualvllm": self.dualvllm,
+        }

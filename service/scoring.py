@@ -72,21 +72,27 @@ class PromptScores:
 
 def score_rows(theta: TopKBatch, t: TopKBatch, tokens: np.ndarray, settings: ScoringSettings) -> RowScores:
     """log q* of `tokens` (int64 [R]) under the rows' top-k (both [R, w], each row holding its token)."""
-    merged = merge_topk(theta.token_ids, theta.logprobs, t.token_ids, t.logprobs, fill=settings.fill,
-                        vocab_size=settings.vocab_size)
+    merged = merge_topk(
+        theta.token_ids, theta.logprobs, t.token_ids, t.logprobs, fill=settings.fill, vocab_size=settings.vocab_size
+    )
     rows = tokens.shape[0]
     fixed = np.full(rows, np.nan if settings.fixed_alpha is None else settings.fixed_alpha)
-    target = solve_target(merged, np.ones(rows), fixed, alpha_tol=settings.alpha_tol,
-                          alpha_max_iter=settings.alpha_max_iter)
+    target = solve_target(
+        merged, np.ones(rows), fixed, alpha_tol=settings.alpha_tol, alpha_max_iter=settings.alpha_max_iter
+    )
     hits = merged.token_ids == tokens[:, None]  # [R, n]; merged ids are unique per row
     assert bool(np.all(hits.sum(axis=1) == 1)), "every scored token must be one of its row's candidates"
     column = np.argmax(hits, axis=1)  # [R]
     at = np.arange(rows)
     logprob_q = target.logq[at, column]
-    return RowScores(alpha=target.alpha, logprob_q=logprob_q,
-                     logprob_theta=merged.logp_theta[at, column], logprob_t=merged.logp_t[at, column],
-                     top=top_candidates(merged.token_ids, target.logq, settings.top_n),
-                     rank=1 + (target.logq > logprob_q[:, None]).sum(axis=1))
+    return RowScores(
+        alpha=target.alpha,
+        logprob_q=logprob_q,
+        logprob_theta=merged.logp_theta[at, column],
+        logprob_t=merged.logp_t[at, column],
+        top=top_candidates(merged.token_ids, target.logq, settings.top_n),
+        rank=1 + (target.logq > logprob_q[:, None]).sum(axis=1),
+    )
 
 
 class PromptScorer(Protocol):
@@ -99,29 +105,37 @@ class PromptScorer(Protocol):
 def scoring_engine(engine: Engine, param: str) -> PromptScoringEngine:
     """`engine`, checked to score prompts (vLLM's prompt logprobs), else a 400 naming `param`."""
     if not isinstance(engine, PromptScoringEngine):
-        raise RequestError(f"{param} needs model servers that score prompts (vLLM); the {engine.name} engine "
-                           "cannot", code="unsupported_parameter", param=param)
+        raise RequestError(
+            f"{param} needs model servers that score prompts (vLLM); the {engine.name} engine cannot",
+            code="unsupported_parameter",
+            param=param,
+        )
     return engine
 
 
-async def score_prompts(theta: PromptScorer, t: PromptScorer, prompts: Sequence[Sequence[int]],
-                        settings: ScoringSettings) -> list[PromptScores]:
+async def score_prompts(
+    theta: PromptScorer, t: PromptScorer, prompts: Sequence[Sequence[int]], settings: ScoringSettings
+) -> list[PromptScores]:
     """Every prompt token's log q*: one prompt-logprobs request per server for all prompts."""
-    theta_rows, t_rows = await asyncio.gather(theta.prompt_topk(prompts, settings.top_k),
-                                              t.prompt_topk(prompts, settings.top_k))
+    theta_rows, t_rows = await asyncio.gather(
+        theta.prompt_topk(prompts, settings.top_k), t.prompt_topk(prompts, settings.top_k)
+    )
     tokens = np.fromiter((tok for p in prompts for tok in p[1:]), np.int64)  # [R], every prompt's rows in turn
     scores = score_rows(TopKBatch.concat(theta_rows), TopKBatch.concat(t_rows), tokens, settings)
     answers, start = [], 0
     for prompt in prompts:
         end = start + len(prompt) - 1
-        answers.append(PromptScores(
-            token_ids=list(prompt),
-            alpha=[None, *scores.alpha[start:end].tolist()],
-            logprob_q=[None, *_finite(scores.logprob_q[start:end])],
-            logprob_theta=[None, *_finite(scores.logprob_theta[start:end])],
-            logprob_t=[None, *_finite(scores.logprob_t[start:end])],
-            top=[None, *scores.top[start:end]],
-            rank=[None, *scores.rank[start:end].tolist()]))
+        answers.append(
+            PromptScores(
+                token_ids=list(prompt),
+                alpha=[None, *scores.alpha[start:end].tolist()],
+                logprob_q=[None, *_finite(scores.logprob_q[start:end])],
+                logprob_theta=[None, *_finite(scores.logprob_theta[start:end])],
+                logprob_t=[None, *_finite(scores.logprob_t[start:end])],
+                top=[None, *scores.top[start:end]],
+                rank=[None, *scores.rank[start:end].tolist()],
+            )
+        )
         start = end
     return answers
 

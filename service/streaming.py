@@ -51,8 +51,9 @@ class Generation(Protocol):
     @property
     def eos_token_ids(self) -> frozenset[int]: ...
 
-    def generate(self, job: Job, on_tokens: TokenListener) -> AbstractAsyncContextManager[
-            AsyncIterator[GenerationOutput]]:
+    def generate(
+        self, job: Job, on_tokens: TokenListener
+    ) -> AbstractAsyncContextManager[AsyncIterator[GenerationOutput]]:
         """The job's outputs as they finish; `on_tokens` hears each choice's tokens as decided."""
         ...
 
@@ -102,7 +103,7 @@ class ChoiceText:
         """The part of `text` (all tokens so far) that is final and not yet sent."""
         safe = text.rstrip("\ufffd")
         cuts = [i for i in (safe.find(s) for s in self.stops) if i >= 0]
-        safe = safe[:min(cuts)] if cuts else safe[:max(0, len(safe) - self.hold)]
+        safe = safe[: min(cuts)] if cuts else safe[: max(0, len(safe) - self.hold)]
         return self._advance(safe)
 
     def last(self, text: str) -> str:
@@ -115,13 +116,16 @@ class ChoiceText:
     def unlogged(self, with_top: bool) -> TokenLogprobs:
         """The tokens whose log q* is known and not sent yet."""
         end = len(self.logprobs)
-        return TokenLogprobs(self.tokens[self.logged:end], self.logprobs[self.logged:end],
-                             self.top[self.logged:end] if with_top else None)
+        return TokenLogprobs(
+            self.tokens[self.logged : end],
+            self.logprobs[self.logged : end],
+            self.top[self.logged : end] if with_top else None,
+        )
 
     def _advance(self, safe: str) -> str:
         if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
             return ""
-        piece, self.sent = safe[len(self.sent):], safe
+        piece, self.sent = safe[len(self.sent) :], safe
         return piece
 
 
@@ -129,13 +133,13 @@ async def stream_choices(request: web.Request, source: Generation, job: Job) -> 
     """Answer `job` as server-sent events; "data: [DONE]" ends a complete stream."""
     events: asyncio.Queue[tuple[int, Decided | GenerationOutput | BaseException]] = asyncio.Queue()
 
-    def on_tokens(index: int, tokens: Sequence[int], logprobs: Sequence[float],
-                  top: Sequence[Mapping[int, float]]) -> None:
+    def on_tokens(
+        index: int, tokens: Sequence[int], logprobs: Sequence[float], top: Sequence[Mapping[int, float]]
+    ) -> None:
         events.put_nowait((index, Decided(list(tokens), list(logprobs), list(top))))
 
     stops = tuple(job.request.stop_strings())
-    choices = [ChoiceText(hold=max((len(s) for s in stops), default=1) - 1, stops=stops)
-               for _ in range(job.sequences)]
+    choices = [ChoiceText(hold=max((len(s) for s in stops), default=1) - 1, stops=stops) for _ in range(job.sequences)]
     chunks = _Chunks(source, job)
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
@@ -154,8 +158,13 @@ async def stream_choices(request: web.Request, source: Generation, job: Job) -> 
     return response
 
 
-async def _relay(response: web.StreamResponse, source: Generation, chunks: _Chunks, choices: list[ChoiceText],
-                 events: asyncio.Queue[Any]) -> None:
+async def _relay(
+    response: web.StreamResponse,
+    source: Generation,
+    chunks: _Chunks,
+    choices: list[ChoiceText],
+    events: asyncio.Queue[Any],
+) -> None:
     """Chunks until every choice finished (and the usage chunk if asked for); raises what
     failed, a failed choice included."""
     finished: list[GenerationOutput] = []
@@ -191,8 +200,9 @@ async def _pump(outputs: AsyncIterator[GenerationOutput], events: asyncio.Queue[
         events.put_nowait((-1, exc))
 
 
-async def _send_deltas(response: web.StreamResponse, source: Generation, chunks: _Chunks,
-                       choices: list[ChoiceText], moved: list[int]) -> None:
+async def _send_deltas(
+    response: web.StreamResponse, source: Generation, chunks: _Chunks, choices: list[ChoiceText], moved: list[int]
+) -> None:
     """A chunk for each of the `moved` choices (unfinished, with new tokens) whose final text
     grew or, with logprobs, that has tokens to report."""
     eos_ids = source.eos_token_ids
@@ -228,25 +238,41 @@ class _Chunks:
         return self._chunk(choice, output.index, choice.last(output.generated_text), logprobs, output)
 
     def usage(self, outputs: list[GenerationOutput]) -> dict[str, Any]:
-        return responses.envelope(self.format.chunk, self.id, self.created, self.source.model, [],
-                                  responses.usage(self.job.prompt_tokens, outputs))
+        return responses.envelope(
+            self.format.chunk,
+            self.id,
+            self.created,
+            self.source.model,
+            [],
+            responses.usage(self.job.prompt_tokens, outputs),
+        )
 
     async def _logprobs(self, choice: ChoiceText, tokens: TokenLogprobs) -> dict[str, Any] | None:
         """The logprobs of `tokens` (the choice's next ones), now counted as sent; None when not asked for."""
         if not self.job.want_logprobs:
             return None
-        texts = await self.source.token_texts(tokens.token_ids(),
-                                              as_ids=bool(self.job.request.return_tokens_as_token_ids))
+        texts = await self.source.token_texts(
+            tokens.token_ids(), as_ids=bool(self.job.request.return_tokens_as_token_ids)
+        )
         logprobs = self.format.logprobs(tokens, texts, choice.offset)
         choice.logged += len(tokens.ids)
         choice.offset += sum(len(texts[t]) for t in tokens.ids)
         return logprobs
 
-    def _chunk(self, choice: ChoiceText, index: int, piece: str, logprobs: dict[str, Any] | None,
-               finish: GenerationOutput | None = None) -> dict[str, Any]:
-        entry: dict[str, Any] = {"index": index, **self.format.delta(piece, first=not choice.opened),
-                                 "logprobs": logprobs,
-                                 "finish_reason": None if finish is None else responses.finish_reason(finish)}
+    def _chunk(
+        self,
+        choice: ChoiceText,
+        index: int,
+        piece: str,
+        logprobs: dict[str, Any] | None,
+        finish: GenerationOutput | None = None,
+    ) -> dict[str, Any]:
+        entry: dict[str, Any] = {
+            "index": index,
+            **self.format.delta(piece, first=not choice.opened),
+            "logprobs": logprobs,
+            "finish_reason": None if finish is None else responses.finish_reason(finish),
+        }
         first, choice.opened = not choice.opened, True
         if finish is not None:
             entry["dualvllm"] = responses.qstar_record(finish, self.job.options)
@@ -254,6 +280,6 @@ class _Chunks:
         if self.job.request.return_token_ids:  # vLLM's: each chunk's new ids, the prompt's with a choice's first
             tokens = choice.tokens if finish is None else finish.generated_tokens
             prompt = self.job.prompts[index // self.job.request.n][0]
-            self.format.add_token_ids(chunk, [prompt] if first else None, [tokens[choice.shown:]])
+            self.format.add_token_ids(chunk, [prompt] if first else None, [tokens[choice.shown :]])
             choice.shown = len(tokens)
         return chunk

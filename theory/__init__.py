@@ -19,7 +19,21 @@ from dualvllm.theory.mixture import (
 from dualvllm.theory.passk import pass_at_k
 
 __all__ = [
-    "DIAGNOSTIC_KEYS", "FILL_RULES", "FillRule", "MergedTopK", "alpha_kls", "apply_temperature",
-    "greedy_indices", "log_normalize", "log_partition", "merge_topk", "mixture_logprobs",
-    "pass_at_k", "sample_indices", "solve_alpha", "summarize", "symmetry_gap", "token_diagnostics",
+    "DIAGNOSTIC_KEYS",
+    "FILL_RULES",
+    "FillRule",
+    "MergedTopK",
+    "alpha_kls",
+    "apply_temperature",
+    "greedy_indices",
+    "log_normalize",
+    "log_partition",
+    "merge_topk",
+    "mixture_logprobs",
+    "pass_at_k",
+    "sample_indices",
+    "solve_alpha",
+    "summarize",
+    "symmetry_gap",
+    "token_diagnostics",
 ]

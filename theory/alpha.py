@@ -32,16 +32,18 @@ def log_ratio(logp_theta: np.ndarray, logp_t: np.ndarray, mask: np.ndarray) -> n
     return masked(log_normalize(logp_t, mask), mask) - masked(log_normalize(logp_theta, mask), mask)
 
 
-def symmetry_gap(logp_theta: np.ndarray, logp_t: np.ndarray, alpha: float | np.ndarray,
-                 mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def symmetry_gap(
+    logp_theta: np.ndarray, logp_t: np.ndarray, alpha: float | np.ndarray, mask: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """(f(a), f'(a)) = (E_{q_a}[l], Var_{q_a}(l)) per row -> two [B] arrays."""
     mask = all_candidates(logp_theta) if mask is None else mask
     l = log_ratio(logp_theta, logp_t, mask)  # [B, n]
     return _moments(logp_theta, l, np.asarray(alpha, dtype=np.float64), mask)
 
 
-def _moments(logp_theta: np.ndarray, l: np.ndarray, alpha: np.ndarray,
-             mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _moments(
+    logp_theta: np.ndarray, l: np.ndarray, alpha: np.ndarray, mask: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     # q_a ∝ p · exp(a·l): mixture of p and r = p·exp(l), written in the form that keeps l exact.
     a = alpha[..., None] if alpha.ndim else alpha
     q = masked(np.exp(log_normalize(masked(logp_theta, mask) + a * l, mask)), mask)  # [B, n]
@@ -50,8 +52,9 @@ def _moments(logp_theta: np.ndarray, l: np.ndarray, alpha: np.ndarray,
     return mean, var
 
 
-def solve_alpha(logp_theta: np.ndarray, logp_t: np.ndarray, mask: np.ndarray | None = None,
-                tol: float = 1e-6, max_iter: int = 20) -> np.ndarray:
+def solve_alpha(
+    logp_theta: np.ndarray, logp_t: np.ndarray, mask: np.ndarray | None = None, tol: float = 1e-6, max_iter: int = 20
+) -> np.ndarray:
     """alpha* in [0, 1] per row such that KL(q* || pi_theta) = KL(q* || pi_t) -> float64 [B].
 
     `logp_theta`, `logp_t`: [B, n] log-probabilities over the same candidates (normalized
@@ -61,8 +64,9 @@ def solve_alpha(logp_theta: np.ndarray, logp_t: np.ndarray, mask: np.ndarray | N
     logp_theta = np.asarray(logp_theta, dtype=np.float64)
     logp_t = np.asarray(logp_t, dtype=np.float64)
     if logp_theta.shape != logp_t.shape or logp_theta.ndim != 2:
-        raise ValueError(f"solve_alpha wants two [B, n] arrays of the same shape, got "
-                         f"{logp_theta.shape} and {logp_t.shape}")
+        raise ValueError(
+            f"solve_alpha wants two [B, n] arrays of the same shape, got {logp_theta.shape} and {logp_t.shape}"
+        )
     mask = all_candidates(logp_theta) if mask is None else np.asarray(mask, dtype=bool)
     batch = logp_theta.shape[0]
     # Normalize once: every iteration then needs only q_a ∝ exp(lp + a·l), with lp = -inf
@@ -89,8 +93,12 @@ def solve_alpha(logp_theta: np.ndarray, logp_t: np.ndarray, mask: np.ndarray | N
             newton = a - f / df
         # Bisect when Newton leaves the bracket, has no slope, or did not halve the error
         # compared with the step before last (slow creep on a flat-then-steep f).
-        use_bisect = (~np.isfinite(newton) | (newton <= low) | (newton >= high)
-                      | (np.abs(2.0 * f) > np.abs(step_before[rows] * df)))
+        use_bisect = (
+            ~np.isfinite(newton)
+            | (newton <= low)
+            | (newton >= high)
+            | (np.abs(2.0 * f) > np.abs(step_before[rows] * df))
+        )
         new_alpha = np.where(use_bisect, 0.5 * (low + high), newton)
         step_before[rows] = step[rows]
         step[rows] = np.abs(new_alpha - a)
@@ -111,8 +119,9 @@ def _normalized_moments(lp: np.ndarray, l: np.ndarray, alpha: np.ndarray) -> tup
     return mean, var
 
 
-def alpha_kls(logp_theta: np.ndarray, logp_t: np.ndarray, alpha: np.ndarray,
-              mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def alpha_kls(
+    logp_theta: np.ndarray, logp_t: np.ndarray, alpha: np.ndarray, mask: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """(KL(q_a || pi_theta), KL(q_a || pi_t)) per row, over the candidates -> two [B] arrays."""
     mask = all_candidates(logp_theta) if mask is None else mask
     logq = mixture_logprobs(logp_theta, logp_t, alpha, mask)

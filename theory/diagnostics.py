@@ -18,12 +18,27 @@ import numpy as np
 
 from dualvllm.theory.mixture import log_normalize, masked
 
-DIAGNOSTIC_KEYS = ("kl_theta", "kl_t", "kl_diff", "ess_theta", "ess_t", "ess_ratio", "entropy_q",
-                   "coverage_theta", "coverage_t")
+DIAGNOSTIC_KEYS = (
+    "kl_theta",
+    "kl_t",
+    "kl_diff",
+    "ess_theta",
+    "ess_t",
+    "ess_ratio",
+    "entropy_q",
+    "coverage_theta",
+    "coverage_t",
+)
 
 
-def token_diagnostics(logp_theta: np.ndarray, logp_t: np.ndarray, logq: np.ndarray, mask: np.ndarray,
-                      coverage_theta: np.ndarray, coverage_t: np.ndarray) -> dict[str, np.ndarray]:
+def token_diagnostics(
+    logp_theta: np.ndarray,
+    logp_t: np.ndarray,
+    logq: np.ndarray,
+    mask: np.ndarray,
+    coverage_theta: np.ndarray,
+    coverage_t: np.ndarray,
+) -> dict[str, np.ndarray]:
     """Every key of DIAGNOSTIC_KEYS -> float64 [B], from [B, n] logprobs over the candidates."""
     lp = masked(log_normalize(logp_theta, mask), mask)
     lr = masked(log_normalize(logp_t, mask), mask)
@@ -50,7 +65,7 @@ def token_diagnostics(logp_theta: np.ndarray, logp_t: np.ndarray, logq: np.ndarr
 def summarize(per_token: dict[str, np.ndarray]) -> dict[str, dict[str, float]]:
     """key -> {mean, std, min, max} over a sequence's tokens (keys with no values are left out)."""
     return {
-        key: {"mean": float(np.mean(v)), "std": float(np.std(v)), "min": float(np.min(v)),
-              "max": float(np.max(v))}
-        for key, v in per_token.items() if np.size(v)
+        key: {"mean": float(np.mean(v)), "std": float(np.std(v)), "min": float(np.min(v)), "max": float(np.max(v))}
+        for key, v in per_token.items()
+        if np.size(v)
     }

@@ -50,9 +50,16 @@ class MergedTopK:
     coverage_t: np.ndarray  # float64 [B]
 
 
-def merge_topk(ids_theta: np.ndarray, logp_theta: np.ndarray, ids_t: np.ndarray, logp_t: np.ndarray,
-               *, fill: FillRule = "min", floor: float = DEFAULT_FLOOR,
-               vocab_size: int | None = None) -> MergedTopK:
+def merge_topk(
+    ids_theta: np.ndarray,
+    logp_theta: np.ndarray,
+    ids_t: np.ndarray,
+    logp_t: np.ndarray,
+    *,
+    fill: FillRule = "min",
+    floor: float = DEFAULT_FLOOR,
+    vocab_size: int | None = None,
+) -> MergedTopK:
     """Union of the two lists per row, with missing logprobs filled by `fill` (see module doc).
 
     `ids_*`: int [B, w] token ids, PAD_ID for padding; `logp_*`: float [B, w] raw logprobs.
@@ -65,8 +72,10 @@ def merge_topk(ids_theta: np.ndarray, logp_theta: np.ndarray, ids_t: np.ndarray,
     logp_theta, logp_t = np.asarray(logp_theta, dtype=np.float64), np.asarray(logp_t, dtype=np.float64)
     batch, w_theta = ids_theta.shape
     if ids_t.shape[0] != batch or logp_theta.shape != ids_theta.shape or logp_t.shape != ids_t.shape:
-        raise ValueError(f"merge_topk shapes disagree: ids_theta {ids_theta.shape}, logp_theta "
-                         f"{logp_theta.shape}, ids_t {ids_t.shape}, logp_t {logp_t.shape}")
+        raise ValueError(
+            f"merge_topk shapes disagree: ids_theta {ids_theta.shape}, logp_theta "
+            f"{logp_theta.shape}, ids_t {ids_t.shape}, logp_t {logp_t.shape}"
+        )
 
     # Pool both lists and sort each row by token id. The sort key packs the column into
     # the low bits (ids are unique per list, so keys are unique and one plain sort does it);
@@ -105,8 +114,7 @@ def merge_topk(ids_theta: np.ndarray, logp_theta: np.ndarray, ids_t: np.ndarray,
     coverage_t = _coverage(logp_t, ids_t != PAD_ID)
     filled_theta = _fill(raw_theta, reported_theta, mask, coverage_theta, fill, floor, vocab_size)
     filled_t = _fill(raw_t, reported_t, mask, coverage_t, fill, floor, vocab_size)
-    return MergedTopK(token_ids, filled_theta, filled_t, mask, reported_theta, reported_t,
-                      coverage_theta, coverage_t)
+    return MergedTopK(token_ids, filled_theta, filled_t, mask, reported_theta, reported_t, coverage_theta, coverage_t)
 
 
 def _coverage(logp: np.ndarray, valid: np.ndarray) -> np.ndarray:
@@ -114,8 +122,15 @@ def _coverage(logp: np.ndarray, valid: np.ndarray) -> np.ndarray:
     return np.minimum(np.sum(np.where(valid, np.exp(np.where(valid, logp, -np.inf)), 0.0), axis=1), 1.0)
 
 
-def _fill(raw: np.ndarray, reported: np.ndarray, mask: np.ndarray, coverage: np.ndarray,
-          rule: FillRule, floor: float, vocab_size: int | None) -> np.ndarray:
+def _fill(
+    raw: np.ndarray,
+    reported: np.ndarray,
+    mask: np.ndarray,
+    coverage: np.ndarray,
+    rule: FillRule,
+    floor: float,
+    vocab_size: int | None,
+) -> np.ndarray:
     """Reported values where present, the rule's fill value for missing candidates, -inf on padding."""
     # A row where this model reported nothing has no min: fall back to the floor.
     smallest = np.min(np.where(reported, raw, np.inf), axis=1)  # [B]
@@ -125,8 +140,9 @@ def _fill(raw: np.ndarray, reported: np.ndarray, mask: np.ndarray, coverage: np.
     elif rule == "floor":
         value = np.minimum(np.full_like(upper, floor), upper)
     else:
-        missing = (vocab_size - np.sum(reported, axis=1) if vocab_size is not None
-                   else np.sum(mask & ~reported, axis=1))  # [B]
+        missing = (
+            vocab_size - np.sum(reported, axis=1) if vocab_size is not None else np.sum(mask & ~reported, axis=1)
+        )  # [B]
         with np.errstate(divide="ignore"):
             spread = np.log(np.maximum(1.0 - coverage, 0.0)) - np.log(np.maximum(missing, 1))
         value = np.minimum(np.maximum(spread, floor), upper)

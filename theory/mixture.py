@@ -51,8 +51,9 @@ def apply_temperature(logp: np.ndarray, temperature: float | np.ndarray, mask: n
     return log_normalize(scaled, mask)
 
 
-def mixture_logits(logp_theta: np.ndarray, logp_t: np.ndarray, alpha: float | np.ndarray,
-                   mask: np.ndarray) -> np.ndarray:
+def mixture_logits(
+    logp_theta: np.ndarray, logp_t: np.ndarray, alpha: float | np.ndarray, mask: np.ndarray
+) -> np.ndarray:
     """(1-a)·log p + a·log r with p, r normalized over the candidates: log q_a + log Z(a)."""
     alpha = np.asarray(alpha, dtype=np.float64)
     a = alpha[..., None] if alpha.ndim else alpha
@@ -61,15 +62,17 @@ def mixture_logits(logp_theta: np.ndarray, logp_t: np.ndarray, alpha: float | np
     return masked((1.0 - a) * lp + a * lr, mask, NEG_INF)
 
 
-def log_partition(logp_theta: np.ndarray, logp_t: np.ndarray, alpha: float | np.ndarray,
-                  mask: np.ndarray | None = None) -> np.ndarray:
+def log_partition(
+    logp_theta: np.ndarray, logp_t: np.ndarray, alpha: float | np.ndarray, mask: np.ndarray | None = None
+) -> np.ndarray:
     """log Z(a) = log sum_y p(y)^(1-a) r(y)^a -> [B]; Z(0) = Z(1) = 1 and log Z <= 0 on [0, 1]."""
     mask = all_candidates(logp_theta) if mask is None else mask
     return logsumexp(mixture_logits(logp_theta, logp_t, alpha, mask), mask)
 
 
-def mixture_logprobs(logp_theta: np.ndarray, logp_t: np.ndarray, alpha: float | np.ndarray,
-                     mask: np.ndarray | None = None) -> np.ndarray:
+def mixture_logprobs(
+    logp_theta: np.ndarray, logp_t: np.ndarray, alpha: float | np.ndarray, mask: np.ndarray | None = None
+) -> np.ndarray:
     """log q_a(y) = (1-a)·log p(y) + a·log r(y) - log Z(a) -> [B, n]; alpha is scalar or [B]."""
     mask = all_candidates(logp_theta) if mask is None else mask
     return log_normalize(mixture_logits(logp_theta, logp_t, alpha, mask), mask)

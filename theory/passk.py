@@ -20,8 +20,10 @@ def pass_at_k(n: np.ndarray, c: np.ndarray, k: int) -> np.ndarray:
     n = np.asarray(n, dtype=np.int64)
     c = np.asarray(c, dtype=np.int64)
     if k < 1 or np.any(n < k) or np.any((c < 0) | (c > n)):
-        raise ValueError(f"pass@{k} needs 1 <= k <= n and 0 <= c <= n per problem; got k={k}, "
-                         f"n in [{n.min()}, {n.max()}], c in [{c.min()}, {c.max()}]")
+        raise ValueError(
+            f"pass@{k} needs 1 <= k <= n and 0 <= c <= n per problem; got k={k}, "
+            f"n in [{n.min()}, {n.max()}], c in [{c.min()}, {c.max()}]"
+        )
     width = int(c.max(initial=0))
     i = (n - c)[:, None] + 1 + np.arange(width)  # [P, w]: the terms n-c+1 .. n, padded past c
     used = np.arange(width) < c[:, None]  # [P, w]

@@ -72,8 +72,9 @@ def residual_logprobs(logq: np.ndarray, logp: np.ndarray, mask: np.ndarray) -> n
     undefined; such rows get q itself, so a rejection that rounding lets through still
     samples from the target.
     """
-    excess = masked(np.maximum(np.exp(masked(logq, mask, -np.inf)) - np.exp(masked(logp, mask, -np.inf)), 0.0),
-                    mask)  # [R, n]
+    excess = masked(
+        np.maximum(np.exp(masked(logq, mask, -np.inf)) - np.exp(masked(logp, mask, -np.inf)), 0.0), mask
+    )  # [R, n]
     total = excess.sum(axis=-1, keepdims=True)  # [R, 1]
     with np.errstate(divide="ignore"):
         return np.where(total > 0, masked(np.log(excess) - np.log(np.maximum(total, 1e-300)), mask, -np.inf), logq)
@@ -87,9 +88,16 @@ class RoundDecision:
     replacement: np.ndarray  # int64 [S], candidate index emitted at row offset+accepted; -1 if all kept
 
 
-def decide_round(logq: np.ndarray, logp: np.ndarray, mask: np.ndarray, draft_index: np.ndarray,
-                 lengths: np.ndarray, greedy: np.ndarray, accept_uniforms: np.ndarray,
-                 residual_uniforms: np.ndarray) -> RoundDecision:
+def decide_round(
+    logq: np.ndarray,
+    logp: np.ndarray,
+    mask: np.ndarray,
+    draft_index: np.ndarray,
+    lengths: np.ndarray,
+    greedy: np.ndarray,
+    accept_uniforms: np.ndarray,
+    residual_uniforms: np.ndarray,
+) -> RoundDecision:
     """Keep each draft up to its first rejection, then one token from the residual.
 
     `logq`, `logp`: [R, n] log q* and log p over the candidates; `draft_index`: [R] the
@@ -99,8 +107,9 @@ def decide_round(logq: np.ndarray, logp: np.ndarray, mask: np.ndarray, draft_ind
     unless all were kept, the replacement: between 1 and lengths[s] tokens.
     """
     best = greedy_indices(logq, mask)  # [R]
-    probability = np.where(greedy, (draft_index == best).astype(np.float64),
-                           acceptance_probabilities(logq, logp, draft_index))
+    probability = np.where(
+        greedy, (draft_index == best).astype(np.float64), acceptance_probabilities(logq, logp, draft_index)
+    )
     kept = accept_uniforms < probability  # [R]; u in [0, 1) keeps probability-1 rows always
     offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)  # [S]
     owner = np.repeat(np.arange(lengths.shape[0]), lengths)  # [R]

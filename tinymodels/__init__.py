@@ -35,5 +35,14 @@ BUILD_REPORT = HERE / "build_report.json"
 # the models' own by ~0.01 nats here; the tiny models are served as they were trained.
 SERVER_DTYPE = "float32"
 
-__all__ = ["BASE_DIR", "BASE_HINT_DIR", "BASE_MIXED_DIR", "BUILD_REPORT", "SERVER_DTYPE", "TEACHER_DIR",
-           "TEACHER_HARD_DIR", "TEACHER_LONG_DIR", "TEACHER_MIXED_DIR"]
+__all__ = [
+    "BASE_DIR",
+    "BASE_HINT_DIR",
+    "BASE_MIXED_DIR",
+    "BUILD_REPORT",
+    "SERVER_DTYPE",
+    "TEACHER_DIR",
+    "TEACHER_HARD_DIR",
+    "TEACHER_LONG_DIR",
+    "TEACHER_MIXED_DIR",
+]

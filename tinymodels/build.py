@@ -61,8 +61,22 @@ from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2T
 
 from dualvllm import tinymodels
 from dualvllm.tinymodels.shapes import SHAPES, ensure_pair
-from dualvllm.tinymodels.task import (EOS_TEXT, HARD_ROWS, LONG_DIGITS, LONG_ROWS, MIXED_DIFFICULTIES, LongProblem, Problem, hard_problems,
-                             hinted, long_problems, mixed_problems, problems, retained_problems, score)
+from dualvllm.tinymodels.task import (
+    EOS_TEXT,
+    HARD_ROWS,
+    LONG_DIGITS,
+    LONG_ROWS,
+    MIXED_DIFFICULTIES,
+    LongProblem,
+    Problem,
+    hard_problems,
+    hinted,
+    long_problems,
+    mixed_problems,
+    problems,
+    retained_problems,
+    score,
+)
 
 PAD_TEXT = "<pad>"
 # The byte-level BPE alphabet spells these bytes as other characters (GPT-2's bytes_to_unicode).
@@ -70,7 +84,9 @@ BYTE_LEVEL = {" ": "\u0120", "\n": "\u010a"}
 PAD_ID, EOS_ID = 0, 1
 # The models know no roles, only "AB+CD=": a chat renders as its messages' text, system
 # messages left out, so chat clients of the q* endpoint ask the same question.
-CHAT_TEMPLATE = "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['content'] }}{% endif %}{% endfor %}"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['content'] }}{% endif %}{% endfor %}"
+)
 MAX_LEN = 10  # "AB+CD=" + at most 3 digits + <eos>
 HARD_MAX_LEN = 13  # "ABC+DEF=" + at most 4 digits + <eos>
 HINT_MAX_LEN = 18  # a 4-digit hint and a space before the hard task
@@ -131,23 +147,40 @@ def build_tokenizer() -> Qwen2Tokenizer:
     vocab = {PAD_TEXT: PAD_ID, EOS_TEXT: EOS_ID}
     for char in [chr(code) for code in range(32, 127)] + ["\n"]:
         vocab[BYTE_LEVEL.get(char, char)] = len(vocab)
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=PAD_TEXT, eos_token=EOS_TEXT,
-                               pad_token=PAD_TEXT, clean_up_tokenization_spaces=False, model_max_length=64)
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[],
+        unk_token=PAD_TEXT,
+        eos_token=EOS_TEXT,
+        pad_token=PAD_TEXT,
+        clean_up_tokenization_spaces=False,
+        model_max_length=64,
+    )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
 
 def model_config(vocab_size: int) -> Qwen2Config:
     return Qwen2Config(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
-        tie_word_embeddings=False, bos_token_id=EOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        bos_token_id=EOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
         dtype="float32",
     )
 
 
-def encode(tokenizer: Qwen2Tokenizer, batch: list[Problem], max_len: int = MAX_LEN,
-           prompt_loss: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def encode(
+    tokenizer: Qwen2Tokenizer, batch: list[Problem], max_len: int = MAX_LEN, prompt_loss: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, labels) [B, max_len]; labels are -100 on padding, and on the prompt without `prompt_loss`."""
     rows = [tokenizer(p.prompt + p.answer, add_special_tokens=False)["input_ids"] + [EOS_ID] for p in batch]
     ids = torch.full((len(rows), max_len), PAD_ID)
@@ -161,8 +194,13 @@ def encode(tokenizer: Qwen2Tokenizer, batch: list[Problem], max_len: int = MAX_L
 
 
 @torch.no_grad()
-def complete(model: Qwen2ForCausalLM, tokenizer: Qwen2Tokenizer, batch: list[Problem], max_len: int = MAX_LEN,
-             generator: torch.Generator | None = None) -> list[str]:
+def complete(
+    model: Qwen2ForCausalLM,
+    tokenizer: Qwen2Tokenizer,
+    batch: list[Problem],
+    max_len: int = MAX_LEN,
+    generator: torch.Generator | None = None,
+) -> list[str]:
     """Completions up to `max_len` tokens in all (prompts of one length): greedy, or sampled at
     temperature 1 (no top-k or top-p) from `generator`."""
     ids = torch.tensor([tokenizer(p.prompt, add_special_tokens=False)["input_ids"] for p in batch])  # [B, P]
@@ -173,23 +211,27 @@ def complete(model: Qwen2ForCausalLM, tokenizer: Qwen2Tokenizer, batch: list[Pro
         else:
             next_ids = torch.multinomial(logits.softmax(-1), 1, generator=generator)  # [B, 1]
         ids = torch.cat([ids, next_ids], dim=1)
-    return tokenizer.batch_decode(ids[:, len(batch[0].prompt):], skip_special_tokens=False)
+    return tokenizer.batch_decode(ids[:, len(batch[0].prompt) :], skip_special_tokens=False)
 
 
-def greedy_accuracy(model: Qwen2ForCausalLM, tokenizer: Qwen2Tokenizer, batch: Sequence[Problem | LongProblem],
-                    max_len: int = MAX_LEN) -> float:
+def greedy_accuracy(
+    model: Qwen2ForCausalLM, tokenizer: Qwen2Tokenizer, batch: Sequence[Problem | LongProblem], max_len: int = MAX_LEN
+) -> float:
     """Exact-match accuracy of greedy completions (`complete` runs each prompt length apart)."""
     model.eval()
     lengths: dict[int, list[Problem]] = {}
     for problem in batch:
         lengths.setdefault(len(problem.prompt), []).append(problem)
-    right = sum(score(p, t) for group in lengths.values() for p, t in zip(group, complete(model, tokenizer, group, max_len)))
+    right = sum(
+        score(p, t) for group in lengths.values() for p, t in zip(group, complete(model, tokenizer, group, max_len))
+    )
     model.train()
     return right / len(batch)
 
 
-def sampled_accuracy(model: Qwen2ForCausalLM, tokenizer: Qwen2Tokenizer, batch: list[Problem], samples: int,
-                     max_len: int, seed: int) -> dict[str, float]:
+def sampled_accuracy(
+    model: Qwen2ForCausalLM, tokenizer: Qwen2Tokenizer, batch: list[Problem], samples: int, max_len: int, seed: int
+) -> dict[str, float]:
     """pass@1 (mean exact match) and pass@`samples` (any exact match) of `samples` temperature-1
     completions per problem."""
     model.eval()
@@ -211,8 +253,9 @@ def answer_logprob(model: Qwen2ForCausalLM, tokenizer: Qwen2Tokenizer, batch: li
     return (logprobs * in_answer).sum(1).mean().item()
 
 
-def train(plan: TrainPlan, tokenizer: Qwen2Tokenizer, pools: Sequence[list[Problem]],
-          held_out: list[Problem], batch_size: int) -> tuple[Qwen2ForCausalLM, dict]:
+def train(
+    plan: TrainPlan, tokenizer: Qwen2Tokenizer, pools: Sequence[list[Problem]], held_out: list[Problem], batch_size: int
+) -> tuple[Qwen2ForCausalLM, dict]:
     """A model trained on batches drawn equally from each of `pools`; `held_out` is evaluated
     every EVAL_EVERY_STEPS and may stop the plan early."""
     assert batch_size % len(pools) == 0, f"batch size {batch_size} does not split over {len(pools)} pools"
@@ -224,8 +267,7 @@ def train(plan: TrainPlan, tokenizer: Qwen2Tokenizer, pools: Sequence[list[Probl
         model = Qwen2ForCausalLM.from_pretrained(plan.init)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=plan.lr, weight_decay=0.01)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=plan.lr, total_steps=plan.max_steps,
-                                                   pct_start=0.1)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=plan.lr, total_steps=plan.max_steps, pct_start=0.1)
     started, accuracy, step = time.perf_counter(), 0.0, 0
     with tqdm(total=plan.max_steps, desc=f"training {plan.name}", unit="step") as progress:
         for step in range(1, plan.max_steps + 1):
@@ -243,8 +285,11 @@ def train(plan: TrainPlan, tokenizer: Qwen2Tokenizer, pools: Sequence[list[Probl
                 progress.set_postfix(loss=f"{loss.item():.3f}", held_out_acc=f"{accuracy:.2f}")
                 if plan.stop_at_accuracy is not None and accuracy >= plan.stop_at_accuracy:
                     break
-    return model, {"steps": step, "held_out_accuracy": accuracy,
-                   "train_seconds": round(time.perf_counter() - started, 1)}
+    return model, {
+        "steps": step,
+        "held_out_accuracy": accuracy,
+        "train_seconds": round(time.perf_counter() - started, 1),
+    }
 
 
 def save(model: Qwen2ForCausalLM, tokenizer: Qwen2Tokenizer, out: Path) -> None:
@@ -260,8 +305,10 @@ def build_pair(args: argparse.Namespace, tokenizer: Qwen2Tokenizer) -> dict:
     held_out, train_set = train_all[:EVAL_PROBLEMS], train_all[EVAL_PROBLEMS:]
     test_set = problems("test")
     report: dict = {"torch": torch.__version__, "test_problems": len(test_set)}
-    plans = (TrainPlan("teacher", seed=1, max_steps=args.teacher_steps, stop_at_accuracy=None),
-             TrainPlan("base", seed=2, max_steps=args.base_max_steps, stop_at_accuracy=BASE_TARGET_ACCURACY))
+    plans = (
+        TrainPlan("teacher", seed=1, max_steps=args.teacher_steps, stop_at_accuracy=None),
+        TrainPlan("base", seed=2, max_steps=args.base_max_steps, stop_at_accuracy=BASE_TARGET_ACCURACY),
+    )
     for plan in plans:
         model, record = train(plan, tokenizer, [train_set], held_out, args.batch_size)
         record["test_greedy_accuracy"] = greedy_accuracy(model, tokenizer, test_set)
@@ -278,15 +325,27 @@ def build_hard_teacher(args: argparse.Namespace, tokenizer: Qwen2Tokenizer) -> d
     two_digit = problems("train", seed=0)[EVAL_PROBLEMS:]
     hard_all = hard_problems("train", HARD_ROWS["train"])
     held_out, hard_train = hard_all[:EVAL_PROBLEMS], hard_all[EVAL_PROBLEMS:]
-    plan = TrainPlan("teacher-hard", seed=3, max_steps=args.hard_teacher_steps, stop_at_accuracy=None,
-                     lr=args.hard_teacher_lr, max_len=HARD_MAX_LEN, init=args.out / "teacher")
+    plan = TrainPlan(
+        "teacher-hard",
+        seed=3,
+        max_steps=args.hard_teacher_steps,
+        stop_at_accuracy=None,
+        lr=args.hard_teacher_lr,
+        max_len=HARD_MAX_LEN,
+        init=args.out / "teacher",
+    )
     model, record = train(plan, tokenizer, [two_digit, hard_train], held_out, args.batch_size)
     test_set, hard_test = problems("test"), hard_problems("test", HARD_ROWS["test"])
-    record |= {"init": plan.init.name, "lr": plan.lr, "batch_size": args.batch_size,
-               "test_problems": len(test_set), "test_greedy_accuracy": greedy_accuracy(model, tokenizer, test_set),
-               "hard_test_problems": len(hard_test),
-               "hard_test_greedy_accuracy": greedy_accuracy(model, tokenizer, hard_test, HARD_MAX_LEN),
-               "parameters": sum(p.numel() for p in model.parameters())}
+    record |= {
+        "init": plan.init.name,
+        "lr": plan.lr,
+        "batch_size": args.batch_size,
+        "test_problems": len(test_set),
+        "test_greedy_accuracy": greedy_accuracy(model, tokenizer, test_set),
+        "hard_test_problems": len(hard_test),
+        "hard_test_greedy_accuracy": greedy_accuracy(model, tokenizer, hard_test, HARD_MAX_LEN),
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
     save(model, tokenizer, args.out / plan.name)
     print(f"{plan.name}: {record}")
     return record
@@ -297,17 +356,27 @@ def build_hint_base(args: argparse.Namespace, tokenizer: Qwen2Tokenizer) -> dict
     two_digit = hinted(problems("train", seed=0)[EVAL_PROBLEMS:])
     hard_all = hinted(hard_problems("train", HARD_ROWS["train"]))
     held_out, hard_train = hard_all[:EVAL_PROBLEMS], hard_all[EVAL_PROBLEMS:]
-    plan = TrainPlan("base-hint", seed=4, max_steps=args.hint_base_steps, stop_at_accuracy=HINT_BASE_TARGET,
-                     lr=HARD_TEACHER_LR, max_len=HINT_MAX_LEN, init=args.out / "base")
+    plan = TrainPlan(
+        "base-hint",
+        seed=4,
+        max_steps=args.hint_base_steps,
+        stop_at_accuracy=HINT_BASE_TARGET,
+        lr=HARD_TEACHER_LR,
+        max_len=HINT_MAX_LEN,
+        init=args.out / "base",
+    )
     model, record = train(plan, tokenizer, [two_digit, hard_train], held_out, args.batch_size)
     test_set, hard_test = problems("test"), hard_problems("test", HARD_ROWS["test"])
-    record |= {"init": plan.init.name, "lr": plan.lr, "batch_size": args.batch_size,
-               "test_greedy_accuracy": greedy_accuracy(model, tokenizer, test_set),
-               "test_greedy_accuracy_with_hint": greedy_accuracy(model, tokenizer, hinted(test_set), HINT_MAX_LEN),
-               "hard_test_greedy_accuracy": greedy_accuracy(model, tokenizer, hard_test, HARD_MAX_LEN),
-               "hard_test_greedy_accuracy_with_hint": greedy_accuracy(model, tokenizer, hinted(hard_test),
-                                                                      HINT_MAX_LEN),
-               "parameters": sum(p.numel() for p in model.parameters())}
+    record |= {
+        "init": plan.init.name,
+        "lr": plan.lr,
+        "batch_size": args.batch_size,
+        "test_greedy_accuracy": greedy_accuracy(model, tokenizer, test_set),
+        "test_greedy_accuracy_with_hint": greedy_accuracy(model, tokenizer, hinted(test_set), HINT_MAX_LEN),
+        "hard_test_greedy_accuracy": greedy_accuracy(model, tokenizer, hard_test, HARD_MAX_LEN),
+        "hard_test_greedy_accuracy_with_hint": greedy_accuracy(model, tokenizer, hinted(hard_test), HINT_MAX_LEN),
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
     save(model, tokenizer, args.out / plan.name)
     print(f"{plan.name}: {record}")
     return record
@@ -321,18 +390,30 @@ def build_long_teacher(args: argparse.Namespace, tokenizer: Qwen2Tokenizer) -> d
     # to 1,900, where a scratch run on fresh problems had reached 100% by step 1,400.
     long_all = long_problems("train", LONG_TEACHER_POOL)
     held_out, long_train = long_all[:EVAL_PROBLEMS], long_all[EVAL_PROBLEMS:]
-    plan = TrainPlan("teacher-long", seed=0, max_steps=args.long_teacher_steps, stop_at_accuracy=LONG_TEACHER_TARGET,
-                     lr=HARD_TEACHER_LR, max_len=LONG_MAX_LEN, init=args.out / "teacher", prompt_loss=False)
+    plan = TrainPlan(
+        "teacher-long",
+        seed=0,
+        max_steps=args.long_teacher_steps,
+        stop_at_accuracy=LONG_TEACHER_TARGET,
+        lr=HARD_TEACHER_LR,
+        max_len=LONG_MAX_LEN,
+        init=args.out / "teacher",
+        prompt_loss=False,
+    )
     model, record = train(plan, tokenizer, [long_train], held_out, LONG_TEACHER_BATCH)
     long_test = long_problems("test", LONG_ROWS["test"])
     base = Qwen2ForCausalLM.from_pretrained(args.out / "base")
-    record |= {"init": plan.init.name, "lr": plan.lr, "batch_size": LONG_TEACHER_BATCH,
-               "long_test_problems": len(long_test),
-               "long_test_greedy_accuracy": greedy_accuracy(model, tokenizer, long_test, LONG_MAX_LEN),
-               **sampled_accuracy(model, tokenizer, long_test, MEASURE_SAMPLES, LONG_MAX_LEN, seed=0),
-               "base_long_test_greedy_accuracy": greedy_accuracy(base, tokenizer, long_test, LONG_MAX_LEN),
-               "base_long_test_answer_logprob_nats": answer_logprob(base, tokenizer, long_test, LONG_MAX_LEN),
-               "parameters": sum(p.numel() for p in model.parameters())}
+    record |= {
+        "init": plan.init.name,
+        "lr": plan.lr,
+        "batch_size": LONG_TEACHER_BATCH,
+        "long_test_problems": len(long_test),
+        "long_test_greedy_accuracy": greedy_accuracy(model, tokenizer, long_test, LONG_MAX_LEN),
+        **sampled_accuracy(model, tokenizer, long_test, MEASURE_SAMPLES, LONG_MAX_LEN, seed=0),
+        "base_long_test_greedy_accuracy": greedy_accuracy(base, tokenizer, long_test, LONG_MAX_LEN),
+        "base_long_test_answer_logprob_nats": answer_logprob(base, tokenizer, long_test, LONG_MAX_LEN),
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
     save(model, tokenizer, args.out / plan.name)
     print(f"{plan.name}: {record}")
     return record
@@ -358,8 +439,9 @@ def replay(model: Qwen2ForCausalLM, tokenizer: Qwen2Tokenizer, batch: list, seed
 def difficulty_accuracy(model: Qwen2ForCausalLM, tokenizer: Qwen2Tokenizer, split: str) -> dict[str, float]:
     """Greedy accuracy per difficulty of the mixed task's `split`, and on the retained skill."""
     rows = mixed_problems(split)
-    accuracy = {d: greedy_accuracy(model, tokenizer, [p for k, p in rows if k == d], LONG_MAX_LEN)
-                for d in MIXED_DIFFICULTIES}
+    accuracy = {
+        d: greedy_accuracy(model, tokenizer, [p for k, p in rows if k == d], LONG_MAX_LEN) for d in MIXED_DIFFICULTIES
+    }
     return accuracy | {"retained (hint copying)": greedy_accuracy(model, tokenizer, retained_problems(), HINT_MAX_LEN)}
 
 
@@ -375,15 +457,31 @@ def build_mixed_pair(args: argparse.Namespace, tokenizer: Qwen2Tokenizer, names:
     if "base-mixed" in names:
         base = Qwen2ForCausalLM.from_pretrained(args.out / "base")
         torch.manual_seed(6)
-        replays = [replay(base, tokenizer, (rows * (REPLAY_ROWS // len(rows) + 1))[:REPLAY_ROWS], seed=i)
-                   for i, rows in enumerate(by_difficulty)]
+        replays = [
+            replay(base, tokenizer, (rows * (REPLAY_ROWS // len(rows) + 1))[:REPLAY_ROWS], seed=i)
+            for i, rows in enumerate(by_difficulty)
+        ]
         hint_two = hinted(problems("train", seed=0)[EVAL_PROBLEMS:])
         hint_hard = hinted(hard_problems("train", HARD_ROWS["train"]))
         held_out, hint_hard = hint_hard[:EVAL_PROBLEMS], hint_hard[EVAL_PROBLEMS:]
         records["base"] = {"record": difficulty_accuracy(base, tokenizer, "test")}
-        plans.append((TrainPlan("base-mixed", seed=6, max_steps=args.mixed_base_steps, stop_at_accuracy=MIXED_TARGET,
-                                lr=HARD_TEACHER_LR, max_len=LONG_MAX_LEN, init=args.out / "base", prompt_loss=False),
-                      [hint_two, hint_hard, *replays], held_out, MIXED_BASE_BATCH))
+        plans.append(
+            (
+                TrainPlan(
+                    "base-mixed",
+                    seed=6,
+                    max_steps=args.mixed_base_steps,
+                    stop_at_accuracy=MIXED_TARGET,
+                    lr=HARD_TEACHER_LR,
+                    max_len=LONG_MAX_LEN,
+                    init=args.out / "base",
+                    prompt_loss=False,
+                ),
+                [hint_two, hint_hard, *replays],
+                held_out,
+                MIXED_BASE_BATCH,
+            )
+        )
     if "teacher-mixed" in names:
         # Fresh problems, not the dataset's 3,000 rows a difficulty: on the long task a plan that
         # cycles through a few thousand rows stalls (teacher-long, above). From teacher-long, which
@@ -392,18 +490,40 @@ def build_mixed_pair(args: argparse.Namespace, tokenizer: Qwen2Tokenizer, names:
         # left out: the runs select on them.
         val = [p for _, p in mixed_problems("val")]
         kept = set(val)
-        fresh = [[p for p in pool if p not in kept] for pool in (
-            problems("train", seed=2), hard_problems("train", HARD_ROWS["train"], seed=2),
-            long_problems("train", LONG_TEACHER_POOL, seed=2))]
-        plans.append((TrainPlan("teacher-mixed", seed=7, max_steps=args.mixed_teacher_steps,
-                                stop_at_accuracy=MIXED_TARGET, lr=HARD_TEACHER_LR, max_len=LONG_MAX_LEN,
-                                init=args.out / "teacher-long", prompt_loss=False),
-                      fresh, val, MIXED_BATCH))
+        fresh = [
+            [p for p in pool if p not in kept]
+            for pool in (
+                problems("train", seed=2),
+                hard_problems("train", HARD_ROWS["train"], seed=2),
+                long_problems("train", LONG_TEACHER_POOL, seed=2),
+            )
+        ]
+        plans.append(
+            (
+                TrainPlan(
+                    "teacher-mixed",
+                    seed=7,
+                    max_steps=args.mixed_teacher_steps,
+                    stop_at_accuracy=MIXED_TARGET,
+                    lr=HARD_TEACHER_LR,
+                    max_len=LONG_MAX_LEN,
+                    init=args.out / "teacher-long",
+                    prompt_loss=False,
+                ),
+                fresh,
+                val,
+                MIXED_BATCH,
+            )
+        )
     for plan, pools, stop_on, batch_size in plans:
         model, record = train(plan, tokenizer, pools, stop_on, batch_size)
-        record |= {"init": plan.init.name if plan.init else None, "lr": plan.lr, "batch_size": batch_size,
-                   "test_greedy_accuracy": difficulty_accuracy(model, tokenizer, "test"),
-                   "parameters": sum(p.numel() for p in model.parameters())}
+        record |= {
+            "init": plan.init.name if plan.init else None,
+            "lr": plan.lr,
+            "batch_size": batch_size,
+            "test_greedy_accuracy": difficulty_accuracy(model, tokenizer, "test"),
+            "parameters": sum(p.numel() for p in model.parameters()),
+        }
         save(model, tokenizer, args.out / plan.name)
         records[plan.name] = record
         print(f"{plan.name}: {record}")
@@ -418,9 +538,11 @@ def measure_hard(out: Path) -> dict:
     for key, name in (("base", "base"), ("teacher", "teacher"), ("teacher_hard", "teacher-hard")):
         model = Qwen2ForCausalLM.from_pretrained(out / name)
         tokenizer = Qwen2Tokenizer.from_pretrained(out / name)
-        report[key] = {"greedy_accuracy": greedy_accuracy(model, tokenizer, hard_test, HARD_MAX_LEN),
-                       **sampled_accuracy(model, tokenizer, hard_test, MEASURE_SAMPLES, HARD_MAX_LEN, seed=0),
-                       "answer_logprob_nats": answer_logprob(model, tokenizer, hard_test, HARD_MAX_LEN)}
+        report[key] = {
+            "greedy_accuracy": greedy_accuracy(model, tokenizer, hard_test, HARD_MAX_LEN),
+            **sampled_accuracy(model, tokenizer, hard_test, MEASURE_SAMPLES, HARD_MAX_LEN, seed=0),
+            "answer_logprob_nats": answer_logprob(model, tokenizer, hard_test, HARD_MAX_LEN),
+        }
         print(f"{key} on hard_test: {report[key]}")
     return report
 
@@ -439,38 +561,64 @@ def update_report(path: Path, entries: dict, *, section: str | None = None) -> N
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=tinymodels.HERE,
-                        help="writes the checkpoint directories and build_report.json here")
+    parser.add_argument(
+        "--out", type=Path, default=tinymodels.HERE, help="writes the checkpoint directories and build_report.json here"
+    )
     only = parser.add_mutually_exclusive_group()
-    only.add_argument("--hard-teacher", action="store_true",
-                      help="build only teacher-hard/ (two- and three-digit task), recorded as teacher_hard")
-    only.add_argument("--hint-base", action="store_true",
-                      help="build only base-hint/ (the base taught to copy a hint), recorded as base_hint")
-    only.add_argument("--long-teacher", action="store_true",
-                      help="build only teacher-long/ (the long task), recorded as teacher_long")
-    only.add_argument("--mixed-pair", nargs="*", choices=MIXED_MODELS, default=None,
-                      help="build only base-mixed/ (the base that keeps copying hints) and teacher-mixed/ (all three "
-                           "difficulties) for the mixed task, or the one named, recorded in mixed_pair (name one "
-                           "per process to build both at once on two cores)")
-    only.add_argument("--measure-hard", action="store_true",
-                      help="build nothing: score base/, teacher/, teacher-hard/ on hard_test, recorded as hard_task")
-    only.add_argument("--shape", choices=sorted(SHAPES),
-                      help="build nothing here: make sure the cache holds the random pair of this shape "
-                           "(tinymodels/shapes.py), and print its base and teacher directories")
+    only.add_argument(
+        "--hard-teacher",
+        action="store_true",
+        help="build only teacher-hard/ (two- and three-digit task), recorded as teacher_hard",
+    )
+    only.add_argument(
+        "--hint-base",
+        action="store_true",
+        help="build only base-hint/ (the base taught to copy a hint), recorded as base_hint",
+    )
+    only.add_argument(
+        "--long-teacher", action="store_true", help="build only teacher-long/ (the long task), recorded as teacher_long"
+    )
+    only.add_argument(
+        "--mixed-pair",
+        nargs="*",
+        choices=MIXED_MODELS,
+        default=None,
+        help="build only base-mixed/ (the base that keeps copying hints) and teacher-mixed/ (all three "
+        "difficulties) for the mixed task, or the one named, recorded in mixed_pair (name one "
+        "per process to build both at once on two cores)",
+    )
+    only.add_argument(
+        "--measure-hard",
+        action="store_true",
+        help="build nothing: score base/, teacher/, teacher-hard/ on hard_test, recorded as hard_task",
+    )
+    only.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        help="build nothing here: make sure the cache holds the random pair of this shape "
+        "(tinymodels/shapes.py), and print its base and teacher directories",
+    )
     parser.add_argument("--tied", action="store_true", help="with --shape: tie the input and output embeddings")
-    parser.add_argument("--cache-dir", type=Path, default=None,
-                        help="with --shape: the cache (default $DUALVLLM_CACHE_DIR/shapes or ~/.cache/dualvllm/shapes)")
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="with --shape: the cache (default $DUALVLLM_CACHE_DIR/shapes or ~/.cache/dualvllm/shapes)",
+    )
     parser.add_argument("--teacher-steps", type=int, default=2500)
     parser.add_argument("--base-max-steps", type=int, default=2500)
     parser.add_argument("--hard-teacher-steps", type=int, default=HARD_TEACHER_STEPS, help="steps of --hard-teacher")
-    parser.add_argument("--hard-teacher-lr", type=float, default=HARD_TEACHER_LR,
-                        help="peak learning rate of --hard-teacher")
+    parser.add_argument(
+        "--hard-teacher-lr", type=float, default=HARD_TEACHER_LR, help="peak learning rate of --hard-teacher"
+    )
     parser.add_argument("--hint-base-steps", type=int, default=HINT_BASE_STEPS, help="most steps of --hint-base")
-    parser.add_argument("--long-teacher-steps", type=int, default=LONG_TEACHER_STEPS,
-                        help="most steps of --long-teacher")
+    parser.add_argument(
+        "--long-teacher-steps", type=int, default=LONG_TEACHER_STEPS, help="most steps of --long-teacher"
+    )
     parser.add_argument("--mixed-base-steps", type=int, default=MIXED_BASE_STEPS, help="most steps of base-mixed")
-    parser.add_argument("--mixed-teacher-steps", type=int, default=MIXED_TEACHER_STEPS,
-                        help="most steps of teacher-mixed")
+    parser.add_argument(
+        "--mixed-teacher-steps", type=int, default=MIXED_TEACHER_STEPS, help="most steps of teacher-mixed"
+    )
     parser.add_argument("--batch-size", type=int, default=256)
     args = parser.parse_args(argv)
     if args.shape:
@@ -490,8 +638,11 @@ def main(argv: list[str] | None = None) -> int:
     elif args.mixed_pair is not None:
         names = args.mixed_pair or MIXED_MODELS
         records = build_mixed_pair(args, build_tokenizer(), names)
-        update_report(args.out / "build_report.json", {f"{name} command": command for name in names} | records,
-                      section="mixed_pair")
+        update_report(
+            args.out / "build_report.json",
+            {f"{name} command": command for name in names} | records,
+            section="mixed_pair",
+        )
         return 0
     elif args.measure_hard:
         entries = {"hard_task": {"command": command, **measure_hard(args.out)}}

@@ -100,8 +100,10 @@ MEASURE_TEXTS = (
     "Le café de la gare est très bon. 数学は楽しい。 Émojis: 🙂🚀",
     "| arm | accuracy | tokens/s |\n|-----|----------|----------|\n| q*  | 78.1%    | 286.7    |",
 )
-MEASURE_CHAT = ({"role": "system", "content": "You are a helpful assistant."},
-                {"role": "user", "content": "What is 12+34? Answer with digits reversed."})
+MEASURE_CHAT = (
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is 12+34? Answer with digits reversed."},
+)
 
 
 @dataclass(frozen=True)
@@ -132,10 +134,12 @@ class Shape:
     teacher_correlation: float = 0.99
 
     def __post_init__(self) -> None:
-        assert self.head_dim in CPU_HEAD_DIMS, \
+        assert self.head_dim in CPU_HEAD_DIMS, (
             f"{self.name}: head_dim {self.head_dim} is not one vLLM's CPU attention runs ({CPU_HEAD_DIMS})"
-        assert self.num_attention_heads % self.num_key_value_heads == 0, \
+        )
+        assert self.num_attention_heads % self.num_key_value_heads == 0, (
             f"{self.name}: {self.num_attention_heads} heads do not share {self.num_key_value_heads} KV heads evenly"
+        )
 
 
 @dataclass(frozen=True)
@@ -157,17 +161,37 @@ class Recipe:
     reserved_row_scale: float = 0.1
 
 
-SHAPES: dict[str, Shape] = {s.name: s for s in (
-    # Fast enough for CI on 2 cores: 39.5M parameters, 38.9M of them embedding and lm_head;
-    # 4 query heads share 2 KV heads of dimension 64 (Qwen3's is 128; 16 would kill vLLM's
-    # CPU engine).
-    Shape("small", hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-          head_dim=64, intermediate_size=512, max_position_embeddings=4096),
-    # Qwen/Qwen3-0.6B's config.json (which ties its embeddings: build it with tied=True for
-    # its exact config). For benchmarks, not CI.
-    Shape("qwen3-0.6b", hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-          head_dim=128, intermediate_size=3072, max_position_embeddings=40960, teacher_correlation=0.995),
-)}
+SHAPES: dict[str, Shape] = {
+    s.name: s
+    for s in (
+        # Fast enough for CI on 2 cores: 39.5M parameters, 38.9M of them embedding and lm_head;
+        # 4 query heads share 2 KV heads of dimension 64 (Qwen3's is 128; 16 would kill vLLM's
+        # CPU engine).
+        Shape(
+            "small",
+            hidden_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            intermediate_size=512,
+            max_position_embeddings=4096,
+        ),
+        # Qwen/Qwen3-0.6B's config.json (which ties its embeddings: build it with tied=True for
+        # its exact config). For benchmarks, not CI.
+        Shape(
+            "qwen3-0.6b",
+            hidden_size=1024,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            intermediate_size=3072,
+            max_position_embeddings=40960,
+            teacher_correlation=0.995,
+        ),
+    )
+}
 RECIPE = Recipe()
 
 
@@ -212,8 +236,13 @@ def corpus() -> Corpus:
 
 def pair_key(shape: Shape, tied: bool) -> str:
     """A short hash of everything a build depends on."""
-    recipe = {"builder_version": BUILDER_VERSION, "shape": dataclasses.asdict(shape), "tied": tied,
-              "recipe": dataclasses.asdict(RECIPE), "corpus_sha256": corpus().sha256}
+    recipe = {
+        "builder_version": BUILDER_VERSION,
+        "shape": dataclasses.asdict(shape),
+        "tied": tied,
+        "recipe": dataclasses.asdict(RECIPE),
+        "corpus_sha256": corpus().sha256,
+    }
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -240,8 +269,10 @@ def ensure_pair(shape: str = "small", *, tied: bool = False, root: Path | None =
 
 
 def _complete(pair: Path) -> bool:
-    return all((pair / p).is_file() for p in ("shape_report.json", "base/model.safetensors",
-                                               "teacher/model.safetensors", "teacher/tokenizer.json"))
+    return all(
+        (pair / p).is_file()
+        for p in ("shape_report.json", "base/model.safetensors", "teacher/model.safetensors", "teacher/tokenizer.json")
+    )
 
 
 @contextlib.contextmanager
@@ -297,13 +328,22 @@ def build_pair(shape: Shape, tied: bool, out: Path) -> dict:
     for name, weights in zip(("base", "teacher"), pair_weights(shape, config, n_real)):
         save_model(out / name, weights, config, tokenizer)
     report = {
-        "shape": shape.name, "tied": tied, "key": pair_key(shape, tied), "builder_version": BUILDER_VERSION,
+        "shape": shape.name,
+        "tied": tied,
+        "key": pair_key(shape, tied),
+        "builder_version": BUILDER_VERSION,
         "command": f"python -m dualvllm.tinymodels.build --shape {shape.name}" + (" --tied" if tied else ""),
-        "config": dataclasses.asdict(shape), "recipe": dataclasses.asdict(RECIPE),
+        "config": dataclasses.asdict(shape),
+        "recipe": dataclasses.asdict(RECIPE),
         **_sizes(out / "base"),
-        "tokenizer": {"trained_tokens": trained, "reserved_tokens": shape.vocab_size - n_real,
-                      "special_token_ids": {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIALS},
-                      "corpus_files": source.files, "corpus_bytes": source.bytes, "corpus_sha256": source.sha256},
+        "tokenizer": {
+            "trained_tokens": trained,
+            "reserved_tokens": shape.vocab_size - n_real,
+            "special_token_ids": {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIALS},
+            "corpus_files": source.files,
+            "corpus_bytes": source.bytes,
+            "corpus_sha256": source.sha256,
+        },
         "measured": measure(out / "base", out / "teacher", n_real),
         "versions": _versions(),
     }
@@ -322,8 +362,9 @@ def build_tokenizer(texts: tuple[str, ...], shape: Shape) -> tuple[Qwen2Tokenize
     pipeline = Qwen2Tokenizer().backend_tokenizer
     bpe = Tokenizer(BPE())
     bpe.normalizer, bpe.pre_tokenizer, bpe.decoder = pipeline.normalizer, pipeline.pre_tokenizer, pipeline.decoder
-    trainer = trainers.BpeTrainer(vocab_size=RECIPE.bpe_vocab_size, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=RECIPE.bpe_vocab_size, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     bpe.train_from_iterator(texts, trainer)
     vocab = bpe.get_vocab()
     trained = len(vocab)
@@ -332,9 +373,17 @@ def build_tokenizer(texts: tuple[str, ...], shape: Shape) -> tuple[Qwen2Tokenize
     for token in [*SPECIALS, *(RESERVED.format(i) for i in range(shape.vocab_size - trained - len(SPECIALS)))]:
         vocab[token] = len(vocab)
     merges = [tuple(pair) for pair in json.loads(bpe.to_str())["model"]["merges"]]
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, bos_token=None, eos_token=IM_END,
-                               pad_token=ENDOFTEXT, extra_special_tokens=[IM_START],
-                               clean_up_tokenization_spaces=False, model_max_length=shape.max_position_embeddings)
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        unk_token=None,
+        bos_token=None,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        extra_special_tokens=[IM_START],
+        clean_up_tokenization_spaces=False,
+        model_max_length=shape.max_position_embeddings,
+    )
     tokenizer.chat_template = CHAT_TEMPLATE
     assert len(tokenizer) == shape.vocab_size, f"tokenizer has {len(tokenizer)} tokens, not {shape.vocab_size}"
     return tokenizer, trained
@@ -345,13 +394,22 @@ def model_config(shape: Shape, tied: bool, trained: int) -> Qwen3Config:
     from transformers import Qwen3Config
 
     return Qwen3Config(
-        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_hidden_layers, num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads, head_dim=shape.head_dim,
-        max_position_embeddings=shape.max_position_embeddings, max_window_layers=shape.num_hidden_layers,
-        rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta}, rms_norm_eps=shape.rms_norm_eps,
-        initializer_range=RECIPE.init_std, tie_word_embeddings=tied, architectures=["Qwen3ForCausalLM"],
-        bos_token_id=trained + SPECIALS.index(ENDOFTEXT), eos_token_id=trained + SPECIALS.index(IM_END),
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=shape.max_position_embeddings,
+        max_window_layers=shape.num_hidden_layers,
+        rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
+        rms_norm_eps=shape.rms_norm_eps,
+        initializer_range=RECIPE.init_std,
+        tie_word_embeddings=tied,
+        architectures=["Qwen3ForCausalLM"],
+        bos_token_id=trained + SPECIALS.index(ENDOFTEXT),
+        eos_token_id=trained + SPECIALS.index(IM_END),
         dtype="bfloat16",
     )
 
@@ -361,8 +419,9 @@ def _tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little")
 
 
-def pair_weights(shape: Shape, config: Qwen3Config,
-                 n_real: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def pair_weights(
+    shape: Shape, config: Qwen3Config, n_real: int
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(base, teacher) bfloat16 state dicts of Qwen3ForCausalLM(config).
 
     Every random tensor is drawn in float32 from a seed of its own, N(0, init_std^2) (a tied
@@ -396,8 +455,9 @@ def pair_weights(shape: Shape, config: Qwen3Config,
     base, teacher = {}, {}
     for name, size in sizes.items():
         if name.endswith("norm.weight"):
-            base[name] = teacher[name] = torch.full(size, final_norm if name == "model.norm.weight" else 1.0,
-                                                    dtype=torch.bfloat16)
+            base[name] = teacher[name] = torch.full(
+                size, final_norm if name == "model.norm.weight" else 1.0, dtype=torch.bfloat16
+            )
             continue
         assert len(size) == 2, f"{name}: no init rule for a {len(size)}-d tensor"
         weight = draw(RECIPE.base_seed, name)
@@ -417,8 +477,11 @@ def save_model(out: Path, state: dict[str, torch.Tensor], config: Qwen3Config, t
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     config.save_pretrained(out)
     # Qwen3's: both end tokens stop generation.
-    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id],
-                     pad_token_id=tokenizer.pad_token_id).save_pretrained(out)
+    GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+    ).save_pretrained(out)
     tokenizer.save_pretrained(out)
 
 
@@ -447,19 +510,26 @@ def measure(base_dir: Path, teacher_dir: Path, n_real: int) -> dict:
 
     def one(lp: torch.Tensor) -> dict:
         p = lp.exp()
-        return {"entropy_nats": round(-(p * lp).sum(-1).mean().item(), 3),
-                f"top{TOP_K}_mass": round(p.topk(TOP_K).values.sum(-1).mean().item(), 3),
-                "reserved_mass": round(p[:, n_real:].sum(-1).mean().item(), 4),
-                "repeat_mass": round(p.gather(1, current[:, None]).mean().item(), 4)}
+        return {
+            "entropy_nats": round(-(p * lp).sum(-1).mean().item(), 3),
+            f"top{TOP_K}_mass": round(p.topk(TOP_K).values.sum(-1).mean().item(), 3),
+            "reserved_mass": round(p[:, n_real:].sum(-1).mean().item(), 4),
+            "repeat_mass": round(p.gather(1, current[:, None]).mean().item(), 4),
+        }
 
     def kl(lp: torch.Tensor, lq: torch.Tensor) -> float:
         return round((lp.exp() * (lp - lq)).sum(-1).mean().item(), 3)
 
     top_base, top_teacher = base.topk(TOP_K).indices, teacher.topk(TOP_K).indices  # [positions, k]
     overlap = (top_base[:, :, None] == top_teacher[:, None, :]).any(-1).float().mean().item()
-    return {"positions": len(current), "base": one(base), "teacher": one(teacher),
-            "kl_nats": {"base_teacher": kl(base, teacher), "teacher_base": kl(teacher, base)},
-            f"top{TOP_K}_overlap": round(overlap, 3), "contexts": contexts}
+    return {
+        "positions": len(current),
+        "base": one(base),
+        "teacher": one(teacher),
+        "kl_nats": {"base_teacher": kl(base, teacher), "teacher_base": kl(teacher, base)},
+        f"top{TOP_K}_overlap": round(overlap, 3),
+        "contexts": contexts,
+    }
 
 
 def _sample(model: torch.nn.Module, prompts: list[list[int]], pad_id: int) -> list[list[int]]:
@@ -472,8 +542,17 @@ def _sample(model: torch.nn.Module, prompts: list[list[int]], pad_id: int) -> li
     mask = (torch.arange(width) >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
     with torch.random.fork_rng():
         torch.manual_seed(RECIPE.base_seed)
-        out = model.generate(ids, attention_mask=mask, pad_token_id=pad_id, do_sample=True, temperature=1.0, top_k=0,
-                             top_p=1.0, min_new_tokens=SAMPLED_TOKENS, max_new_tokens=SAMPLED_TOKENS)
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            pad_token_id=pad_id,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            min_new_tokens=SAMPLED_TOKENS,
+            max_new_tokens=SAMPLED_TOKENS,
+        )
     return out[:, width:].tolist()
 
 
@@ -483,9 +562,11 @@ def _sizes(model_dir: Path) -> dict:
     with safe_open(model_dir / "model.safetensors", "pt") as f:
         shapes = {n: f.get_slice(n).get_shape() for n in f.keys()}
     count = {n: math.prod(s) for n, s in shapes.items()}
-    return {"parameters": sum(count.values()),
-            "embedding_parameters": count["model.embed_tokens.weight"] + count.get("lm_head.weight", 0),
-            "checkpoint_bytes": (model_dir / "model.safetensors").stat().st_size}
+    return {
+        "parameters": sum(count.values()),
+        "embedding_parameters": count["model.embed_tokens.weight"] + count.get("lm_head.weight", 0),
+        "checkpoint_bytes": (model_dir / "model.safetensors").stat().st_size,
+    }
 
 
 def _versions() -> dict:

@@ -150,8 +150,9 @@ def long_problems(split: str, n: int, seed: int = 0) -> list[LongProblem]:
     `hard_problems` draws its own."""
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
-    return _draw(split, n, seed,
-                 lambda rng: LongProblem(*("".join(rng.choices("0123456789", k=LONG_DIGITS)) for _ in range(2))))
+    return _draw(
+        split, n, seed, lambda rng: LongProblem(*("".join(rng.choices("0123456789", k=LONG_DIGITS)) for _ in range(2)))
+    )
 
 
 def _draw(split: str, n: int, seed: int, draw: Callable[[random.Random], P]) -> list[P]:
@@ -201,8 +202,10 @@ def mixed_problems(split: str) -> list[tuple[str, Problem | LongProblem]]:
     n, source = MIXED_ROWS[split], "test" if split == "test" else "train"
     skip = MIXED_ROWS["val"] if split == "train" else 0
     drawn: list[list[Problem] | list[LongProblem]] = [
-        problems(source, seed=1)[skip:skip + n], hard_problems(source, skip + n, seed=1)[skip:],
-        long_problems(source, skip + n, seed=1)[skip:]]
+        problems(source, seed=1)[skip : skip + n],
+        hard_problems(source, skip + n, seed=1)[skip:],
+        long_problems(source, skip + n, seed=1)[skip:],
+    ]
     return [(difficulty, rows[i]) for i in range(n) for difficulty, rows in zip(MIXED_DIFFICULTIES, drawn)]
 
 
@@ -214,12 +217,27 @@ def retained_problems() -> list[HintedProblem]:
 def write_mixed_datasets(directory: Path = DATA_DIR) -> None:
     """MIXED_DATA's three files ({"prompt", "answer", "difficulty"} rows) and RETAINED_TEST, in `directory`."""
     for split, path in MIXED_DATA.items():
-        (directory / path.name).write_text("".join(json.dumps({"prompt": p.prompt, "answer": p.answer, "difficulty": d}) + "\n"
-                                for d, p in mixed_problems(split)), encoding="utf-8")
-    (directory / RETAINED_TEST.name).write_text("".join(
-        json.dumps({"prompt": p.prompt, "answer": p.answer,
-                    "difficulty": "hint, two-digit" if p.a < 100 else "hint, three-digit"}) + "\n"
-        for p in retained_problems()), encoding="utf-8")
+        (directory / path.name).write_text(
+            "".join(
+                json.dumps({"prompt": p.prompt, "answer": p.answer, "difficulty": d}) + "\n"
+                for d, p in mixed_problems(split)
+            ),
+            encoding="utf-8",
+        )
+    (directory / RETAINED_TEST.name).write_text(
+        "".join(
+            json.dumps(
+                {
+                    "prompt": p.prompt,
+                    "answer": p.answer,
+                    "difficulty": "hint, two-digit" if p.a < 100 else "hint, three-digit",
+                }
+            )
+            + "\n"
+            for p in retained_problems()
+        ),
+        encoding="utf-8",
+    )
 
 
 if __name__ == "__main__":

@@ -37,8 +37,9 @@ def checkpoint_dir(output_dir: Path, step: int) -> Path:
     return output_dir / "checkpoints" / f"{PREFIX}{step:06d}"
 
 
-def save(output_dir: Path, model: Any, tokenizer: Any, optimizer: torch.optim.Optimizer, state: RunState,
-         keep: int) -> Path:
+def save(
+    output_dir: Path, model: Any, tokenizer: Any, optimizer: torch.optim.Optimizer, state: RunState, keep: int
+) -> Path:
     final = checkpoint_dir(output_dir, state.step)
     partial = final.with_name(final.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
@@ -61,8 +62,11 @@ def all_checkpoints(output_dir: Path) -> list[Path]:
     root = output_dir / "checkpoints"
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)
-                  and not p.name.endswith(".partial") and (p / "state.json").is_file())
+    return sorted(
+        p
+        for p in root.iterdir()
+        if p.is_dir() and p.name.startswith(PREFIX) and not p.name.endswith(".partial") and (p / "state.json").is_file()
+    )
 
 
 def latest(output_dir: Path) -> Path | None:

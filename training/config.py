@@ -46,13 +46,15 @@ log = logging.getLogger("dualvllm.training")
 
 Method = Literal["grpo", "sft", "rft", "opd", "distill", "adaptive", "dpo"]
 Arm = Literal["base", "q*", "teacher"]
-METHOD_HELP = ("grpo: streaming GRPO with verified weight pushes; sft: fine-tuning on teacher samples (alpha = 1); "
-               "rft: fine-tuning on the verified q* rollouts (rejection fine-tuning); opd: on-policy distillation "
-               "(the base samples, the teacher scores each token); distill: the distillation term alone on the states "
-               "the rollouts visit (q*, or --fixed-alpha); adaptive: per prompt, from its own recent pass rate, the "
-               "distillation term at guided states where the base never solves it and GRPO on its own rollouts where "
-               "it sometimes does (training/regimes.py); dpo: TRL DPO on pairs mined from q* rollouts. All but dpo "
-               "stream with pushes, and take --distill-coef. Each method takes its own options (see --help).")
+METHOD_HELP = (
+    "grpo: streaming GRPO with verified weight pushes; sft: fine-tuning on teacher samples (alpha = 1); "
+    "rft: fine-tuning on the verified q* rollouts (rejection fine-tuning); opd: on-policy distillation "
+    "(the base samples, the teacher scores each token); distill: the distillation term alone on the states "
+    "the rollouts visit (q*, or --fixed-alpha); adaptive: per prompt, from its own recent pass rate, the "
+    "distillation term at guided states where the base never solves it and GRPO on its own rollouts where "
+    "it sometimes does (training/regimes.py); dpo: TRL DPO on pairs mined from q* rollouts. All but dpo "
+    "stream with pushes, and take --distill-coef. Each method takes its own options (see --help)."
+)
 
 
 class TrainConfig(TaskConfig):
@@ -64,33 +66,51 @@ class TrainConfig(TaskConfig):
 
     output_dir: Path = Field(description="Checkpoints, pushed weights, metrics.jsonl and the run's config go here.")
     engine: Literal["vllm", "transformers"] = Field(
-        "vllm", description="vllm: sample from vLLM servers, pushing every update into the base's; transformers: "
-                            "sample in this process from the learner's live weights and the teacher loaded beside "
-                            "it (no server, no push: small models and fast sweeps; training/inprocess.py).")
+        "vllm",
+        description="vllm: sample from vLLM servers, pushing every update into the base's; transformers: "
+        "sample in this process from the learner's live weights and the teacher loaded beside "
+        "it (no server, no push: small models and fast sweeps; training/inprocess.py).",
+    )
     weights_via: Literal["auto", "memory", "disk"] = Field(
-        "auto", description="How each update reaches the base servers (engine vllm): memory = vLLM's weight-transfer "
-                            "API, from the learner's memory into the servers' (servers started here load dualvllm's "
-                            "shared-memory engine; training/weight_transfer.py); disk = a checkpoint each server "
-                            "reloads; auto = memory when the servers can take it, else disk (logged once).")
+        "auto",
+        description="How each update reaches the base servers (engine vllm): memory = vLLM's weight-transfer "
+        "API, from the learner's memory into the servers' (servers started here load dualvllm's "
+        "shared-memory engine; training/weight_transfer.py); disk = a checkpoint each server "
+        "reloads; auto = memory when the servers can take it, else disk (logged once).",
+    )
     method: Method = Field("grpo", description=METHOD_HELP)
     steps: int = Field(
-        1000, ge=1, description="Learner updates to run (about one pass over GSM8K's 7,473 training problems at 8 "
-                                "prompts per update); --method dpo: batches of --prompts-per-step prompts sampled.")
+        1000,
+        ge=1,
+        description="Learner updates to run (about one pass over GSM8K's 7,473 training problems at 8 "
+        "prompts per update); --method dpo: batches of --prompts-per-step prompts sampled.",
+    )
     prompts_per_step: int = Field(8, ge=1, description="Prompts per update; each gets group_size rollouts.")
     group_size: int = Field(
-        8, ge=1, description="Rollouts per prompt (G; TRL's num_generations): grpo's advantages and dpo's pairs "
-                             "compare a prompt's rollouts (G >= 2); the other methods take G = 1 (more distinct "
-                             "prompts per update).")
+        8,
+        ge=1,
+        description="Rollouts per prompt (G; TRL's num_generations): grpo's advantages and dpo's pairs "
+        "compare a prompt's rollouts (G >= 2); the other methods take G = 1 (more distinct "
+        "prompts per update).",
+    )
     learning_rate: float = Field(
-        1e-6, gt=0, description="AdamW learning rate: TRL's default for the method (GRPOConfig's, DPOConfig's and "
-                                "DistillationConfig's 1e-6; SFTConfig's 2e-5 for sft and rft). The bundled tiny "
-                                "models train at 2e-4 (recipes/tiny-arith.yaml); 1e-3 collapsed every GRPO arm there.")
+        1e-6,
+        gt=0,
+        description="AdamW learning rate: TRL's default for the method (GRPOConfig's, DPOConfig's and "
+        "DistillationConfig's 1e-6; SFTConfig's 2e-5 for sft and rft). The bundled tiny "
+        "models train at 2e-4 (recipes/tiny-arith.yaml); 1e-3 collapsed every GRPO arm there.",
+    )
     weight_decay: float = Field(
-        0.0, ge=0, description="AdamW's decoupled weight decay: TRL's default (transformers' TrainingArguments) 0. "
-                               "torch's AdamW default, 0.01, was the learner's until this was a setting; the tiny "
-                               "recipes keep it, as their tables were measured with it.")
+        0.0,
+        ge=0,
+        description="AdamW's decoupled weight decay: TRL's default (transformers' TrainingArguments) 0. "
+        "torch's AdamW default, 0.01, was the learner's until this was a setting; the tiny "
+        "recipes keep it, as their tables were measured with it.",
+    )
     lora_rank: int = Field(0, ge=0, description="LoRA rank of the learner's adapters (peft); 0 = train every weight.")
-    lora_alpha: int = Field(32, ge=1, description="LoRA scaling numerator (peft's lora_alpha); used when lora_rank > 0.")
+    lora_alpha: int = Field(
+        32, ge=1, description="LoRA scaling numerator (peft's lora_alpha); used when lora_rank > 0."
+    )
 
     @classmethod
     def parse(cls, config_file: Path | None = None, **values: Any) -> TrainConfig:
@@ -122,36 +142,47 @@ class TrainConfig(TaskConfig):
             if name not in cls.model_fields and owners:
                 foreign.setdefault(owners, []).append(flag(name))
         if foreign:
-            raise ValueError("; ".join(
-                f"{', '.join(names)} {'is an option' if len(names) == 1 else 'are options'} of --method "
-                f"{_either(owners)}; drop {'it' if len(names) == 1 else 'them'} or pass "
-                f"{f'--method {owners[0]}' if len(owners) == 1 else 'one of those methods'}"
-                for owners, names in foreign.items()))
+            raise ValueError(
+                "; ".join(
+                    f"{', '.join(names)} {'is an option' if len(names) == 1 else 'are options'} of --method "
+                    f"{_either(owners)}; drop {'it' if len(names) == 1 else 'them'} or pass "
+                    f"{f'--method {owners[0]}' if len(owners) == 1 else 'one of those methods'}"
+                    for owners, names in foreign.items()
+                )
+            )
         section = data.get("coordinator")
         if data.get("engine") == "transformers" and isinstance(section, dict) and "mode" in section:
-            raise ValueError("--engine transformers runs the coordinator per token in this process; drop "
-                             "coordinator.mode or use --engine vllm")
+            raise ValueError(
+                "--engine transformers runs the coordinator per token in this process; drop "
+                "coordinator.mode or use --engine vllm"
+            )
         return data
 
     @model_validator(mode="after")
     def _run_is_consistent(self) -> TrainConfig:
         given = self.model_fields_set
         if "lora_alpha" in given and self.lora_rank == 0:
-            raise ValueError("--lora-alpha scales LoRA adapters, and lora_rank is 0 (full fine-tuning); "
-                             "set --lora-rank > 0 or drop --lora-alpha")
+            raise ValueError(
+                "--lora-alpha scales LoRA adapters, and lora_rank is 0 (full fine-tuning); "
+                "set --lora-rank > 0 or drop --lora-alpha"
+            )
         if self.engine == "transformers":
             if server_options := [flag(n) for n in ("theta_urls", "t_urls", "replicas", "lockstep") if n in given]:
-                raise ValueError(f"--engine transformers samples in this process; {', '.join(server_options)} "
-                                 "name or start servers: drop them or use --engine vllm")
+                raise ValueError(
+                    f"--engine transformers samples in this process; {', '.join(server_options)} "
+                    "name or start servers: drop them or use --engine vllm"
+                )
         return self
 
     def toy_values(self) -> dict[str, str]:
         toys = super().toy_values()
         if not bundled(self.base) and self.learning_rate > TOY_LEARNING_RATE and not self.lora_rank:
             default = type(self).model_fields["learning_rate"].default
-            toys["learning_rate"] = (f"full fine-tuning (lora_rank 0) of a real model at more than "
-                                     f"{TOY_LEARNING_RATE:g} diverges; TRL's default for --method {self.method} is "
-                                     f"{default:g}: lower --learning-rate, or train LoRA adapters (--lora-rank)")
+            toys["learning_rate"] = (
+                f"full fine-tuning (lora_rank 0) of a real model at more than "
+                f"{TOY_LEARNING_RATE:g} diverges; TRL's default for --method {self.method} is "
+                f"{default:g}: lower --learning-rate, or train LoRA adapters (--lora-rank)"
+            )
         return toys
 
 
@@ -159,7 +190,11 @@ class _ChosenAlpha(BaseModel):
     """The rollouts' alpha, for the methods that may sample at any."""
 
     fixed_alpha: float | None = Field(
-        None, ge=0, le=1, description="None = sample from q* (alpha* per token); 0 = on-policy (base only); 1 = teacher only.")
+        None,
+        ge=0,
+        le=1,
+        description="None = sample from q* (alpha* per token); 0 = on-policy (base only); 1 = teacher only.",
+    )
 
     @property
     def sampling_alpha(self) -> float | None:
@@ -171,15 +206,20 @@ class _AlphaSchedule(_ChosenAlpha):
     """A cap on alpha* that decays to on-policy over the run."""
 
     alpha_decay_steps: int | None = Field(
-        None, ge=1, description="Alpha schedule: alpha* is capped at --alpha-cap-start x (1 - u / N) at update u, "
-                                "reaching 0 (on-policy) after N updates (Logit Fusion's decay, as a cap); None = no cap.")
+        None,
+        ge=1,
+        description="Alpha schedule: alpha* is capped at --alpha-cap-start x (1 - u / N) at update u, "
+        "reaching 0 (on-policy) after N updates (Logit Fusion's decay, as a cap); None = no cap.",
+    )
     alpha_cap_start: float = Field(1.0, ge=0, le=1, description="The schedule's cap at the first update.")
 
     @model_validator(mode="after")
     def _schedule_has_alpha_star(self) -> _AlphaSchedule:
         if self.alpha_decay_steps is not None and self.sampling_alpha is not None:
-            raise ValueError(f"--alpha-decay-steps caps alpha*, and these rollouts are sampled at a fixed alpha "
-                             f"({self.sampling_alpha:g}); drop one of them")
+            raise ValueError(
+                f"--alpha-decay-steps caps alpha*, and these rollouts are sampled at a fixed alpha "
+                f"({self.sampling_alpha:g}); drop one of them"
+            )
         if "alpha_cap_start" in self.model_fields_set and self.alpha_decay_steps is None:
             raise ValueError("--alpha-cap-start starts the alpha schedule; give --alpha-decay-steps too")
         return self
@@ -195,18 +235,24 @@ class _PolicyGradientLoss(BaseModel):
     """The per-token policy-gradient loss's options (grpo's, opd's, and adaptive's GRPO term)."""
 
     is_cap: float = Field(2.0, ge=1, description="correction=token: truncation of the per-token weight pi_theta / q*.")
-    normalization: Normalization = Field("dapo", description="Loss normalization: grpo, dr_grpo or dapo (TRL's loss_type).")
+    normalization: Normalization = Field(
+        "dapo", description="Loss normalization: grpo, dr_grpo or dapo (TRL's loss_type)."
+    )
 
 
 class _PolicyGradient(_PolicyGradientLoss):
     """+ the terms added to it: the KL penalty and on-policy distillation's advantage (grpo's, opd's)."""
 
-    kl_coef: float = Field(0.0, ge=0, description="Weight of the k3 KL penalty to the frozen initial model (TRL's beta); "
-                                                  "0 = none.")
+    kl_coef: float = Field(
+        0.0, ge=0, description="Weight of the k3 KL penalty to the frozen initial model (TRL's beta); 0 = none."
+    )
     opd_coef: float | None = Field(
-        None, ge=0, description="Weight c of on-policy distillation's per-token advantage -c (log pi_theta(y_t) - log "
-                                "pi_t(y_t)) (training/distill.py), added to the reward advantages; None = 1 under "
-                                "--method opd, else 0 (off).")
+        None,
+        ge=0,
+        description="Weight c of on-policy distillation's per-token advantage -c (log pi_theta(y_t) - log "
+        "pi_t(y_t)) (training/distill.py), added to the reward advantages; None = 1 under "
+        "--method opd, else 0 (off).",
+    )
 
     @property
     def teacher_advantage_coef(self) -> float:
@@ -222,24 +268,31 @@ class _GroupRelative(_PolicyGradientLoss):
     """Group-relative advantages of the rewards and their off-policy correction (grpo's, adaptive's)."""
 
     correction: Correction = Field(
-        "sequence", description="Off-policy correction of the sampled rollouts (q*'s, or under --method adaptive the "
-                                "server's copy of the weights, up to --max-staleness updates old): sequence "
-                                "(self-normalized per group), token (truncated per-token pi/q*; did not lift the "
-                                "bundled base, see benchmarks/README.md), vespo (VESPO's Gamma weight of the sequence "
-                                "ratio) or none (biased toward q*: for tasks the base almost never solves, see "
-                                "benchmarks/README.md).")
+        "sequence",
+        description="Off-policy correction of the sampled rollouts (q*'s, or under --method adaptive the "
+        "server's copy of the weights, up to --max-staleness updates old): sequence "
+        "(self-normalized per group), token (truncated per-token pi/q*; did not lift the "
+        "bundled base, see benchmarks/README.md), vespo (VESPO's Gamma weight of the sequence "
+        "ratio) or none (biased toward q*: for tasks the base almost never solves, see "
+        "benchmarks/README.md).",
+    )
     share_cap: float = Field(
-        3.0, ge=1, description="correction=sequence: truncation of G·v, the group shares one rollout may count for.")
+        3.0, ge=1, description="correction=sequence: truncation of G·v, the group shares one rollout may count for."
+    )
     scale_advantages: bool = Field(
-        True, description="Divide group-relative advantages by the group std (TRL's scale_rewards='group'; False = "
-                          "Dr. GRPO).")
+        True,
+        description="Divide group-relative advantages by the group std (TRL's scale_rewards='group'; False = "
+        "Dr. GRPO).",
+    )
 
     @model_validator(mode="after")
     def _caps_match_the_correction(self) -> _GroupRelative:
         for name, mode in (("is_cap", "token"), ("share_cap", "sequence")):
             if name in self.model_fields_set and self.correction != mode:
-                raise ValueError(f"{flag(name)} applies to --correction {mode}, and the correction is "
-                                 f"{self.correction}; drop {flag(name)} or pass --correction {mode}")
+                raise ValueError(
+                    f"{flag(name)} applies to --correction {mode}, and the correction is "
+                    f"{self.correction}; drop {flag(name)} or pass --correction {mode}"
+                )
         return self
 
 
@@ -255,49 +308,80 @@ class StreamingTrainConfig(TrainConfig):
     max_staleness: int = Field(1, ge=0, description="Drop rollouts sampled more than this many policy versions ago.")
     queue_size: int = Field(2, ge=1, description="Scored batches the sampler may run ahead of the learner.")
     push_every: int = Field(1, ge=1, description="Push weights to the base server every N updates.")
-    keep_checkpoints: int = Field(3, ge=1, description="Checkpoints kept on disk (newest first); older ones are deleted.")
-    eval_every: int = Field(20, ge=1, description="Evaluate the base on the held-out prompts every N updates (and at start and end).")
+    keep_checkpoints: int = Field(
+        3, ge=1, description="Checkpoints kept on disk (newest first); older ones are deleted."
+    )
+    eval_every: int = Field(
+        20, ge=1, description="Evaluate the base on the held-out prompts every N updates (and at start and end)."
+    )
     curriculum: bool = Field(
-        False, description="Pick prompts by difficulty: per-prompt reward EMA, buckets at the valleys of a KDE over "
-                           "them, hard buckets drawn more, prompts whose group scored all alike skipped for a while "
-                           "(training/curriculum.py).")
+        False,
+        description="Pick prompts by difficulty: per-prompt reward EMA, buckets at the valleys of a KDE over "
+        "them, hard buckets drawn more, prompts whose group scored all alike skipped for a while "
+        "(training/curriculum.py).",
+    )
     distill_coef: float | None = Field(
-        None, ge=0, description="Weight of the distillation term: JSD_beta between the teacher's top-k (+ a tail "
-                                "bucket) and the learner at every visited state (GKD; training/distill.py); None = 1 "
-                                "under --method distill, else 0 (off).")
+        None,
+        ge=0,
+        description="Weight of the distillation term: JSD_beta between the teacher's top-k (+ a tail "
+        "bucket) and the learner at every visited state (GKD; training/distill.py); None = 1 "
+        "under --method distill, else 0 (off).",
+    )
     distill_beta: float = Field(
-        0.0, ge=0, le=1, description="That divergence's beta, as TRL's: 0 = forward KL(teacher || learner), "
-                                     "1 = reverse KL, between them the generalized JSD.")
+        0.0,
+        ge=0,
+        le=1,
+        description="That divergence's beta, as TRL's: 0 = forward KL(teacher || learner), "
+        "1 = reverse KL, between them the generalized JSD.",
+    )
     stop_at_accuracy: float | None = Field(
-        None, gt=0, le=1, description="Stop early once held-out greedy accuracy reaches this at two evaluations in a "
-                                      "row (sweeps); None = run all --steps.")
+        None,
+        gt=0,
+        le=1,
+        description="Stop early once held-out greedy accuracy reaches this at two evaluations in a "
+        "row (sweeps); None = run all --steps.",
+    )
     micro_batch_size: int | None = Field(
-        None, ge=1, description="Rollouts per forward and backward pass, their gradients accumulated into one update "
-                                "(less activation memory, the same update); None = the whole batch "
-                                "(prompts_per_step x group_size) at once.")
+        None,
+        ge=1,
+        description="Rollouts per forward and backward pass, their gradients accumulated into one update "
+        "(less activation memory, the same update); None = the whole batch "
+        "(prompts_per_step x group_size) at once.",
+    )
     gradient_checkpointing: bool = Field(
-        False, description="Recompute the learner's activations in the backward pass instead of keeping them "
-                           "(transformers' gradient checkpointing): less memory, about a third more compute.")
+        False,
+        description="Recompute the learner's activations in the backward pass instead of keeping them "
+        "(transformers' gradient checkpointing): less memory, about a third more compute.",
+    )
     kl_from_start_prompts: int = Field(
-        0, ge=0, description="At every evaluation, sample one completion from the base alone for this many training "
-                             "prompts and report the KL from the starting weights over their states (kl_from_start, "
-                             "nats per completion; training/forgetting.py), as RL's Razor measures forgetting. Holds "
-                             "a float32 copy of the starting weights beside the learner. 0 = off.")
+        0,
+        ge=0,
+        description="At every evaluation, sample one completion from the base alone for this many training "
+        "prompts and report the KL from the starting weights over their states (kl_from_start, "
+        "nats per completion; training/forgetting.py), as RL's Razor measures forgetting. Holds "
+        "a float32 copy of the starting weights beside the learner. 0 = off.",
+    )
 
     @model_validator(mode="after")
     def _stream_is_consistent(self) -> StreamingTrainConfig:
         given = self.model_fields_set
         if self.eval_every > self.steps and "eval_every" in given:
-            raise ValueError(f"--eval-every {self.eval_every} is more than --steps {self.steps}: no evaluation "
-                             "would run between the first and the last; lower it or drop it")
+            raise ValueError(
+                f"--eval-every {self.eval_every} is more than --steps {self.steps}: no evaluation "
+                "would run between the first and the last; lower it or drop it"
+            )
         if self.distill_beta and not self.distillation_coef:
-            raise ValueError("--distill-beta shapes the distillation term, which --distill-coef 0 turns off; "
-                             "give --distill-coef > 0 or drop --distill-beta")
+            raise ValueError(
+                "--distill-beta shapes the distillation term, which --distill-coef 0 turns off; "
+                "give --distill-coef > 0 or drop --distill-beta"
+            )
         batch = self.prompts_per_step * self.group_size
         if self.micro_batch_size is not None and self.micro_batch_size > batch:
-            raise ValueError(f"--micro-batch-size {self.micro_batch_size} is more than the {batch} rollouts of an "
-                             f"update (--prompts-per-step x --group-size); lower it, or drop it for the whole batch "
-                             "at once")
+            raise ValueError(
+                f"--micro-batch-size {self.micro_batch_size} is more than the {batch} rollouts of an "
+                f"update (--prompts-per-step x --group-size); lower it, or drop it for the whole batch "
+                "at once"
+            )
         return self
 
     @property
@@ -335,27 +419,42 @@ class GRPOTrainConfig(_AlphaSchedule, _GroupRelative, _PolicyGradient, Streaming
 
     method: Literal["grpo"] = Field("grpo", description=METHOD_HELP)
     on_policy_rollouts: int = Field(
-        0, ge=0, description="Pooled groups: of each prompt's --group-size rollouts, this many are sampled "
-                             "on-policy (alpha = 0), the rest from q*; advantages over the pooled group (LUFFY).")
+        0,
+        ge=0,
+        description="Pooled groups: of each prompt's --group-size rollouts, this many are sampled "
+        "on-policy (alpha = 0), the rest from q*; advantages over the pooled group (LUFFY).",
+    )
     guided_shaping: float | None = Field(
-        None, gt=0, description="LUFFY's shaping f(p) = p / (p + gamma) on the tokens of the q* rollouts of pooled "
-                                "groups, with this gamma (0.1 in the paper), in place of their importance weight; "
-                                "None = off.")
+        None,
+        gt=0,
+        description="LUFFY's shaping f(p) = p / (p + gamma) on the tokens of the q* rollouts of pooled "
+        "groups, with this gamma (0.1 in the paper), in place of their importance weight; "
+        "None = off.",
+    )
     stop_without_signal: int | None = Field(
-        None, ge=1, description="Stop at update N if every group so far had zero advantage (all its rollouts scored "
-                                "alike, so GRPO had nothing to learn from); None = never (sweeps).")
+        None,
+        ge=1,
+        description="Stop at update N if every group so far had zero advantage (all its rollouts scored "
+        "alike, so GRPO had nothing to learn from); None = never (sweeps).",
+    )
 
     @model_validator(mode="after")
     def _groups_are_consistent(self) -> GRPOTrainConfig:
         if self.group_size < 2:
-            raise ValueError("--method grpo compares a prompt's rollouts: give --group-size >= 2, or use "
-                             "--method sft, rft, opd or distill")
+            raise ValueError(
+                "--method grpo compares a prompt's rollouts: give --group-size >= 2, or use "
+                "--method sft, rft, opd or distill"
+            )
         if self.on_policy_rollouts >= self.group_size:
-            raise ValueError(f"--on-policy-rollouts {self.on_policy_rollouts} leaves no q* rollout in groups of "
-                             f"{self.group_size}; give fewer than --group-size")
+            raise ValueError(
+                f"--on-policy-rollouts {self.on_policy_rollouts} leaves no q* rollout in groups of "
+                f"{self.group_size}; give fewer than --group-size"
+            )
         if self.on_policy_rollouts and self.fixed_alpha == 0.0:
-            raise ValueError("--on-policy-rollouts pools on-policy with q* rollouts, and --fixed-alpha 0 makes every "
-                             "rollout on-policy; drop one of them")
+            raise ValueError(
+                "--on-policy-rollouts pools on-policy with q* rollouts, and --fixed-alpha 0 makes every "
+                "rollout on-policy; drop one of them"
+            )
         if self.guided_shaping is not None and not self.on_policy_rollouts:
             raise ValueError("--guided-shaping shapes the q* rollouts of pooled groups; set --on-policy-rollouts too")
         return self
@@ -377,8 +476,10 @@ class OPDTrainConfig(_PolicyGradient, StreamingTrainConfig):
     @model_validator(mode="after")
     def _has_a_term(self) -> OPDTrainConfig:
         if self.opd_coef == 0:
-            raise ValueError("--method opd trains on the teacher's per-token advantages alone: --opd-coef 0 leaves "
-                             "nothing to learn; drop it (1) or give a positive weight")
+            raise ValueError(
+                "--method opd trains on the teacher's per-token advantages alone: --opd-coef 0 leaves "
+                "nothing to learn; drop it (1) or give a positive weight"
+            )
         return self
 
     @property
@@ -417,8 +518,10 @@ class DistillTrainConfig(_AlphaSchedule, StreamingTrainConfig):
     @model_validator(mode="after")
     def _has_a_term(self) -> DistillTrainConfig:
         if self.distill_coef == 0:
-            raise ValueError("--method distill trains on the distillation term alone: --distill-coef 0 leaves nothing "
-                             "to learn; drop it (1) or give a positive weight")
+            raise ValueError(
+                "--method distill trains on the distillation term alone: --distill-coef 0 leaves nothing "
+                "to learn; drop it (1) or give a positive weight"
+            )
         return self
 
     @property
@@ -434,39 +537,61 @@ class AdaptiveTrainConfig(_GroupRelative, StreamingTrainConfig):
 
     method: Literal["adaptive"] = Field("adaptive", description=METHOD_HELP)
     guided_alpha: float | None = Field(
-        1.0, ge=0, le=1, description="Alpha of the guided rollouts of never-solved prompts: 1 = the teacher's samples, "
-                                     "None = q* (alpha* per token).")
+        1.0,
+        ge=0,
+        le=1,
+        description="Alpha of the guided rollouts of never-solved prompts: 1 = the teacher's samples, "
+        "None = q* (alpha* per token).",
+    )
     probe_rollouts: int = Field(
-        2, ge=0, description="On-policy rollouts in each never-solved prompt's group, which measure its pass rate "
-                             "(0: such a prompt stays guided).")
+        2,
+        ge=0,
+        description="On-policy rollouts in each never-solved prompt's group, which measure its pass rate "
+        "(0: such a prompt stays guided).",
+    )
     pass_rate_decay: float = Field(0.5, ge=0, lt=1, description="Decay of each prompt's pass-rate EMA.")
     never_enter: float = Field(0.05, ge=0, le=1, description="A prompt becomes never-solved below this pass rate.")
     never_exit: float = Field(0.1, ge=0, le=1, description="... and leaves that regime at this pass rate.")
     always_enter: float = Field(0.95, ge=0, le=1, description="A prompt becomes always-solved at this pass rate.")
     always_exit: float = Field(0.85, ge=0, le=1, description="... and leaves that regime below this pass rate.")
-    solved_weight: float = Field(0.1, gt=0, le=1, description="Draw weight of an always-solved prompt (1 for the rest).")
+    solved_weight: float = Field(
+        0.1, gt=0, le=1, description="Draw weight of an always-solved prompt (1 for the rest)."
+    )
 
     @model_validator(mode="after")
     def _groups_are_consistent(self) -> AdaptiveTrainConfig:
         if self.group_size < 2:
-            raise ValueError("--method adaptive compares a prompt's own rollouts where it is sometimes solved: give "
-                             "--group-size >= 2")
+            raise ValueError(
+                "--method adaptive compares a prompt's own rollouts where it is sometimes solved: give "
+                "--group-size >= 2"
+            )
         if self.probe_rollouts >= self.group_size:
-            raise ValueError(f"--probe-rollouts {self.probe_rollouts} leaves no guided rollout in groups of "
-                             f"{self.group_size}; give fewer than --group-size")
+            raise ValueError(
+                f"--probe-rollouts {self.probe_rollouts} leaves no guided rollout in groups of "
+                f"{self.group_size}; give fewer than --group-size"
+            )
         if self.curriculum:
             raise ValueError("--method adaptive chooses its prompts by their regimes; drop --curriculum")
         if self.distill_coef == 0:
-            raise ValueError("--method adaptive trains never-solved prompts by the distillation term: --distill-coef "
-                             "0 leaves them nothing; drop it (1) or give a positive weight")
+            raise ValueError(
+                "--method adaptive trains never-solved prompts by the distillation term: --distill-coef "
+                "0 leaves them nothing; drop it (1) or give a positive weight"
+            )
         self.regimes(n_tasks=1)  # its thresholds, checked before anything starts
         return self
 
     def regimes(self, n_tasks: int) -> Regimes:
         """A new run's per-prompt regimes over `n_tasks` training prompts."""
-        return Regimes(n_tasks=n_tasks, seed=self.seed, decay=self.pass_rate_decay, never_enter=self.never_enter,
-                       never_exit=self.never_exit, always_enter=self.always_enter, always_exit=self.always_exit,
-                       solved_weight=self.solved_weight)
+        return Regimes(
+            n_tasks=n_tasks,
+            seed=self.seed,
+            decay=self.pass_rate_decay,
+            never_enter=self.never_enter,
+            never_exit=self.never_exit,
+            always_enter=self.always_enter,
+            always_exit=self.always_exit,
+            solved_weight=self.solved_weight,
+        )
 
     @property
     def sampling_alpha(self) -> float:
@@ -481,29 +606,44 @@ class DPOTrainConfig(_ChosenAlpha, TrainConfig):
     """--method dpo: TRL's DPOTrainer on pairs mined from one batch of q* rollouts (training/dpo.py)."""
 
     method: Literal["dpo"] = Field("dpo", description=METHOD_HELP)
-    dpo_beta: float = Field(0.1, gt=0, description="DPO: strength of the implicit KL to the starting model (TRL's beta).")
+    dpo_beta: float = Field(
+        0.1, gt=0, description="DPO: strength of the implicit KL to the starting model (TRL's beta)."
+    )
     dpo_epochs: int = Field(1, ge=1, description="DPO: passes over the mined preference pairs.")
 
     @model_validator(mode="after")
     def _pairs_on_servers(self) -> DPOTrainConfig:
         if self.group_size < 2:
-            raise ValueError("--method dpo compares a prompt's rollouts: give --group-size >= 2, or use "
-                             "--method sft, rft, opd or distill")
+            raise ValueError(
+                "--method dpo compares a prompt's rollouts: give --group-size >= 2, or use "
+                "--method sft, rft, opd or distill"
+            )
         if self.engine == "transformers":
             raise ValueError("--method dpo samples and evaluates on servers; use --engine vllm")
         if self.theta_urls:
-            raise ValueError("--method dpo evaluates the trained model on servers it starts for it; running servers "
-                             "(--theta-urls, --t-urls) are for the streaming methods, which push weights into them: "
-                             "drop them")
+            raise ValueError(
+                "--method dpo evaluates the trained model on servers it starts for it; running servers "
+                "(--theta-urls, --t-urls) are for the streaming methods, which push weights into them: "
+                "drop them"
+            )
         return self
 
 
 METHOD_CLASSES: dict[str, type[TrainConfig]] = {
-    cls.model_fields["method"].default: cls for cls in (GRPOTrainConfig, SFTTrainConfig, RFTTrainConfig,
-                                                         OPDTrainConfig, DistillTrainConfig, AdaptiveTrainConfig,
-                                                         DPOTrainConfig)}
+    cls.model_fields["method"].default: cls
+    for cls in (
+        GRPOTrainConfig,
+        SFTTrainConfig,
+        RFTTrainConfig,
+        OPDTrainConfig,
+        DistillTrainConfig,
+        AdaptiveTrainConfig,
+        DPOTrainConfig,
+    )
+}
 _ONE_METHOD: TypeAdapter[TrainConfig] = TypeAdapter(
-    Annotated[Union[tuple(METHOD_CLASSES.values())], Field(discriminator="method")])  # type: ignore[arg-type]
+    Annotated[Union[tuple(METHOD_CLASSES.values())], Field(discriminator="method")]  # type: ignore[arg-type]
+)
 # Every option of `dualvllm train`: those of at least one method.
 TRAIN_OPTIONS = tuple(dict.fromkeys(name for cls in METHOD_CLASSES.values() for name in cls.model_fields))
 
@@ -511,16 +651,22 @@ TRAIN_OPTIONS = tuple(dict.fromkeys(name for cls in METHOD_CLASSES.values() for 
 class EvalConfig(TaskConfig):
     """`dualvllm eval`: greedy accuracy and pass@k of the base alone, q* and the teacher alone."""
 
-    arms: tuple[Arm, ...] = Field(("base", "q*", "teacher"), description="What to evaluate: base (alpha = 0), q* "
-                                                                       "(alpha*), teacher (alpha = 1).")
+    arms: tuple[Arm, ...] = Field(
+        ("base", "q*", "teacher"), description="What to evaluate: base (alpha = 0), q* (alpha*), teacher (alpha = 1)."
+    )
     eval_samples: int = Field(8, ge=0, description="Samples per problem for pass@k at --temperature; 0 = greedy only.")
     output: Path | None = Field(None, description="Write the report here as JSON too.")
 
     @classmethod
     def parse(cls, config_file: Path | None = None, **values: Any) -> EvalConfig:
         """As TrainConfig.parse; a training recipe's training options are skipped."""
-        sources = Sources.read(values, config_file, tuple(cls.model_fields), nested_options=CoordinatorConfig.model_fields,
-                               skipped=[name for name in TRAIN_OPTIONS if name not in cls.model_fields])
+        sources = Sources.read(
+            values,
+            config_file,
+            tuple(cls.model_fields),
+            nested_options=CoordinatorConfig.model_fields,
+            skipped=[name for name in TRAIN_OPTIONS if name not in cls.model_fields],
+        )
         try:
             config = cls(**sources.merged)
         except InvalidInputError as exc:
@@ -536,8 +682,10 @@ def _invalid(schema: str, exc: ValidationError) -> InvalidInputError:
         if isinstance(cause := (error.get("ctx") or {}).get("error"), InvalidInputError):
             return cause
         if error["type"] == "union_tag_invalid":
-            return InvalidInputError(f"invalid {schema}: method={error['ctx']['tag']!r}: Input should be "
-                                     f"{_either([repr(method) for method in METHOD_CLASSES])}")
+            return InvalidInputError(
+                f"invalid {schema}: method={error['ctx']['tag']!r}: Input should be "
+                f"{_either([repr(method) for method in METHOD_CLASSES])}"
+            )
     return InvalidInputError(f"invalid {schema}: {exc.errors(include_url=False)[0]['msg']}")
 
 
@@ -550,5 +698,11 @@ def _warn(config: TaskConfig, sources: Sources) -> None:
     if sources.recipe_path is not None:
         log.info("options from %s: %s", sources.recipe_path, ", ".join(sorted(sources.recipe)))
     for name, why in config.toy_values().items():
-        log.warning("%s=%s (%s) is a value for the bundled tiny models, and the base %s is not one of them: %s",
-                    name, getattr(config, name), sources.origin(name), config.base, why)
+        log.warning(
+            "%s=%s (%s) is a value for the bundled tiny models, and the base %s is not one of them: %s",
+            name,
+            getattr(config, name),
+            sources.origin(name),
+            config.base,
+            why,
+        )

@@ -53,8 +53,9 @@ class _RecipeFile(BaseSettings):
     model_config = SettingsConfigDict(extra="allow")
 
 
-def read_recipe(path: Path, options: Collection[str], *, nested_options: Collection[str] = (),
-                skipped: Collection[str] = ()) -> dict[str, Any]:
+def read_recipe(
+    path: Path, options: Collection[str], *, nested_options: Collection[str] = (), skipped: Collection[str] = ()
+) -> dict[str, Any]:
     """The options a recipe file sets, by name. `options` are the command's, `nested_options`
     those of its `coordinator:` section; keys in `skipped` (another command's options) are
     left out. Anything else, a missing file or one that is not a YAML mapping is refused."""
@@ -72,8 +73,9 @@ def read_recipe(path: Path, options: Collection[str], *, nested_options: Collect
     section = values.get(NESTED)
     if NESTED in options and section is not None:
         if not isinstance(section, dict):
-            raise InvalidInputError(f"--config {path}: '{NESTED}' holds coordinator options (key: value), "
-                                    f"got {section!r}")
+            raise InvalidInputError(
+                f"--config {path}: '{NESTED}' holds coordinator options (key: value), got {section!r}"
+            )
         unknown += [f"{NESTED}.{key}" for key in section if key not in nested_options]
     if unknown:
         first = unknown[0]
@@ -95,10 +97,20 @@ class Sources:
     recipe_path: Path | None = None
 
     @classmethod
-    def read(cls, flags: Mapping[str, Any], recipe_path: Path | None, options: Collection[str], *,
-             nested_options: Collection[str] = (), skipped: Collection[str] = ()) -> Sources:
-        recipe = {} if recipe_path is None else read_recipe(recipe_path, options, nested_options=nested_options,
-                                                            skipped=skipped)
+    def read(
+        cls,
+        flags: Mapping[str, Any],
+        recipe_path: Path | None,
+        options: Collection[str],
+        *,
+        nested_options: Collection[str] = (),
+        skipped: Collection[str] = (),
+    ) -> Sources:
+        recipe = (
+            {}
+            if recipe_path is None
+            else read_recipe(recipe_path, options, nested_options=nested_options, skipped=skipped)
+        )
         return cls(dict(flags), recipe, recipe_path)
 
     @property
@@ -122,13 +134,17 @@ class Sources:
     def explain(self, error: InvalidInputError) -> InvalidInputError:
         """`error` with a note naming the options it mentions that the recipe file set."""
         message = str(error)
-        named = [flag(name) if name != NESTED else NESTED for name in self.recipe
-                 if self.from_file(name) and re.search(
-                     rf"(?<![\w.-])({re.escape(flag(name))}(?![\w-])|{re.escape(name)}[=.])", message)]
+        named = [
+            flag(name) if name != NESTED else NESTED
+            for name in self.recipe
+            if self.from_file(name)
+            and re.search(rf"(?<![\w.-])({re.escape(flag(name))}(?![\w-])|{re.escape(name)}[=.])", message)
+        ]
         if not named:
             return error
-        return InvalidInputError(f"{message} ({', '.join(named)} {'is' if len(named) == 1 else 'are'} set in "
-                                 f"{self.recipe_path})")
+        return InvalidInputError(
+            f"{message} ({', '.join(named)} {'is' if len(named) == 1 else 'are'} set in {self.recipe_path})"
+        )
 
 
 def flag(name: str) -> str:

@@ -134,8 +134,9 @@ class Curriculum:
         if self.skip_steps < 0:
             raise InvalidInputError(f"skip_steps must be >= 0 (0 never skips), got {self.skip_steps}")
         if not (math.isfinite(self.hard_weight) and self.hard_weight > 0):
-            raise InvalidInputError(f"hard_weight must be a positive number (1 = no preference), "
-                                    f"got {self.hard_weight}")
+            raise InvalidInputError(
+                f"hard_weight must be a positive number (1 = no preference), got {self.hard_weight}"
+            )
         self._ema = np.full(self.n_tasks, np.nan)
         self._skip_left = np.zeros(self.n_tasks, dtype=np.int64)
         self._offered = np.zeros(self.n_tasks, dtype=bool)
@@ -151,8 +152,10 @@ class Curriculum:
         down every task's skip by one.
         """
         if not 0 <= count <= self.n_tasks:
-            raise InvalidInputError(f"choose({count}): a batch holds 0..{self.n_tasks} distinct tasks; "
-                                    "lower prompts_per_step or add training tasks")
+            raise InvalidInputError(
+                f"choose({count}): a batch holds 0..{self.n_tasks} distinct tasks; "
+                "lower prompts_per_step or add training tasks"
+            )
         rng = np.random.default_rng([self._entropy, DRAW_STREAM, self._calls])
         seen = ~np.isnan(self._ema)  # [n_tasks]
         order = self._unseen_order()
@@ -165,7 +168,7 @@ class Curriculum:
         # Too few eligible tasks: the ones closest to eligible (never-scored tasks count as 0 left).
         rest = np.flatnonzero(free)
         soonest = rest[np.lexsort((rng.random(rest.size), self._skip_left[rest]))]
-        chosen = np.concatenate([picked, drawn, soonest[:count - picked.size - drawn.size]])
+        chosen = np.concatenate([picked, drawn, soonest[: count - picked.size - drawn.size]])
         self._offered[chosen] = True
         self._skip_left = np.maximum(self._skip_left - 1, 0)
         self._calls += 1
@@ -175,26 +178,35 @@ class Curriculum:
         """Record one batch's groups (rewards of each task's rollouts): `group_rewards[i]` are the
         rewards of task `task_indices[i]`. Checks everything before changing anything."""
         if len(task_indices) != len(group_rewards):
-            raise InvalidInputError(f"curriculum update got {len(task_indices)} task indices but "
-                                    f"{len(group_rewards)} reward groups; pass one group of rewards per task")
+            raise InvalidInputError(
+                f"curriculum update got {len(task_indices)} task indices but "
+                f"{len(group_rewards)} reward groups; pass one group of rewards per task"
+            )
         tasks = np.asarray(task_indices)
         if tasks.ndim != 1 or (tasks.size and not np.issubdtype(tasks.dtype, np.integer)):
-            raise InvalidInputError(f"curriculum task indices must be a flat sequence of integers, "
-                                    f"got {list(task_indices)[:5]}")
+            raise InvalidInputError(
+                f"curriculum task indices must be a flat sequence of integers, got {list(task_indices)[:5]}"
+            )
         tasks = tasks.astype(np.int64)  # [B]
         outside = tasks[(tasks < 0) | (tasks >= self.n_tasks)]
         if outside.size:
-            raise InvalidInputError(f"curriculum task index {int(outside[0])} is outside 0..{self.n_tasks - 1}; "
-                                    "pass indices into the training set the curriculum was built for")
+            raise InvalidInputError(
+                f"curriculum task index {int(outside[0])} is outside 0..{self.n_tasks - 1}; "
+                "pass indices into the training set the curriculum was built for"
+            )
         unique, counts = np.unique(tasks, return_counts=True)
         if np.any(counts > 1):
-            raise InvalidInputError(f"task {int(unique[counts > 1][0])} has more than one group in one update; "
-                                    "merge its rewards into one group")
+            raise InvalidInputError(
+                f"task {int(unique[counts > 1][0])} has more than one group in one update; "
+                "merge its rewards into one group"
+            )
         groups = [np.asarray(g, dtype=np.float64) for g in group_rewards]
         for task, rewards in zip(tasks, groups):
             if rewards.ndim != 1 or rewards.size == 0 or not np.all(np.isfinite(rewards)):
-                raise InvalidInputError(f"task {int(task)}'s group needs one or more finite rewards, got "
-                                        f"{rewards.tolist()}; leave out groups with no scored rollout")
+                raise InvalidInputError(
+                    f"task {int(task)}'s group needs one or more finite rewards, got "
+                    f"{rewards.tolist()}; leave out groups with no scored rollout"
+                )
         means = np.array([g.mean() for g in groups], dtype=np.float64)  # [B]
         spreads = np.array([np.ptp(g) for g in groups], dtype=np.float64)  # [B]
         self._ema[tasks] = ema_update(self._ema[tasks], means, self.ema_decay)
@@ -228,17 +240,29 @@ class Curriculum:
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serializable (strict JSON: unseen EMAs are None), for checkpoints."""
-        return {"n_tasks": self.n_tasks, "seed": self.seed, "ema_decay": self.ema_decay,
-                "skip_steps": self.skip_steps, "hard_weight": self.hard_weight, "calls": self._calls,
-                "ema": emas_to_json(self._ema),
-                "skip_left": self._skip_left.tolist(), "offered": self._offered.tolist()}
+        return {
+            "n_tasks": self.n_tasks,
+            "seed": self.seed,
+            "ema_decay": self.ema_decay,
+            "skip_steps": self.skip_steps,
+            "hard_weight": self.hard_weight,
+            "calls": self._calls,
+            "ema": emas_to_json(self._ema),
+            "skip_left": self._skip_left.tolist(),
+            "offered": self._offered.tolist(),
+        }
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Curriculum:
         """The curriculum `state_dict()` was taken from: resumed, it makes identical future choices."""
         try:
-            curriculum = cls(n_tasks=state["n_tasks"], seed=state["seed"], ema_decay=state["ema_decay"],
-                             skip_steps=state["skip_steps"], hard_weight=state["hard_weight"])
+            curriculum = cls(
+                n_tasks=state["n_tasks"],
+                seed=state["seed"],
+                ema_decay=state["ema_decay"],
+                skip_steps=state["skip_steps"],
+                hard_weight=state["hard_weight"],
+            )
             ema = emas_from_json(state["ema"])
             skip_left = np.array(state["skip_left"], dtype=np.int64)
             offered = np.array(state["offered"], dtype=bool)
@@ -247,8 +271,10 @@ class Curriculum:
             raise InvalidInputError(f"curriculum state lacks {exc}; pass a dict from Curriculum.state_dict()") from exc
         for name, array in (("ema", ema), ("skip_left", skip_left), ("offered", offered)):
             if array.shape != (curriculum.n_tasks,):
-                raise InvalidInputError(f"curriculum state holds {array.size} '{name}' entries for "
-                                        f"n_tasks={curriculum.n_tasks}; the state belongs to another training set")
+                raise InvalidInputError(
+                    f"curriculum state holds {array.size} '{name}' entries for "
+                    f"n_tasks={curriculum.n_tasks}; the state belongs to another training set"
+                )
         curriculum._ema, curriculum._skip_left, curriculum._offered, curriculum._calls = ema, skip_left, offered, calls
         return curriculum
 

@@ -83,14 +83,21 @@ def load_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
     if path.is_file() and path.suffix == ".jsonl":
         return read_objects(path, what="dataset")
     if path.is_file() and path.suffix not in BUILDERS:
-        raise InvalidInputError(f"cannot tell the format of the dataset {path} from its suffix "
-                                f"{path.suffix or '(none)'!r}; give {LOADABLE}")
+        raise InvalidInputError(
+            f"cannot tell the format of the dataset {path} from its suffix {path.suffix or '(none)'!r}; give {LOADABLE}"
+        )
     return _library_rows(path)
 
 
-def build_examples(rows: Iterable[tuple[int, Row]], *, source: str, prompt_template: str | None = None,
-                   teacher_template: str | None = None, chat_template: ChatTemplate | None = None,
-                   required_fields: Iterable[str] = ()) -> list[Example]:
+def build_examples(
+    rows: Iterable[tuple[int, Row]],
+    *,
+    source: str,
+    prompt_template: str | None = None,
+    teacher_template: str | None = None,
+    chat_template: ChatTemplate | None = None,
+    required_fields: Iterable[str] = (),
+) -> list[Example]:
     """Validated examples of `rows` (from `load_rows`); `source` names them in messages.
 
     `prompt_template` builds the base prompt from the row's fields instead of its own prompt
@@ -115,25 +122,33 @@ def build_examples(rows: Iterable[tuple[int, Row]], *, source: str, prompt_templ
             raise refuse(f"a row must be an object of fields, got {_shown(row)}")
         present = {name: value for name, value in row.items() if value is not None}
         if missing := [name for name in required if name not in present]:
-            raise refuse(f"no {_names(missing)} field, which the reward needs; the row has {_names(present)}. "
-                         "Add it, or choose a reward that does not read it")
+            raise refuse(
+                f"no {_names(missing)} field, which the reward needs; the row has {_names(present)}. "
+                "Add it, or choose a reward that does not read it"
+            )
         if base_template is not None:
             theta, origin = base_template.format(present, refuse), None
         else:
             theta, origin = _own_prompt(present, chat_template, refuse)
         if "t_prompt" in present and (teacher is not None or origin != "theta_prompt"):
-            beside = ("a teacher template" if teacher is not None
-                      else "the prompt template" if base_template is not None else f'"{origin}"')
-            raise refuse(f'"t_prompt" is set beside {beside}, so the teacher would have two prompts; '
-                         'drop "t_prompt", or give the pair as "theta_prompt" and "t_prompt" alone')
+            beside = (
+                "a teacher template"
+                if teacher is not None
+                else "the prompt template"
+                if base_template is not None
+                else f'"{origin}"'
+            )
+            raise refuse(
+                f'"t_prompt" is set beside {beside}, so the teacher would have two prompts; '
+                'drop "t_prompt", or give the pair as "theta_prompt" and "t_prompt" alone'
+            )
         if teacher is not None:
             t = teacher.format({**present, "prompt": theta}, refuse)
         else:
             t = _checked_part(present["t_prompt"], '"t_prompt"', refuse) if origin == "theta_prompt" else None
         examples.append(Example(theta_prompt=theta, t_prompt=None if t == theta else t, row=dict(row), line=line))
     if not examples:
-        raise InvalidInputError(f"{source} has no rows; expected rows like "
-                                '{"prompt": "...", "answer": "..."}')
+        raise InvalidInputError(f'{source} has no rows; expected rows like {{"prompt": "...", "answer": "..."}}')
     return examples
 
 
@@ -147,11 +162,12 @@ def format_template(text: str, name: str, values: Mapping[str, Any], *, source: 
 def held_out_split(examples: Sequence[Example], n: int, seed: int) -> tuple[list[Example], list[Example]]:
     """(train, held_out): `n` examples chosen by `seed` are held out; both keep the given order."""
     if not 1 <= n < len(examples):
-        raise InvalidInputError(f"cannot hold out {n} of {len(examples)} examples: hold out at least 1 and leave "
-                                "at least 1 to train on. Lower the held-out size, or give a separate eval dataset")
+        raise InvalidInputError(
+            f"cannot hold out {n} of {len(examples)} examples: hold out at least 1 and leave "
+            "at least 1 to train on. Lower the held-out size, or give a separate eval dataset"
+        )
     chosen = set(random.Random(seed).sample(range(len(examples)), n))
-    return ([e for i, e in enumerate(examples) if i not in chosen],
-            [e for i, e in enumerate(examples) if i in chosen])
+    return ([e for i, e in enumerate(examples) if i not in chosen], [e for i, e in enumerate(examples) if i in chosen])
 
 
 def _library_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
@@ -160,8 +176,9 @@ def _library_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
         import datasets
         import pyarrow
     except ImportError as exc:
-        raise InvalidInputError(f"reading {path} needs the `datasets` library: pip install datasets, "
-                                "or give the dataset as a .jsonl file") from exc
+        raise InvalidInputError(
+            f"reading {path} needs the `datasets` library: pip install datasets, or give the dataset as a .jsonl file"
+        ) from exc
     try:
         if path.is_dir() and any((path / marker).is_file() for marker in SAVED_DATASET_MARKERS):
             loaded = datasets.load_from_disk(str(path))
@@ -172,12 +189,15 @@ def _library_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
     except (OSError, ValueError, TypeError, datasets.exceptions.DatasetsError, pyarrow.ArrowException) as exc:
         # DatasetGenerationError says only "An error occurred"; what went wrong is its cause.
         reason = exc.__cause__ or exc
-        raise InvalidInputError(f"cannot load the dataset {path}: {type(reason).__name__}: {reason}; fix the "
-                                f"file, or give {LOADABLE}") from exc
+        raise InvalidInputError(
+            f"cannot load the dataset {path}: {type(reason).__name__}: {reason}; fix the file, or give {LOADABLE}"
+        ) from exc
     if isinstance(loaded, datasets.DatasetDict):
         if "train" not in loaded:
-            raise InvalidInputError(f"the dataset {path} has splits {sorted(loaded)} and no 'train'; point at the "
-                                    "split's own files, or name them train*.<suffix>")
+            raise InvalidInputError(
+                f"the dataset {path} has splits {sorted(loaded)} and no 'train'; point at the "
+                "split's own files, or name them train*.<suffix>"
+            )
         loaded = loaded["train"]
     return list(enumerate(loaded.to_list(), start=1))
 
@@ -196,8 +216,10 @@ class _Template:
         try:
             parsed = list(string.Formatter().parse(text))
         except ValueError as exc:
-            raise InvalidInputError(f"the {name} {text!r} is malformed ({exc}); write a field as {{name}} and a "
-                                    "literal brace as {{ or }}") from exc
+            raise InvalidInputError(
+                f"the {name} {text!r} is malformed ({exc}); write a field as {{name}} and a "
+                "literal brace as {{ or }}"
+            ) from exc
         fields: set[str] = set()
         bare: set[str] = set()
         for _, field_name, spec, _ in parsed:
@@ -205,8 +227,10 @@ class _Template:
                 continue
             root = re.match(r"[^.\[]*", field_name).group()
             if not root or root.isdigit():
-                raise InvalidInputError(f"the {name} {text!r} has a positional field {{{field_name}}}; name a "
-                                        "field of the rows instead, e.g. {question}")
+                raise InvalidInputError(
+                    f"the {name} {text!r} has a positional field {{{field_name}}}; name a "
+                    "field of the rows instead, e.g. {question}"
+                )
             fields.add(root)
             if root == field_name:
                 bare.add(root)
@@ -215,28 +239,34 @@ class _Template:
                 fields |= nested.fields
                 bare |= nested.bare
         if not fields:
-            raise InvalidInputError(f"the {name} {text!r} names no field, so every prompt would be the same; "
-                                    "name the rows' fields, e.g. {question}")
+            raise InvalidInputError(
+                f"the {name} {text!r} names no field, so every prompt would be the same; "
+                "name the rows' fields, e.g. {question}"
+            )
         return cls(text, name, frozenset(fields), frozenset(bare))
 
     def format(self, values: Mapping[str, Any], refuse: Callable[[str], InputFormatError]) -> str:
         if missing := sorted(self.fields - values.keys()):
-            raise refuse(f"the {self.name} names {_names(missing)}, which this row lacks; it has "
-                         f"{_names(values)}. Fix the template, or add the field to every row")
+            raise refuse(
+                f"the {self.name} names {_names(missing)}, which this row lacks; it has "
+                f"{_names(values)}. Fix the template, or add the field to every row"
+            )
         for name in sorted(self.bare):
             if isinstance(values[name], (list, tuple, Mapping)):
-                raise refuse(f"the {self.name} puts {name!r} into the text whole, and it is not text but "
-                             f"{_shown(values[name])}; name a text field, or index into it (e.g. {{{name}[0]}})")
+                raise refuse(
+                    f"the {self.name} puts {name!r} into the text whole, and it is not text but "
+                    f"{_shown(values[name])}; name a text field, or index into it (e.g. {{{name}[0]}})"
+                )
         try:
             text = self.text.format_map(values)
         except (KeyError, IndexError, AttributeError, ValueError, TypeError) as exc:
-            raise refuse(f"the {self.name} {self.text!r} cannot format this row: "
-                         f"{type(exc).__name__}: {exc}") from exc
+            raise refuse(f"the {self.name} {self.text!r} cannot format this row: {type(exc).__name__}: {exc}") from exc
         return _checked_part(text, f"the {self.name}", refuse)
 
 
-def _own_prompt(present: Mapping[str, Any], chat_template: ChatTemplate | None,
-                refuse: Callable[[str], InputFormatError]) -> tuple[str | tuple[int, ...], str]:
+def _own_prompt(
+    present: Mapping[str, Any], chat_template: ChatTemplate | None, refuse: Callable[[str], InputFormatError]
+) -> tuple[str | tuple[int, ...], str]:
     """(base prompt, the field it came from) of a row that carries its prompt itself."""
     if "prompt" in present:
         return _checked_part(present["prompt"], '"prompt"', refuse), "prompt"
@@ -244,27 +274,36 @@ def _own_prompt(present: Mapping[str, Any], chat_template: ChatTemplate | None,
         return _rendered_chat(present["messages"], chat_template, refuse), "messages"
     if "theta_prompt" in present and "t_prompt" in present:
         return _checked_part(present["theta_prompt"], '"theta_prompt"', refuse), "theta_prompt"
-    raise refuse(f'needs "prompt", "messages", or both "theta_prompt" and "t_prompt"; the row has '
-                 f"{_names(present)}. Rename its prompt field, or build the prompt with a prompt template "
-                 'over its fields (e.g. "{question}")')
+    raise refuse(
+        f'needs "prompt", "messages", or both "theta_prompt" and "t_prompt"; the row has '
+        f"{_names(present)}. Rename its prompt field, or build the prompt with a prompt template "
+        'over its fields (e.g. "{question}")'
+    )
 
 
-def _rendered_chat(messages: Any, chat_template: ChatTemplate | None,
-                   refuse: Callable[[str], InputFormatError]) -> str:
+def _rendered_chat(messages: Any, chat_template: ChatTemplate | None, refuse: Callable[[str], InputFormatError]) -> str:
     if chat_template is None:
-        raise refuse('the row is a chat ("messages"), and the base tokenizer has no chat template to render it; '
-                     'give the prompt as "prompt" text, build it with a prompt template, or use a base model '
-                     "whose tokenizer has a chat template")
-    if not (isinstance(messages, list) and messages and all(
+        raise refuse(
+            'the row is a chat ("messages"), and the base tokenizer has no chat template to render it; '
+            'give the prompt as "prompt" text, build it with a prompt template, or use a base model '
+            "whose tokenizer has a chat template"
+        )
+    if not (
+        isinstance(messages, list)
+        and messages
+        and all(
             isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages)):
-        raise refuse('"messages" must be a non-empty list of {"role": "...", "content": "..."} objects; '
-                     f"got {_shown(messages)}")
+            for m in messages
+        )
+    ):
+        raise refuse(
+            '"messages" must be a non-empty list of {"role": "...", "content": "..."} objects; '
+            f"got {_shown(messages)}"
+        )
     try:
         text = chat_template([dict(m) for m in messages])
     except Exception as exc:  # the tokenizer's Jinja template may raise anything (e.g. roles must alternate)
-        raise refuse("the base tokenizer's chat template refused these messages: "
-                     f"{type(exc).__name__}: {exc}") from exc
+        raise refuse(f"the base tokenizer's chat template refused these messages: {type(exc).__name__}: {exc}") from exc
     return _checked_part(text, "the rendered chat", refuse)
 
 
@@ -289,4 +328,4 @@ def _names(names: Iterable[str]) -> str:
 
 def _shown(value: Any) -> str:
     shown = repr(value)
-    return shown if len(shown) <= SHOWN_CHARS else shown[:SHOWN_CHARS - 3] + "..."
+    return shown if len(shown) <= SHOWN_CHARS else shown[: SHOWN_CHARS - 3] + "..."

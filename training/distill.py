@@ -72,8 +72,9 @@ def generalized_jsd(student_log: torch.Tensor, teacher_log: torch.Tensor, beta: 
     return beta * _kl(teacher_log, mixture) + (1.0 - beta) * _kl(student_log, mixture)
 
 
-def topk_divergence(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, *,
-                    beta: float = 0.0) -> torch.Tensor:
+def topk_divergence(
+    student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, *, beta: float = 0.0
+) -> torch.Tensor:
     """Per-state JSD_beta over the teacher's top-k plus a tail bucket; [..., K], [..., K] -> [...].
 
     `student_logprobs`: the learner's log pi_theta at the teacher's top-k ids (with grad);
@@ -87,8 +88,9 @@ def topk_divergence(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tens
     return generalized_jsd(student_log, teacher_log, beta)
 
 
-def topk_distillation(student_logits: torch.Tensor, teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor,
-                      *, beta: float = 0.0) -> torch.Tensor:
+def topk_distillation(
+    student_logits: torch.Tensor, teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor, *, beta: float = 0.0
+) -> torch.Tensor:
     """`topk_divergence` from whole logits: [B, T, V] (with grad), int64 [B, T, K], [B, T, K] -> [B, T].
 
     For callers that hold the logits anyway (dualvllm.training.trl_trainer, small tests); the learner
@@ -105,8 +107,9 @@ def teacher_advantages(logp_policy: torch.Tensor, logp_teacher: torch.Tensor, co
     return -coef * (logp_policy.detach() - logp_teacher)
 
 
-def sft_loss(logp_policy: torch.Tensor, mask: torch.Tensor, chosen: torch.Tensor, *,
-             batch_tokens: float | None = None) -> torch.Tensor:
+def sft_loss(
+    logp_policy: torch.Tensor, mask: torch.Tensor, chosen: torch.Tensor, *, batch_tokens: float | None = None
+) -> torch.Tensor:
     """Negative log-likelihood per token of the chosen rollouts: [B, T], [B, T], bool [B] -> scalar.
 
     Averaged over the chosen rollouts' tokens only (unchosen ones would dilute it). No

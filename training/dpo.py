@@ -1,10 +1,10 @@
 """DPO on preference pairs mined from verified q* rollouts, trained with TRL's DPOTrainer.
 
-    sample    `steps x prompts_per_step` prompts, `group_size` q* rollouts each, scored
-    mine      pair a correct and an incorrect completion of the same prompt
-              -> OUTPUT/pairs.jsonl ({"prompt", "chosen", "rejected"}, reusable with TRL)
-    train     trl.DPOTrainer on the base model (reference = the base as it started)
-    evaluate  held-out greedy accuracy of the base before and after -> OUTPUT/final/
+sample    `steps x prompts_per_step` prompts, `group_size` q* rollouts each, scored
+mine      pair a correct and an incorrect completion of the same prompt
+          -> OUTPUT/pairs.jsonl ({"prompt", "chosen", "rejected"}, reusable with TRL)
+train     trl.DPOTrainer on the base model (reference = the base as it started)
+evaluate  held-out greedy accuracy of the base before and after -> OUTPUT/final/
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ def mine_pairs(groups: Groups, prompts: Sequence[str]) -> list[Pair]:
         best = max(r.reward for r in group)
         chosen = [r.text for r in group if r.reward == best]
         worse = [r.text for r in group if r.reward < best]
-        pairs.extend(Pair(prompt=prompt, chosen=chosen[i % len(chosen)], rejected=rejected)
-                     for i, rejected in enumerate(worse))
+        pairs.extend(
+            Pair(prompt=prompt, chosen=chosen[i % len(chosen)], rejected=rejected) for i, rejected in enumerate(worse)
+        )
     return pairs
 
 
@@ -89,8 +90,13 @@ class DPORecipe:
             final = self.train(pairs)
             async with serving(self.config, str(final), log_dir=self.out / "final-servers") as coordinator:
                 after = await self.evaluate(coordinator)
-            return DPOReport(pairs=len(pairs), accuracy_before=before, accuracy_after=after,
-                             pairs_path=self.pairs_path, model_dir=final)
+            return DPOReport(
+                pairs=len(pairs),
+                accuracy_before=before,
+                accuracy_after=after,
+                pairs_path=self.pairs_path,
+                model_dir=final,
+            )
         finally:
             self.cleanup()
 
@@ -98,7 +104,7 @@ class DPORecipe:
         """Inputs (checked before any server starts) and the verifier pool."""
         inputs = prepare(self.config)
         self.base_dir, self.tokenizer, self.problems = inputs.base_dir, inputs.tokenizer, inputs.problems
-        self.chosen = self.problems.train[:self.config.steps * self.config.prompts_per_step]
+        self.chosen = self.problems.train[: self.config.steps * self.config.prompts_per_step]
         self.batch_size = len(self.chosen) * self.config.group_size
         self.pairs_path = self.out / "pairs.jsonl"
         self.pool = self._stack.enter_context(verifier_pool())
@@ -111,9 +117,15 @@ class DPORecipe:
         """One batch of q* rollouts, scored, mined into pairs -> OUTPUT/pairs.jsonl."""
         config = self.config
         sampled = await sample_batch(
-            coordinator, self.chosen, config.sampling_params(fixed_alpha=config.fixed_alpha),
-            group_size=config.group_size, seed=config.seed, spec=self.problems.spec, executor=self.pool,
-            reward_timeout_s=config.reward_timeout)
+            coordinator,
+            self.chosen,
+            config.sampling_params(fixed_alpha=config.fixed_alpha),
+            group_size=config.group_size,
+            seed=config.seed,
+            spec=self.problems.spec,
+            executor=self.pool,
+            reward_timeout_s=config.reward_timeout,
+        )
         # sample_batch drops groups with fewer than 2 rollouts; match prompts by prompt ids.
         prompt_of = {task.prompt_ids: task.prompt_text for task in self.chosen}
         groups = sampled.groups
@@ -123,7 +135,8 @@ class DPORecipe:
             raise NoTrainingSignalError(
                 f"no preference pairs in {len(groups)} prompts: every prompt's rollouts were all right or all "
                 "wrong. Sample more per prompt (--group-size), more prompts (--steps, --prompts-per-step), or "
-                "at a higher --temperature")
+                "at a higher --temperature"
+            )
         return pairs
 
     def train(self, pairs: Sequence[Pair]) -> Path:
@@ -139,19 +152,34 @@ class DPORecipe:
         config = self.config
         torch.manual_seed(config.seed)
         model = AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=torch.float32)
-        args = DPOConfig(output_dir=str(self.out / "trl"), per_device_train_batch_size=32,
-                         num_train_epochs=config.dpo_epochs, learning_rate=config.learning_rate, beta=config.dpo_beta,
-                         save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(), seed=config.seed,
-                         logging_steps=5, disable_tqdm=not self.show_progress)
+        args = DPOConfig(
+            output_dir=str(self.out / "trl"),
+            per_device_train_batch_size=32,
+            num_train_epochs=config.dpo_epochs,
+            learning_rate=config.learning_rate,
+            beta=config.dpo_beta,
+            save_strategy="no",
+            report_to=[],
+            use_cpu=not torch.cuda.is_available(),
+            seed=config.seed,
+            logging_steps=5,
+            disable_tqdm=not self.show_progress,
+        )
         dataset = Dataset.from_list([{"prompt": p.prompt, "chosen": p.chosen, "rejected": p.rejected} for p in pairs])
         peft_config = None
         if config.lora_rank:
             from peft import LoraConfig
 
-            peft_config = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0,
-                                     target_modules=list(lora.TARGET_MODULES), task_type="CAUSAL_LM")
-        trainer = DPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=self.tokenizer,
-                             peft_config=peft_config)
+            peft_config = LoraConfig(
+                r=config.lora_rank,
+                lora_alpha=config.lora_alpha,
+                lora_dropout=0.0,
+                target_modules=list(lora.TARGET_MODULES),
+                task_type="CAUSAL_LM",
+            )
+        trainer = DPOTrainer(
+            model=model, args=args, train_dataset=dataset, processing_class=self.tokenizer, peft_config=peft_config
+        )
         trainer.train()
         final = self.out / "final"
         lora.save_full(trainer.model, final)  # merged weights when trained with LoRA

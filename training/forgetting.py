@@ -28,8 +28,8 @@ def state_kl(model: Any, start: Any, packed: Packed, *, chunk: int) -> torch.Ten
     hidden, start_hidden = completion_states(model, packed), completion_states(start, packed)  # [M, H] each
     pieces = []
     for i in range(0, hidden.shape[0], chunk):
-        logp = torch.log_softmax(head(hidden[i:i + chunk]).double(), dim=-1)  # [N, V]
-        logp0 = torch.log_softmax(start_head(start_hidden[i:i + chunk]).double(), dim=-1)  # [N, V]
+        logp = torch.log_softmax(head(hidden[i : i + chunk]).double(), dim=-1)  # [N, V]
+        logp0 = torch.log_softmax(start_head(start_hidden[i : i + chunk]).double(), dim=-1)  # [N, V]
         pieces.append((logp.exp() * (logp - logp0)).sum(-1))  # [N]
     per_state = torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float64)  # [M]
     return torch.zeros(real.shape, dtype=torch.float64).index_put((real,), per_state).sum(1)  # [B]

@@ -59,9 +59,15 @@ NO_SIGNAL_WARNING_STEPS = 20
 # Options of the update that only some methods have (option -> Objective field): a method
 # without one takes the Objective's default, which is what that method does (sft has no
 # correction, grpo alone pools groups).
-METHOD_OBJECTIVE_OPTIONS = {"correction": "correction", "scale_advantages": "scale_advantages", "is_cap": "is_cap",
-                            "share_cap": "share_cap", "normalization": "normalization",
-                            "guided_shaping": "shaping_gamma", "rft_min_reward": "rft_min_reward"}
+METHOD_OBJECTIVE_OPTIONS = {
+    "correction": "correction",
+    "scale_advantages": "scale_advantages",
+    "is_cap": "is_cap",
+    "share_cap": "share_cap",
+    "normalization": "normalization",
+    "guided_shaping": "shaping_gamma",
+    "rft_min_reward": "rft_min_reward",
+}
 
 
 @dataclass(frozen=True)
@@ -75,15 +81,22 @@ class TrainReport:
 
 def objective(config: StreamingTrainConfig) -> Objective:
     """What one update of the run optimizes."""
-    options = {field: getattr(config, name) for name, field in METHOD_OBJECTIVE_OPTIONS.items()
-               if name in type(config).model_fields}
-    return Objective(method=config.method, max_completion_length=config.max_tokens,
-                     teacher_advantage_coef=config.teacher_advantage_coef, distill_coef=config.distillation_coef,
-                     distill_beta=config.distill_beta, **options)
+    options = {
+        field: getattr(config, name)
+        for name, field in METHOD_OBJECTIVE_OPTIONS.items()
+        if name in type(config).model_fields
+    }
+    return Objective(
+        method=config.method,
+        max_completion_length=config.max_tokens,
+        teacher_advantage_coef=config.teacher_advantage_coef,
+        distill_coef=config.distillation_coef,
+        distill_beta=config.distill_beta,
+        **options,
+    )
 
 
-async def train_grpo(config: StreamingTrainConfig, *, resume: bool = False,
-                     show_progress: bool = True) -> TrainReport:
+async def train_grpo(config: StreamingTrainConfig, *, resume: bool = False, show_progress: bool = True) -> TrainReport:
     """`dualvllm train --method grpo`: the recipe below, set up, trained and cleaned up."""
     return await GRPORecipe(config, resume=resume, show_progress=show_progress).run()
 
@@ -132,10 +145,15 @@ class GRPORecipe:
         if config.kl_from_start_prompts:  # the run's start, also when resuming: the base, not the checkpoint
             self._start = AutoModelForCausalLM.from_pretrained(inputs.base_dir, dtype=torch.float32).eval()
             self._start.requires_grad_(False)
-        self.learner = Learner(model, learning_rate=config.learning_rate, kl_coef=config.reference_kl_coef,
-                               pad_id=self.tokenizer.pad_token_id or 0, micro_batch_size=config.micro_batch_size,
-                               gradient_checkpointing=config.gradient_checkpointing,
-                               weight_decay=config.weight_decay)
+        self.learner = Learner(
+            model,
+            learning_rate=config.learning_rate,
+            kl_coef=config.reference_kl_coef,
+            pad_id=self.tokenizer.pad_token_id or 0,
+            micro_batch_size=config.micro_batch_size,
+            gradient_checkpointing=config.gradient_checkpointing,
+            weight_decay=config.weight_decay,
+        )
         self.state = checkpoint.load_state(newest, self.learner.optimizer) if newest is not None else RunState(0, 0, 0)
         if newest is not None:
             log.info("resuming from %s (step %d)", newest, self.state.step)
@@ -146,10 +164,12 @@ class GRPORecipe:
         batch_size = config.prompts_per_step * config.group_size
         if config.engine == "transformers":  # the base engine samples the live weights: no server, no push
             self.coordinator, self._live = await self._stack.enter_async_context(
-                in_process(config, self.learner.model, self.tokenizer, batch_size=batch_size))
+                in_process(config, self.learner.model, self.tokenizer, batch_size=batch_size)
+            )
             return
         self.coordinator = await self._stack.enter_async_context(
-            serving(config, start_dir, log_dir=self.out, dev_mode=True, batch_size=batch_size))
+            serving(config, start_dir, log_dir=self.out, dev_mode=True, batch_size=batch_size)
+        )
         probes = [list(t.prompt_ids) for t in self.problems.held_out[:PUSH_PROBES]]
         self.pusher = BasePusher(self.coordinator.base_engine, probes, via=config.weights_via)
         if config.theta_urls:  # servers started elsewhere serve whatever they were given: make it ours
@@ -166,24 +186,45 @@ class GRPORecipe:
         samples from the first kl_from_start_prompts training prompts (training/forgetting.py). The
         same seed at every evaluation: the states change only as the policy does."""
         config, learner = self.config, self.learner
-        tasks = self.problems.train[:config.kl_from_start_prompts]
-        outputs = await self.coordinator.generate_batch([t.prompt for t in tasks],
-                                                        config.sampling_params(fixed_alpha=0.0), seed=config.seed)
-        rollouts = [Rollout(prompt_ids=t.prompt_ids, completion_ids=tuple(o.generated_tokens),
-                            logprobs_q=tuple(o.logprobs_q), alphas=(), text=o.generated_text, reward=0.0)
-                    for t, o in zip(tasks, outputs) if o.ok and o.generated_tokens]
+        tasks = self.problems.train[: config.kl_from_start_prompts]
+        outputs = await self.coordinator.generate_batch(
+            [t.prompt for t in tasks], config.sampling_params(fixed_alpha=0.0), seed=config.seed
+        )
+        rollouts = [
+            Rollout(
+                prompt_ids=t.prompt_ids,
+                completion_ids=tuple(o.generated_tokens),
+                logprobs_q=tuple(o.logprobs_q),
+                alphas=(),
+                text=o.generated_text,
+                reward=0.0,
+            )
+            for t, o in zip(tasks, outputs)
+            if o.ok and o.generated_tokens
+        ]
         if not rollouts:
             log.warning("no completion to measure the KL from the start on: every one failed or was empty")
             return {}
         size = learner.micro_batch_size or len(rollouts)
 
         def measure() -> torch.Tensor:
-            return torch.cat([state_kl(learner.model, self._start, pack(rollouts[i:i + size], learner.pad_id),
-                                       chunk=learner.logit_chunk_size) for i in range(0, len(rollouts), size)])
+            return torch.cat(
+                [
+                    state_kl(
+                        learner.model,
+                        self._start,
+                        pack(rollouts[i : i + size], learner.pad_id),
+                        chunk=learner.logit_chunk_size,
+                    )
+                    for i in range(0, len(rollouts), size)
+                ]
+            )
 
         kl = await asyncio.to_thread(measure)
-        return {"kl_from_start": float(kl.mean()),
-                "kl_from_start_per_token": float(kl.sum()) / sum(len(r.completion_ids) for r in rollouts)}
+        return {
+            "kl_from_start": float(kl.mean()),
+            "kl_from_start_per_token": float(kl.sum()) / sum(len(r.completion_ids) for r in rollouts),
+        }
 
     async def _sample(self, indices: Sequence[int], seed: int) -> Sampled:
         config = self.config
@@ -191,42 +232,75 @@ class GRPORecipe:
         if isinstance(config, AdaptiveTrainConfig):
             assert isinstance(self._chooser, Regimes), "an adaptive run chooses by regimes"
             return await self._sample_by_regime(config, chosen, self._chooser.regimes(indices), seed)
-        return await self._sample_part(chosen, seed, fixed_alpha=config.sampling_alpha,
-                                       on_policy=config.pooled_on_policy)
+        return await self._sample_part(
+            chosen, seed, fixed_alpha=config.sampling_alpha, on_policy=config.pooled_on_policy
+        )
 
-    async def _sample_part(self, chosen: Sequence[Task], seed: int, *, fixed_alpha: float | None,
-                           on_policy: int) -> Sampled:
+    async def _sample_part(
+        self, chosen: Sequence[Task], seed: int, *, fixed_alpha: float | None, on_policy: int
+    ) -> Sampled:
         config = self.config
-        params = config.sampling_params(fixed_alpha=fixed_alpha, max_alpha=config.alpha_cap(self.state.step),
-                                        record_topk=config.top_k if self.objective.needs_teacher_topk else 0)
-        return await sample_batch(self.coordinator, chosen, params, group_size=config.group_size,
-                                  seed=config.seed * 1_000_003 + seed, spec=self.problems.spec, executor=self.pool,
-                                  reward_timeout_s=config.reward_timeout, on_policy=on_policy,
-                                  min_group=self.objective.min_group)
+        params = config.sampling_params(
+            fixed_alpha=fixed_alpha,
+            max_alpha=config.alpha_cap(self.state.step),
+            record_topk=config.top_k if self.objective.needs_teacher_topk else 0,
+        )
+        return await sample_batch(
+            self.coordinator,
+            chosen,
+            params,
+            group_size=config.group_size,
+            seed=config.seed * 1_000_003 + seed,
+            spec=self.problems.spec,
+            executor=self.pool,
+            reward_timeout_s=config.reward_timeout,
+            on_policy=on_policy,
+            min_group=self.objective.min_group,
+        )
 
-    async def _sample_by_regime(self, config: AdaptiveTrainConfig, chosen: Sequence[Task], regimes: Sequence[int],
-                                seed: int) -> Sampled:
+    async def _sample_by_regime(
+        self, config: AdaptiveTrainConfig, chosen: Sequence[Task], regimes: Sequence[int], seed: int
+    ) -> Sampled:
         """Never-solved prompts: guided rollouts (guided_alpha) and probe_rollouts on-policy ones;
         the others: all on-policy. Both parts at once, merged in the order of `chosen`."""
         places = ([i for i, r in enumerate(regimes) if r == NEVER], [i for i, r in enumerate(regimes) if r != NEVER])
         guided, own = await asyncio.gather(
-            self._sample_part([chosen[i] for i in places[0]], seed, fixed_alpha=config.guided_alpha,
-                              on_policy=config.probe_rollouts),
-            self._sample_part([chosen[i] for i in places[1]], seed, fixed_alpha=0.0, on_policy=config.group_size))
+            self._sample_part(
+                [chosen[i] for i in places[0]], seed, fixed_alpha=config.guided_alpha, on_policy=config.probe_rollouts
+            ),
+            self._sample_part([chosen[i] for i in places[1]], seed, fixed_alpha=0.0, on_policy=config.group_size),
+        )
         counts = [sum(len(g) for g in part.groups) for part in (guided, own)]
-        means = {name: sum(part.reward_means.get(name, 0.0) * n for part, n in zip((guided, own), counts))
-                 / max(sum(counts), 1) for name in {**guided.reward_means, **own.reward_means}}
-        order = sorted([(places[0][j], g) for j, g in zip(guided.group_tasks, guided.groups)]
-                       + [(places[1][j], g) for j, g in zip(own.group_tasks, own.groups)], key=lambda pair: pair[0])
-        return Sampled(groups=tuple(g for _, g in order), reward_means=means, unscored=guided.unscored + own.unscored,
-                       group_tasks=tuple(i for i, _ in order))
+        means = {
+            name: sum(part.reward_means.get(name, 0.0) * n for part, n in zip((guided, own), counts))
+            / max(sum(counts), 1)
+            for name in {**guided.reward_means, **own.reward_means}
+        }
+        order = sorted(
+            [(places[0][j], g) for j, g in zip(guided.group_tasks, guided.groups)]
+            + [(places[1][j], g) for j, g in zip(own.group_tasks, own.groups)],
+            key=lambda pair: pair[0],
+        )
+        return Sampled(
+            groups=tuple(g for _, g in order),
+            reward_means=means,
+            unscored=guided.unscored + own.unscored,
+            group_tasks=tuple(i for i, _ in order),
+        )
 
     def _start_sampler(self, queue: asyncio.Queue[ScoredBatch]) -> None:
         self._sampler = asyncio.create_task(
-            produce(queue, self._sample, len(self.problems.train), start=self.state.data_position,
-                    prompts_per_step=self.config.prompts_per_step, policy_version=lambda: self.state.policy_version,
-                    chooser=self._chooser),
-            name="dualvllm-sampler")
+            produce(
+                queue,
+                self._sample,
+                len(self.problems.train),
+                start=self.state.data_position,
+                prompts_per_step=self.config.prompts_per_step,
+                policy_version=lambda: self.state.policy_version,
+                chooser=self._chooser,
+            ),
+            name="dualvllm-sampler",
+        )
 
     async def _stop_sampler(self) -> None:
         if self._sampler is not None:
@@ -241,10 +315,22 @@ class GRPORecipe:
         staleness = state.policy_version - batch.policy_version
         if staleness > config.max_staleness:  # logged: its tokens were sampled (and the teacher queried) all the same
             self.dropped += 1
-            log.info("batch of policy version %d dropped: %d updates stale (max_staleness %d)",
-                     batch.policy_version, staleness, config.max_staleness)
-            _log_metrics(self.metrics_path, {"step": state.step, "event": "dropped_stale", "staleness": staleness,
-                                             "rollout_tokens": batch.tokens, "dropped_stale_batches": self.dropped})
+            log.info(
+                "batch of policy version %d dropped: %d updates stale (max_staleness %d)",
+                batch.policy_version,
+                staleness,
+                config.max_staleness,
+            )
+            _log_metrics(
+                self.metrics_path,
+                {
+                    "step": state.step,
+                    "event": "dropped_stale",
+                    "staleness": staleness,
+                    "rollout_tokens": batch.tokens,
+                    "dropped_stale_batches": self.dropped,
+                },
+            )
             return None
         started = time.perf_counter()
         async with self._live.updating() if self._live is not None else contextlib.nullcontext():
@@ -256,21 +342,39 @@ class GRPORecipe:
             async with self.coordinator.paused():  # lockstep sequences resume on the new weights
                 push = await self.pusher.push(self.learner.model, self.tokenizer, new_push_dir(self.out, step))
             version += 1
-            metrics.update(push_max_abs_diff=push.max_abs_diff, push_replicas=push.replicas,
-                           push_replicas_dropped=len(push.dropped), **push_metrics(push))
+            metrics.update(
+                push_max_abs_diff=push.max_abs_diff,
+                push_replicas=push.replicas,
+                push_replicas_dropped=len(push.dropped),
+                **push_metrics(push),
+            )
             prune_pushed(self.out)
-        self.state = RunState(step=step, data_position=batch.data_position, policy_version=version,
-                              curriculum=batch.curriculum_state)
-        await asyncio.to_thread(checkpoint.save, self.out, self.learner.model, self.tokenizer,
-                                self.learner.optimizer, self.state, config.keep_checkpoints)
+        self.state = RunState(
+            step=step, data_position=batch.data_position, policy_version=version, curriculum=batch.curriculum_state
+        )
+        await asyncio.to_thread(
+            checkpoint.save,
+            self.out,
+            self.learner.model,
+            self.tokenizer,
+            self.learner.optimizer,
+            self.state,
+            config.keep_checkpoints,
+        )
         alphas = [a for g in batch.groups for r in g for a in r.alphas]
         metrics.update({f"reward/{name}": mean for name, mean in batch.reward_means.items()})
         metrics.update(batch.curriculum_stats)
-        metrics.update(step=step, staleness=staleness, policy_version=version, unscored=batch.unscored,
-                       rollout_tokens=batch.tokens, dropped_stale_batches=self.dropped,
-                       mean_alpha=sum(alphas) / max(len(alphas), 1),
-                       sample_tokens_per_s=batch.tokens / max(batch.sample_seconds, 1e-9),
-                       step_seconds=time.perf_counter() - started)
+        metrics.update(
+            step=step,
+            staleness=staleness,
+            policy_version=version,
+            unscored=batch.unscored,
+            rollout_tokens=batch.tokens,
+            dropped_stale_batches=self.dropped,
+            mean_alpha=sum(alphas) / max(len(alphas), 1),
+            sample_tokens_per_s=batch.tokens / max(batch.sample_seconds, 1e-9),
+            step_seconds=time.perf_counter() - started,
+        )
         return metrics
 
     async def train(self) -> TrainReport:
@@ -285,8 +389,9 @@ class GRPORecipe:
         final: dict[str, float] | None = None
         reached = 0  # evaluations in a row at or above stop_at_accuracy
         signal = False  # whether any group so far had a nonzero advantage
-        with tqdm(total=config.steps, initial=self.state.step, desc=config.method, unit="step",
-                  disable=not self.show_progress) as bar:
+        with tqdm(
+            total=config.steps, initial=self.state.step, desc=config.method, unit="step", disable=not self.show_progress
+        ) as bar:
             while self.state.step < config.steps:
                 metrics = await self.train_step(await _next_batch(queue, self._sampler))
                 if metrics is None:
@@ -300,7 +405,9 @@ class GRPORecipe:
                         "here, the rollouts are never right or never wrong. If the base cannot solve these "
                         "prompts, train on the teacher's distribution instead (--method distill: forward KL on "
                         "q* states, or with --fixed-alpha 1 on the teacher's), or use --stop-without-signal N "
-                        "to end runs like this one", step)
+                        "to end runs like this one",
+                        step,
+                    )
                 if step == config.steps or silent:  # nothing more to sample: the last evaluation runs alone
                     await self._stop_sampler()
                 if step % config.eval_every == 0 or step == config.steps or silent:
@@ -312,11 +419,16 @@ class GRPORecipe:
                         final = evaluation
                 _log_metrics(self.metrics_path, metrics)
                 bar.update(1)
-                bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}",
-                                held_out=f"{metrics.get('held_out_accuracy', float('nan')):.2f}")
+                bar.set_postfix(
+                    reward=f"{metrics['reward_mean']:.2f}",
+                    held_out=f"{metrics.get('held_out_accuracy', float('nan')):.2f}",
+                )
                 if reached == 2:
-                    log.info("held-out greedy accuracy reached %.2f at two evaluations in a row; stopping at step %d",
-                             config.stop_at_accuracy, step)
+                    log.info(
+                        "held-out greedy accuracy reached %.2f at two evaluations in a row; stopping at step %d",
+                        config.stop_at_accuracy,
+                        step,
+                    )
                     break
                 if silent:
                     log.info("every group of the first %d updates had zero advantage: no signal; stopping", step)
@@ -324,9 +436,13 @@ class GRPORecipe:
         await self._stop_sampler()
         after = final if final is not None else await self.evaluate()  # a resumed run that was done
         _log_metrics(self.metrics_path, {"step": self.state.step, "event": "eval", **after})
-        return TrainReport(steps_done=self.state.step, accuracy_before=before["held_out_accuracy"],
-                           accuracy_after=after["held_out_accuracy"], dropped_stale_batches=self.dropped,
-                           metrics_path=self.metrics_path)
+        return TrainReport(
+            steps_done=self.state.step,
+            accuracy_before=before["held_out_accuracy"],
+            accuracy_after=after["held_out_accuracy"],
+            dropped_stale_batches=self.dropped,
+            metrics_path=self.metrics_path,
+        )
 
     async def cleanup(self) -> None:
         """Stop the sampler, then the coordinator, the servers and the verifier pool (each bounded)."""
@@ -341,16 +457,22 @@ def _chooser(config: StreamingTrainConfig, state: RunState, n_tasks: int) -> Cur
     """What picks the run's prompts: the adaptive recipe's regimes, or --curriculum's curriculum,
     resumed from the checkpoint's state, else new; None: the data in order."""
     if isinstance(config, AdaptiveTrainConfig):
-        chooser: Curriculum | Regimes = (config.regimes(n_tasks) if state.curriculum is None
-                                         else Regimes.from_state(state.curriculum))
+        chooser: Curriculum | Regimes = (
+            config.regimes(n_tasks) if state.curriculum is None else Regimes.from_state(state.curriculum)
+        )
     elif config.curriculum:
-        chooser = Curriculum(n_tasks=n_tasks, seed=config.seed) if state.curriculum is None \
+        chooser = (
+            Curriculum(n_tasks=n_tasks, seed=config.seed)
+            if state.curriculum is None
             else Curriculum.from_state(state.curriculum)
+        )
     else:
         return None
     if chooser.n_tasks != n_tasks:
-        raise InvalidInputError(f"the checkpoint's prompt choices cover {chooser.n_tasks} prompts and the dataset "
-                                f"has {n_tasks}; resume with the dataset of the first run")
+        raise InvalidInputError(
+            f"the checkpoint's prompt choices cover {chooser.n_tasks} prompts and the dataset "
+            f"has {n_tasks}; resume with the dataset of the first run"
+        )
     return chooser
 
 

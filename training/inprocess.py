@@ -24,17 +24,24 @@ from dualvllm.training.serving import coordinator_config
 
 
 @contextlib.asynccontextmanager
-async def in_process(config: TrainConfig, model: Any, tokenizer: Any, *,
-                     batch_size: int) -> AsyncIterator[tuple[DualVLLMCoordinator, TransformersEngine]]:
+async def in_process(
+    config: TrainConfig, model: Any, tokenizer: Any, *, batch_size: int
+) -> AsyncIterator[tuple[DualVLLMCoordinator, TransformersEngine]]:
     """(coordinator, the base's live engine) over `model` and the run's teacher."""
     async with contextlib.AsyncExitStack() as stack:
         base = await stack.enter_async_context(TransformersEngine.live(model, tokenizer, name="theta"))
         if config.teacher == "self":
             teacher = base
         else:
-            path = (config.base or tinymodels.BASE_DIR) if config.teacher == "self-frozen" else (
-                config.teacher or tinymodels.TEACHER_DIR)
+            path = (
+                (config.base or tinymodels.BASE_DIR)
+                if config.teacher == "self-frozen"
+                else (config.teacher or tinymodels.TEACHER_DIR)
+            )
             teacher = await stack.enter_async_context(TransformersEngine(path, name="t"))
-        coordinator = await stack.enter_async_context(DualVLLMCoordinator(
-            coordinator_config(config, batch_size=batch_size, mode="per_token"), theta_engine=base, t_engine=teacher))
+        coordinator = await stack.enter_async_context(
+            DualVLLMCoordinator(
+                coordinator_config(config, batch_size=batch_size, mode="per_token"), theta_engine=base, t_engine=teacher
+            )
+        )
         yield coordinator, base

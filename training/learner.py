@@ -126,8 +126,7 @@ def pack(rollouts: Sequence[Rollout], pad_id: int) -> Packed:
         if teacher_ids is not None and teacher_logprobs is not None and r.teacher_topk is not None:
             teacher_ids[row, :n] = torch.from_numpy(r.teacher_topk[0]).clamp(min=0)
             teacher_logprobs[row, :n] = torch.from_numpy(r.teacher_topk[1]).float()
-    return Packed(input_ids, attention, targets, target_mask, behaviour, starts, teacher, teacher_ids,
-                  teacher_logprobs)
+    return Packed(input_ids, attention, targets, target_mask, behaviour, starts, teacher, teacher_ids, teacher_logprobs)
 
 
 def completion_states(model: Any, packed: Packed) -> torch.Tensor:
@@ -144,8 +143,9 @@ def completion_states(model: Any, packed: Packed) -> torch.Tensor:
     return hidden[rows[real], positions[real]]  # [M, H]
 
 
-def token_logprobs(model: Any, packed: Packed, ids: torch.Tensor, *,
-                   chunk_size: int = LOGIT_CHUNK_SIZE) -> torch.Tensor:
+def token_logprobs(
+    model: Any, packed: Packed, ids: torch.Tensor, *, chunk_size: int = LOGIT_CHUNK_SIZE
+) -> torch.Tensor:
     """log pi(ids[b, t, j] | prompt, y_<t) at every completion state: int64 [B, T, J] -> [B, T, J], 0 where padded.
 
     One pass of the body, then the lm_head `chunk_size` states at a time (dualvllm.training.logprobs):
@@ -235,18 +235,29 @@ class Learner:
     checkpointed layers drop in train mode.
     """
 
-    def __init__(self, model: Any, *, learning_rate: float, kl_coef: float, pad_id: int,
-                 micro_batch_size: int | None = None, gradient_checkpointing: bool = False,
-                 logit_chunk_size: int = LOGIT_CHUNK_SIZE, weight_decay: float = 0.0) -> None:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        learning_rate: float,
+        kl_coef: float,
+        pad_id: int,
+        micro_batch_size: int | None = None,
+        gradient_checkpointing: bool = False,
+        logit_chunk_size: int = LOGIT_CHUNK_SIZE,
+        weight_decay: float = 0.0,
+    ) -> None:
         if micro_batch_size is not None and micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be at least 1 rollout (None: the whole batch), "
-                             f"got {micro_batch_size}")
+            raise ValueError(
+                f"micro_batch_size must be at least 1 rollout (None: the whole batch), got {micro_batch_size}"
+            )
         if logit_chunk_size < 1:
             raise ValueError(f"logit_chunk_size must be at least 1 position, got {logit_chunk_size}")
         self.model = model.eval()
         # Only what trains: with LoRA the base weights are frozen.
-        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=learning_rate,
-                                           weight_decay=weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad], lr=learning_rate, weight_decay=weight_decay
+        )
         self.reference = copy.deepcopy(model).eval().requires_grad_(False) if kl_coef > 0 else None
         if gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
@@ -261,8 +272,11 @@ class Learner:
         metrics = self.accumulate_gradients(batch, objective)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
-        return {**metrics, "grad_norm": float(grad_norm),
-                "train_tokens_per_s": metrics["train_tokens"] / (time.perf_counter() - started)}
+        return {
+            **metrics,
+            "grad_norm": float(grad_norm),
+            "train_tokens_per_s": metrics["train_tokens"] / (time.perf_counter() - started),
+        }
 
     def loss(self, batch: ScoredBatch, objective: Objective) -> tuple[torch.Tensor, dict[str, float]]:
         """The update's loss on `batch` (with its graph, nothing stepped) and its metrics.
@@ -311,8 +325,9 @@ class Learner:
             reference = self._reference_logprobs(packed, objective)
             with self._training():
                 part = self._values(packed, objective)  # [b, T_b, J]
-                share, _ = self._terms(objective, prepared, packed, part, reference,
-                                       None if advantages is None else advantages[rows], rows)
+                share, _ = self._terms(
+                    objective, prepared, packed, part, reference, None if advantages is None else advantages[rows], rows
+                )
                 if share.requires_grad:  # rows without real tokens add nothing
                     share.backward()
             values.append(part.detach())
@@ -338,8 +353,9 @@ class Learner:
         rollouts = [r for g in groups for r in g]
         packed = pack(rollouts, self.pad_id)
         if objective.distill_coef > 0 and (packed.teacher_ids is None or packed.teacher_logprobs is None):
-            raise ValueError("the distillation term needs the teacher's top-k of every rollout; sample with "
-                             "record_topk")
+            raise ValueError(
+                "the distillation term needs the teacher's top-k of every rollout; sample with record_topk"
+            )
         all_rewards = torch.cat(rewards)
         chosen = torch.ones_like(all_rewards, dtype=torch.bool)
         if objective.method == "rft":
@@ -349,9 +365,20 @@ class Learner:
         on_policy = torch.tensor([r.on_policy for r in rollouts], dtype=torch.bool)
         reward_rows = on_policy if objective.split_rows else torch.ones_like(on_policy)
         distill_rows = ~on_policy if objective.split_rows else torch.ones_like(on_policy)
-        return Prepared(groups, rollouts, rewards, packed, chosen, shaped, float(mask.sum()),
-                        float((mask * chosen[:, None]).sum()), reward_rows, float((mask * reward_rows[:, None]).sum()),
-                        distill_rows, float((mask * distill_rows[:, None]).sum()))
+        return Prepared(
+            groups,
+            rollouts,
+            rewards,
+            packed,
+            chosen,
+            shaped,
+            float(mask.sum()),
+            float((mask * chosen[:, None]).sum()),
+            reward_rows,
+            float((mask * reward_rows[:, None]).sum()),
+            distill_rows,
+            float((mask * distill_rows[:, None]).sum()),
+        )
 
     def _values(self, packed: Packed, objective: Objective) -> torch.Tensor:
         """log pi_theta of the sampled token, then at the teacher's top-k ids when distilling -> [B, T, 1 (+ K)]."""
@@ -377,14 +404,22 @@ class Learner:
         parts, started = [], time.perf_counter()
         with torch.no_grad():
             for done, rows in enumerate(slices, 1):
-                parts.append(completion_logprobs(self.model, pack(prepared.rollouts[rows], self.pad_id),
-                                                 chunk_size=self.logit_chunk_size))
-                log.debug("pass without gradients: micro-batch %d/%d, %.1f s", done, len(slices),
-                          time.perf_counter() - started)
+                parts.append(
+                    completion_logprobs(
+                        self.model, pack(prepared.rollouts[rows], self.pad_id), chunk_size=self.logit_chunk_size
+                    )
+                )
+                log.debug(
+                    "pass without gradients: micro-batch %d/%d, %.1f s",
+                    done,
+                    len(slices),
+                    time.perf_counter() - started,
+                )
         return _padded_rows(parts, prepared.packed.targets.shape[1])
 
-    def _advantages(self, prepared: Prepared, objective: Objective,
-                    logp: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+    def _advantages(
+        self, prepared: Prepared, objective: Objective, logp: torch.Tensor | None
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """Per-rollout advantages [B] and their metrics; `logp` [B, T] detached (None: only when the
         correction does not read it, and then the metrics that do read it are wrong)."""
         packed = prepared.packed
@@ -397,36 +432,45 @@ class Learner:
         rewards, ratios = prepared.rewards, list(torch.split(log_ratio, [len(g) for g in prepared.groups]))
         compared = [torch.ones(len(r), dtype=torch.bool) for r in rewards]  # [G_g] per group: the rows compared
         if objective.split_rows:  # a group's on-policy members among themselves, when there are two or more
-            compared = [m if int(m.sum()) >= 2 else torch.zeros_like(m)
-                        for m in torch.split(prepared.reward_rows, [len(g) for g in prepared.groups])]
+            compared = [
+                m if int(m.sum()) >= 2 else torch.zeros_like(m)
+                for m in torch.split(prepared.reward_rows, [len(g) for g in prepared.groups])
+            ]
         kept = [i for i, m in enumerate(compared) if m.any()]
         advantages = torch.zeros(len(prepared.rollouts))
         metrics: dict[str, float] = {}
         if kept:
             values, metrics = group_advantages(
-                [rewards[i][compared[i]] for i in kept], [ratios[i][compared[i]] for i in kept],
-                correction=correction, scale=objective.scale_advantages, share_cap=objective.share_cap)
+                [rewards[i][compared[i]] for i in kept],
+                [ratios[i][compared[i]] for i in kept],
+                correction=correction,
+                scale=objective.scale_advantages,
+                share_cap=objective.share_cap,
+            )
             advantages[torch.cat(compared)] = values.to(advantages.dtype)
         if objective.method == "opd":  # the teacher's advantages alone
             advantages = torch.zeros_like(advantages)
         return advantages, metrics
 
-    def _whole_batch(self, prepared: Prepared, objective: Objective, values: torch.Tensor,
-                     reference: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+    def _whole_batch(
+        self, prepared: Prepared, objective: Objective, values: torch.Tensor, reference: torch.Tensor | None
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """The loss of the whole batch from its values [B, T, J] (with or without a graph) and the update's metrics."""
         mask = prepared.packed.target_mask
         logp = values[..., 0]  # [B, T]
         advantages, metrics = None, {}
         if objective.policy_gradient:
             advantages, metrics = self._advantages(prepared, objective, logp.detach())
-        loss, term_metrics = self._terms(objective, prepared, prepared.packed, values, reference, advantages,
-                                         slice(None))
+        loss, term_metrics = self._terms(
+            objective, prepared, prepared.packed, values, reference, advantages, slice(None)
+        )
         metrics.update(term_metrics)
         with torch.no_grad():
             entropy_proxy = -(logp * mask).sum() / mask.sum()
             if bool(prepared.packed.logp_teacher.any()):  # how far the learner is from the teacher on its tokens
-                metrics["teacher_log_ratio"] = float(normalize((logp - prepared.packed.logp_teacher.float()), mask,
-                                                               "dapo"))
+                metrics["teacher_log_ratio"] = float(
+                    normalize((logp - prepared.packed.logp_teacher.float()), mask, "dapo")
+                )
         all_rewards = torch.cat(prepared.rewards)
         return loss, {
             "reward_mean": float(all_rewards.mean()),
@@ -439,9 +483,16 @@ class Learner:
             **metrics,
         }
 
-    def _terms(self, objective: Objective, prepared: Prepared, packed: Packed, values: torch.Tensor,
-               reference: torch.Tensor | None, advantages: torch.Tensor | None,
-               rows: slice) -> tuple[torch.Tensor, dict[str, float]]:
+    def _terms(
+        self,
+        objective: Objective,
+        prepared: Prepared,
+        packed: Packed,
+        values: torch.Tensor,
+        reference: torch.Tensor | None,
+        advantages: torch.Tensor | None,
+        rows: slice,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """The loss of rows `rows` of the batch (all, or one micro-batch packed as `packed`), normalized by the
         whole batch, and these rows' metrics. `values` [b, T, J] (`_values`), `advantages` [b]."""
         mask = packed.target_mask  # [b, T]
@@ -458,28 +509,47 @@ class Learner:
             metrics["sft_rollouts"] = float(chosen.float().mean())
         if objective.distill_coef > 0:
             assert packed.teacher_logprobs is not None, "checked by _prepare"
-            divergence = topk_divergence(values[..., 1:], packed.teacher_logprobs,
-                                         beta=objective.distill_beta)  # [b, T]
-            distill = normalize(divergence, mask * prepared.distill_rows[rows][:, None], "dapo",
-                                batch_tokens=prepared.distill_tokens)
+            divergence = topk_divergence(
+                values[..., 1:], packed.teacher_logprobs, beta=objective.distill_beta
+            )  # [b, T]
+            distill = normalize(
+                divergence, mask * prepared.distill_rows[rows][:, None], "dapo", batch_tokens=prepared.distill_tokens
+            )
             loss = loss + objective.distill_coef * distill
             metrics["distill_divergence"] = float(distill.detach())
         return loss, metrics
 
-    def _policy_gradient(self, objective: Objective, prepared: Prepared, packed: Packed, logp: torch.Tensor,
-                         reference: torch.Tensor | None, advantages: torch.Tensor,
-                         rows: slice) -> tuple[torch.Tensor, dict[str, float]]:
+    def _policy_gradient(
+        self,
+        objective: Objective,
+        prepared: Prepared,
+        packed: Packed,
+        logp: torch.Tensor,
+        reference: torch.Tensor | None,
+        advantages: torch.Tensor,
+        rows: slice,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """GRPO's reward term (none under opd) with the teacher's per-token advantages and LUFFY's shaping."""
         token_advantages = None
         if objective.teacher_advantage_coef > 0:
-            token_advantages = teacher_advantages(logp, packed.logp_teacher.float(),
-                                                  objective.teacher_advantage_coef) * packed.target_mask
+            token_advantages = (
+                teacher_advantages(logp, packed.logp_teacher.float(), objective.teacher_advantage_coef)
+                * packed.target_mask
+            )
         return policy_loss(
-            logp, packed.logp_behaviour.float(), advantages.float(),
+            logp,
+            packed.logp_behaviour.float(),
+            advantages.float(),
             packed.target_mask * prepared.reward_rows[rows][:, None],
             correction=objective.correction if objective.method in ("grpo", "adaptive") else "none",
-            is_cap=objective.is_cap, normalization=objective.normalization,
-            max_completion_length=objective.max_completion_length, logp_reference=reference, kl_coef=self.kl_coef,
-            token_advantages=token_advantages, shaped=None if prepared.shaped is None else prepared.shaped[rows],
-            shaping_gamma=objective.shaping_gamma or 0.1, batch_rows=max(int(prepared.reward_rows.sum()), 1),
-            batch_tokens=prepared.reward_tokens)
+            is_cap=objective.is_cap,
+            normalization=objective.normalization,
+            max_completion_length=objective.max_completion_length,
+            logp_reference=reference,
+            kl_coef=self.kl_coef,
+            token_advantages=token_advantages,
+            shaped=None if prepared.shaped is None else prepared.shaped[rows],
+            shaping_gamma=objective.shaping_gamma or 0.1,
+            batch_rows=max(int(prepared.reward_rows.sum()), 1),
+            batch_tokens=prepared.reward_tokens,
+        )

@@ -46,8 +46,10 @@ def body_and_head(model: Any) -> tuple[Any, Any]:
     for name, neutral in LOGIT_TRANSFORMS.items():
         value = getattr(base.config, name, None)
         if value is not None and value != neutral:
-            raise ValueError(f"{type(base).__name__} applies {name}={value} to its logits, which the chunked "
-                             "log-probabilities (dualvllm.training.logprobs) do not; train a model without it")
+            raise ValueError(
+                f"{type(base).__name__} applies {name}={value} to its logits, which the chunked "
+                "log-probabilities (dualvllm.training.logprobs) do not; train a model without it"
+            )
     head = base.get_output_embeddings()
     if head is None:
         raise ValueError(f"{type(base).__name__} exposes no output embeddings (lm_head); the learner needs a causal LM")
@@ -77,7 +79,7 @@ def selected_logprobs(hidden: torch.Tensor, head: Any, ids: torch.Tensor, *, chu
     ids = ids.clamp(min=0)  # padded top-k entries (-1) read id 0; the caller masks them
     pieces = []
     for start in range(0, hidden.shape[0], chunk):
-        h, i = hidden[start:start + chunk], ids[start:start + chunk]  # [N, H], [N, J]
+        h, i = hidden[start : start + chunk], ids[start : start + chunk]  # [N, H], [N, J]
         if torch.is_grad_enabled():
             pieces.append(checkpoint(_chunk_logprobs, h, head, i, use_reentrant=False))
         else:

@@ -25,8 +25,9 @@ def wrap(model: Any, *, rank: int, alpha: int) -> Any:
     """`model` with trainable rank-`rank` adapters on every projection; the rest frozen."""
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(TARGET_MODULES),
-                        task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(TARGET_MODULES), task_type="CAUSAL_LM"
+    )
     return get_peft_model(model, config)
 
 
@@ -43,8 +44,7 @@ def is_lora(model: Any) -> bool:
     return hasattr(model, "merge_adapter") and hasattr(model, "get_base_model")
 
 
-def save_full(model: Any, out_dir: Path, *, dtype: str | None = None,
-              state_dict: dict[str, Any] | None = None) -> None:
+def save_full(model: Any, out_dir: Path, *, dtype: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
     """Save `model` as an ordinary HF checkpoint (merged weights if it carries LoRA adapters),
     its tensors cast to `dtype` (None: as they are) and its config saying so.
 
@@ -97,7 +97,9 @@ def adapted_names(model: Any) -> set[str]:
     """The checkpoint names of the weights a LoRA model adapts (what a push must carry)."""
     from peft.tuners.lora import LoraLayer
 
-    return {f"{name}.weight" for name, module in model.get_base_model().named_modules() if isinstance(module, LoraLayer)}
+    return {
+        f"{name}.weight" for name, module in model.get_base_model().named_modules() if isinstance(module, LoraLayer)
+    }
 
 
 def _storage(tensor: torch.Tensor) -> tuple[int, tuple[int, ...]]:

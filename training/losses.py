@@ -82,8 +82,9 @@ def sequence_weights(log_ratio: torch.Tensor) -> torch.Tensor:
     return torch.softmax(log_ratio.detach().double(), dim=-1).to(log_ratio.dtype)
 
 
-def weighted_group_advantages(rewards: torch.Tensor, weights: torch.Tensor, *, scale: bool = True,
-                              cap: float | None = None, eps: float = 1e-4) -> torch.Tensor:
+def weighted_group_advantages(
+    rewards: torch.Tensor, weights: torch.Tensor, *, scale: bool = True, cap: float | None = None, eps: float = 1e-4
+) -> torch.Tensor:
     """G v_i (r_i - b) with b = sum_i v_i r_i [/ weighted std]; rewards, weights [G] -> [G].
 
     The std uses the unbiased weighted variance sum_i v_i (r_i - b)^2 / (1 - sum_i v_i^2)
@@ -100,7 +101,9 @@ def weighted_group_advantages(rewards: torch.Tensor, weights: torch.Tensor, *, s
     if not scale:
         return advantages
     # One dominant weight leaves no spread to estimate: the numerator is then 0 too.
-    unbiased = (weights * centered**2).sum(-1, keepdim=True) / (1.0 - (weights**2).sum(-1, keepdim=True)).clamp(min=1e-12)
+    unbiased = (weights * centered**2).sum(-1, keepdim=True) / (1.0 - (weights**2).sum(-1, keepdim=True)).clamp(
+        min=1e-12
+    )
     return advantages / (unbiased.sqrt() + eps)
 
 
@@ -109,15 +112,22 @@ def effective_sample_size_ratio(weights: torch.Tensor) -> torch.Tensor:
     return 1.0 / (weights.shape[-1] * (weights**2).sum(-1))
 
 
-def importance_weights(logp_policy: torch.Tensor, logp_behaviour: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+def importance_weights(
+    logp_policy: torch.Tensor, logp_behaviour: torch.Tensor, cap: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(min(pi/q, cap) detached, raw ratio pi/q detached), both [B, T]."""
     ratio = torch.exp((logp_policy - logp_behaviour).detach())  # [B, T]
     return ratio.clamp(max=cap), ratio
 
 
-def gamma_weights(advantages: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor, *,
-                  positive: tuple[float, float] = VESPO_POSITIVE,
-                  negative: tuple[float, float] = VESPO_NEGATIVE) -> torch.Tensor:
+def gamma_weights(
+    advantages: torch.Tensor,
+    log_ratio: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    positive: tuple[float, float] = VESPO_POSITIVE,
+    negative: tuple[float, float] = VESPO_NEGATIVE,
+) -> torch.Tensor:
     """VESPO's phi(W) = exp(lambda + k log W - lambda W) per rollout, detached; [B], [B, T], [B, T] -> [B].
 
     W = prod_t pi_theta(y_t) / q*(y_t) over the real tokens (per-token log ratios clamped to
@@ -147,9 +157,15 @@ def k3_kl(logp_policy: torch.Tensor, logp_reference: torch.Tensor) -> torch.Tens
     return torch.exp(delta) - delta - 1.0
 
 
-def normalize(per_token: torch.Tensor, mask: torch.Tensor, how: Normalization,
-              max_completion_length: int | None = None, *, batch_rows: int | None = None,
-              batch_tokens: float | None = None) -> torch.Tensor:
+def normalize(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    how: Normalization,
+    max_completion_length: int | None = None,
+    *,
+    batch_rows: int | None = None,
+    batch_tokens: float | None = None,
+) -> torch.Tensor:
     """Reduce a [B, T] per-token loss over the real tokens (mask) to a scalar.
 
     Every normalization is a sum over rows with denominators fixed by the whole batch (its
@@ -172,8 +188,14 @@ def normalize(per_token: torch.Tensor, mask: torch.Tensor, how: Normalization,
     raise ValueError(f"unknown normalization {how!r}; use grpo, dr_grpo or dapo")
 
 
-def advantages(rewards: Sequence[torch.Tensor], log_ratios: Sequence[torch.Tensor], *, correction: Correction,
-               scale: bool = True, share_cap: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+def advantages(
+    rewards: Sequence[torch.Tensor],
+    log_ratios: Sequence[torch.Tensor],
+    *,
+    correction: Correction,
+    scale: bool = True,
+    share_cap: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Per-rollout advantages for groups of different sizes, concatenated in group order -> [B].
 
     `rewards[g]`, `log_ratios[g]`: [G_g] rewards and summed log pi_theta(y) - log q*(y) of
@@ -258,6 +280,7 @@ def policy_loss(
         kl = k3_kl(logp_policy, logp_reference)  # [B, T]
         per_token = per_token + kl_coef * kl
         metrics["kl_ref"] = float(normalize(kl.detach(), mask, "dapo"))
-    loss = normalize(per_token, mask, normalization, max_completion_length, batch_rows=batch_rows,
-                     batch_tokens=batch_tokens)
+    loss = normalize(
+        per_token, mask, normalization, max_completion_length, batch_rows=batch_rows, batch_tokens=batch_tokens
+    )
     return loss, metrics

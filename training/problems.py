@@ -35,14 +35,20 @@ class Problems:
 
 def load_problems(config: TaskConfig, tokenizer: Any) -> Problems:
     """The training and held-out tasks and the reward spec of `config`, all validated."""
-    spec = reward_spec(config.reward, config.reward_weights, length_budget=config.length_budget,
-                       format_pattern=config.format_pattern)
+    spec = reward_spec(
+        config.reward, config.reward_weights, length_budget=config.length_budget, format_pattern=config.format_pattern
+    )
     render = _chat_renderer(config, tokenizer)
 
     def examples(path: Path) -> list[Example]:
-        return build_examples(load_rows(path), source=str(path), prompt_template=config.prompt_template,
-                              teacher_template=config.teacher_template, chat_template=render,
-                              required_fields=required_fields(spec))
+        return build_examples(
+            load_rows(path),
+            source=str(path),
+            prompt_template=config.prompt_template,
+            teacher_template=config.teacher_template,
+            chat_template=render,
+            required_fields=required_fields(spec),
+        )
 
     if config.dataset is None:
         train, held_out = examples(BUNDLED_TRAIN), examples(BUNDLED_TEST)
@@ -52,12 +58,18 @@ def load_problems(config: TaskConfig, tokenizer: Any) -> Problems:
         rows = examples(config.dataset)
         n = min(config.eval_prompts, max(1, round(config.eval_fraction * len(rows))))
         train, held_out = held_out_split(rows, n, config.seed)
-        log.info("held out %d of the %d rows of %s for evaluation (--eval-fraction %g, at most --eval-prompts %d); "
-                 "give --eval-dataset to evaluate on other data", n, len(rows), config.dataset, config.eval_fraction,
-                 config.eval_prompts)
+        log.info(
+            "held out %d of the %d rows of %s for evaluation (--eval-fraction %g, at most --eval-prompts %d); "
+            "give --eval-dataset to evaluate on other data",
+            n,
+            len(rows),
+            config.dataset,
+            config.eval_fraction,
+            config.eval_prompts,
+        )
     random.Random(config.seed).shuffle(train)
     random.Random(config.seed + 1).shuffle(held_out)
-    held_out = held_out[:config.eval_prompts]
+    held_out = held_out[: config.eval_prompts]
     wrap = config.chat_template is not None
     tasks = [[_task(e, tokenizer, render if wrap else None) for e in part] for part in (train, held_out)]
     if config.teacher in SELF_TEACHERS:
@@ -66,12 +78,14 @@ def load_problems(config: TaskConfig, tokenizer: Any) -> Problems:
     if config.retained_dataset is not None:  # scored by the base alone: no teacher prompt to check
         kept = examples(config.retained_dataset)
         random.Random(config.seed + 2).shuffle(kept)
-        retained = [_task(e, tokenizer, render if wrap else None) for e in kept[:config.eval_prompts]]
+        retained = [_task(e, tokenizer, render if wrap else None) for e in kept[: config.eval_prompts]]
     if config.eval_group_by is not None:
         for name, part in (("held-out", tasks[1]), ("retained", retained)):
             if part and not any(config.eval_group_by in task.row for task in part):
-                raise InvalidInputError(f"--eval-group-by {config.eval_group_by}: no {name} row has that field "
-                                        f"(its fields: {', '.join(sorted(part[0].row))})")
+                raise InvalidInputError(
+                    f"--eval-group-by {config.eval_group_by}: no {name} row has that field "
+                    f"(its fields: {', '.join(sorted(part[0].row))})"
+                )
     return Problems(train=tasks[0], held_out=tasks[1], spec=spec, retained=retained)
 
 
@@ -82,19 +96,23 @@ def _chat_renderer(config: TaskConfig, tokenizer: Any) -> Callable[[list[dict]],
         template = Path(config.chat_template).read_text(encoding="utf-8")
     elif getattr(tokenizer, "chat_template", None) is None:
         if config.chat_template == "tokenizer":
-            raise InvalidInputError("--chat-template tokenizer: the base tokenizer has no chat template; give a "
-                                    "Jinja template file with --chat-template PATH, or drop the option")
+            raise InvalidInputError(
+                "--chat-template tokenizer: the base tokenizer has no chat template; give a "
+                "Jinja template file with --chat-template PATH, or drop the option"
+            )
         return None
 
     def render(messages: list[dict]) -> str:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                             chat_template=template)
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, chat_template=template
+        )
 
     return render
 
 
 def _task(example: Example, tokenizer: Any, wrap: Callable[[list[dict]], str] | None) -> Task:
     """Token ids of both prompts; with `wrap`, each text prompt is first one rendered user message."""
+
     def ids(part: str | tuple[int, ...]) -> tuple[int, ...]:
         if not isinstance(part, str):
             return tuple(part)
@@ -105,8 +123,11 @@ def _task(example: Example, tokenizer: Any, wrap: Callable[[list[dict]], str] | 
 
     theta = ids(example.theta_prompt)
     t = None if example.t_prompt is None else ids(example.t_prompt)
-    text = tokenizer.decode(list(theta)) if wrap is not None or not isinstance(example.theta_prompt, str) \
+    text = (
+        tokenizer.decode(list(theta))
+        if wrap is not None or not isinstance(example.theta_prompt, str)
         else example.theta_prompt
+    )
     return Task(prompt_ids=theta, t_prompt_ids=None if t == theta else t, prompt_text=text, row=example.row)
 
 
@@ -116,4 +137,5 @@ def _check_teacher_sees_more(teacher: str, tasks: list[Task]) -> None:
         raise InvalidInputError(
             f"--teacher {teacher} is the base model shown the teacher's prompt, and the prompt {same.prompt_text!r} "
             "is the same for both, so q* would be the base itself. Give --teacher-template (e.g. "
-            "'{prompt}{answer} ') or rows with theta_prompt and t_prompt that differ")
+            "'{prompt}{answer} ') or rows with theta_prompt and t_prompt that differ"
+        )

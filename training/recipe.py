@@ -37,8 +37,9 @@ def prepare(config: TrainConfig, *, resume: bool = False) -> RunInputs:
 
     out = config.output_dir
     if not resume and out.is_dir() and checkpoint.latest(out) is not None:
-        raise InvalidInputError(f"{out} already holds checkpoints; pass --resume to continue that run "
-                                "or choose a new --output-dir")
+        raise InvalidInputError(
+            f"{out} already holds checkpoints; pass --resume to continue that run or choose a new --output-dir"
+        )
     base_dir = config.base or str(tinymodels.BASE_DIR)
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     problems = load_problems(config, tokenizer)  # refuses bad data before any server starts
@@ -51,16 +52,38 @@ async def held_out(coordinator: Any, config: TrainConfig, problems: Problems, po
     """The base alone on the held-out tasks: held_out_accuracy (greedy, and per --eval-group-by
     value as held_out_accuracy/<value>) and held_out_pass@k; on the retained skill's tasks, if
     any, retained_accuracy (greedy) the same way."""
-    [base] = await evaluate(coordinator, problems.held_out, problems.spec, pool, config.sampling_params(),
-                            arms=("base",), samples=config.eval_samples, ks=config.pass_ks, seed=config.seed,
-                            reward_timeout_s=config.reward_timeout, group_by=config.eval_group_by)
-    metrics = {"held_out_accuracy": base.greedy_accuracy,
-               **{f"held_out_accuracy/{g}": v for g, v in base.by_group.items()},
-               **{f"held_out_pass@{k}": v for k, v in base.pass_at.items()}}
+    [base] = await evaluate(
+        coordinator,
+        problems.held_out,
+        problems.spec,
+        pool,
+        config.sampling_params(),
+        arms=("base",),
+        samples=config.eval_samples,
+        ks=config.pass_ks,
+        seed=config.seed,
+        reward_timeout_s=config.reward_timeout,
+        group_by=config.eval_group_by,
+    )
+    metrics = {
+        "held_out_accuracy": base.greedy_accuracy,
+        **{f"held_out_accuracy/{g}": v for g, v in base.by_group.items()},
+        **{f"held_out_pass@{k}": v for k, v in base.pass_at.items()},
+    }
     if problems.retained:
-        [kept] = await evaluate(coordinator, problems.retained, problems.spec, pool, config.sampling_params(),
-                                arms=("base",), seed=config.seed, reward_timeout_s=config.reward_timeout,
-                                group_by=config.eval_group_by)
-        metrics |= {"retained_accuracy": kept.greedy_accuracy,
-                    **{f"retained_accuracy/{g}": v for g, v in kept.by_group.items()}}
+        [kept] = await evaluate(
+            coordinator,
+            problems.retained,
+            problems.spec,
+            pool,
+            config.sampling_params(),
+            arms=("base",),
+            seed=config.seed,
+            reward_timeout_s=config.reward_timeout,
+            group_by=config.eval_group_by,
+        )
+        metrics |= {
+            "retained_accuracy": kept.greedy_accuracy,
+            **{f"retained_accuracy/{g}": v for g, v in kept.by_group.items()},
+        }
     return metrics

@@ -64,10 +64,12 @@ class Regimes:
             raise InvalidInputError(
                 "the regime thresholds must satisfy 0 <= never_enter <= never_exit <= always_exit <= always_enter "
                 f"<= 1 (a band between each pair is the hysteresis), got {self.never_enter}, {self.never_exit}, "
-                f"{self.always_exit}, {self.always_enter}")
+                f"{self.always_exit}, {self.always_enter}"
+            )
         if not 0.0 < self.solved_weight <= 1.0:
-            raise InvalidInputError(f"solved_weight must be in (0, 1] (1 = drawn as often as the rest), "
-                                    f"got {self.solved_weight}")
+            raise InvalidInputError(
+                f"solved_weight must be in (0, 1] (1 = drawn as often as the rest), got {self.solved_weight}"
+            )
         self._ema = np.full(self.n_tasks, np.nan)
         self._regime = np.full(self.n_tasks, NEVER, dtype=np.int64)
         self._offered = np.zeros(self.n_tasks, dtype=bool)
@@ -79,8 +81,10 @@ class Regimes:
     def choose(self, count: int) -> list[int]:
         """`count` distinct task indices for the next batch (module docstring)."""
         if not 0 <= count <= self.n_tasks:
-            raise InvalidInputError(f"a batch holds 0..{self.n_tasks} distinct prompts, asked for {count}; lower "
-                                    "prompts_per_step or add training prompts")
+            raise InvalidInputError(
+                f"a batch holds 0..{self.n_tasks} distinct prompts, asked for {count}; lower "
+                "prompts_per_step or add training prompts"
+            )
         seed = self.seed % 2**64
         order = np.random.default_rng([seed, ORDER_STREAM]).permutation(self.n_tasks)
         unseen = order[~self._offered[order] & np.isnan(self._ema[order])][:count]
@@ -97,16 +101,20 @@ class Regimes:
         """Record one batch: `on_policy_successes[i]` says which on-policy rollouts of task
         `task_indices[i]` succeeded; a task with none measured keeps its EMA and regime."""
         if len(task_indices) != len(on_policy_successes):
-            raise InvalidInputError(f"regime update got {len(task_indices)} tasks and {len(on_policy_successes)} "
-                                    "groups of outcomes; pass one per task")
-        measured = [(int(t), np.asarray(s, dtype=np.float64)) for t, s in zip(task_indices, on_policy_successes)
-                    if len(s)]
+            raise InvalidInputError(
+                f"regime update got {len(task_indices)} tasks and {len(on_policy_successes)} "
+                "groups of outcomes; pass one per task"
+            )
+        measured = [
+            (int(t), np.asarray(s, dtype=np.float64)) for t, s in zip(task_indices, on_policy_successes) if len(s)
+        ]
         if not measured:
             return
         tasks = np.array([t for t, _ in measured], dtype=np.int64)  # [B]
         if tasks.min() < 0 or tasks.max() >= self.n_tasks or np.unique(tasks).size != tasks.size:
-            raise InvalidInputError(f"regime update: task indices must be distinct and in 0..{self.n_tasks - 1}, "
-                                    f"got {tasks.tolist()[:8]}")
+            raise InvalidInputError(
+                f"regime update: task indices must be distinct and in 0..{self.n_tasks - 1}, got {tasks.tolist()[:8]}"
+            )
         ema = ema_update(self._ema[tasks], np.array([s.mean() for _, s in measured]), self.decay)  # [B]
         regime = self._regime[tasks]  # [B]
         regime = np.where((regime == NEVER) & (ema >= self.never_exit), SOMETIMES, regime)
@@ -124,24 +132,46 @@ class Regimes:
     def stats(self) -> dict[str, float]:
         """For metrics.jsonl: how many prompts are in each regime (regime/<name>), and how many were measured."""
         seen = ~np.isnan(self._ema)
-        counts = {f"regime/{name}": float(np.count_nonzero(seen & (self._regime == code)))
-                  for code, name in enumerate(REGIME_NAMES)}
+        counts = {
+            f"regime/{name}": float(np.count_nonzero(seen & (self._regime == code)))
+            for code, name in enumerate(REGIME_NAMES)
+        }
         return counts | {"regime/unseen": float(np.count_nonzero(~seen))}
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serializable (unseen EMAs are None), for checkpoints."""
-        return {"n_tasks": self.n_tasks, "seed": self.seed, "decay": self.decay, "never_enter": self.never_enter,
-                "never_exit": self.never_exit, "always_enter": self.always_enter, "always_exit": self.always_exit,
-                "solved_weight": self.solved_weight, "calls": self._calls,
-                "ema": emas_to_json(self._ema), "regime": self._regime.tolist(),
-                "offered": self._offered.tolist()}
+        return {
+            "n_tasks": self.n_tasks,
+            "seed": self.seed,
+            "decay": self.decay,
+            "never_enter": self.never_enter,
+            "never_exit": self.never_exit,
+            "always_enter": self.always_enter,
+            "always_exit": self.always_exit,
+            "solved_weight": self.solved_weight,
+            "calls": self._calls,
+            "ema": emas_to_json(self._ema),
+            "regime": self._regime.tolist(),
+            "offered": self._offered.tolist(),
+        }
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Regimes:
         """The Regimes `state_dict()` was taken from: resumed, it makes the same future choices."""
         try:
-            settings = {name: state[name] for name in ("n_tasks", "seed", "decay", "never_enter", "never_exit",
-                                                       "always_enter", "always_exit", "solved_weight")}
+            settings = {
+                name: state[name]
+                for name in (
+                    "n_tasks",
+                    "seed",
+                    "decay",
+                    "never_enter",
+                    "never_exit",
+                    "always_enter",
+                    "always_exit",
+                    "solved_weight",
+                )
+            }
             ema = emas_from_json(state["ema"])
             regime = np.array(state["regime"], dtype=np.int64)
             offered = np.array(state["offered"], dtype=bool)
@@ -150,7 +180,9 @@ class Regimes:
             raise InvalidInputError(f"regime state lacks {exc}; pass a dict from Regimes.state_dict()") from exc
         regimes = cls(**settings)
         if not ema.shape == regime.shape == offered.shape == (regimes.n_tasks,):
-            raise InvalidInputError(f"the regime state covers {ema.size} prompts and the dataset has "
-                                    f"{regimes.n_tasks}; resume with the dataset of the first run")
+            raise InvalidInputError(
+                f"the regime state covers {ema.size} prompts and the dataset has "
+                f"{regimes.n_tasks}; resume with the dataset of the first run"
+            )
         regimes._ema, regimes._regime, regimes._offered, regimes._calls = ema, regime, offered, calls
         return regimes

@@ -63,26 +63,30 @@ log = logging.getLogger("dualvllm.training")
 RewardFunction = Callable[..., list[float | None]]
 
 
-def reward_exact(prompts: Sequence[str], completions: Sequence[str], *, answer: Sequence[Any],
-                 **_: Any) -> list[float | None]:
+def reward_exact(
+    prompts: Sequence[str], completions: Sequence[str], *, answer: Sequence[Any], **_: Any
+) -> list[float | None]:
     """1.0 if the completion's first line, EOS text removed, is the row's `answer`."""
     return [None if a is None else exact_match(c, a) for c, a in zip(completions, answer)]
 
 
-def reward_math(prompts: Sequence[str], completions: Sequence[str], *, answer: Sequence[Any],
-                **_: Any) -> list[float | None]:
+def reward_math(
+    prompts: Sequence[str], completions: Sequence[str], *, answer: Sequence[Any], **_: Any
+) -> list[float | None]:
     """1.0 if the completion's final answer equals `answer` under math-verify."""
     return [None if a is None else math_reward(c, str(a)) for c, a in zip(completions, answer)]
 
 
-def reward_gsm8k(prompts: Sequence[str], completions: Sequence[str], *, answer: Sequence[Any],
-                 **_: Any) -> list[float | None]:
+def reward_gsm8k(
+    prompts: Sequence[str], completions: Sequence[str], *, answer: Sequence[Any], **_: Any
+) -> list[float | None]:
     """1.0 if the completion's final number equals the "#### N" of the gold solution `answer`."""
     return [None if a is None else gsm8k_reward(c, str(a)) for c, a in zip(completions, answer)]
 
 
-def reward_code(prompts: Sequence[str], completions: Sequence[str], *, tests: Sequence[Any],
-                **_: Any) -> list[float | None]:
+def reward_code(
+    prompts: Sequence[str], completions: Sequence[str], *, tests: Sequence[Any], **_: Any
+) -> list[float | None]:
     """Fraction of the row's `tests` the completion passes in the sandbox.
 
     `tests` is one string of assert statements, one a line, or a list of tests (each of
@@ -99,8 +103,14 @@ def reward_code(prompts: Sequence[str], completions: Sequence[str], *, tests: Se
     return scores
 
 
-def reward_length(prompts: Sequence[str], completions: Sequence[str], *, length_budget: int,
-                  completion_ids: Sequence[Sequence[int] | None] | None = None, **_: Any) -> list[float | None]:
+def reward_length(
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    *,
+    length_budget: int,
+    completion_ids: Sequence[Sequence[int] | None] | None = None,
+    **_: Any,
+) -> list[float | None]:
     """-(excess / length_budget), 0 at or under the budget.
 
     Length is in tokens where the row field `completion_ids` gives them, else in characters.
@@ -110,18 +120,25 @@ def reward_length(prompts: Sequence[str], completions: Sequence[str], *, length_
     return [-max(0, n - length_budget) / length_budget for n in lengths]
 
 
-def reward_format(prompts: Sequence[str], completions: Sequence[str], *, format_pattern: str,
-                  **_: Any) -> list[float | None]:
+def reward_format(
+    prompts: Sequence[str], completions: Sequence[str], *, format_pattern: str, **_: Any
+) -> list[float | None]:
     """1.0 if `format_pattern` is found in the completion (re.search, re.DOTALL), else 0.0."""
     return [1.0 if isinstance(c, str) and re.search(format_pattern, c, re.DOTALL) else 0.0 for c in completions]
 
 
 BUILT_IN: dict[str, RewardFunction] = {
-    "exact": reward_exact, "math": reward_math, "gsm8k": reward_gsm8k,
-    "code": reward_code, "length": reward_length, "format": reward_format,
+    "exact": reward_exact,
+    "math": reward_math,
+    "gsm8k": reward_gsm8k,
+    "code": reward_code,
+    "length": reward_length,
+    "format": reward_format,
 }
 REQUIRED_FIELDS: dict[str, frozenset[str]] = {
-    "exact": frozenset({"answer"}), "math": frozenset({"answer"}), "gsm8k": frozenset({"answer"}),
+    "exact": frozenset({"answer"}),
+    "math": frozenset({"answer"}),
+    "gsm8k": frozenset({"answer"}),
     "code": frozenset({"tests"}),
 }
 
@@ -147,8 +164,13 @@ class RewardSpec:
         return {}
 
 
-def reward_spec(names: Sequence[str], weights: Sequence[float] | None = None, *,
-                length_budget: int | None = None, format_pattern: str | None = None) -> RewardSpec:
+def reward_spec(
+    names: Sequence[str],
+    weights: Sequence[float] | None = None,
+    *,
+    length_budget: int | None = None,
+    format_pattern: str | None = None,
+) -> RewardSpec:
     """A validated RewardSpec; every user `module:function` is imported here, in the parent.
 
     `weights=None` weighs every reward 1.0. Raises InvalidInputError saying what to change.
@@ -164,14 +186,18 @@ def reward_spec(names: Sequence[str], weights: Sequence[float] | None = None, *,
     except (TypeError, ValueError) as exc:
         raise InvalidInputError(f"reward weights must be numbers, got {weights!r}") from exc
     if len(weights) != len(names):
-        raise InvalidInputError(f"got {len(weights)} reward weights for {len(names)} rewards ({', '.join(names)}); "
-                                "give one weight per reward")
+        raise InvalidInputError(
+            f"got {len(weights)} reward weights for {len(names)} rewards ({', '.join(names)}); "
+            "give one weight per reward"
+        )
     if not all(math.isfinite(w) for w in weights):
         raise InvalidInputError(f"reward weights must be finite numbers, got {list(weights)}")
-    if "length" in names and (isinstance(length_budget, bool) or not isinstance(length_budget, int)
-                              or length_budget < 1):
-        raise InvalidInputError(f"reward 'length' needs a length budget of at least 1 token, got {length_budget!r}; "
-                                "set the length budget")
+    if "length" in names and (
+        isinstance(length_budget, bool) or not isinstance(length_budget, int) or length_budget < 1
+    ):
+        raise InvalidInputError(
+            f"reward 'length' needs a length budget of at least 1 token, got {length_budget!r}; set the length budget"
+        )
     if "format" in names:
         if format_pattern is None:
             raise InvalidInputError("reward 'format' needs a format pattern (a regex); set the format pattern")
@@ -179,8 +205,13 @@ def reward_spec(names: Sequence[str], weights: Sequence[float] | None = None, *,
             re.compile(format_pattern, re.DOTALL)
         except re.error as exc:
             raise InvalidInputError(f"format pattern {format_pattern!r} is not a valid regex ({exc}); fix it") from exc
-    spec = RewardSpec(names=names, weights=weights, length_budget=length_budget, format_pattern=format_pattern,
-                      import_path=tuple(sys.path))
+    spec = RewardSpec(
+        names=names,
+        weights=weights,
+        length_budget=length_budget,
+        format_pattern=format_pattern,
+        import_path=tuple(sys.path),
+    )
     for name in names:
         _check_user_function(name, spec.import_path)
     return spec
@@ -197,9 +228,15 @@ class Scores:
     by_name: dict[str, list[float | None]]  # each reward separately, for logging
 
 
-async def score_completions(spec: RewardSpec, prompts: Sequence[str], completions: Sequence[str],
-                            rows: Sequence[Mapping[str, Any]], executor: Executor, *,
-                            timeout_s: float = 60.0) -> Scores:
+async def score_completions(
+    spec: RewardSpec,
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    rows: Sequence[Mapping[str, Any]],
+    executor: Executor,
+    *,
+    timeout_s: float = 60.0,
+) -> Scores:
     """Score a batch with every reward of `spec`, each in one `executor` task, off the event loop.
 
     `rows[i]` holds completion i's row fields; each field reaches a reward as a list over
@@ -209,8 +246,10 @@ async def score_completions(spec: RewardSpec, prompts: Sequence[str], completion
     batch `None`; see the module docstring for what a timeout costs the pool.
     """
     if not len(prompts) == len(completions) == len(rows):
-        raise InvalidInputError(f"got {len(completions)} completions for {len(prompts)} prompts and {len(rows)} rows; "
-                                "give one prompt and one row per completion")
+        raise InvalidInputError(
+            f"got {len(completions)} completions for {len(prompts)} prompts and {len(rows)} rows; "
+            "give one prompt and one row per completion"
+        )
     if timeout_s <= 0:
         raise InvalidInputError(f"timeout_s must be positive, got {timeout_s}")
     keys = dict.fromkeys(key for row in rows for key in row)
@@ -223,12 +262,21 @@ async def score_completions(spec: RewardSpec, prompts: Sequence[str], completion
 
 def weighted_total(weights: Sequence[float], scores: Sequence[Sequence[float | None]]) -> list[float | None]:
     """sum_k w_k r_k per completion, over rewards k; None where any r_k is None."""
-    return [None if any(r is None for r in column) else sum(w * r for w, r in zip(weights, column))
-            for column in zip(*scores)]
+    return [
+        None if any(r is None for r in column) else sum(w * r for w, r in zip(weights, column))
+        for column in zip(*scores)
+    ]
 
 
-async def _score_one(spec: RewardSpec, name: str, prompts: list[str], completions: list[str],
-                     fields: dict[str, list[Any]], executor: Executor, timeout_s: float) -> list[float | None]:
+async def _score_one(
+    spec: RewardSpec,
+    name: str,
+    prompts: list[str],
+    completions: list[str],
+    fields: dict[str, list[Any]],
+    executor: Executor,
+    timeout_s: float,
+) -> list[float | None]:
     n = len(completions)
     if n == 0:
         return []
@@ -244,8 +292,13 @@ async def _score_one(spec: RewardSpec, name: str, prompts: list[str], completion
     # A user's function may raise anything; it costs this batch its scores, not the run.
     except Exception as exc:  # noqa: BLE001
         if isinstance(exc, TimeoutError) and bound.expired():  # our timeout, not the reward's own
-            log.warning("reward %r did not finish within %g s; its %d completions score None "
-                        "(its pool worker stays busy until the function returns)", name, timeout_s, n)
+            log.warning(
+                "reward %r did not finish within %g s; its %d completions score None "
+                "(its pool worker stays busy until the function returns)",
+                name,
+                timeout_s,
+                n,
+            )
         else:
             log.warning("reward %r failed; its %d completions score None: %s: %s", name, n, type(exc).__name__, exc)
         return [None] * n
@@ -254,13 +307,18 @@ async def _score_one(spec: RewardSpec, name: str, prompts: list[str], completion
         return [None] * n
     bad = [s is not None and not math.isfinite(s) for s in scores]
     if any(bad):
-        log.warning("reward %r returned a non-number or non-finite value for %d of %d completions; "
-                    "they score None", name, sum(bad), n)
+        log.warning(
+            "reward %r returned a non-number or non-finite value for %d of %d completions; they score None",
+            name,
+            sum(bad),
+            n,
+        )
     return [None if b else s for s, b in zip(scores, bad)]
 
 
-def _call(spec: RewardSpec, name: str, prompts: list[str], completions: list[str],
-          fields: dict[str, list[Any]]) -> list[float | None]:
+def _call(
+    spec: RewardSpec, name: str, prompts: list[str], completions: list[str], fields: dict[str, list[Any]]
+) -> list[float | None]:
     """In a pool worker: one reward over the whole batch, values made plain floats."""
     function = _resolve(name, spec.import_path)
     keywords = {**fields, **spec.keywords(name), "prompts": prompts, "completions": completions}
@@ -310,30 +368,40 @@ def _check_user_function(name: str, import_path: tuple[str, ...]) -> None:
         return
     module_name, colon, attribute = name.partition(":")
     if not colon or not module_name or not attribute:
-        raise InvalidInputError(f"unknown reward {name!r}; use one of {', '.join(BUILT_IN)} "
-                                "or module:function for your own")
+        raise InvalidInputError(
+            f"unknown reward {name!r}; use one of {', '.join(BUILT_IN)} or module:function for your own"
+        )
     try:
         function = _resolve(name, import_path)
     except ModuleNotFoundError as exc:
         if exc.name is None or not (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            raise InvalidInputError(f"reward {name!r}: importing {module_name!r} failed ({exc}); "
-                                    "install what it needs") from exc
-        raise InvalidInputError(f"reward {name!r}: no module named {module_name!r}; "
-                                "put its directory on PYTHONPATH") from exc
+            raise InvalidInputError(
+                f"reward {name!r}: importing {module_name!r} failed ({exc}); install what it needs"
+            ) from exc
+        raise InvalidInputError(
+            f"reward {name!r}: no module named {module_name!r}; put its directory on PYTHONPATH"
+        ) from exc
     except AttributeError as exc:
-        raise InvalidInputError(f"reward {name!r}: module {module_name!r} has no {attribute!r}; "
-                                "check the function's name") from exc
+        raise InvalidInputError(
+            f"reward {name!r}: module {module_name!r} has no {attribute!r}; check the function's name"
+        ) from exc
     except Exception as exc:  # the module's own code failed while importing
-        raise InvalidInputError(f"reward {name!r}: importing {module_name!r} raised "
-                                f"{type(exc).__name__}: {exc}; fix the module") from exc
+        raise InvalidInputError(
+            f"reward {name!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}; fix the module"
+        ) from exc
     if not callable(function):
-        raise InvalidInputError(f"reward {name!r} is a {type(function).__name__}, not a function; "
-                                "name a function f(prompts, completions, **kwargs)")
+        raise InvalidInputError(
+            f"reward {name!r} is a {type(function).__name__}, not a function; "
+            "name a function f(prompts, completions, **kwargs)"
+        )
     try:
         parameters = inspect.signature(function).parameters.values()
     except (TypeError, ValueError):  # no signature to read: it will be tried on the first batch
         return
-    if not any(p.kind is p.VAR_KEYWORD or (p.name == "completions" and p.kind is not p.POSITIONAL_ONLY)
-               for p in parameters):
-        raise InvalidInputError(f"reward {name!r} takes no 'completions' argument; give it TRL's signature "
-                                "f(prompts, completions, **kwargs)")
+    if not any(
+        p.kind is p.VAR_KEYWORD or (p.name == "completions" and p.kind is not p.POSITIONAL_ONLY) for p in parameters
+    ):
+        raise InvalidInputError(
+            f"reward {name!r} takes no 'completions' argument; give it TRL's signature "
+            "f(prompts, completions, **kwargs)"
+        )

@@ -89,9 +89,19 @@ class Sampled:
     group_tasks: tuple[int, ...]  # for each group, the index of its task in the tasks sampled
 
 
-async def sample_batch(coordinator: DualVLLMCoordinator, tasks: Sequence[Task], params: SamplingParams, *,
-                       group_size: int, seed: int, spec: RewardSpec, executor: Executor, reward_timeout_s: float,
-                       on_policy: int = 0, min_group: int = 2) -> Sampled:
+async def sample_batch(
+    coordinator: DualVLLMCoordinator,
+    tasks: Sequence[Task],
+    params: SamplingParams,
+    *,
+    group_size: int,
+    seed: int,
+    spec: RewardSpec,
+    executor: Executor,
+    reward_timeout_s: float,
+    on_policy: int = 0,
+    min_group: int = 2,
+) -> Sampled:
     """`group_size` rollouts per task sampled with `params` (q* unless its fixed_alpha says
     otherwise), scored off the event loop.
 
@@ -111,38 +121,54 @@ async def sample_batch(coordinator: DualVLLMCoordinator, tasks: Sequence[Task], 
         # One call per part: a call has one fixed_alpha; both share the coordinator's batch.
         if not count:
             return []
-        return await coordinator.generate_batch([task.prompt for task in tasks for _ in range(count)], part_params,
-                                                seed=part_seed)
+        return await coordinator.generate_batch(
+            [task.prompt for task in tasks for _ in range(count)], part_params, seed=part_seed
+        )
 
     q_part, own_part = await asyncio.gather(
         part(guided, params, seed),
-        part(on_policy, dataclasses.replace(params, fixed_alpha=0.0, max_alpha=None), seed + ON_POLICY_SEED_OFFSET))
+        part(on_policy, dataclasses.replace(params, fixed_alpha=0.0, max_alpha=None), seed + ON_POLICY_SEED_OFFSET),
+    )
     outputs, is_on_policy = [], []
     for i in range(len(tasks)):  # each task's group: its on-policy rollouts first, then the guided ones
-        outputs.extend(own_part[i * on_policy:(i + 1) * on_policy])
-        outputs.extend(q_part[i * guided:(i + 1) * guided])
+        outputs.extend(own_part[i * on_policy : (i + 1) * on_policy])
+        outputs.extend(q_part[i * guided : (i + 1) * guided])
         is_on_policy.extend([True] * on_policy + [False] * guided)
     failed = [o for o in outputs if not o.ok]
     if failed:
         log.warning("%d of %d rollouts failed and are dropped (first: %s)", len(failed), len(outputs), failed[0].error)
     owners = [task for task in tasks for _ in range(group_size)]
     scores = await score_completions(
-        spec, [task.prompt_text for task in owners], [o.generated_text for o in outputs],
-        [reward_fields(task.row, o) for task, o in zip(owners, outputs)], executor, timeout_s=reward_timeout_s)
+        spec,
+        [task.prompt_text for task in owners],
+        [o.generated_text for o in outputs],
+        [reward_fields(task.row, o) for task, o in zip(owners, outputs)],
+        executor,
+        timeout_s=reward_timeout_s,
+    )
     unscored = sum(1 for o, r in zip(outputs, scores.total) if o.ok and r is None)
     if unscored:
-        log.warning("%d of %d rollouts have no reward (a reward failed or gave None) and are left out", unscored,
-                    len(outputs))
+        log.warning(
+            "%d of %d rollouts have no reward (a reward failed or gave None) and are left out", unscored, len(outputs)
+        )
     groups = []
     for i, task in enumerate(tasks):
         members = range(i * group_size, (i + 1) * group_size)
-        groups.append(tuple(_rollout(task, outputs[j], scores.total[j], is_on_policy[j]) for j in members
-                            if outputs[j].ok and scores.total[j] is not None))
-    means = {name: _mean([v for o, v in zip(outputs, values) if o.ok and v is not None])
-             for name, values in scores.by_name.items()}
+        groups.append(
+            tuple(
+                _rollout(task, outputs[j], scores.total[j], is_on_policy[j])
+                for j in members
+                if outputs[j].ok and scores.total[j] is not None
+            )
+        )
+    means = {
+        name: _mean([v for o, v in zip(outputs, values) if o.ok and v is not None])
+        for name, values in scores.by_name.items()
+    }
     kept = [i for i, g in enumerate(groups) if len(g) >= min_group]
-    return Sampled(groups=tuple(groups[i] for i in kept), reward_means=means, unscored=unscored,
-                   group_tasks=tuple(kept))
+    return Sampled(
+        groups=tuple(groups[i] for i in kept), reward_means=means, unscored=unscored, group_tasks=tuple(kept)
+    )
 
 
 def reward_fields(row: Mapping[str, Any], output: GenerationOutput) -> dict[str, Any]:
@@ -158,10 +184,17 @@ def _rollout(task: Task, output: GenerationOutput, reward: float, on_policy: boo
     teacher_topk = None
     if output.topk_ids is not None and output.topk_logprobs is not None:
         teacher_topk = (output.topk_ids[:, 1], output.topk_logprobs[:, 1])  # [T, k]: row 1 is the teacher's
-    return Rollout(prompt_ids=task.prompt_ids, completion_ids=tuple(output.generated_tokens),
-                   logprobs_q=tuple(output.logprobs_q), alphas=tuple(output.alpha_history),
-                   text=output.generated_text, reward=reward, logprobs_t=tuple(output.logprobs_t),
-                   teacher_topk=teacher_topk, on_policy=on_policy)
+    return Rollout(
+        prompt_ids=task.prompt_ids,
+        completion_ids=tuple(output.generated_tokens),
+        logprobs_q=tuple(output.logprobs_q),
+        alphas=tuple(output.alpha_history),
+        text=output.generated_text,
+        reward=reward,
+        logprobs_t=tuple(output.logprobs_t),
+        teacher_topk=teacher_topk,
+        on_policy=on_policy,
+    )
 
 
 class Chooser(Protocol):
@@ -177,9 +210,16 @@ class Chooser(Protocol):
     def stats(self) -> dict[str, float]: ...
 
 
-async def produce(queue: asyncio.Queue[ScoredBatch], sample: Callable[[Sequence[int], int], Awaitable[Sampled]],
-                  n_tasks: int, *, start: int, prompts_per_step: int,
-                  policy_version: Callable[[], int], chooser: Chooser | None = None) -> None:
+async def produce(
+    queue: asyncio.Queue[ScoredBatch],
+    sample: Callable[[Sequence[int], int], Awaitable[Sampled]],
+    n_tasks: int,
+    *,
+    start: int,
+    prompts_per_step: int,
+    policy_version: Callable[[], int],
+    chooser: Chooser | None = None,
+) -> None:
     """Fill `queue` with scored batches forever, cycling over the tasks 0..n_tasks-1 from `start`.
 
     `sample(task_indices, seed)` returns their scored groups; the data position doubles as the
@@ -202,7 +242,16 @@ async def produce(queue: asyncio.Queue[ScoredBatch], sample: Callable[[Sequence[
             chooser.observe([indices[j] for j in sampled.group_tasks], sampled.groups)
             state, stats = chooser.state_dict(), chooser.stats()
         tokens = sum(len(r.completion_ids) for g in sampled.groups for r in g)
-        await queue.put(ScoredBatch(groups=sampled.groups, policy_version=version, data_position=position,
-                                    sample_seconds=time.perf_counter() - started, tokens=tokens,
-                                    reward_means=sampled.reward_means, unscored=sampled.unscored,
-                                    curriculum_state=state, curriculum_stats=stats))
+        await queue.put(
+            ScoredBatch(
+                groups=sampled.groups,
+                policy_version=version,
+                data_position=position,
+                sample_seconds=time.perf_counter() - started,
+                tokens=tokens,
+                reward_means=sampled.reward_means,
+                unscored=sampled.unscored,
+                curriculum_state=state,
+                curriculum_stats=stats,
+            )
+        )

@@ -59,11 +59,15 @@ main()
 class SandboxLimits(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    wall_timeout_s: float = Field(10.0, gt=0, description="Wall-clock limit of one run; the process group is killed after it.")
+    wall_timeout_s: float = Field(
+        10.0, gt=0, description="Wall-clock limit of one run; the process group is killed after it."
+    )
     cpu_s: int = Field(5, ge=1, description="CPU-seconds limit (RLIMIT_CPU).")
     memory_mb: int = Field(512, ge=64, description="Address-space limit (RLIMIT_AS).")
     max_file_mb: int = Field(16, ge=1, description="Largest file the code may write (RLIMIT_FSIZE).")
-    max_processes: int = Field(32, ge=1, description="Processes the sandbox user may have (RLIMIT_NPROC); stops fork bombs.")
+    max_processes: int = Field(
+        32, ge=1, description="Processes the sandbox user may have (RLIMIT_NPROC); stops fork bombs."
+    )
     isolate_network: bool = Field(True, description="Run in a new network namespace when the OS allows it.")
 
 
@@ -85,9 +89,15 @@ def run_tests(source: str, tests: list[str], limits: SandboxLimits) -> SandboxRe
         command = ["unshare", "--net", "--", *command]
     try:
         process = subprocess.Popen(
-            command, cwd=workdir, env={"PATH": "/usr/bin:/bin", "HOME": str(workdir)},
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=functools.partial(_apply_limits, limits), text=True,
+            command,
+            cwd=workdir,
+            env={"PATH": "/usr/bin:/bin", "HOME": str(workdir)},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=functools.partial(_apply_limits, limits),
+            text=True,
         )
         timed_out = False
         try:

@@ -32,13 +32,21 @@ def coordinator_config(config: TaskConfig, *, batch_size: int, **run_owned: obje
     request carries every active sequence, so it is at most what a request may carry."""
     coordinator = config.coordinator
     batch = min(max(MIN_BATCH, batch_size), coordinator.max_prompts_per_request)
-    return CoordinatorConfig(**{"max_batch_size": batch, **coordinator.model_dump(include=coordinator.model_fields_set),
-                                "top_k": config.top_k, "seed": config.seed, **run_owned})
+    return CoordinatorConfig(
+        **{
+            "max_batch_size": batch,
+            **coordinator.model_dump(include=coordinator.model_fields_set),
+            "top_k": config.top_k,
+            "seed": config.seed,
+            **run_owned,
+        }
+    )
 
 
 @contextlib.asynccontextmanager
-async def serving(config: TaskConfig, start_dir: str, *, log_dir: Path | None = None, dev_mode: bool = False,
-                  batch_size: int = 64) -> AsyncIterator[DualVLLMCoordinator]:
+async def serving(
+    config: TaskConfig, start_dir: str, *, log_dir: Path | None = None, dev_mode: bool = False, batch_size: int = 64
+) -> AsyncIterator[DualVLLMCoordinator]:
     """A coordinator over the servers of `config`: those it names (--theta-urls, --t-urls), or
     `config.replicas` pairs started here, pooled per role.
 
@@ -56,15 +64,23 @@ async def serving(config: TaskConfig, start_dir: str, *, log_dir: Path | None = 
         yield await stack.enter_async_context(DualVLLMCoordinator(run))
 
 
-async def _start_servers(stack: contextlib.AsyncExitStack, config: TaskConfig, start_dir: str, *,
-                         log_dir: Path | None, dev_mode: bool) -> tuple[list[str], list[str]]:
+async def _start_servers(
+    stack: contextlib.AsyncExitStack, config: TaskConfig, start_dir: str, *, log_dir: Path | None, dev_mode: bool
+) -> tuple[list[str], list[str]]:
     """Start the run's servers (stopped when `stack` closes) -> (base URLs, teacher URLs)."""
     base_dir = config.base or str(tinymodels.BASE_DIR)
     teacher = base_dir if config.teacher == "self-frozen" else config.teacher
     bundled = {"dtype": tinymodels.SERVER_DTYPE} if config.base is None else {}  # start_dir is a copy of it
-    pairs = replica_configs(start_dir, None if teacher == "self" else teacher, replicas=config.replicas,
-                            log_dir=log_dir, dev_mode=dev_mode, max_logprobs=max(config.top_k, 20),
-                            lockstep=config.lockstep, **bundled)
+    pairs = replica_configs(
+        start_dir,
+        None if teacher == "self" else teacher,
+        replicas=config.replicas,
+        log_dir=log_dir,
+        dev_mode=dev_mode,
+        max_logprobs=max(config.top_k, 20),
+        lockstep=config.lockstep,
+        **bundled,
+    )
     if teacher == "self":  # one server plays both roles
         base = await stack.enter_async_context(VLLMServer(pairs[0][0], name="theta"))
         return [base.url], [base.url]

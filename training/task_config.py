@@ -26,11 +26,24 @@ from dualvllm.training.config_sources import flag
 # server (always the current weights), "self-frozen" on a second server with the starting weights.
 SELF_TEACHERS = ("self", "self-frozen")
 # Coordinator options a run sets itself, and the option of the run to set instead.
-RUN_OWNED = {"theta_url": "theta_urls", "t_url": "t_urls", "theta_urls": "theta_urls", "t_urls": "t_urls",
-             "top_k": "top_k", "seed": "seed"}
+RUN_OWNED = {
+    "theta_url": "theta_urls",
+    "t_url": "t_urls",
+    "theta_urls": "theta_urls",
+    "t_urls": "t_urls",
+    "top_k": "top_k",
+    "seed": "seed",
+}
 # The bundled tiny models; a checkpoint of one has their vocabulary (see `bundled`).
-BUNDLED_DIRS = (tinymodels.BASE_DIR, tinymodels.BASE_HINT_DIR, tinymodels.TEACHER_DIR, tinymodels.TEACHER_HARD_DIR,
-                tinymodels.TEACHER_LONG_DIR, tinymodels.BASE_MIXED_DIR, tinymodels.TEACHER_MIXED_DIR)
+BUNDLED_DIRS = (
+    tinymodels.BASE_DIR,
+    tinymodels.BASE_HINT_DIR,
+    tinymodels.TEACHER_DIR,
+    tinymodels.TEACHER_HARD_DIR,
+    tinymodels.TEACHER_LONG_DIR,
+    tinymodels.BASE_MIXED_DIR,
+    tinymodels.TEACHER_MIXED_DIR,
+)
 # Values that only suit the bundled tiny models (6-token answers, 64 positions, 60k weights): on
 # another base they are warned about. TRL's max_completion_length is 512; full fine-tuning of a
 # real LLM runs at 1e-6 to 2e-5 (TRL's GRPOConfig and SFTConfig), and far above that diverges.
@@ -45,72 +58,111 @@ class TaskConfig(RaisesInvalidInput, BaseModel):
 
     base: str | None = Field(None, description="Base model directory (the one trained); None = the bundled tiny base.")
     teacher: str | None = Field(
-        None, description="Teacher model directory, or 'self' (the base server shown the teacher's prompt, always "
-                          "the current weights) or 'self-frozen' (the starting base on a second server); None = the "
-                          "bundled tiny teacher.")
+        None,
+        description="Teacher model directory, or 'self' (the base server shown the teacher's prompt, always "
+        "the current weights) or 'self-frozen' (the starting base on a second server); None = the "
+        "bundled tiny teacher.",
+    )
     dataset: Path | None = Field(
-        None, description="Training prompts: JSONL, or a file/directory the datasets library loads (parquet, arrow, "
-                          "json, csv, save_to_disk); None = the bundled arithmetic task.")
+        None,
+        description="Training prompts: JSONL, or a file/directory the datasets library loads (parquet, arrow, "
+        "json, csv, save_to_disk); None = the bundled arithmetic task.",
+    )
     eval_dataset: Path | None = Field(
-        None, description="Held-out prompts; None = the bundled test split without --dataset, else --eval-prompts "
-                          "rows held out of --dataset (chosen by --seed).")
+        None,
+        description="Held-out prompts; None = the bundled test split without --dataset, else --eval-prompts "
+        "rows held out of --dataset (chosen by --seed).",
+    )
     prompt_template: str | None = Field(
-        None, description="The base prompt as a format string over each row's fields, e.g. '{question}'; None = the "
-                          "row's prompt, messages or theta_prompt.")
+        None,
+        description="The base prompt as a format string over each row's fields, e.g. '{question}'; None = the "
+        "row's prompt, messages or theta_prompt.",
+    )
     teacher_template: str | None = Field(
-        None, description="The teacher's prompt as a format string over the row's fields and {prompt} (the base "
-                          "prompt), e.g. '{prompt}{answer} ' for a teacher shown the answer; None = the row's "
-                          "t_prompt, else the base prompt.")
+        None,
+        description="The teacher's prompt as a format string over the row's fields and {prompt} (the base "
+        "prompt), e.g. '{prompt}{answer} ' for a teacher shown the answer; None = the row's "
+        "t_prompt, else the base prompt.",
+    )
     chat_template: str | None = Field(
-        None, description="'tokenizer': every prompt becomes one user message rendered with the base tokenizer's "
-                          "chat template; a path: that Jinja template instead (for tokenizers without one); None = "
-                          "prompts as they are (rows with messages use the tokenizer's template).")
+        None,
+        description="'tokenizer': every prompt becomes one user message rendered with the base tokenizer's "
+        "chat template; a path: that Jinja template instead (for tokenizers without one); None = "
+        "prompts as they are (rows with messages use the tokenizer's template).",
+    )
     reward: tuple[str, ...] = Field(
-        ("exact",), description="Rewards, summed: exact, math, gsm8k, code, length, format, or module:function "
-                                "(TRL's signature); see training/rewards.py.")
+        ("exact",),
+        description="Rewards, summed: exact, math, gsm8k, code, length, format, or module:function "
+        "(TRL's signature); see training/rewards.py.",
+    )
     reward_weights: tuple[float, ...] | None = Field(None, description="One weight per --reward; None = all 1.")
     length_budget: int | None = Field(None, ge=1, description="The length reward's budget in tokens.")
     format_pattern: str | None = Field(None, description="The format reward's regular expression.")
-    reward_timeout: float = Field(60.0, gt=0, description="Seconds a reward may take for one batch before it scores None.")
+    reward_timeout: float = Field(
+        60.0, gt=0, description="Seconds a reward may take for one batch before it scores None."
+    )
     max_tokens: int = Field(
-        512, ge=1, description="Longest completion sampled, in tokens (TRL's max_completion_length); the bundled "
-                               "models' answers take 6 (recipes/tiny-arith.yaml).")
+        512,
+        ge=1,
+        description="Longest completion sampled, in tokens (TRL's max_completion_length); the bundled "
+        "models' answers take 6 (recipes/tiny-arith.yaml).",
+    )
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of the rollouts.")
     top_k: int = Field(20, ge=1, description="Top-k the coordinator merges per token.")
     lockstep: bool = Field(
-        True, description="Start the servers with the lockstep plugin, so rollouts are decoded natively in lockstep "
-                           "(coordinator/lockstep/); a weight push takes the sequences in flight off the servers and "
-                           "resumes them after it, on the new weights.")
+        True,
+        description="Start the servers with the lockstep plugin, so rollouts are decoded natively in lockstep "
+        "(coordinator/lockstep/); a weight push takes the sequences in flight off the servers and "
+        "resumes them after it, on the new weights.",
+    )
     replicas: int = Field(
-        1, ge=1, le=64, description="(base, teacher) server pairs this run starts, pooled per role: a replica that "
-                                    "dies hands its sequences to the others, and every weight push goes to each base "
-                                    "replica, verified (engines/pool.py).")
+        1,
+        ge=1,
+        le=64,
+        description="(base, teacher) server pairs this run starts, pooled per role: a replica that "
+        "dies hands its sequences to the others, and every weight push goes to each base "
+        "replica, verified (engines/pool.py).",
+    )
     theta_urls: tuple[str, ...] = Field(
-        (), description="Base servers already running (dev mode, serving --base) to sample from instead of starting "
-                        "any; the run first pushes its starting weights into each, then every update.")
+        (),
+        description="Base servers already running (dev mode, serving --base) to sample from instead of starting "
+        "any; the run first pushes its starting weights into each, then every update.",
+    )
     t_urls: tuple[str, ...] = Field(
-        (), description="Teacher servers already running (serving --teacher); needed with --theta-urls unless "
-                        "--teacher self, which samples the teacher from the base servers.")
+        (),
+        description="Teacher servers already running (serving --teacher); needed with --theta-urls unless "
+        "--teacher self, which samples the teacher from the base servers.",
+    )
     eval_prompts: int = Field(200, ge=1, description="Held-out problems per evaluation (at most).")
     eval_fraction: float = Field(
-        0.1, gt=0, lt=1, description="--dataset without --eval-dataset: the share of its rows held out, capped at "
-                                     "--eval-prompts (at least 1 row).")
+        0.1,
+        gt=0,
+        lt=1,
+        description="--dataset without --eval-dataset: the share of its rows held out, capped at "
+        "--eval-prompts (at least 1 row).",
+    )
     eval_samples: int = Field(
-        0, ge=0, description="Samples per held-out problem for pass@k at --temperature; 0 = greedy accuracy only.")
+        0, ge=0, description="Samples per held-out problem for pass@k at --temperature; 0 = greedy accuracy only."
+    )
     eval_group_by: str | None = Field(
-        None, description="A row field to report held-out greedy accuracy by as well (held_out_accuracy/<value>), "
-                          "e.g. 'difficulty' or 'level'.")
+        None,
+        description="A row field to report held-out greedy accuracy by as well (held_out_accuracy/<value>), "
+        "e.g. 'difficulty' or 'level'.",
+    )
     retained_dataset: Path | None = Field(
-        None, description="Prompts of a skill the base has and the training set does not ask for, scored greedily "
-                          "at every evaluation (retained_accuracy, at most --eval-prompts rows): what training "
-                          "makes the base forget.")
+        None,
+        description="Prompts of a skill the base has and the training set does not ask for, scored greedily "
+        "at every evaluation (retained_accuracy, at most --eval-prompts rows): what training "
+        "makes the base forget.",
+    )
     pass_k: tuple[int, ...] = Field((1, 4, 8), description="The k of pass@k (each at most --eval-samples).")
     seed: int = Field(0, description="Seeds data order and the held-out choice, sampling and the learner.")
     coordinator: CoordinatorConfig = Field(
         default_factory=CoordinatorConfig,
         description="The coordinator's options (coordinator/config.py; DUALVLLM_* variables fill those not set), set "
-                    "in a recipe file's coordinator: section. The run sets its servers' URLs, top_k and seed itself, "
-                    "from its own options, and the batch size from its batch unless this sets it.")
+        "in a recipe file's coordinator: section. The run sets its servers' URLs, top_k and seed itself, "
+        "from its own options, and the batch size from its batch unless this sets it.",
+    )
 
     @field_validator("base")
     @classmethod
@@ -131,8 +183,11 @@ class TaskConfig(RaisesInvalidInput, BaseModel):
         section = data.get("coordinator") if isinstance(data, dict) else None
         if isinstance(section, dict) and (owned := [name for name in section if name in RUN_OWNED]):
             own = RUN_OWNED[owned[0]]
-            why = ("points the coordinator at the servers it starts, or at those of --theta-urls/--t-urls"
-                   if own.endswith("urls") else "gives the coordinator its own")
+            why = (
+                "points the coordinator at the servers it starts, or at those of --theta-urls/--t-urls"
+                if own.endswith("urls")
+                else "gives the coordinator its own"
+            )
             raise ValueError(f"coordinator.{owned[0]} is the run's to set: it {why}; set {own} ({flag(own)}) instead")
         return data
 
@@ -145,26 +200,35 @@ class TaskConfig(RaisesInvalidInput, BaseModel):
     def _task_is_consistent(self) -> TaskConfig:
         from dualvllm.training.rewards import reward_spec
 
-        reward_spec(self.reward, self.reward_weights, length_budget=self.length_budget,
-                    format_pattern=self.format_pattern)
+        reward_spec(
+            self.reward, self.reward_weights, length_budget=self.length_budget, format_pattern=self.format_pattern
+        )
         given = self.model_fields_set
         if "eval_dataset" in given and "dataset" not in given:
-            raise ValueError("--eval-dataset is held out of a --dataset; give --dataset too (without it the "
-                             "bundled task and its own test split are used)")
+            raise ValueError(
+                "--eval-dataset is held out of a --dataset; give --dataset too (without it the "
+                "bundled task and its own test split are used)"
+            )
         for name, reward in (("length_budget", "length"), ("format_pattern", "format")):
             if name in given and reward not in self.reward:
-                raise ValueError(f"{flag(name)} applies to the {reward} reward, which --reward does not name; "
-                                 f"add {reward} to --reward or drop {flag(name)}")
+                raise ValueError(
+                    f"{flag(name)} applies to the {reward} reward, which --reward does not name; "
+                    f"add {reward} to --reward or drop {flag(name)}"
+                )
         if self.chat_template not in (None, "tokenizer") and not Path(self.chat_template).is_file():
             raise ValueError(f"--chat-template {self.chat_template!r} is neither 'tokenizer' nor a template file")
         if self.theta_urls and "replicas" in given:
             raise ValueError("--replicas starts servers and --theta-urls names running ones; give one of them")
         if bool(self.theta_urls) != bool(self.t_urls) and not (self.theta_urls and self.teacher == "self"):
-            raise ValueError("--theta-urls and --t-urls name the running base and teacher servers: give both "
-                             "(or --teacher self with --theta-urls alone)")
+            raise ValueError(
+                "--theta-urls and --t-urls name the running base and teacher servers: give both "
+                "(or --teacher self with --theta-urls alone)"
+            )
         if self.teacher == "self" and (self.replicas > 1 or len(self.theta_urls) > 1 or self.t_urls):
-            raise ValueError("--teacher self samples the teacher from the one base server; with several base "
-                             "replicas, serve the starting weights as the teacher (--teacher self-frozen) instead")
+            raise ValueError(
+                "--teacher self samples the teacher from the one base server; with several base "
+                "replicas, serve the starting weights as the teacher (--teacher self-frozen) instead"
+            )
         if too_large := [k for k in self.pass_k if k > self.eval_samples]:
             if "pass_k" in given:
                 raise ValueError(f"--pass-k {too_large} needs at least {max(too_large)} --eval-samples per problem")
@@ -177,8 +241,10 @@ class TaskConfig(RaisesInvalidInput, BaseModel):
             positions = _positions(model)
             if positions is not None and self.max_tokens >= positions:
                 fix = " (the bundled models: --config recipes/tiny-arith.yaml)" if bundled(model) else ""
-                raise ValueError(f"--max-tokens {self.max_tokens} does not fit the {positions} positions of {model}, "
-                                 f"prompt and completion together; lower --max-tokens{fix}")
+                raise ValueError(
+                    f"--max-tokens {self.max_tokens} does not fit the {positions} positions of {model}, "
+                    f"prompt and completion together; lower --max-tokens{fix}"
+                )
         return self
 
     @property
@@ -196,8 +262,10 @@ class TaskConfig(RaisesInvalidInput, BaseModel):
             return {}
         toys = {}
         if self.max_tokens < TOY_MAX_TOKENS:
-            toys["max_tokens"] = (f"a real model's completions are cut after {self.max_tokens} tokens; raise "
-                                  f"--max-tokens (default {type(self).model_fields['max_tokens'].default})")
+            toys["max_tokens"] = (
+                f"a real model's completions are cut after {self.max_tokens} tokens; raise "
+                f"--max-tokens (default {type(self).model_fields['max_tokens'].default})"
+            )
         return toys
 
     def sampling_params(self, **overrides: Any) -> SamplingParams:
@@ -213,8 +281,9 @@ class TaskConfig(RaisesInvalidInput, BaseModel):
 
 def _model_directory(model: str | None) -> str | None:
     if model is not None and not (Path(model).expanduser() / "config.json").is_file():
-        raise ValueError(f"{model!r} is not a model directory (no config.json in it); give a Hugging Face "
-                         "checkpoint directory")
+        raise ValueError(
+            f"{model!r} is not a model directory (no config.json in it); give a Hugging Face checkpoint directory"
+        )
     return model
 
 

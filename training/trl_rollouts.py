@@ -58,17 +58,29 @@ class QStarRollouts:
     (in-process engines, not yet entered: the rollouts enter and close them). Use as a context manager, or call `close()` when training ends.
     """
 
-    def __init__(self, config: CoordinatorConfig, *, dataset: Iterable[Mapping[str, Any]] | None = None,
-                 teacher_column: str | None = None, teacher_template: str | None = None,
-                 fixed_alpha: float | None = None, record_topk: int = 0, seed: int = 0,
-                 theta_engine: Engine | None = None, t_engine: Engine | None = None,
-                 call_timeout_s: float | None = None, open_timeout_s: float = OPEN_TIMEOUT_S,
-                 close_timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        *,
+        dataset: Iterable[Mapping[str, Any]] | None = None,
+        teacher_column: str | None = None,
+        teacher_template: str | None = None,
+        fixed_alpha: float | None = None,
+        record_topk: int = 0,
+        seed: int = 0,
+        theta_engine: Engine | None = None,
+        t_engine: Engine | None = None,
+        call_timeout_s: float | None = None,
+        open_timeout_s: float = OPEN_TIMEOUT_S,
+        close_timeout_s: float = CLOSE_TIMEOUT_S,
+    ) -> None:
         if teacher_column is not None and teacher_template is not None:
             raise InvalidInputError("give the teacher's prompt as teacher_column or teacher_template, not both")
         if (teacher_column is not None or teacher_template is not None) and dataset is None:
-            raise InvalidInputError("a teacher column or template reads the rows: pass dataset=the trainer's "
-                                    "train_dataset (TRL hands the rollout function prompts only)")
+            raise InvalidInputError(
+                "a teacher column or template reads the rows: pass dataset=the trainer's "
+                "train_dataset (TRL hands the rollout function prompts only)"
+            )
         self.teacher_column, self.teacher_template = teacher_column, teacher_template
         self._rows = _rows_by_prompt(dataset, teacher_column, teacher_template) if dataset is not None else {}
         self.fixed_alpha, self.record_topk, self.seed = fixed_alpha, record_topk, seed
@@ -81,8 +93,9 @@ class QStarRollouts:
         self._thread.start()
         self._stack = contextlib.AsyncExitStack()
         try:
-            self._coordinator = self.run(self._open(config, theta_engine, t_engine), timeout_s=open_timeout_s,
-                                         what="opening the coordinator")
+            self._coordinator = self.run(
+                self._open(config, theta_engine, t_engine), timeout_s=open_timeout_s, what="opening the coordinator"
+            )
         except BaseException:
             self._stop_loop()
             raise
@@ -111,8 +124,9 @@ class QStarRollouts:
             return future.result(timeout_s)
         except concurrent.futures.TimeoutError as exc:
             future.cancel()
-            raise GenerationFailedError(f"{what} took longer than {timeout_s:g} s; check the servers, or raise "
-                                        "call_timeout_s") from exc
+            raise GenerationFailedError(
+                f"{what} took longer than {timeout_s:g} s; check the servers, or raise call_timeout_s"
+            ) from exc
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list]:
         """TRL's rollout function: one q* rollout per entry of `prompts` (TRL repeats each prompt per group)."""
@@ -127,14 +141,24 @@ class QStarRollouts:
         # Distinct seeds per call, per process and per rollout: repeated prompts must not repeat samples.
         seeds = np.random.SeedSequence([self.seed, self._calls, rank]).generate_state(len(pairs), dtype=np.uint64)
         self._calls += 1
-        outputs = self.run(self._coordinator.generate_batch(
-            pairs, max_tokens=trainer.max_completion_length, temperature=trainer.temperature,
-            seeds=[int(s) for s in seeds], fixed_alpha=self.fixed_alpha, record_topk=self.record_topk),
-            timeout_s=self.call_timeout_s, what=f"sampling {len(pairs)} q* rollouts")
+        outputs = self.run(
+            self._coordinator.generate_batch(
+                pairs,
+                max_tokens=trainer.max_completion_length,
+                temperature=trainer.temperature,
+                seeds=[int(s) for s in seeds],
+                fixed_alpha=self.fixed_alpha,
+                record_topk=self.record_topk,
+            ),
+            timeout_s=self.call_timeout_s,
+            what=f"sampling {len(pairs)} q* rollouts",
+        )
         failed = [o for o in outputs if not o.ok]
         if failed:
-            raise GenerationFailedError(f"{len(failed)} of {len(outputs)} q* rollouts failed (first: {failed[0].error}); "
-                                        "TRL cannot train on a partial batch. Check the servers and rerun")
+            raise GenerationFailedError(
+                f"{len(failed)} of {len(outputs)} q* rollouts failed (first: {failed[0].error}); "
+                "TRL cannot train on a partial batch. Check the servers and rerun"
+            )
         return rollout_fields(theta_ids, outputs, record_topk=self.record_topk)
 
     def render(self, prompts: Sequence[Any], trainer: Any) -> list[list[int]]:
@@ -145,9 +169,14 @@ class QStarRollouts:
             return []
         if _is_chat(prompts[0]):
             rendered = tokenizer.apply_chat_template(
-                conversation=list(prompts), tools=getattr(trainer, "tools", None) or None,
-                chat_template=getattr(trainer, "chat_template", None), add_generation_prompt=True, tokenize=True,
-                return_dict=True, **(getattr(trainer, "chat_template_kwargs", None) or {}))
+                conversation=list(prompts),
+                tools=getattr(trainer, "tools", None) or None,
+                chat_template=getattr(trainer, "chat_template", None),
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+                **(getattr(trainer, "chat_template_kwargs", None) or {}),
+            )
             return [list(ids) for ids in rendered["input_ids"]]
         return [list(ids) for ids in tokenizer(text=list(prompts))["input_ids"]]
 
@@ -156,19 +185,30 @@ class QStarRollouts:
             return None
         key = _key(prompt)
         if key not in self._rows:
-            raise InvalidInputError(f"the prompt {key[:60]!r} is not in the dataset QStarRollouts was given, so its "
-                                    "teacher prompt is unknown; pass dataset=the trainer's train_dataset")
+            raise InvalidInputError(
+                f"the prompt {key[:60]!r} is not in the dataset QStarRollouts was given, so its "
+                "teacher prompt is unknown; pass dataset=the trainer's train_dataset"
+            )
         line, row = self._rows[key]
         if self.teacher_column is not None:
             return self.render([row[self.teacher_column]], trainer)[0]
         tokenizer = trainer.processing_class
         chat = _is_chat(prompt)
-        base_text = tokenizer.apply_chat_template(
-            prompt, tokenize=False, add_generation_prompt=True, chat_template=getattr(trainer, "chat_template", None),
-            **(getattr(trainer, "chat_template_kwargs", None) or {})) if chat else prompt
+        base_text = (
+            tokenizer.apply_chat_template(
+                prompt,
+                tokenize=False,
+                add_generation_prompt=True,
+                chat_template=getattr(trainer, "chat_template", None),
+                **(getattr(trainer, "chat_template_kwargs", None) or {}),
+            )
+            if chat
+            else prompt
+        )
         assert self.teacher_template is not None
-        text = format_template(self.teacher_template, "teacher template", {**row, "prompt": base_text},
-                               source="the dataset", line=line)
+        text = format_template(
+            self.teacher_template, "teacher template", {**row, "prompt": base_text}, source="the dataset", line=line
+        )
         # A rendered chat holds its own special tokens: add none on top (as `dualvllm train` does).
         return list(tokenizer(text, add_special_tokens=not chat)["input_ids"])
 
@@ -194,7 +234,9 @@ class QStarRollouts:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(self.close_timeout_s)
         if self._thread.is_alive():
-            raise ShutdownTimeoutError(f"the rollouts' event loop thread did not stop within {self.close_timeout_s:g} s")
+            raise ShutdownTimeoutError(
+                f"the rollouts' event loop thread did not stop within {self.close_timeout_s:g} s"
+            )
         self._loop.close()
 
     def _require_open(self) -> None:
@@ -208,8 +250,9 @@ class QStarRollouts:
         self.close()
 
 
-def rollout_fields(prompt_ids: Sequence[Sequence[int]], outputs: Sequence[GenerationOutput], *,
-                   record_topk: int = 0) -> dict[str, list]:
+def rollout_fields(
+    prompt_ids: Sequence[Sequence[int]], outputs: Sequence[GenerationOutput], *, record_topk: int = 0
+) -> dict[str, list]:
     """What a TRL rollout function returns, one entry per rollout, from the coordinator's outputs.
 
     `logprobs` is log q* of every sampled token (the behaviour policy); `alpha`, `logprob_t`
@@ -236,24 +279,30 @@ def rollout_fields(prompt_ids: Sequence[Sequence[int]], outputs: Sequence[Genera
     return fields
 
 
-def _rows_by_prompt(dataset: Iterable[Mapping[str, Any]], column: str | None,
-                    template: str | None) -> dict[str, tuple[int, dict[str, Any]]]:
+def _rows_by_prompt(
+    dataset: Iterable[Mapping[str, Any]], column: str | None, template: str | None
+) -> dict[str, tuple[int, dict[str, Any]]]:
     """key of the row's prompt -> (row number from 1, row); every row checked before training starts."""
     rows: dict[str, tuple[int, dict[str, Any]]] = {}
     for line, row in enumerate(dataset, start=1):
         row = dict(row)
         if "prompt" not in row:
-            raise InvalidInputError(f"row {line} of the dataset has no 'prompt', which TRL's GRPOTrainer reads; "
-                                    f"it has {sorted(row)}")
+            raise InvalidInputError(
+                f"row {line} of the dataset has no 'prompt', which TRL's GRPOTrainer reads; it has {sorted(row)}"
+            )
         if column is not None and row.get(column) is None:
-            raise InvalidInputError(f"row {line} of the dataset has no {column!r}, the teacher column; add it or "
-                                    "build the teacher prompt with teacher_template")
+            raise InvalidInputError(
+                f"row {line} of the dataset has no {column!r}, the teacher column; add it or "
+                "build the teacher prompt with teacher_template"
+            )
         if template is not None:  # checked now with a stand-in prompt; formatted per call with the rendered one
             format_template(template, "teacher template", {**row, "prompt": ""}, source="the dataset", line=line)
         key = _key(row["prompt"])
         if key in rows and rows[key][1] != row:
-            raise InvalidInputError(f"rows {rows[key][0]} and {line} of the dataset share a prompt and differ, so "
-                                    "which teacher prompt it gets is ambiguous; make the prompts distinct")
+            raise InvalidInputError(
+                f"rows {rows[key][0]} and {line} of the dataset share a prompt and differ, so "
+                "which teacher prompt it gets is ambiguous; make the prompts distinct"
+            )
         rows.setdefault(key, (line, row))
     return rows
 

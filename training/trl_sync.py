@@ -29,8 +29,15 @@ from transformers import TrainerCallback
 from dualvllm.common.errors import InvalidInputError
 from dualvllm.training import lora, untie
 from dualvllm.training.trl_rollouts import QStarRollouts
-from dualvllm.training.weight_sync import (BasePusher, PushReport, WeightsVia, new_push_dir, prune_pushed, push_metrics,
-                                  write_push)
+from dualvllm.training.weight_sync import (
+    BasePusher,
+    PushReport,
+    WeightsVia,
+    new_push_dir,
+    prune_pushed,
+    push_metrics,
+    write_push,
+)
 
 # A push of the bundled models takes well under a second; a large model's save and reload take
 # minutes, and a replica that restarts gets BasePusher's own health wait on top.
@@ -47,10 +54,19 @@ class QStarWeightSync(TrainerCallback):
     `<output_dir>/pushed`); the newest is kept.
     """
 
-    def __init__(self, trainer: Any, rollouts: QStarRollouts, *, sync_every: int = 1,
-                 probes: Sequence[Sequence[int]] | None = None, push_dir: Path | None = None,
-                 tolerance: float | None = None, push_timeout_s: float = PUSH_TIMEOUT_S, sync_at_start: bool = True,
-                 weights_via: WeightsVia = "auto") -> None:
+    def __init__(
+        self,
+        trainer: Any,
+        rollouts: QStarRollouts,
+        *,
+        sync_every: int = 1,
+        probes: Sequence[Sequence[int]] | None = None,
+        push_dir: Path | None = None,
+        tolerance: float | None = None,
+        push_timeout_s: float = PUSH_TIMEOUT_S,
+        sync_at_start: bool = True,
+        weights_via: WeightsVia = "auto",
+    ) -> None:
         if sync_every < 1:
             raise InvalidInputError(f"sync_every={sync_every}; push every N >= 1 optimizer steps")
         self.trainer, self.rollouts = trainer, rollouts
@@ -94,28 +110,36 @@ class QStarWeightSync(TrainerCallback):
         out_dir = new_push_dir(self.out, step)
         probes = self._probe_ids()
         if state_dict is not None and lora.is_lora(model):
-            raise InvalidInputError("pushing a LoRA model trained under FSDP or ZeRO-3 is not supported: merge "
-                                    "the adapter, or train without sharding")
+            raise InvalidInputError(
+                "pushing a LoRA model trained under FSDP or ZeRO-3 is not supported: merge "
+                "the adapter, or train without sharding"
+            )
         if self._pusher is None:
             untie.refuse_tied(model, str(getattr(model, "name_or_path", "the trained model")))
             via = "disk" if state_dict is not None else self.weights_via
             if state_dict is not None and self.weights_via == "memory":
-                raise InvalidInputError("weights_via='memory' needs the whole model in this process; under FSDP or "
-                                        "ZeRO-3 each rank holds a shard: push via the disk")
-            self._pusher = BasePusher(self.rollouts.coordinator.base_engine, probes, tolerance=self.tolerance,
-                                      via=via)
+                raise InvalidInputError(
+                    "weights_via='memory' needs the whole model in this process; under FSDP or "
+                    "ZeRO-3 each rank holds a shard: push via the disk"
+                )
+            self._pusher = BasePusher(self.rollouts.coordinator.base_engine, probes, tolerance=self.tolerance, via=via)
         if state_dict is None:  # in memory when the servers can take it (BasePusher.push)
-            report = self.rollouts.run(self._push_live(model, out_dir), timeout_s=self.push_timeout_s,
-                                       what=f"pushing the weights of step {step}")
+            report = self.rollouts.run(
+                self._push_live(model, out_dir),
+                timeout_s=self.push_timeout_s,
+                what=f"pushing the weights of step {step}",
+            )
             prune_pushed(self.out)
             return report
-        dtype = self.rollouts.run(self._pusher.served_dtype(), timeout_s=self.push_timeout_s,
-                                  what="asking the base server's dtype")
+        dtype = self.rollouts.run(
+            self._pusher.served_dtype(), timeout_s=self.push_timeout_s, what="asking the base server's dtype"
+        )
         # In the server's dtype, compared like with like (dualvllm.training.weight_sync.write_push); a
         # sharded model (state_dict given) is probed on a CPU copy of the checkpoint.
         expected = write_push(model, trainer.processing_class, out_dir, probes, dtype=dtype, state_dict=state_dict)
-        report = self.rollouts.run(self._reload(out_dir, expected), timeout_s=self.push_timeout_s,
-                                   what=f"pushing the weights of step {step}")
+        report = self.rollouts.run(
+            self._reload(out_dir, expected), timeout_s=self.push_timeout_s, what=f"pushing the weights of step {step}"
+        )
         prune_pushed(self.out)
         return report
 

@@ -78,11 +78,21 @@ class QStarGRPOConfig(GRPOConfig):
     correction: str = _train_field("correction")
     is_cap: float = _train_field("is_cap")
     share_cap: float = _train_field("share_cap")
-    opd_coef: float = field(default=0.0, metadata={"help": "Weight c of on-policy distillation's per-token "
-                            "advantage -c (log pi_theta(y_t) - log pi_t(y_t)), from the rollouts' `logprob_t`; 0 = off."})
-    distill_coef: float = field(default=0.0, metadata={"help": "Weight of the top-k JSD to the teacher at every "
-                                "visited state, from the rollouts' `teacher_topk_ids`/`teacher_topk_logprobs` "
-                                "(QStarRollouts(record_topk=k)); 0 = off."})
+    opd_coef: float = field(
+        default=0.0,
+        metadata={
+            "help": "Weight c of on-policy distillation's per-token "
+            "advantage -c (log pi_theta(y_t) - log pi_t(y_t)), from the rollouts' `logprob_t`; 0 = off."
+        },
+    )
+    distill_coef: float = field(
+        default=0.0,
+        metadata={
+            "help": "Weight of the top-k JSD to the teacher at every "
+            "visited state, from the rollouts' `teacher_topk_ids`/`teacher_topk_logprobs` "
+            "(QStarRollouts(record_topk=k)); 0 = off."
+        },
+    )
     distill_beta: float = _train_field("distill_beta")
 
     def __post_init__(self) -> None:
@@ -91,18 +101,25 @@ class QStarGRPOConfig(GRPOConfig):
             raise InvalidInputError(f"correction={self.correction!r}; use one of {', '.join(CORRECTIONS)}")
         if self.loss_type not in NORMALIZATIONS:
             hint = " (for VESPO set correction='vespo' with loss_type='dapo')" if self.loss_type == "vespo" else ""
-            raise InvalidInputError(f"loss_type={self.loss_type!r}: with q* rollouts loss_type only chooses the "
-                                    f"normalization, one of {', '.join(NORMALIZATIONS)}{hint}")
+            raise InvalidInputError(
+                f"loss_type={self.loss_type!r}: with q* rollouts loss_type only chooses the "
+                f"normalization, one of {', '.join(NORMALIZATIONS)}{hint}"
+            )
         if self.scale_rewards not in ("group", "none"):
-            raise InvalidInputError(f"scale_rewards={self.scale_rewards!r}: q* advantages are group-relative; use "
-                                    "'group' (divide by the group's std) or 'none' (Dr. GRPO)")
+            raise InvalidInputError(
+                f"scale_rewards={self.scale_rewards!r}: q* advantages are group-relative; use "
+                "'group' (divide by the group's std) or 'none' (Dr. GRPO)"
+            )
         for name, (allowed, why) in UNSUPPORTED.items():
             if getattr(self, name) != allowed:
-                raise InvalidInputError(f"{name}={getattr(self, name)!r} is not supported with q* rollouts: {why}; "
-                                        f"leave it at {allowed!r}")
+                raise InvalidInputError(
+                    f"{name}={getattr(self, name)!r} is not supported with q* rollouts: {why}; leave it at {allowed!r}"
+                )
         if self.beta > 0 and self.use_bias_correction_kl:
-            raise InvalidInputError("use_bias_correction_kl=True (TRL's default) is not supported with q* rollouts: "
-                                    "the KL penalty is the learner's k3 estimate, unweighted; set it to False")
+            raise InvalidInputError(
+                "use_bias_correction_kl=True (TRL's default) is not supported with q* rollouts: "
+                "the KL penalty is the learner's k3 estimate, unweighted; set it to False"
+            )
         for name in ("is_cap", "share_cap"):
             if getattr(self, name) < 1:
                 raise InvalidInputError(f"{name}={getattr(self, name)} must be >= 1")
@@ -113,9 +130,11 @@ class QStarGRPOConfig(GRPOConfig):
 # GRPOTrainer's private methods this subclass overrides, with TRL's signatures: a TRL release that
 # renames or reshapes one would leave the override silently unused (tests/unit/test_training_trl.py
 # fails loudly instead). The tested range is pyproject.toml's.
-OVERRIDDEN = {"_calculate_rewards": ("self", "inputs", "prompts", "completions", "completion_ids_list"),
-              "_generate_and_score_completions": ("self", "inputs"),
-              "_compute_loss": ("self", "model", "inputs")}
+OVERRIDDEN = {
+    "_calculate_rewards": ("self", "inputs", "prompts", "completions", "completion_ids_list"),
+    "_generate_and_score_completions": ("self", "inputs"),
+    "_compute_loss": ("self", "model", "inputs"),
+}
 
 
 class QStarGRPOTrainer(GRPOTrainer):
@@ -130,8 +149,10 @@ class QStarGRPOTrainer(GRPOTrainer):
         if not isinstance(self.args, QStarGRPOConfig):
             raise InvalidInputError("QStarGRPOTrainer needs args=QStarGRPOConfig(...): it carries the correction")
         if self.rollout_func is None:
-            raise InvalidInputError("QStarGRPOTrainer trains on q* rollouts: pass rollout_func=QStarRollouts(...), "
-                                    "whose logprobs are log q*")
+            raise InvalidInputError(
+                "QStarGRPOTrainer trains on q* rollouts: pass rollout_func=QStarRollouts(...), "
+                "whose logprobs are log q*"
+            )
         self._rewards: torch.Tensor | None = None
 
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -156,13 +177,16 @@ class QStarGRPOTrainer(GRPOTrainer):
         width = output["completion_ids"].shape[1]
         device = output["completion_ids"].device
         if args.opd_coef > 0:
-            output["teacher_per_token_logps"] = _padded([_field(x, TEACHER_LOGPROBS) for x in inputs], width,
-                                                        fill=0.0, device=device)  # [B, T]
+            output["teacher_per_token_logps"] = _padded(
+                [_field(x, TEACHER_LOGPROBS) for x in inputs], width, fill=0.0, device=device
+            )  # [B, T]
         if args.distill_coef > 0:
-            output["teacher_topk_ids"] = _padded([_field(x, TEACHER_TOPK_IDS) for x in inputs], width, fill=0,
-                                                 device=device, dtype=torch.long)  # [B, T, k]
-            output["teacher_topk_logprobs"] = _padded([_field(x, TEACHER_TOPK_LOGPROBS) for x in inputs], width,
-                                                      fill=float("-inf"), device=device)  # [B, T, k]
+            output["teacher_topk_ids"] = _padded(
+                [_field(x, TEACHER_TOPK_IDS) for x in inputs], width, fill=0, device=device, dtype=torch.long
+            )  # [B, T, k]
+            output["teacher_topk_logprobs"] = _padded(
+                [_field(x, TEACHER_TOPK_LOGPROBS) for x in inputs], width, fill=float("-inf"), device=device
+            )  # [B, T, k]
         return output
 
     def _qstar_advantages(self, output: dict[str, Any], mask: torch.Tensor, local: int) -> torch.Tensor:
@@ -190,14 +214,19 @@ class QStarGRPOTrainer(GRPOTrainer):
                 kept_ratios.append(log_ratio[rows].cpu().double())
                 kept_rows.append(rows)
         if kept_rows:
-            values, metrics = project_advantages(kept_rewards, kept_ratios, correction=args.correction,
-                                                 scale=args.scale_rewards == "group", share_cap=args.share_cap)
+            values, metrics = project_advantages(
+                kept_rewards,
+                kept_ratios,
+                correction=args.correction,
+                scale=args.scale_rewards == "group",
+                share_cap=args.share_cap,
+            )
             advantages[torch.cat(kept_rows)] = values.to(advantages.dtype).to(advantages.device)
             if args.correction == "sequence":
                 for name, value in metrics.items():
                     self._metrics[mode][f"qstar/{name}"].append(value)
         rank = self.accelerator.process_index
-        return advantages[rank * local:(rank + 1) * local]
+        return advantages[rank * local : (rank + 1) * local]
 
     def _policy_logps(self, output: dict[str, Any]) -> torch.Tensor:
         """log pi_theta of every completion token under the weights that sampled them -> [B, T]."""
@@ -206,9 +235,13 @@ class QStarGRPOTrainer(GRPOTrainer):
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         with torch.no_grad():
-            logps, _, _ = self._get_per_token_logps_and_entropies(self.model, input_ids, attention,
-                                                                 output["completion_ids"].size(1),
-                                                                 batch_size=self.args.per_device_train_batch_size)
+            logps, _, _ = self._get_per_token_logps_and_entropies(
+                self.model,
+                input_ids,
+                attention,
+                output["completion_ids"].size(1),
+                batch_size=self.args.per_device_train_batch_size,
+            )
         return logps
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
@@ -221,28 +254,42 @@ class QStarGRPOTrainer(GRPOTrainer):
         width = completion_ids.size(1)
         logits = None
         if args.distill_coef > 0:  # the divergence needs whole distributions: one plain forward gives both
-            logits = model(input_ids=input_ids, attention_mask=attention).logits[:, -width - 1:-1]  # [B, T, V]
-            logp = torch.log_softmax(logits.float() / self.temperature, dim=-1).gather(
-                -1, completion_ids[..., None])[..., 0]  # [B, T]
+            logits = model(input_ids=input_ids, attention_mask=attention).logits[:, -width - 1 : -1]  # [B, T, V]
+            logp = torch.log_softmax(logits.float() / self.temperature, dim=-1).gather(-1, completion_ids[..., None])[
+                ..., 0
+            ]  # [B, T]
         else:
-            logp, entropies, _ = self._get_per_token_logps_and_entropies(model, input_ids, attention, width,
-                                                                        compute_entropy=True)
+            logp, entropies, _ = self._get_per_token_logps_and_entropies(
+                model, input_ids, attention, width, compute_entropy=True
+            )
             self._metrics[mode]["entropy"].append(self._masked_mean(entropies, mask))
         behaviour = inputs.get("sampling_per_token_logps")
         if behaviour is None:
-            raise InvalidInputError("the rollout function returned no logprobs: QStarGRPOTrainer needs log q* per "
-                                    "token as `logprobs` (QStarRollouts returns them)")
+            raise InvalidInputError(
+                "the rollout function returned no logprobs: QStarGRPOTrainer needs log q* per "
+                "token as `logprobs` (QStarRollouts returns them)"
+            )
         token_advantages = None
         if args.opd_coef > 0:
             token_advantages = teacher_advantages(logp, inputs["teacher_per_token_logps"], args.opd_coef) * mask
         loss, metrics = policy_loss(
-            logp, behaviour, inputs["advantages"].float(), mask, correction=args.correction,
-            is_cap=args.is_cap, normalization=args.loss_type, max_completion_length=self.max_completion_length,
-            logp_reference=inputs.get("ref_per_token_logps"), kl_coef=self.beta, token_advantages=token_advantages)
+            logp,
+            behaviour,
+            inputs["advantages"].float(),
+            mask,
+            correction=args.correction,
+            is_cap=args.is_cap,
+            normalization=args.loss_type,
+            max_completion_length=self.max_completion_length,
+            logp_reference=inputs.get("ref_per_token_logps"),
+            kl_coef=self.beta,
+            token_advantages=token_advantages,
+        )
         loss = loss * self._accumulation_scale(args.loss_type, mask, inputs)
         if logits is not None:
-            divergence = topk_distillation(logits, inputs["teacher_topk_ids"], inputs["teacher_topk_logprobs"],
-                                           beta=args.distill_beta)  # [B, T]
+            divergence = topk_distillation(
+                logits, inputs["teacher_topk_ids"], inputs["teacher_topk_logprobs"], beta=args.distill_beta
+            )  # [B, T]
             distill = normalize(divergence, mask, "dapo")
             loss = loss + args.distill_coef * distill * self._accumulation_scale("dapo", mask, inputs)
             metrics["distill_divergence"] = float(distill.detach())
@@ -270,18 +317,21 @@ class QStarGRPOTrainer(GRPOTrainer):
 
 def _field(row: dict[str, Any], name: str) -> Any:
     if name not in row:
-        raise InvalidInputError(f"the loss needs the rollouts' {name!r}, and the rollout function returned none: "
-                                "use QStarRollouts (with record_topk=k for the distillation term), or set its "
-                                "coefficient to 0")
+        raise InvalidInputError(
+            f"the loss needs the rollouts' {name!r}, and the rollout function returned none: "
+            "use QStarRollouts (with record_topk=k for the distillation term), or set its "
+            "coefficient to 0"
+        )
     return row[name]
 
 
-def _padded(rows: list[Any], width: int, *, fill: float, device: torch.device,
-            dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def _padded(
+    rows: list[Any], width: int, *, fill: float, device: torch.device, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Per-rollout lists of [T_i] or [T_i, k] values -> [B, width(, k)], right-padded with `fill`."""
     tensors = [torch.as_tensor(row, dtype=dtype) for row in rows]
     shape = (len(rows), width, *tensors[0].shape[1:])
     out = torch.full(shape, fill, dtype=dtype)
     for i, tensor in enumerate(tensors):
-        out[i, :len(tensor)] = tensor
+        out[i, : len(tensor)] = tensor
     return out.to(device)

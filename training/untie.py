@@ -39,7 +39,8 @@ def refuse_tied(model: Any, model_dir: str) -> None:
             "vLLM 0.32's in-place weight reload updates a tied model's embedding but not its output layer "
             "(training/untie.py): pushes would serve a model that was never trained. Untie it once and train "
             f"the copy: `{UNTIE_COMMAND} {model_dir} {model_dir.rstrip('/')}-untied`, then --base that "
-            "directory (or use --engine transformers, which pushes nothing)")
+            "directory (or use --engine transformers, which pushes nothing)"
+        )
 
 
 def untie(source: Path, destination: Path) -> Path:
@@ -59,8 +60,12 @@ def untie(source: Path, destination: Path) -> Path:
     model.config.tie_word_embeddings = False
     model.save_pretrained(destination, safe_serialization=True)
     for extra in sorted(source.iterdir()):
-        if extra.is_file() and not (destination / extra.name).exists() and extra.suffix != ".safetensors" \
-                and not extra.name.endswith(".safetensors.index.json"):
+        if (
+            extra.is_file()
+            and not (destination / extra.name).exists()
+            and extra.suffix != ".safetensors"
+            and not extra.name.endswith(".safetensors.index.json")
+        ):
             shutil.copy2(extra, destination / extra.name)
     return destination
 

@@ -131,16 +131,21 @@ def verifier_pool(workers: int = 1) -> Iterator[ProcessPoolExecutor]:
     default on Linux) a worker's parent is the fork server, not this process, and spawn
     would re-run `python -m dualvllm` in every worker.
     """
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork"),
-                               initializer=die_with_parent, initargs=(os.getpid(), signal.SIGKILL))
+    pool = ProcessPoolExecutor(
+        max_workers=workers,
+        mp_context=multiprocessing.get_context("fork"),
+        initializer=die_with_parent,
+        initargs=(os.getpid(), signal.SIGKILL),
+    )
     try:
         yield pool
     finally:
         pool.shutdown(cancel_futures=True)
 
 
-async def score_in_pool(verifier: Verifier, completions: Sequence[str], references: Sequence[str],
-                        executor: Executor) -> list[float]:
+async def score_in_pool(
+    verifier: Verifier, completions: Sequence[str], references: Sequence[str], executor: Executor
+) -> list[float]:
     """Rewards for a batch, computed in `executor` (a process pool) off the event loop."""
     if len(completions) != len(references):
         raise ValueError(f"got {len(completions)} completions for {len(references)} references")

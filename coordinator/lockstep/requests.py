@@ -28,8 +28,16 @@ class _Request:
 
 
 class Requests:
-    def __init__(self, table: LockstepTable, *, address: str, top_k: int, stop_token: int, max_len: int,
-                 on_end: Callable[[Stream, asyncio.Task[str]], None]) -> None:
+    def __init__(
+        self,
+        table: LockstepTable,
+        *,
+        address: str,
+        top_k: int,
+        stop_token: int,
+        max_len: int,
+        on_end: Callable[[Stream, asyncio.Task[str]], None],
+    ) -> None:
         self._table = table
         self._address = address
         self._top_k = top_k
@@ -52,12 +60,19 @@ class Requests:
         stream = self._table.open_stream(live, role, self.new_id(), offset=agreed)
         # One more than needed: the coordinator ends the request (END) before the server would.
         max_tokens = max(1, min(seq.params.max_tokens - agreed + 1, self._max_len - len(prompt)))
-        args = wire.request_args(wire.Tagged(self._address, stream.id, offset=agreed, top_k=self._top_k,
-                                             stop=self._stop_token))
+        args = wire.request_args(
+            wire.Tagged(self._address, stream.id, offset=agreed, top_k=self._top_k, stop=self._stop_token)
+        )
         accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        task = asyncio.create_task(stream.engine.forced_generation(
-            prompt, max_tokens=max_tokens, stop_token=self._stop_token, lockstep_args=args,
-            on_accepted=functools.partial(_resolve, accepted)))
+        task = asyncio.create_task(
+            stream.engine.forced_generation(
+                prompt,
+                max_tokens=max_tokens,
+                stop_token=self._stop_token,
+                lockstep_args=args,
+                on_accepted=functools.partial(_resolve, accepted),
+            )
+        )
         request = self._running[stream.id] = _Request(stream, task, accepted)
         task.add_done_callback(functools.partial(self._ended, request))
         return stream

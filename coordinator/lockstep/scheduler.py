@@ -58,9 +58,20 @@ CLOSE_STEP_S = 60.0
 class LockstepScheduler:
     mode = "lockstep"
 
-    def __init__(self, theta: VLLMClient | ReplicaPool, t: VLLMClient | ReplicaPool, *, config: CoordinatorConfig,
-                 eos_ids: frozenset[int], max_len: int, stats: Statistics, channel: LockstepChannel,
-                 stop_token: int, capacity: int | None = None, vocab_size: int | None = None) -> None:
+    def __init__(
+        self,
+        theta: VLLMClient | ReplicaPool,
+        t: VLLMClient | ReplicaPool,
+        *,
+        config: CoordinatorConfig,
+        eos_ids: frozenset[int],
+        max_len: int,
+        stats: Statistics,
+        channel: LockstepChannel,
+        stop_token: int,
+        capacity: int | None = None,
+        vocab_size: int | None = None,
+    ) -> None:
         """`theta`/`t`: a server's client, or a ReplicaPool of its replicas' clients;
         `stop_token`: the token a stream's plugin forces to end it (an EOS id of both models);
         `capacity`: the most sequences one server runs at once (None: no limit but max_batch_size)."""
@@ -78,12 +89,27 @@ class LockstepScheduler:
         # server runs them: a park at every step.
         self._placement = Placement(theta, t, per_server=capacity or config.max_batch_size, loads=self._table.loads)
         self._max_live = min(config.max_batch_size, self._placement.per_server * self._placement.fewest_replicas)
-        self._requests = Requests(self._table, address=channel.address, top_k=config.top_k, stop_token=stop_token,
-                                  max_len=max_len, on_end=lambda stream, task: self._recovery.stream_ended(stream, task))
-        self._admission = Admission(self._table, self._placement, self._requests, self._delivery, config=config,
-                                    max_live=self._max_live, shell=self, holding=lambda: self._recovery.holding)
-        self._recovery = Recovery(self._table, self._placement, self._requests, self._admission, config=config,
-                                  shell=self)
+        self._requests = Requests(
+            self._table,
+            address=channel.address,
+            top_k=config.top_k,
+            stop_token=stop_token,
+            max_len=max_len,
+            on_end=lambda stream, task: self._recovery.stream_ended(stream, task),
+        )
+        self._admission = Admission(
+            self._table,
+            self._placement,
+            self._requests,
+            self._delivery,
+            config=config,
+            max_live=self._max_live,
+            shell=self,
+            holding=lambda: self._recovery.holding,
+        )
+        self._recovery = Recovery(
+            self._table, self._placement, self._requests, self._admission, config=config, shell=self
+        )
         self.gate = self._admission.gate
         self._probes: dict[int, asyncio.Future[wire.Report]] = {}  # check_plugin's requests: their reports
         self._loop_task: asyncio.Task[None] | None = None
@@ -116,10 +142,16 @@ class LockstepScheduler:
         reported = self._probes[probe_id] = asyncio.get_running_loop().create_future()
         roles = self._placement.roles_on(engine)
         try:
-            await probe_plugin(engine, address=self._channel.address, probe_id=probe_id, reported=reported,
-                               prompt_ids=[self._stop_token], stop_token=self._stop_token,
-                               timeout_s=self._config.request_timeout,
-                               needed=roles * min(self._placement.per_server, self._config.max_batch_size))
+            await probe_plugin(
+                engine,
+                address=self._channel.address,
+                probe_id=probe_id,
+                reported=reported,
+                prompt_ids=[self._stop_token],
+                stop_token=self._stop_token,
+                timeout_s=self._config.request_timeout,
+                needed=roles * min(self._placement.per_server, self._config.max_batch_size),
+            )
         finally:
             del self._probes[probe_id]
 
@@ -153,8 +185,14 @@ class LockstepScheduler:
             self.lock.release()
         await self._requests.drain(DRAIN_S)  # each ends at its server's next report, answered END here
         try:
-            await stop(self._watchdog, self._loop_task, *self._requests.tasks(), *self._background,
-                       what="the lockstep scheduler's tasks", timeout_s=CLOSE_STEP_S)
+            await stop(
+                self._watchdog,
+                self._loop_task,
+                *self._requests.tasks(),
+                *self._background,
+                what="the lockstep scheduler's tasks",
+                timeout_s=CLOSE_STEP_S,
+            )
         finally:
             self._channel.close()
         await bounded(self._delivery.aclose(), what="the detokenization of finished outputs", timeout_s=CLOSE_STEP_S)
@@ -222,8 +260,9 @@ class LockstepScheduler:
                 self.gate.observe(blocked.server, set(report.ids.tolist()))
         if len(received) > 1:  # a later report may have failed one, or replaced a report whose
             # row it held (a plugin that gave up waiting and reported again)
-            ready = [live for live in ready
-                     if not live.done and live.rows[THETA] is not None and live.rows[T] is not None]
+            ready = [
+                live for live in ready if not live.done and live.rows[THETA] is not None and live.rows[T] is not None
+            ]
         if ready:
             self._decide(ready)
 
@@ -256,11 +295,25 @@ class LockstepScheduler:
         # A "step" here is the time between two decisions: about one server decode step.
         interval = now - self._last_decision if self._last_decision is not None else now - started
         self._last_decision = now
-        timing = StepTiming(batch=len(ready), theta_s=0.0, t_s=0.0, servers_s=max(interval - (now - started), 0.0),
-                            merge_s=merge_s, alpha_s=alpha_s, sample_s=sample_s,
-                            bookkeeping_s=(now - started) - (merge_s + alpha_s + sample_s), total_s=interval)
-        self._stats.record_step(len(ready), float(step.alpha.sum()), interval, float(step.coverage_theta.sum()),
-                                float(step.coverage_t.sum()), timing)
+        timing = StepTiming(
+            batch=len(ready),
+            theta_s=0.0,
+            t_s=0.0,
+            servers_s=max(interval - (now - started), 0.0),
+            merge_s=merge_s,
+            alpha_s=alpha_s,
+            sample_s=sample_s,
+            bookkeeping_s=(now - started) - (merge_s + alpha_s + sample_s),
+            total_s=interval,
+        )
+        self._stats.record_step(
+            len(ready),
+            float(step.alpha.sum()),
+            interval,
+            float(step.coverage_theta.sum()),
+            float(step.coverage_t.sum()),
+            timing,
+        )
 
     async def _check_stop_strings(self, lives: list[Live]) -> None:
         """Detokenize (a server call, outside the lock), then finish the sequences whose text
@@ -302,8 +355,9 @@ class LockstepScheduler:
                     self.settle()
                 waited = waits.park_stalled(self._table, time.perf_counter(), limit)
                 for wait_s in waited:
-                    log.info("a lockstep report waited %.2f s on rows the other server has not reached; "
-                             "parking them", wait_s)
+                    log.info(
+                        "a lockstep report waited %.2f s on rows the other server has not reached; parking them", wait_s
+                    )
                 if waited:
                     self._recovery.resubmit_parked()
                     self.send_ready()

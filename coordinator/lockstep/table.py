@@ -260,8 +260,11 @@ class LockstepTable:
             elif position < agreed:  # a preempted request come back: decided already
                 blocked.answers[i] = seq.tokens[position]
             else:  # past the agreed tokens, or a second row of the stream while one waits
-                self.fail(live, f"{stream.engine.name} server reported position {position} of a sequence agreed "
-                                f"up to {agreed} tokens: the two servers diverged")
+                self.fail(
+                    live,
+                    f"{stream.engine.name} server reported position {position} of a sequence agreed "
+                    f"up to {agreed} tokens: the two servers diverged",
+                )
                 ended.append(i)
                 failed = True
         if ended:
@@ -384,11 +387,11 @@ def gather(ready: list[Live], role: int) -> TopKBatch:
     if reports.count(first) == len(reports):
         report = first.report
         if len(rows) == len(report.ids) and rows == tuple(range(len(rows))):
-            return TopKBatch(token_ids=report.token_ids.astype(np.int64),
-                             logprobs=report.logprobs.astype(np.float64))
+            return TopKBatch(token_ids=report.token_ids.astype(np.int64), logprobs=report.logprobs.astype(np.float64))
         index = list(rows)
-        return TopKBatch(token_ids=report.token_ids[index].astype(np.int64),
-                         logprobs=report.logprobs[index].astype(np.float64))
+        return TopKBatch(
+            token_ids=report.token_ids[index].astype(np.int64), logprobs=report.logprobs[index].astype(np.float64)
+        )
     # Rows from several reports (one server ran ahead on some sequences): each report's rows
     # in one fancy index, the report of each row found in C loops (map over a dict).
     order = {blocked: k for k, blocked in enumerate(dict.fromkeys(reports))}

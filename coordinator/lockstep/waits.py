@@ -27,8 +27,9 @@ def deadlocked(table: LockstepTable) -> set[str]:
     """Servers waiting here that nothing will free: each waits on a row that must come from a
     server that is itself waiting here, and so cannot report it before it is answered. Exact.
     With one server per role: both servers wait with undecided rows."""
-    waiting = [blocked for blocked in table.blocked.values()
-               if blocked.server is not None and (blocked.answers == UNSET).any()]
+    waiting = [
+        blocked for blocked in table.blocked.values() if blocked.server is not None and (blocked.answers == UNSET).any()
+    ]
     if not waiting:
         return set()
     needs: dict[str, set[str | None]] = {}

@@ -80,8 +80,13 @@ def tagged(params: SamplingParams | None) -> wire.Tagged | None:
         raise ValueError(f"lockstep vllm_xargs out of range: {numbers}")
     address = args[wire.ARG_ADDRESS]
     check_address(address)
-    return wire.Tagged(address=address, id=numbers[wire.ARG_ID], offset=numbers[wire.ARG_OFFSET],
-                  top_k=numbers[wire.ARG_TOP_K], stop=numbers[wire.ARG_STOP])
+    return wire.Tagged(
+        address=address,
+        id=numbers[wire.ARG_ID],
+        offset=numbers[wire.ARG_OFFSET],
+        top_k=numbers[wire.ARG_TOP_K],
+        stop=numbers[wire.ARG_STOP],
+    )
 
 
 def check_address(address: object) -> None:
@@ -99,7 +104,8 @@ def check_address(address: object) -> None:
     if not is_loopback(parts.hostname) and parts.hostname not in allowed:
         raise ValueError(
             f"lockstep coordinator {address!r} is not on a loopback address; this server connects "
-            f"elsewhere only to hosts listed in {ALLOWED_HOSTS_ENV} when it starts")
+            f"elsewhere only to hosts listed in {ALLOWED_HOSTS_ENV} when it starts"
+        )
 
 
 def row_topk(logits: torch.Tensor, rows: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,20 +175,32 @@ class LockstepSteps:
             values, ids = row_topk(logits, [rows[i] for i in members], k)
             link = self._links.get(address) or self._links.setdefault(address, CoordinatorLink(address))
             link.step += 1
-            link.send(wire.encode_report(
-                link.step, self._flags, self._capacity,
-                np.fromiter((requests[i].id for i in members), np.int64, len(members)),
-                np.fromiter((self._position(requests[i]) for i in members), np.int64, len(members)),
-                ids.to(torch.int32).cpu().numpy(), values.cpu().numpy()), deadline)
+            link.send(
+                wire.encode_report(
+                    link.step,
+                    self._flags,
+                    self._capacity,
+                    np.fromiter((requests[i].id for i in members), np.int64, len(members)),
+                    np.fromiter((self._position(requests[i]) for i in members), np.int64, len(members)),
+                    ids.to(torch.int32).cpu().numpy(),
+                    values.cpu().numpy(),
+                ),
+                deadline,
+            )
             asked.append((link, members))
         tokens = [wire.END] * len(requests)
         for link, members in asked:
             answer = link.receive(deadline)
             if answer is None or len(answer) != len(members):
-                log.warning("lockstep coordinator %s %s; ending its %d sequences here (their tokens so far "
-                            "stand), the server goes on", link.address,
-                            f"{link.problem} (waiting at most {self._timeout_s:g} s, {TIMEOUT_ENV})"
-                            if answer is None else f"answered {len(answer)} rows for {len(members)}", len(members))
+                log.warning(
+                    "lockstep coordinator %s %s; ending its %d sequences here (their tokens so far "
+                    "stand), the server goes on",
+                    link.address,
+                    f"{link.problem} (waiting at most {self._timeout_s:g} s, {TIMEOUT_ENV})"
+                    if answer is None
+                    else f"answered {len(answer)} rows for {len(members)}",
+                    len(members),
+                )
                 continue
             for i, token in zip(members, answer.tolist()):
                 tokens[i] = token if 0 <= token < vocab else wire.END
@@ -254,8 +272,10 @@ def validate(sampling_params: SamplingParams) -> None:
     """Both runners' check of a request's lockstep arguments."""
     request = tagged(sampling_params)
     if request is not None and request.stop not in (sampling_params.stop_token_ids or ()):
-        raise ValueError(f"lockstep request: its stop token {request.stop} ({wire.ARG_STOP}) must be in "
-                         "stop_token_ids, or END would not end it")
+        raise ValueError(
+            f"lockstep request: its stop token {request.stop} ({wire.ARG_STOP}) must be in "
+            "stop_token_ids, or END would not end it"
+        )
 
 
 def admitted(params: SamplingParams | None) -> wire.Tagged | None:

@@ -34,8 +34,10 @@ class LockstepProcessorV2(LogitsProcessor):
 
     def __init__(self, vllm_config, req_states) -> None:
         if getattr(vllm_config, "speculative_config", None) is not None:
-            raise ValueError("the dualvllm lockstep plugin cannot run with speculative decoding: a request would "
-                             "have one logits row per draft token; start the server without --speculative-config")
+            raise ValueError(
+                "the dualvllm lockstep plugin cannot run with speculative decoding: a request would "
+                "have one logits row per draft token; start the server without --speculative-config"
+            )
         self._slots: dict[int, wire.Tagged] = {}  # request slot -> lockstep request
         self._steps = LockstepSteps(vllm_config)
 
@@ -54,8 +56,10 @@ class LockstepProcessorV2(LogitsProcessor):
             return logits
         slots = ctx.idx_mapping_np.tolist()  # batch row -> request slot (one row per request)
         if logits.shape[0] != len(slots):
-            raise RuntimeError(f"lockstep plugin: {logits.shape[0]} logits rows for {len(slots)} requests; "
-                               "speculative decoding is not supported")
+            raise RuntimeError(
+                f"lockstep plugin: {logits.shape[0]} logits rows for {len(slots)} requests; "
+                "speculative decoding is not supported"
+            )
         rows = [row for row, slot in enumerate(slots) if slot in self._slots]
         if rows:
             self._steps.step(logits, rows, [self._slots[slots[row]] for row in rows])

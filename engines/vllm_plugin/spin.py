@@ -39,8 +39,13 @@ def register() -> None:
     from vllm.distributed.device_communicators import shm_broadcast
 
     if vllm.__version__ not in PATCHED_VERSIONS or not hasattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS"):
-        log.warning("dualvllm: %s is set, but vLLM %s is not one this plugin was written for (%s); the engine "
-                    "keeps its own spin", SPIN_ENV, vllm.__version__, ", ".join(PATCHED_VERSIONS))
+        log.warning(
+            "dualvllm: %s is set, but vLLM %s is not one this plugin was written for (%s); the engine "
+            "keeps its own spin",
+            SPIN_ENV,
+            vllm.__version__,
+            ", ".join(PATCHED_VERSIONS),
+        )
         return
     spin_s = float(spin)
     recheck_ms = int(os.environ.get(RECHECK_ENV, DEFAULT_RECHECK_MS))
@@ -54,5 +59,8 @@ def register() -> None:
 
         condition.__init__ = __init__  # type: ignore[method-assign]
     condition._dualvllm_spin_s = spin_s
-    log.info("dualvllm: the engine busy-waits %g s after a read (vLLM: 1 s), rechecks every %d ms (vLLM: 5000)",
-             spin_s, recheck_ms)
+    log.info(
+        "dualvllm: the engine busy-waits %g s after a read (vLLM: 1 s), rechecks every %d ms (vLLM: 5000)",
+        spin_s,
+        recheck_ms,
+    )

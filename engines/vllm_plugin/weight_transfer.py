@@ -62,13 +62,17 @@ def _engine_class() -> type:
                 with open(path, "rb") as segment:
                     token = segment.read(len(init_info.token.encode())).decode(errors="replace")
             except OSError as err:
-                raise RuntimeError(f"dualvllm weight transfer: this server cannot open the trainer's segment {path} "
-                                   f"({err}): the trainer runs on another machine or in another container. "
-                                   "Push through the disk instead (--weights-via disk), with the push directory "
-                                   "on a filesystem both see") from err
+                raise RuntimeError(
+                    f"dualvllm weight transfer: this server cannot open the trainer's segment {path} "
+                    f"({err}): the trainer runs on another machine or in another container. "
+                    "Push through the disk instead (--weights-via disk), with the push directory "
+                    "on a filesystem both see"
+                ) from err
             if token != init_info.token:
-                raise RuntimeError(f"dualvllm weight transfer: {path} does not hold the trainer's token: it is "
-                                   "another machine's segment of the same name; push through the disk instead")
+                raise RuntimeError(
+                    f"dualvllm weight transfer: {path} does not hold the trainer's token: it is "
+                    "another machine's segment of the same name; push through the disk instead"
+                )
             self._ready = True
             log.info("dualvllm weight transfer: the trainer's segments are readable here (%s)", path)
 

@@ -75,8 +75,7 @@ class Tagged:
 
 def request_args(tag: Tagged) -> dict[str, str | int]:
     """The vllm_xargs of a lockstep request (the coordinator's side of processor.tagged)."""
-    return {ARG_ADDRESS: tag.address, ARG_ID: tag.id, ARG_OFFSET: tag.offset, ARG_TOP_K: tag.top_k,
-            ARG_STOP: tag.stop}
+    return {ARG_ADDRESS: tag.address, ARG_ID: tag.id, ARG_OFFSET: tag.offset, ARG_TOP_K: tag.top_k, ARG_STOP: tag.stop}
 
 
 class WireError(ValueError):
@@ -94,15 +93,28 @@ class Report:
     logprobs: np.ndarray  # float32 [n, k]
 
 
-def encode_report(step: int, flags: int, capacity: int, ids: np.ndarray, positions: np.ndarray,
-                  token_ids: np.ndarray, logprobs: np.ndarray) -> bytes:
+def encode_report(
+    step: int,
+    flags: int,
+    capacity: int,
+    ids: np.ndarray,
+    positions: np.ndarray,
+    token_ids: np.ndarray,
+    logprobs: np.ndarray,
+) -> bytes:
     """The report as one message, frame header included."""
     n, k = token_ids.shape
     header = _REPORT_HEADER.pack(VERSION, step, n, k, flags, capacity)
-    return b"".join((FRAME.pack(MAGIC, len(header) + 16 * n + 8 * n * k), header,
-                     np.ascontiguousarray(ids, dtype="<i8").data, np.ascontiguousarray(positions, dtype="<i8").data,
-                     np.ascontiguousarray(token_ids, dtype="<i4").data,
-                     np.ascontiguousarray(logprobs, dtype="<f4").data))
+    return b"".join(
+        (
+            FRAME.pack(MAGIC, len(header) + 16 * n + 8 * n * k),
+            header,
+            np.ascontiguousarray(ids, dtype="<i8").data,
+            np.ascontiguousarray(positions, dtype="<i8").data,
+            np.ascontiguousarray(token_ids, dtype="<i4").data,
+            np.ascontiguousarray(logprobs, dtype="<f4").data,
+        )
+    )
 
 
 def decode_report(message: bytes) -> Report:
@@ -115,17 +127,24 @@ def decode_report(message: bytes) -> Report:
     if len(message) != expected:
         raise WireError(f"a report of {n} rows of top-{k} has {expected} bytes; got {len(message)}")
     at = FRAME.size + _REPORT_HEADER.size
-    return Report(step=step, flags=flags, capacity=capacity,
-                  ids=np.frombuffer(message, dtype="<i8", count=n, offset=at),
-                  positions=np.frombuffer(message, dtype="<i8", count=n, offset=at + 8 * n),
-                  token_ids=np.frombuffer(message, dtype="<i4", count=n * k, offset=at + 16 * n).reshape(n, k),
-                  logprobs=np.frombuffer(message, dtype="<f4", count=n * k, offset=at + 16 * n + 4 * n * k).reshape(n, k))
+    return Report(
+        step=step,
+        flags=flags,
+        capacity=capacity,
+        ids=np.frombuffer(message, dtype="<i8", count=n, offset=at),
+        positions=np.frombuffer(message, dtype="<i8", count=n, offset=at + 8 * n),
+        token_ids=np.frombuffer(message, dtype="<i4", count=n * k, offset=at + 16 * n).reshape(n, k),
+        logprobs=np.frombuffer(message, dtype="<f4", count=n * k, offset=at + 16 * n + 4 * n * k).reshape(n, k),
+    )
 
 
 def encode_reply(step: int, tokens: np.ndarray) -> bytes:
     """The reply as one message, frame header included."""
-    return (FRAME.pack(MAGIC, _REPLY_HEADER.size + 8 * len(tokens)) + _REPLY_HEADER.pack(VERSION, step, len(tokens))
-            + np.ascontiguousarray(tokens, dtype="<i8").tobytes())
+    return (
+        FRAME.pack(MAGIC, _REPLY_HEADER.size + 8 * len(tokens))
+        + _REPLY_HEADER.pack(VERSION, step, len(tokens))
+        + np.ascontiguousarray(tokens, dtype="<i8").tobytes()
+    )
 
 
 def decode_reply(message: bytes) -> tuple[int, np.ndarray]:
@@ -144,8 +163,10 @@ def message_length(frame_header: bytes | bytearray) -> int:
     WireError if the stream is not a dualvllm lockstep stream or the length cannot be a message."""
     magic, length = FRAME.unpack_from(frame_header)
     if magic != MAGIC:
-        raise WireError(f"not a dualvllm lockstep stream (it starts {bytes(frame_header[:4])!r}, not {MAGIC!r}): "
-                        "the peer runs another dualvllm version (version 2 and older spoke zmq) or another program")
+        raise WireError(
+            f"not a dualvllm lockstep stream (it starts {bytes(frame_header[:4])!r}, not {MAGIC!r}): "
+            "the peer runs another dualvllm version (version 2 and older spoke zmq) or another program"
+        )
     if length > MAX_MESSAGE:
         raise WireError(f"a lockstep message of {length:,} bytes (at most {MAX_MESSAGE:,}): a corrupt stream")
     return FRAME.size + length
@@ -166,7 +187,7 @@ class Splitter:
         messages = []
         at = 0
         while len(buffer) - at >= FRAME.size:
-            end = at + message_length(buffer[at:at + FRAME.size])
+            end = at + message_length(buffer[at : at + FRAME.size])
             if end > len(buffer):
                 break
             messages.append(bytes(buffer[at:end]))
@@ -178,12 +199,15 @@ class Splitter:
 def _check_frame(message: bytes, header_size: int, what: str) -> None:
     if len(message) < FRAME.size + header_size:
         raise WireError(f"a {what} has at least {FRAME.size + header_size} bytes; got {len(message)}")
-    if message_length(message[:FRAME.size]) != len(message):
-        raise WireError(f"a {what} whose frame header says {message_length(message[:FRAME.size])} bytes "
-                        f"has {len(message)}")
+    if message_length(message[: FRAME.size]) != len(message):
+        raise WireError(
+            f"a {what} whose frame header says {message_length(message[: FRAME.size])} bytes has {len(message)}"
+        )
 
 
 def _check_version(version: int) -> None:
     if version != VERSION:
-        raise WireError(f"lockstep message version {version}, this side speaks {VERSION}: "
-                        "the servers and the coordinator run different dualvllm versions")
+        raise WireError(
+            f"lockstep message version {version}, this side speaks {VERSION}: "
+            "the servers and the coordinator run different dualvllm versions"
+        )
