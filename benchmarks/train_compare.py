@@ -26,6 +26,19 @@ are read back, not rerun, so a call naming every arm and seed only summarises.
 - `--task long-methods` (the long task: 20-digit answers, tinymodels/teacher-long): the core
   arms of hard-methods and its two forward-KL arms (LONG_ARMS).
 
+- `--task mixed-methods` (issue 43: two-digit, three-digit and long problems in one dataset,
+  tinymodels/base-mixed and teacher-mixed): the adaptive recipe against every single method at
+  one shape (16 prompts x 4), GRPO arms at 2e-4 and dense ones at --learning-rate; validation
+  accuracy per difficulty, the retained skill (hint copying) and the KL from the start at every
+  evaluation, the test split scored once at the end. The sweep behind its table:
+
+      python benchmarks/train_compare.py --task mixed-methods --engine transformers --jobs 2 \
+          --learning-rate 1e-3 --steps 1000 --eval-every 250 --eval-samples 0 --eval-prompts 300 \
+          --train-rows 3000 --seeds 0 1 2
+
+  (`--train-rows 3000`: the first 3,000 training rows, visited over 5 epochs, so that each
+  prompt's own pass-rate history matters; `--eval-samples 0`: greedy accuracy only.)
+
 `--engine transformers` runs the arms in process (minutes per 1,000 updates);
 `--stop-at-accuracy 0.9` ends an arm at two evaluations in a row above 90%.
 
