@@ -248,8 +248,10 @@ def run_arm(task: str, folder: str, fields: dict, args: argparse.Namespace, seed
 
     start = checkpoints.latest(seed_dir / warm_folder)
     assert start is not None, f"{seed_dir / warm_folder} has no checkpoint"
-    then = train_or_reuse(seed_dir / folder, task, {**fields, "base": str(start)}, args, seed,
-                          args.steps - first["steps_done"])
+    second = {**fields, "base": str(start)}
+    if TASKS[task].get("kl_from_start_prompts"):  # the KL from the task's own base, across both stages
+        second["kl_from"] = TASKS[task].get("base", str(tinymodels.BASE_DIR))
+    then = train_or_reuse(seed_dir / folder, task, second, args, seed, args.steps - first["steps_done"])
     return {"fields": {**then["fields"], "warmup": f"{warm_folder} for {first['steps_done']} updates"},
             "curves": joined(first["curves"], then["curves"], first["steps_done"]),
             "steps_done": first["steps_done"] + then["steps_done"]}

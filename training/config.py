@@ -361,10 +361,21 @@ class StreamingTrainConfig(TrainConfig):
         "nats per completion; training/forgetting.py), as RL's Razor measures forgetting. Holds "
         "a float32 copy of the starting weights beside the learner. 0 = off.",
     )
+    kl_from: str | None = Field(
+        None,
+        description="The model the KL from the start is measured from (--kl-from-start-prompts); None = the "
+        "run's --base. Give the original model when --base is a checkpoint of an earlier stage (SFT then "
+        "GRPO), so that the KL counts every stage's drift.",
+    )
 
     @model_validator(mode="after")
     def _stream_is_consistent(self) -> StreamingTrainConfig:
         given = self.model_fields_set
+        if self.kl_from is not None and not self.kl_from_start_prompts:
+            raise ValueError(
+                "--kl-from names the model --kl-from-start-prompts measures from; give "
+                "--kl-from-start-prompts N too, or drop --kl-from"
+            )
         if self.eval_every > self.steps and "eval_every" in given:
             raise ValueError(
                 f"--eval-every {self.eval_every} is more than --steps {self.steps}: no evaluation "

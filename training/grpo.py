@@ -143,7 +143,8 @@ class GRPORecipe:
         if config.engine == "vllm":
             untie.refuse_tied(model, start_dir)
         if config.kl_from_start_prompts:  # the run's start, also when resuming: the base, not the checkpoint
-            self._start = AutoModelForCausalLM.from_pretrained(inputs.base_dir, dtype=torch.float32).eval()
+            start = config.kl_from or inputs.base_dir
+            self._start = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32).eval()
             self._start.requires_grad_(False)
         self.learner = Learner(
             model,

@@ -42,7 +42,7 @@ OLD_EVAL_DEFAULTS = {name: value for name, value in OLD_DEFAULTS.items() if name
 # The fields added since: the coordinator's options, the learner's memory options, how pushes go, and
 # what the evaluation reports besides overall accuracy.
 NEW_FIELDS = {"coordinator", "micro_batch_size", "gradient_checkpointing", "weights_via", "eval_group_by",
-              "retained_dataset", "kl_from_start_prompts",
+              "retained_dataset", "kl_from_start_prompts", "kl_from",
               # --method adaptive's own (training/regimes.py)
               "guided_alpha", "probe_rollouts", "pass_rate_decay", "never_enter", "never_exit", "always_enter",
               "always_exit", "solved_weight"}

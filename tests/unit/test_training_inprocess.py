@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 from tests.recipes import TINY_ARITH  # noqa: E402
 from dualvllm.training.config import TrainConfig  # noqa: E402
 from dualvllm.training.grpo import train_grpo  # noqa: E402
+from dualvllm.common.errors import InvalidInputError  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -84,6 +85,28 @@ async def test_a_run_on_the_mixed_task_reports_each_difficulty_the_retained_skil
                 "kl_from_start", "kl_from_start_per_token"} <= set(record)
     assert first["kl_from_start"] == pytest.approx(0.0, abs=1e-9)  # the start itself
     assert last["kl_from_start"] > 1e-3  # two updates at a high rate moved it
+
+
+async def test_the_kl_from_start_is_measured_from_kl_from_when_given(tmp_path):
+    """SFT then GRPO starts its second stage from the first's checkpoint: --kl-from names the original
+    model, so that the KL counts both stages. Here another model altogether: far from the start at once."""
+    from dualvllm import tinymodels
+    from dualvllm.tinymodels.task import MIXED_DATA
+
+    config = TrainConfig.parse(config_file=TINY_ARITH, output_dir=tmp_path / "run", engine="transformers", steps=1,
+                               prompts_per_step=2, group_size=2, eval_every=1, eval_prompts=2, max_tokens=21, seed=0,
+                               dataset=MIXED_DATA["train"], base=str(tinymodels.BASE_MIXED_DIR),
+                               kl_from=str(tinymodels.TEACHER_MIXED_DIR), kl_from_start_prompts=4)
+    report = await train_grpo(config, show_progress=False)
+
+    first = next(r for r in (json.loads(line) for line in report.metrics_path.read_text().splitlines())
+                 if r.get("event") == "eval")
+    assert first["step"] == 0 and first["kl_from_start"] > 1.0  # the base against the teacher, before any update
+
+
+def test_kl_from_needs_the_kl_from_start_measured():
+    with pytest.raises(InvalidInputError, match="--kl-from names the model --kl-from-start-prompts measures from"):
+        TrainConfig.parse(config_file=TINY_ARITH, output_dir="x", kl_from=".")
 
 
 def test_the_kl_from_start_is_the_full_vocabulary_kl_at_each_completion_state():
