@@ -169,6 +169,10 @@ ARMS["mixed-methods"] = {
     # not scale with a loss's coefficient, so one coefficient. Beside q*-GRPO's group advantages
     # (about +-2) the OPD term's scale matters (8-10 nats per token on the hard task): three
     # coefficients, a decade apart.
+    # The same lr as GRPO's: whether the dense arms' forgetting is their objective's or their rate's.
+    "adaptive, lr 2e-4": ("adaptive-lr2e-4", {"method": "adaptive", **GRPO_LR, **MATCHED}),
+    "forward KL, teacher states, lr 2e-4": (
+        "distill-teacher-lr2e-4", {"method": "distill", "fixed_alpha": 1.0, **GRPO_LR, **MATCHED}),
     "on-policy distillation": ("opd", {"method": "opd", **MATCHED}),
     **{f"q*-GRPO + OPD term, coefficient {c:g}": (f"qstar-grpo-opd-{c:g}", {"opd_coef": c, **GRPO_LR, **MATCHED})
        for c in (0.03, 0.1, 0.3)},
