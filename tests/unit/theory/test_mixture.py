@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from scipy.stats import chisquare
 
-from tests.unit.theory_strategies import distribution_pairs
+from tests.unit.theory.strategies import distribution_pairs
 from dualvllm.theory import (
     DIAGNOSTIC_KEYS,
     apply_temperature,

@@ -11,7 +11,7 @@ import re
 import pytest
 
 from tests.fake_vllm import tokenize
-from tests.unit.test_service import MODEL, post, running
+from tests.unit.service.test_service import MODEL, post, running
 
 
 @pytest.fixture

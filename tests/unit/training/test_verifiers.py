@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import pytest
 
 from dualvllm.training.sandbox import SandboxLimits, run_tests
 from dualvllm.training.verifiers import code_reward, exact_match, math_reward, score_in_pool, verifier_pool
+from tests.processes import REPO
 
 pytest.importorskip("math_verify")
 
@@ -105,8 +105,7 @@ with verifier_pool() as pool:
 
 
 def test_a_killed_parent_leaves_no_verifier_worker_behind():
-    parent = subprocess.Popen([sys.executable, "-c", POOL_PARENT], stdout=subprocess.PIPE, text=True,
-                              cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    parent = subprocess.Popen([sys.executable, "-c", POOL_PARENT], stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:
         (worker,) = (psutil.Process(int(pid)) for pid in parent.stdout.readline().split())
         assert worker.is_running() and worker.ppid() == parent.pid

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 
 from dualvllm.service.streaming import ChoiceText, Decided
-from tests.unit.test_service import MODEL, completion, in_flight, metrics_text, post, running
+from tests.unit.service.test_service import MODEL, completion, in_flight, metrics_text, post, running
 from tests.waiting import eventually
 
 openai = pytest.importorskip("openai")

@@ -2,7 +2,7 @@
 
 TRL's `trl.generation.vllm_client.VLLMClient` (the client every TRL trainer uses in server
 mode) talks to the service here over real loopback HTTP, on a coordinator over two fake vLLM
-servers; tests/integration/test_service_trl.py runs it against real ones. The client is
+servers; tests/integration/training/test_service_trl.py runs it against real ones. The client is
 synchronous (requests): it runs in a thread while the service answers on the event loop.
 """
 
@@ -13,7 +13,7 @@ import asyncio
 import pytest
 
 from tests.fake_vllm import tokenize
-from tests.unit.test_service import MODEL, events, post, running
+from tests.unit.service.test_service import MODEL, events, post, running
 
 vllm_client = pytest.importorskip("trl.generation.vllm_client")
 

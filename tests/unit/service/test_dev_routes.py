@@ -1,6 +1,6 @@
 """vLLM's dev routes on the q* service (dualvllm.service.dev_routes), forwarded to the base servers, as
 TRL's stock client drives them, against fake vLLM servers (the real phases move weights in
-tests/integration/test_service_trl.py).
+tests/integration/training/test_service_trl.py).
 
 What is asserted is what the base server received, in order: the update is fenced (pause
 "keep" before start), finished, the KV cache dropped and the server resumed, and the
@@ -14,7 +14,7 @@ import asyncio
 import pytest
 
 from dualvllm.service import dev_routes
-from tests.unit.test_service import MODEL, post, running
+from tests.unit.service.test_service import MODEL, post, running
 from tests.waiting import eventually
 
 vllm_client = pytest.importorskip("trl.generation.vllm_client")

@@ -13,7 +13,7 @@ from dualvllm.coordinator import kernel
 from dualvllm.theory.alpha import solve_alpha
 from dualvllm.theory.merge import merge_topk
 from dualvllm.theory.mixture import apply_temperature, greedy_indices, mixture_logprobs, sample_indices
-from tests.unit.test_theory_merge import topk_pairs
+from tests.unit.theory.test_merge import topk_pairs
 
 
 @settings(max_examples=300, deadline=None)

@@ -17,7 +17,7 @@ from dualvllm.common.errors import MalformedResponseError, TopKUnsupportedError
 from dualvllm.engines.vllm_client import VLLMClient
 from tests.exact_q import exact_q_star
 from tests.fake_vllm import VOCAB_SIZE, FakeModel, detokenize, token_text, tokenize
-from tests.unit.test_service import MODEL, post, running, service  # noqa: F401 - a fixture
+from tests.unit.service.test_service import MODEL, post, running, service  # noqa: F401 - a fixture
 
 WHOLE_VOCAB = {"top_k": VOCAB_SIZE}
 

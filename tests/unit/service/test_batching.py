@@ -99,7 +99,7 @@ async def test_a_caller_that_leaves_does_not_cancel_the_call_others_share_and_sh
 
 @pytest.mark.parametrize("call_tokens", [16_384, 0], ids=["merged", "scoring_call_tokens-0"])
 async def test_concurrent_echo_requests_get_the_answers_each_would_get_alone(fake_theta, fake_t, call_tokens):
-    from tests.unit.test_service import MODEL, post, running
+    from tests.unit.service.test_service import MODEL, post, running
 
     prompts = ["abc", "abcdef", "hgfe", "ab", "mnoabc", "cab"]
 
