@@ -49,9 +49,11 @@ async def stop(*tasks: asyncio.Task | None, what: str, timeout_s: float) -> None
                 f"{what} did not stop within {timeout_s:g} s of being cancelled (still running: {names})"
             )
         await asyncio.wait(running, timeout=min(CANCEL_RETRY_S, left))
-    for task in tasks:
-        if task is not None and not task.cancelled() and task.exception() is not None:
-            log.warning("%s: %s ended with an error while being stopped: %r", what, task.get_name(), task.exception())
+    for stopped in tasks:
+        if stopped is not None and not stopped.cancelled() and stopped.exception() is not None:
+            log.warning(
+                "%s: %s ended with an error while being stopped: %r", what, stopped.get_name(), stopped.exception()
+            )
 
 
 async def bounded(awaitable: Awaitable[T], *, what: str, timeout_s: float) -> T:

@@ -76,7 +76,7 @@ class SamplingParams:
 
 def _count(value: object) -> bool:
     """An integer >= 0 that is not a bool (True is 1 to Python, never a count to a caller)."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 0
+    return bool(isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 0)
 
 
 # Called with (sequence index, tokens that became final since the last call, their log q*,

@@ -307,7 +307,7 @@ def _add_schema_flags(parser: argparse.ArgumentParser | Any, schema: type[BaseMo
             parser,
             name,
             field,
-            field.description if field.is_required() else f"{field.description} (default: {field.default})",
+            (field.description or "") if field.is_required() else f"{field.description} (default: {field.default})",
         )
 
 

@@ -159,7 +159,7 @@ def _draw(split: str, n: int, seed: int, draw: Callable[[random.Random], P]) -> 
     """`n` distinct problems of `split`, each from `draw(rng)`, skipping the other split's."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; use one of {SPLITS}")
-    rng, chosen, seen = random.Random(seed), [], set()
+    rng, chosen, seen = random.Random(seed), list[P](), set[P]()
     while len(chosen) < n:
         problem = draw(rng)
         if problem not in seen and _split_of(problem) == split:

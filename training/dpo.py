@@ -37,7 +37,7 @@ def mine_pairs(groups: Groups, prompts: Sequence[str]) -> list[Pair]:
 
     Groups whose rollouts all scored alike give no pair: there is nothing to prefer.
     """
-    pairs = []
+    pairs: list[Pair] = []
     for group, prompt in zip(groups, prompts):
         best = max(r.reward for r in group)
         chosen = [r.text for r in group if r.reward == best]
