@@ -30,7 +30,7 @@ from dualvllm.coordinator.startup import Session, open_session
 from dualvllm.coordinator.stats import Statistics, StepTiming
 from dualvllm.common import heap
 from dualvllm.common.errors import InvalidInputError, LifecycleError, TopKUnsupportedError
-from dualvllm.engines.pool import as_pool, members, vllm_members
+from dualvllm.engines.pool import as_pool, request_counts, vllm_members
 from dualvllm.engines.protocol import Engine
 from dualvllm.engines.vllm_client import CallObserver
 
@@ -222,13 +222,8 @@ class DualVLLMCoordinator:
                 f"record_topk={params.record_topk} is above the coordinator's top_k="
                 f"{self.config.top_k}, the candidates the servers send; ask for at most that"
             )
-        if self.mode == "speculative" and (
-            params.top_k is not None or params.top_logprobs or params.record_topk or params.max_alpha is not None
-        ):
-            raise InvalidInputError(
-                "a per-call top_k, top_logprobs, record_topk and max_alpha are not available in "
-                "speculative mode; use per-token or lockstep mode (speculative_gamma=0)"
-            )
+        if self._session is not None:
+            self._session.scheduler.check(params)
         return params
 
     async def encode(self, prompts: Sequence[Prompt]) -> list[tuple[list[int], list[int]]]:
@@ -309,12 +304,7 @@ class DualVLLMCoordinator:
         the time between decisions), and how often new sequences were admitted out of step."""
         session = self._session
         roles = (session.theta, session.t) if session is not None else ()
-        engines = [c for e in roles for c in members(e)]
-        summary = self._stats.summary(
-            requests=sum(getattr(e, "requests", 0) for e in engines),
-            retries=sum(getattr(e, "retries", 0) for e in engines),
-            request_failures=sum(getattr(e, "failures", 0) for e in engines),
-        )
+        summary = self._stats.summary(**request_counts(roles))
         for pool in filter(None, map(as_pool, roles)):
             summary.update(pool.membership.counters.summary(pool.name))
             summary[f"{pool.name}_replicas_up"] = len(pool.membership.healthy)

@@ -21,7 +21,7 @@ import numpy as np
 
 from dualvllm.coordinator.config import CoordinatorConfig
 from dualvllm.coordinator.delivery import Delivery
-from dualvllm.coordinator.sequence import SequenceState
+from dualvllm.coordinator.sequence import SamplingParams, SequenceState
 from dualvllm.coordinator.stats import Statistics, StepTiming
 from dualvllm.coordinator.step import StepResult, keep_top, mix_and_sample, top_candidates
 from dualvllm.common.errors import DualVLLMError
@@ -60,6 +60,10 @@ class Scheduling(Protocol):
 
     def statistics(self) -> dict[str, float]:
         """The mode's own counters, merged into DualVLLMCoordinator.get_statistics."""
+        ...
+
+    def check(self, params: SamplingParams) -> None:
+        """Raise InvalidInputError if this mode cannot honour `params` (before anything starts)."""
         ...
 
 
@@ -108,6 +112,9 @@ class Scheduler:
 
     def statistics(self) -> dict[str, float]:
         return {}
+
+    def check(self, params: SamplingParams) -> None:
+        return None  # every per-token setting is available
 
     def submit(self, sequences: list[SequenceState]) -> None:
         self._waiting.extend(sequences)

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dualvllm.coordinator.scheduler import Scheduler
-from dualvllm.coordinator.sequence import SequenceState
+from dualvllm.coordinator.sequence import SamplingParams, SequenceState
 from dualvllm.coordinator import kernel
 from dualvllm.coordinator.step import Target, solve_target
 from dualvllm.common.errors import DualVLLMError, InvalidInputError
@@ -121,6 +121,14 @@ class SpeculativeScheduler(Scheduler):
 
     def statistics(self) -> dict[str, float]:
         return self.acceptance.summary()
+
+    def check(self, params: SamplingParams) -> None:
+        # A round's draft and its acceptance use the config's top_k and no cap on alpha.
+        if params.top_k is not None or params.top_logprobs or params.record_topk or params.max_alpha is not None:
+            raise InvalidInputError(
+                "a per-call top_k, top_logprobs, record_topk and max_alpha are not available in "
+                "speculative mode; use per-token or lockstep mode (speculative_gamma=0)"
+            )
 
     def _draft_context(self, seq: SequenceState) -> list[int]:
         return seq.theta_context() if self._drafter_is_theta else seq.t_context()

@@ -34,7 +34,7 @@ import numpy as np
 
 from dualvllm.common.errors import ServerError, ServerRejectedError
 from dualvllm.engines.membership import PROBE_INTERVAL_S, WEIGHTS_TOLERANCE_NATS, Membership
-from dualvllm.engines.protocol import PAD_TOKEN_ID, Engine, ModelInfo, TopKBatch
+from dualvllm.engines.protocol import PAD_TOKEN_ID, Engine, ModelInfo, RequestCounting, TopKBatch
 from dualvllm.engines.vllm_client import VLLMClient
 
 log = logging.getLogger("dualvllm.pool")
@@ -201,6 +201,17 @@ def live_members(engine: Engine) -> list[Engine]:
 def members(engine: Engine) -> list[Engine]:
     """Every engine of a role, up or down: a pool's replicas, or the engine itself."""
     return list(engine.membership.replicas) if isinstance(engine, ReplicaPool) else [engine]
+
+
+def request_counts(roles: Sequence[Engine]) -> dict[str, int]:
+    """Requests, retries and request failures over every member of `roles` that counts them
+    (vLLM clients, the in-process engine; a test's fake engine may not)."""
+    counting = [m for role in roles for m in members(role) if isinstance(m, RequestCounting)]
+    return {
+        "requests": sum(m.requests for m in counting),
+        "retries": sum(m.retries for m in counting),
+        "request_failures": sum(m.failures for m in counting),
+    }
 
 
 def as_pool(engine: Engine) -> ReplicaPool | None:

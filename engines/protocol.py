@@ -108,6 +108,16 @@ class Engine(Protocol):
         ...
 
 
+@runtime_checkable
+class RequestCounting(Protocol):
+    """An engine that counts its server requests (a vLLM server's client): what the
+    coordinator's statistics add up."""
+
+    requests: int  # requests sent, retries included
+    retries: int
+    failures: int  # calls that raised after their retries
+
+
 @dataclass(frozen=True)
 class Draft:
     """Tokens one engine sampled natively, with its top-k before each of them.

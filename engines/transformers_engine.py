@@ -196,6 +196,9 @@ class TransformersEngine:
             scorer.phase_seconds["contexts"] += time.perf_counter() - started
             return await asyncio.to_thread(scorer.score, snapshot, reduce)
 
+    retries = 0  # in process: nothing to retry (dualvllm.engines.protocol.RequestCounting)
+    failures = 0
+
     @property
     def requests(self) -> int:
         """Batched scoring calls (the coordinator's statistics add every engine's)."""

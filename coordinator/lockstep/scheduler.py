@@ -38,7 +38,7 @@ from dualvllm.coordinator.lockstep.requests import Requests
 from dualvllm.coordinator.lockstep import waits
 from dualvllm.coordinator.lockstep.table import THETA, T, Live, LockstepTable, gather
 from dualvllm.coordinator.scheduler import record_rows, sample_rows
-from dualvllm.coordinator.sequence import SequenceState
+from dualvllm.coordinator.sequence import SamplingParams, SequenceState
 from dualvllm.coordinator.stats import Statistics, StepTiming
 from dualvllm.engines.lockstep_channel import LockstepChannel
 from dualvllm.engines.pool import ReplicaPool
@@ -129,6 +129,9 @@ class LockstepScheduler:
 
     def statistics(self) -> dict[str, float]:
         return {**self.counters.summary(self._stats.tokens), **self.gate.counters.summary()}
+
+    def check(self, params: SamplingParams) -> None:
+        return None  # every per-token setting is available
 
     async def check_plugin(self, engine: VLLMClient) -> None:
         """Raise LockstepUnavailableError unless `engine`'s plugin reports here and passes the

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator
+from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator, SamplingParams
 from dualvllm.common.errors import InvalidInputError
 from tests.exact_q import chi_square_pvalue, exact_q_star, two_sample_pvalue
 from tests.fake_vllm import VOCAB_SIZE, Failure, tokenize
@@ -210,3 +210,18 @@ async def test_speculative_mode_needs_engines_that_draft(fake_theta, fake_t):
 
     with pytest.raises(InvalidInputError, match="speculative_gamma"):
         speculative_scheduler(object(), object())
+
+
+@pytest.mark.parametrize("setting", [{"top_k": 4}, {"top_logprobs": 2}, {"record_topk": 2}, {"max_alpha": 0.5}])
+async def test_per_call_settings_speculative_rounds_cannot_honour_are_refused_before_a_request(
+        fake_theta, fake_t, setting):
+    """The scheduler answers `check`: the coordinator raises before any token is asked for,
+    and the same settings pass a per-token coordinator's check."""
+    params = SamplingParams(max_tokens=3, **setting)
+    async with DualVLLMCoordinator(config(fake_theta, fake_t)) as c:
+        before = len(fake_theta.calls["/v1/completions"])
+        with pytest.raises(InvalidInputError, match="not available in speculative mode"):
+            await c.generate_batch(["ab"], params)
+        assert len(fake_theta.calls["/v1/completions"]) == before
+    async with DualVLLMCoordinator(config(fake_theta, fake_t, speculative_gamma=0)) as c:
+        assert c.check(params) is params
