@@ -17,7 +17,7 @@ from dualvllm.coordinator.config import CoordinatorConfig
 from dualvllm import cli
 from tests.recipes import QWEN_GSM8K, RECIPES, TINY_ARITH, TINY_HARD
 from dualvllm.tinymodels.task import HARD_TEST, HARD_TRAIN
-from dualvllm.training.config import METHOD_CLASSES, TRAIN_OPTIONS, DistillTrainConfig, EvalConfig, GRPOTrainConfig, TrainConfig
+from dualvllm.training.config import DEFAULT_METHOD, METHOD_CLASSES, TRAIN_OPTIONS, DistillTrainConfig, EvalConfig, GRPOTrainConfig, TrainConfig
 from dualvllm.training.serving import coordinator_config
 
 # What `dualvllm train --output-dir X` resolved to before the defaults became a real LLM's
@@ -120,11 +120,14 @@ def test_flags_override_the_recipe_which_overrides_the_defaults(tmp_path):
     assert from_command_line("--config", str(path), "--output-dir", str(tmp_path / "run")).lockstep is True
 
 
-def test_the_method_comes_from_the_flags_else_the_file_else_grpo(tmp_path):
+def test_the_method_comes_from_the_flags_else_the_file_else_the_default_distill(tmp_path):
     path = recipe(tmp_path, "max_tokens: 6\nmethod: sft\n")
     assert type(TrainConfig.parse(config_file=path, output_dir=tmp_path)) is METHOD_CLASSES["sft"]
     assert type(TrainConfig.parse(config_file=path, output_dir=tmp_path, method="rft")) is METHOD_CLASSES["rft"]
-    assert type(TrainConfig.parse(config_file=TINY_ARITH, output_dir=tmp_path)) is GRPOTrainConfig
+    assert type(TrainConfig.parse(config_file=TINY_ARITH, output_dir=tmp_path)) is GRPOTrainConfig  # the file's
+    unnamed = TrainConfig.parse(config_file=recipe(tmp_path, "max_tokens: 6\n"), output_dir=tmp_path)
+    assert type(unnamed) is METHOD_CLASSES["distill"] and DEFAULT_METHOD == "distill"
+    assert unnamed.fixed_alpha is None  # at q* states
 
 
 def test_a_method_takes_its_own_learning_rate_by_default(tmp_path, real_model):
@@ -178,7 +181,7 @@ def test_a_refusal_names_the_options_the_recipe_set(tmp_path):
                                                 rf"in {path}\)"):
         TrainConfig.parse(config_file=path, output_dir=tmp_path, method="sft")
     with pytest.raises(InvalidInputError, match=rf"drop --lora-alpha \(--lora-alpha is set in {path}\)"):
-        TrainConfig.parse(config_file=path, output_dir=tmp_path)
+        TrainConfig.parse(config_file=path, output_dir=tmp_path, method="grpo")
     # A flag's value is the user's own: no note.
     with pytest.raises(InvalidInputError) as info:
         TrainConfig.parse(config_file=TINY_ARITH, output_dir=tmp_path, lora_alpha=16)
@@ -303,3 +306,4 @@ def test_help_shows_the_defaults_for_a_real_model(capsys):
     assert "(default: 1e-06; sft, rft: 2e-05)" in text and "(default: 1000)" in text
     assert "--share-cap SHARE_CAP correction=sequence" in text and "[--method grpo]" in text
     assert "--config RECIPE.yaml" in text
+    assert "Default: distill." in text  # the method, chosen from the mixed task's table
