@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from dualvllm.common.errors import InvalidInputError
 
@@ -21,6 +21,7 @@ class RaisesInvalidInput:
         try:
             super().__init__(**values)
         except ValidationError as exc:
+            assert isinstance(self, BaseModel), f"{type(self).__name__}: RaisesInvalidInput mixes into pydantic models"
             problems = "; ".join(_describe(error, type(self).model_fields) for error in exc.errors(include_url=False))
             raise InvalidInputError(f"invalid {type(self).__name__}: {problems}") from exc
 

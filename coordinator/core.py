@@ -156,8 +156,8 @@ class DualVLLMCoordinator:
             SequenceState(
                 index=i,
                 prompt=prompt,
-                theta_prompt_ids=ids_theta,
-                t_prompt_ids=ids_t,
+                theta_prompt_ids=tuple(ids_theta),
+                t_prompt_ids=tuple(ids_t),
                 params=params,
                 rng=np.random.default_rng(rng_keys[i]),
                 sink=sink,

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from types import MappingProxyType
 from typing import AsyncContextManager, Protocol, TypeVar
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 
 import numpy as np
 
@@ -322,7 +322,7 @@ def record_rows(
 NO_DIAGNOSTICS: Mapping[str, float] = MappingProxyType({})
 
 
-def _one_object(values: list[object]) -> bool:
+def _one_object(values: Sequence[object]) -> bool:
     """Whether `values` hold one object (by identity, not equality: no __eq__ per row), in C loops
     where all() over a generator runs a Python frame per row."""
     return len(set(map(id, values))) == 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -194,7 +195,7 @@ class SequenceState:
     def truncate(self, n: int) -> None:
         """Forget every token after the first n (and its records, text and finish)."""
         assert n >= self.published, f"sequence {self.index}: {self.published} tokens were already published"
-        for values in (
+        records: tuple[list[Any], ...] = (
             self.tokens,
             self.alphas,
             self.logprobs_q,
@@ -204,7 +205,8 @@ class SequenceState:
             self.topk_ids,
             self.topk_logprobs,
             *self.diagnostics.values(),
-        ):
+        )
+        for values in records:
             del values[n:]
         self.finish_reason, self.text = None, None
 

@@ -66,7 +66,8 @@ class CachedScorer:
         with torch.inference_mode():
             if cached:
                 assert previous is not None
-                extended = self._extend(previous, [rows[i] for i in cached], [contexts[i] for i in cached])
+                cached_rows = [row for row in rows if row is not None]  # in the order of `cached`
+                extended = self._extend(previous, cached_rows, [contexts[i] for i in cached])
                 parts.append((cached, *extended))
             if fresh:
                 parts.append((fresh, *self._prefill([contexts[i] for i in fresh])))
@@ -190,16 +191,16 @@ def _combine(
     logits = parts[0][1].new_empty((size, parts[0][1].shape[1]))
     for indices, part_logits, _ in parts:
         logits[indices] = part_logits
-    batches = [(torch.tensor(indices, device=logits.device), batch) for indices, _, batch in parts]
-    assert all(batch is not None for _, batch in batches), "two parts mean cached rows, so a KV cache is kept"
+    batches: list[tuple[torch.Tensor, _Batch]] = []
+    for indices, _, batch in parts:
+        assert batch is not None, "two parts mean cached rows, so a KV cache is kept"
+        batches.append((torch.tensor(indices, device=logits.device), batch))
     width = max(batch.width for _, batch in batches)
-    layers = [
-        tuple(
-            _scatter_rows([(index, batch.layers()[layer][j]) for index, batch in batches], size, width, axis=2)
-            for j in (0, 1)
-        )
-        for layer in range(len(batches[0][1].layers()))
-    ]
+
+    def scattered(layer: int, j: int) -> torch.Tensor:  # the layer's keys (j = 0) or values (1)
+        return _scatter_rows([(index, batch.layers()[layer][j]) for index, batch in batches], size, width, axis=2)
+
+    layers = [(scattered(layer, 0), scattered(layer, 1)) for layer in range(len(batches[0][1].layers()))]
     mask = _scatter_rows([(index, batch.mask) for index, batch in batches], size, width, axis=1)
     return logits, _Batch(list(contexts), _growing_cache(layers), mask)
 
@@ -245,7 +246,8 @@ def _growing_layer() -> type:
         ) -> tuple[torch.Tensor, torch.Tensor]:
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
-                self.filled, self.buffers = 0, ()
+                self.filled = 0
+                self.buffers: tuple[torch.Tensor, ...] = ()
             end = self.filled + key_states.shape[-2]
             if not self.buffers or end > self.buffers[0].shape[-2]:
                 grown = []

@@ -122,7 +122,10 @@ class TransformersEngine:
             if not isinstance(dtype, torch.dtype):
                 raise InvalidInputError(f"unknown dtype {self._dtype_name!r}; use float32, bfloat16 or float16")
             self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-            self._model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).to(device).eval()
+            # Typed as the Module it is: transformers wraps its `to` with functools.wraps, which mypy does not
+            # bind to the instance (the wrapper expects the model as its first argument).
+            model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype)
+            self._model = model.to(device).eval()
         last_logits_only = (
             {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self._model.forward).parameters else {}
         )

@@ -209,6 +209,7 @@ class VLLMClient:
             body = await self.call("GET", "/v1/models")
             data = body.get("data") if isinstance(body, dict) else None
             expect(isinstance(data, list) and bool(data), self.name, self.url, "/v1/models lists no model")
+            assert isinstance(data, list)  # expect raised otherwise; says so to mypy
             card = _pick_model(data, self._model, self.name, self.url)
             root = card.get("root") or card["id"]
             self._model_info = ModelInfo(

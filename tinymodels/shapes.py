@@ -375,8 +375,9 @@ def build_tokenizer(texts: tuple[str, ...], shape: Shape) -> tuple[Qwen2Tokenize
     merges = [tuple(pair) for pair in json.loads(bpe.to_str())["model"]["merges"]]
     tokenizer = Qwen2Tokenizer(
         vocab=vocab,
-        merges=merges,
-        unk_token=None,
+        # transformers types these narrower than it takes: its BPE takes merges as pairs, and no unknown token.
+        merges=merges,  # type: ignore[arg-type]
+        unk_token=None,  # type: ignore[arg-type]
         bos_token=None,
         eos_token=IM_END,
         pad_token=ENDOFTEXT,
@@ -505,6 +506,7 @@ def measure(base_dir: Path, teacher_dir: Path, n_real: int) -> dict:
                 contexts = [p + c for p, c in zip(prompts, _sample(model, prompts, tokenizer.pad_token_id))]
             logprobs.append(torch.cat([model(torch.tensor([ids])).logits[0] for ids in contexts]).log_softmax(-1))
         del model  # [positions, vocab] each
+    assert contexts is not None, "the base's pass sets them"
     base, teacher = logprobs
     current = torch.tensor([i for ids in contexts for i in ids])  # [positions]
 

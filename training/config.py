@@ -401,6 +401,11 @@ class StreamingTrainConfig(TrainConfig):
         return self
 
     @property
+    def sampling_alpha(self) -> float | None:
+        """The rollouts' fixed alpha; None = alpha*. Every method class says which (no default)."""
+        raise NotImplementedError(f"{type(self).__name__} does not say its rollouts' alpha (sampling_alpha)")
+
+    @property
     def distillation_coef(self) -> float:
         """The weight of the distillation term (distill_coef resolved)."""
         return self.distill_coef if self.distill_coef is not None else 0.0

@@ -32,7 +32,7 @@ import re
 import string
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from dualvllm.common.errors import InputFormatError, InvalidInputError
@@ -126,6 +126,8 @@ def build_examples(
                 f"no {_names(missing)} field, which the reward needs; the row has {_names(present)}. "
                 "Add it, or choose a reward that does not read it"
             )
+        theta: str | tuple[int, ...]
+        origin: str | None  # the field the prompt came from; None: built by the prompt template
         if base_template is not None:
             theta, origin = base_template.format(present, refuse), None
         else:
@@ -142,6 +144,7 @@ def build_examples(
                 f'"t_prompt" is set beside {beside}, so the teacher would have two prompts; '
                 'drop "t_prompt", or give the pair as "theta_prompt" and "t_prompt" alone'
             )
+        t: str | tuple[int, ...] | None
         if teacher is not None:
             t = teacher.format({**present, "prompt": theta}, refuse)
         else:
@@ -225,7 +228,9 @@ class _Template:
         for _, field_name, spec, _ in parsed:
             if field_name is None:
                 continue
-            root = re.match(r"[^.\[]*", field_name).group()
+            match = re.match(r"[^.\[]*", field_name)
+            assert match is not None, "a pattern of `*` matches, if only the empty string"
+            root = match.group()
             if not root or root.isdigit():
                 raise InvalidInputError(
                     f"the {name} {text!r} has a positional field {{{field_name}}}; name a "
@@ -234,6 +239,7 @@ class _Template:
             fields.add(root)
             if root == field_name:
                 bare.add(root)
+            assert spec is not None, "string.Formatter gives a field's spec as '' when it has none"
             if "{" in spec:  # a nested field, as in {answer:>{width}}
                 nested = cls.parse(spec, name)
                 fields |= nested.fields
@@ -307,6 +313,10 @@ def _rendered_chat(messages: Any, chat_template: ChatTemplate | None, refuse: Ca
     return _checked_part(text, "the rendered chat", refuse)
 
 
+@overload
+def _checked_part(part: str, what: str, refuse: Callable[[str], InputFormatError]) -> str: ...
+@overload
+def _checked_part(part: Any, what: str, refuse: Callable[[str], InputFormatError]) -> str | tuple[int, ...]: ...
 def _checked_part(part: Any, what: str, refuse: Callable[[str], InputFormatError]) -> str | tuple[int, ...]:
     """One prompt, checked by the coordinator's own validator; token ids come back as a tuple."""
     # A tuple means a (theta, t) pair to prompt_problem; one part of ids is checked as a list.

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from dualvllm.training import lora
 from dualvllm.training.distill import sft_loss, teacher_advantages, topk_divergence
 from dualvllm.training.logprobs import body_and_head, last_hidden_states, selected_logprobs
-from dualvllm.training.losses import advantages as group_advantages, normalize, policy_loss
+from dualvllm.training.losses import Correction, Normalization, advantages as group_advantages, normalize, policy_loss
 from dualvllm.training.rollouts import Rollout, ScoredBatch
 
 log = logging.getLogger("dualvllm.training")
@@ -49,11 +49,11 @@ class Objective:
     """What one update optimizes (see the module docstring); built by `dualvllm.training.grpo.objective`."""
 
     method: str = "grpo"  # grpo, sft, rft, opd, distill or adaptive
-    correction: str = "sequence"
+    correction: Correction = "sequence"
     scale_advantages: bool = True
     is_cap: float = 2.0
     share_cap: float = 3.0
-    normalization: str = "dapo"
+    normalization: Normalization = "dapo"
     max_completion_length: int | None = None
     teacher_advantage_coef: float = 0.0
     distill_coef: float = 0.0
@@ -318,7 +318,8 @@ class Learner:
         if objective.policy_gradient:
             first = self._first_pass_logprobs(prepared, slices) if self._advantages_need_logprobs(objective) else None
             advantages, _ = self._advantages(prepared, objective, first)
-        values, references = [], []
+        values: list[torch.Tensor] = []
+        references: list[torch.Tensor] = []  # none when there is no reference model, one per micro-batch else
         started = time.perf_counter()
         for done, rows in enumerate(slices, 1):
             packed = pack(prepared.rollouts[rows], self.pad_id)
@@ -331,10 +332,11 @@ class Learner:
                 if share.requires_grad:  # rows without real tokens add nothing
                     share.backward()
             values.append(part.detach())
-            references.append(reference)
+            if reference is not None:
+                references.append(reference)
             log.debug("gradient pass: micro-batch %d/%d, %.1f s", done, len(slices), time.perf_counter() - started)
         width = prepared.packed.targets.shape[1]
-        reference = _padded_rows(references, width) if references[0] is not None else None
+        reference = _padded_rows(references, width) if references else None
         with torch.no_grad():
             loss, metrics = self._whole_batch(prepared, objective, _padded_rows(values, width), reference)
         return {"loss": float(loss), **metrics}
@@ -348,7 +350,7 @@ class Learner:
             self.model.eval()
 
     def _prepare(self, batch: ScoredBatch, objective: Objective) -> Prepared:
-        groups = [g for g in batch.groups if len(g) >= objective.min_group]
+        groups: list[Sequence[Rollout]] = [g for g in batch.groups if len(g) >= objective.min_group]
         rewards = [torch.tensor([r.reward for r in g]) for g in groups]
         rollouts = [r for g in groups for r in g]
         packed = pack(rollouts, self.pad_id)
@@ -428,7 +430,7 @@ class Learner:
             log_ratio = torch.zeros(len(prepared.rollouts))
         else:
             log_ratio = ((logp - packed.logp_behaviour.float()) * packed.target_mask).sum(-1)  # [B]
-        correction = objective.correction if objective.method in ("grpo", "adaptive") else "none"
+        correction: Correction = objective.correction if objective.method in ("grpo", "adaptive") else "none"
         rewards, ratios = prepared.rewards, list(torch.split(log_ratio, [len(g) for g in prepared.groups]))
         compared = [torch.ones(len(r), dtype=torch.bool) for r in rewards]  # [G_g] per group: the rows compared
         if objective.split_rows:  # a group's on-policy members among themselves, when there are two or more
@@ -458,7 +460,8 @@ class Learner:
         """The loss of the whole batch from its values [B, T, J] (with or without a graph) and the update's metrics."""
         mask = prepared.packed.target_mask
         logp = values[..., 0]  # [B, T]
-        advantages, metrics = None, {}
+        advantages: torch.Tensor | None = None
+        metrics: dict[str, float] = {}
         if objective.policy_gradient:
             advantages, metrics = self._advantages(prepared, objective, logp.detach())
         loss, term_metrics = self._terms(

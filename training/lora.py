@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 from collections.abc import Iterator
 
 import torch
@@ -19,6 +19,22 @@ import torch
 # The projections of Qwen2/Llama-style blocks; peft's own default picks only q/v.
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_DIR = "adapter"
+
+
+class _Weighted(Protocol):
+    weight: torch.Tensor
+
+
+class _AdaptedLayer(Protocol):
+    """What `merged_items` uses of a peft LoRA layer. Each concrete layer class (Linear, Embedding, the
+    convolutions) defines get_delta_weight; peft's LoraLayer, the class they share, does not declare it,
+    and its base layer is typed as any nn.Module."""
+
+    active_adapters: list[str]
+
+    def get_delta_weight(self, adapter: str) -> torch.Tensor: ...
+
+    def get_base_layer(self) -> _Weighted: ...
 
 
 def wrap(model: Any, *, rank: int, alpha: int) -> Any:
@@ -79,7 +95,11 @@ def merged_items(model: Any, *, merge: bool = True) -> Iterator[tuple[str, torch
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model()
-    adapted = {f"{name}.weight": module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
+    adapted = {
+        f"{name}.weight": cast(_AdaptedLayer, module)  # see _AdaptedLayer: what peft's types leave out
+        for name, module in base.named_modules()
+        if isinstance(module, LoraLayer)
+    }
     for name, tensor in base.state_dict().items():
         if "lora_" in name:
             continue

@@ -156,9 +156,9 @@ async def sample_batch(
         members = range(i * group_size, (i + 1) * group_size)
         groups.append(
             tuple(
-                _rollout(task, outputs[j], scores.total[j], is_on_policy[j])
+                _rollout(task, outputs[j], total, is_on_policy[j])
                 for j in members
-                if outputs[j].ok and scores.total[j] is not None
+                if outputs[j].ok and (total := scores.total[j]) is not None
             )
         )
     means = {

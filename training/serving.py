@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from dualvllm import tinymodels
 from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator
@@ -56,6 +56,8 @@ async def serving(
     The base role's engine, for pushes, is `coordinator.base_engine`.
     """
     async with contextlib.AsyncExitStack() as stack:
+        theta_urls: Sequence[str]  # the config's tuples, or the lists of the servers started here
+        t_urls: Sequence[str]
         if config.theta_urls:
             theta_urls, t_urls = config.theta_urls, config.t_urls or config.theta_urls
         else:

@@ -56,7 +56,9 @@ def untie(source: Path, destination: Path) -> Path:
         raise InvalidInputError(f"{source} does not tie its embeddings: nothing to untie, train it as it is")
     with torch.no_grad():
         head = model.get_output_embeddings()
-        head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone())
+        embedding = model.get_input_embeddings().weight  # typed as nn.Module's attributes are: tensor or module
+        assert isinstance(embedding, torch.Tensor), f"{source}: its input embedding's weight is not a tensor"
+        head.weight = torch.nn.Parameter(embedding.detach().clone())
     model.config.tie_word_embeddings = False
     model.save_pretrained(destination, safe_serialization=True)
     for extra in sorted(source.iterdir()):

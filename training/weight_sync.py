@@ -273,7 +273,9 @@ def checkpoint_logprobs(
     import torch
     from transformers import AutoModelForCausalLM
 
-    copy = AutoModelForCausalLM.from_pretrained(weights_dir, dtype=getattr(torch, dtype))
+    # Typed as the Module it is: transformers wraps its `to` with functools.wraps, which mypy does not bind
+    # to the instance.
+    copy: torch.nn.Module = AutoModelForCausalLM.from_pretrained(weights_dir, dtype=getattr(torch, dtype))
     try:
         return learner_logprobs(copy.to(device or "cpu"), probes)
     finally:

@@ -364,6 +364,8 @@ async def send_weights(
         init = ShmTrainerInitInfo(rank=0, chunk_bytes=chunk_bytes, weight_version=weight_version)
         engine = WeightTransferTrainerFactory.trainer_init(init, client=Tracking(), source=source)
         engine.send_weights()
+        # The factory is typed for any trainer engine; BACKEND's is this module's (register, below).
+        assert isinstance(engine, SharedMemoryTrainerEngine), f"{BACKEND} built a {type(engine).__name__}"
         return engine.stats
 
     try:

@@ -117,9 +117,12 @@ class Admission:
         started = []
         while self.room() and not self._holding():
             started.append(self._start())
-        hold_s = self.gate.opened(
-            [tuple((s.engine.url, s.id) for s in live.streams if s is not None) for live in started]
-        )
+        pairs = []
+        for live in started:
+            theta, t = live.streams
+            assert theta is not None and t is not None, "_start opened both streams"
+            pairs.append(((theta.engine.url, theta.id), (t.engine.url, t.id)))
+        hold_s = self.gate.opened(pairs)
         streams = [stream for live in started for stream in live.streams if stream is not None]
         if streams:
             self.held_rounds += 1

@@ -13,6 +13,7 @@ import asyncio
 import secrets
 from dataclasses import dataclass
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -90,7 +91,8 @@ async def probe_plugin(
     )
     where = f"{engine.name} server at {engine.url}"
     try:
-        await asyncio.wait({request, reported}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        either: set[asyncio.Future[Any]] = {request, reported}
+        await asyncio.wait(either, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         if reported.done():
             if reported.exception() is not None:  # it cannot read our END either: no wait for the end
                 raise LockstepUnavailableError(

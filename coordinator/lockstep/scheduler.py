@@ -82,6 +82,7 @@ class LockstepScheduler:
         self._channel = channel
         self._stop_token = stop_token
         self._vocab_size = vocab_size
+        self._recovery: Recovery  # built below, after the parts it drives; the callbacks before it read it later
         self._delivery = Delivery(theta, stats)
         self._table = LockstepTable()
         self.counters = self._table.counters
@@ -255,9 +256,9 @@ class LockstepScheduler:
             blocked, now_ready = self._table.report(identity, report, time.perf_counter())
             ready += now_ready
             for stream_id, probed in self._table.out.unknown:
-                probe = self._probes.get(stream_id)
-                if probe is not None and not probe.done():
-                    probe.set_result(probed)
+                waiting = self._probes.get(stream_id)
+                if waiting is not None and not waiting.done():
+                    waiting.set_result(probed)
             self._table.out.unknown.clear()
             if self.gate.watching:
                 self.gate.observe(blocked.server, set(report.ids.tolist()))

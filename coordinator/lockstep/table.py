@@ -380,7 +380,8 @@ def gather(ready: list[Live], role: int) -> TopKBatch:
     # iterator per row, each a tracked object, and at batch 1,024 those were a third of what
     # the young collections walked.
     pairs = [live.rows[role] for live in ready]
-    reports, rows = tuple(map(_first, pairs)), tuple(map(_second, pairs))
+    # A ready sequence has both rows (LockstepTable.report): no None among them, and no check per row here.
+    reports, rows = tuple(map(_first, pairs)), tuple(map(_second, pairs))  # type: ignore[arg-type]
     first = reports[0]
     # Blocked compares by identity: count() is one C loop, where all() over a generator is a
     # Python frame per row.

@@ -29,6 +29,10 @@ PATCHED_VERSIONS = ("0.32.0",)  # read shm_broadcast.py of these before adding o
 
 log = logging.getLogger("vllm.dualvllm_spin")
 
+# Set on vLLM's SpinCondition class: the spin its patched __init__ passes, and the mark that it is patched.
+# Through getattr/setattr: an attribute of our own on a class vLLM's types do not declare.
+_SPIN_ATTR = "_dualvllm_spin_s"
+
 
 def register() -> None:
     """The entry point (pyproject.toml: vllm.general_plugins); vLLM calls it once per process."""
@@ -51,14 +55,14 @@ def register() -> None:
     recheck_ms = int(os.environ.get(RECHECK_ENV, DEFAULT_RECHECK_MS))
     shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = recheck_ms  # read at call time
     condition = shm_broadcast.SpinCondition
-    if getattr(condition, "_dualvllm_spin_s", None) is None:
+    if getattr(condition, _SPIN_ATTR, None) is None:
         original = condition.__init__
 
         def __init__(self, is_reader, context, notify_address, busy_loop_s: float = 1) -> None:
-            original(self, is_reader, context, notify_address, busy_loop_s=condition._dualvllm_spin_s)
+            original(self, is_reader, context, notify_address, busy_loop_s=getattr(condition, _SPIN_ATTR))
 
         condition.__init__ = __init__  # type: ignore[method-assign]
-    condition._dualvllm_spin_s = spin_s
+    setattr(condition, _SPIN_ATTR, spin_s)
     log.info(
         "dualvllm: the engine busy-waits %g s after a read (vLLM: 1 s), rechecks every %d ms (vLLM: 5000)",
         spin_s,

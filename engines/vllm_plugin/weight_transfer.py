@@ -23,11 +23,21 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from dualvllm.engines.weight_transfer import BACKEND, ShmInitInfo, ShmUpdateInfo, segment_path
 
+if TYPE_CHECKING:
+    import torch
+
 log = logging.getLogger("vllm.dualvllm_weight_transfer")
+
+
+class _LoadsWeights(Protocol):
+    """A vLLM model: every one has `load_weights`, which vLLM's engines' `model` (an nn.Module) is typed without."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> object: ...
 
 
 def register() -> None:
@@ -44,7 +54,9 @@ def _engine_class() -> type:
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-    class SharedMemoryWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
+    # Any, Any: ShmInitInfo and ShmUpdateInfo are plain dataclasses, outside the info classes vLLM's type
+    # parameters are bound to, so that engines/weight_transfer.py imports only the standard library.
+    class SharedMemoryWeightTransferEngine(WeightTransferEngine[Any, Any]):
         """Receives chunks of checkpoint-format weights through a /dev/shm segment."""
 
         init_info_cls = ShmInitInfo
@@ -105,7 +117,7 @@ def _engine_class() -> type:
             # close (a copy from an unmapped view segfaults). Each view holds the mapping; it is
             # unmapped when the last one goes. The trainer writes every chunk to a new segment, so
             # nothing overwrites what they see.
-            self.model.load_weights(_views(buffer, info))
+            cast(_LoadsWeights, self.model).load_weights(_views(buffer, info))
 
         def _abandon(self) -> None:
             """Put the model back together after a failed chunk: layers that got nothing keep their
