@@ -10,7 +10,7 @@ pytest.importorskip("torch")
 import argparse  # noqa: E402
 
 from dualvllm import tinymodels  # noqa: E402
-from benchmarks.train_compare import (ARMS, LONG_ARMS, RECIPE, TASKS, NotRun, finished_with, joined, run_arm,  # noqa: E402
+from benchmarks.train_compare import (ARMS, against_the_best, LONG_ARMS, RECIPE, TASKS, NotRun, finished_with, joined, run_arm,  # noqa: E402
                                       training_subset)
 from dualvllm.training.config import TrainConfig  # noqa: E402
 
@@ -102,3 +102,15 @@ def test_a_training_subset_is_the_datasets_first_rows_and_mixes_the_difficulties
     assert training_subset(MIXED_DATA["train"], 30, tmp_path) == path  # written once, reused
     with pytest.raises(SystemExit, match="has only"):
         training_subset(MIXED_DATA["train"], 10**6, tmp_path)
+
+
+def test_the_rank_test_is_against_the_arm_with_the_best_median_and_skips_arms_with_few_seeds():
+    def arm(*overall):
+        return {seed: {"test": {"overall": value}} for seed, value in enumerate(overall)}
+
+    runs = {"low": arm(0.1, 0.12, 0.11, 0.13), "high": arm(0.3, 0.31, 0.29, 0.32), "alike": arm(0.3, 0.28, 0.32, 0.29),
+            "two seeds": arm(0.0, 0.01)}
+    best, p_values = against_the_best(runs)
+
+    assert best == "high" and set(p_values) == {"low", "alike"}
+    assert p_values["low"] < 0.05 < p_values["alike"]  # 4 against 4 entirely below: p = 2/70
