@@ -1,7 +1,7 @@
 """TRL's own importance-sampling settings on q* rollouts against this project's corrections (issue 44, item 3).
 
-    python benchmarks/trl_settings.py --tasks arithmetic hard --seeds 0 1 2 --steps 150 --eval-every 25 --jobs 2
-    python benchmarks/trl_settings.py --seeds 0 --steps 2 --eval-every 2 --eval-prompts 50   # smoke: every arm, 2 updates
+    python benchmarks/trl_settings.py --seeds 0 1 2 3 4 5 --steps 150 --eval-every 25 --jobs 2   # the table
+    python benchmarks/trl_settings.py --seeds 0 --steps 3 --eval-every 3 --jobs 2   # smoke: every arm and task
 
 Every arm is a TRL run in process through benchmarks/trl_compare.run_trl, as trl_compare's TRL arm
 is: q* rollouts from QStarRollouts over a live TransformersEngine of the model being trained and
