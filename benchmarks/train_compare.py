@@ -56,6 +56,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from pydantic import TypeAdapter
@@ -337,18 +338,30 @@ def answer_logprob(arm_dir: Path, task: str) -> float:
     import torch
     from transformers import Qwen2ForCausalLM, Qwen2Tokenizer
 
-    from dualvllm.tinymodels.build import HARD_MAX_LEN, LONG_MAX_LEN, answer_logprob as mean_answer_logprob
-    from dualvllm.tinymodels.task import HARD_ROWS, LONG_ROWS, hard_problems, long_problems
-
     from dualvllm.training import checkpoint as checkpoints
 
     checkpoint = checkpoints.latest(arm_dir)  # an arm that stopped early ends before `steps`
     assert checkpoint is not None, f"{arm_dir} has no checkpoint"
     model = Qwen2ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    tokenizer = Qwen2Tokenizer.from_pretrained(checkpoint)
-    if task.startswith("long"):
-        return mean_answer_logprob(model, tokenizer, long_problems("test", LONG_ROWS["test"]), LONG_MAX_LEN)
-    return mean_answer_logprob(model, tokenizer, hard_problems("test", HARD_ROWS["test"]), HARD_MAX_LEN)
+    return model_answer_logprob(model, Qwen2Tokenizer.from_pretrained(checkpoint), task)
+
+
+def model_answer_logprob(model: Any, tokenizer: Any, task: str) -> float:
+    """Mean log p(right answer + EOS | prompt) of `model` on the task's 500 test problems, in nats (the hard
+    task's, or with a task named long* the long task's); `model` is left in the mode it was in."""
+    import torch
+
+    from dualvllm.tinymodels.build import HARD_MAX_LEN, LONG_MAX_LEN, answer_logprob as mean_answer_logprob
+    from dualvllm.tinymodels.task import HARD_ROWS, LONG_ROWS, hard_problems, long_problems
+
+    training = model.training
+    try:
+        with torch.no_grad():
+            if task.startswith("long"):
+                return mean_answer_logprob(model, tokenizer, long_problems("test", LONG_ROWS["test"]), LONG_MAX_LEN)
+            return mean_answer_logprob(model, tokenizer, hard_problems("test", HARD_ROWS["test"]), HARD_MAX_LEN)
+    finally:
+        model.train(training)
 
 
 def test_scores(arm_dir: Path) -> dict[str, float]:
@@ -561,50 +574,65 @@ def run_in_parallel(args: argparse.Namespace) -> None:
     """Each seed's arms as jobs of this script (arms sharing a warm-up together), `args.jobs` at a
     time, each pinned to its own core with one torch thread. A job's output goes to a .log file
     beside its runs; an interrupted sweep started again resumes every unfinished arm."""
+    import sys
+
+    groups: dict[tuple[int, str], list[str]] = {}
+    for seed in args.seeds:
+        for folder, fields in ARMS[args.task].values():
+            if args.arms is None or folder in args.arms:
+                warmup = fields.get(WARMUP)
+                groups.setdefault((seed, warmup[0] if warmup else folder), []).append(folder)
+    # This run's options, less those each job sets itself.
+    argv = argv_without(sys.argv[1:], {"--jobs": 1, "--seeds": len(args.seeds), "--arms": len(args.arms or ())})
+    jobs = [([*argv, "--seeds", str(seed), "--arms", *folders],
+             args.output / args.task / f"lr-{args.learning_rate:g}" / f"seed-{seed}" / f"{folders[0]}.log")
+            for (seed, _), folders in groups.items()]
+    run_pinned(__file__, jobs, args.jobs)
+
+
+def argv_without(argv: list[str], skipped: dict[str, int]) -> list[str]:
+    """`argv` less each option named in `skipped` and the values that follow it (option -> how many)."""
+    kept, i = [], 0
+    while i < len(argv):
+        if argv[i] in skipped:
+            i += 1 + skipped[argv[i]]
+            continue
+        kept.append(argv[i])
+        i += 1
+    return kept
+
+
+def run_pinned(script: str, jobs: list[tuple[list[str], Path]], cores: int) -> None:
+    """Run `script` once per job (its arguments, the log file its output is appended to), `cores` jobs at a
+    time, each pinned to its own core with one torch thread; print each job's outcome and the total time."""
     import concurrent.futures
     import queue
     import subprocess
     import sys
 
-    jobs: dict[tuple[int, str], list[str]] = {}
-    for seed in args.seeds:
-        for folder, fields in ARMS[args.task].values():
-            if args.arms is None or folder in args.arms:
-                warmup = fields.get(WARMUP)
-                jobs.setdefault((seed, warmup[0] if warmup else folder), []).append(folder)
-    cores: queue.Queue[int] = queue.Queue()
-    for core in sorted(os.sched_getaffinity(0))[:args.jobs]:
-        cores.put(core)
-    skipped = {"--jobs": 1, "--seeds": len(args.seeds), "--arms": len(args.arms or ())}
-    argv, i = [], 1
-    while i < len(sys.argv):  # this run's options, less those each job sets itself
-        if sys.argv[i] in skipped:
-            i += 1 + skipped[sys.argv[i]]
-            continue
-        argv.append(sys.argv[i])
-        i += 1
+    free: queue.Queue[int] = queue.Queue()
+    for core in sorted(os.sched_getaffinity(0))[:cores]:
+        free.put(core)
 
-    def run(seed: int, folders: list[str]) -> tuple[str, int]:
-        core = cores.get()
+    def run(argv: list[str], log_path: Path) -> tuple[str, int]:
+        core = free.get()
         try:
-            log_path = args.output / args.task / f"lr-{args.learning_rate:g}" / f"seed-{seed}" / f"{folders[0]}.log"
             log_path.parent.mkdir(parents=True, exist_ok=True)
             env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
             with open(log_path, "a", encoding="utf-8") as log_file:
-                done = subprocess.run([sys.executable, __file__, *argv, "--seeds", str(seed), "--arms", *folders],
-                                      stdout=log_file, stderr=subprocess.STDOUT, env=env, check=False,
-                                      preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+                done = subprocess.run([sys.executable, script, *argv], stdout=log_file, stderr=subprocess.STDOUT,
+                                      env=env, check=False, preexec_fn=lambda: os.sched_setaffinity(0, {core}))
             return str(log_path), done.returncode
         finally:
-            cores.put(core)
+            free.put(core)
 
     started = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = [pool.submit(run, seed, folders) for (seed, _), folders in jobs.items()]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=cores) as pool:
+        futures = [pool.submit(run, argv, log_path) for argv, log_path in jobs]
         for future in concurrent.futures.as_completed(futures):
             log_path, code = future.result()
             print(f"{'done' if code == 0 else f'FAILED (exit {code})'}: {log_path}")
-    print(f"{len(jobs)} jobs on {args.jobs} cores in {time.perf_counter() - started:.0f} s")
+    print(f"{len(jobs)} jobs on {cores} cores in {time.perf_counter() - started:.0f} s")
 
 
 def plot(tables: dict, path: Path, title: str) -> None:

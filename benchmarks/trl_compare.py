@@ -23,7 +23,9 @@ differently.
 
 Prints the rollouts' mean reward (averaged over windows of --eval-every updates), the
 held-out accuracy per arm and seed, and TRL's accuracy minus dualvllm train's per seed;
-writes OUTPUT/trl_compare.json (accuracies as fractions, differences in points, wall_s).
+writes OUTPUT/trl_compare.json (accuracies as fractions, differences in points, wall_s; for TRL each
+update's and evaluation's seconds, update_s and eval_s, and its log history). benchmarks/trl_settings.py runs TRL's own
+importance-sampling settings through the same run_trl.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import functools
 import json
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,12 +52,13 @@ PROMPTS_PER_STEP, GROUP_SIZE = 8, 8
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny-arith.yaml"
 
 
-def train_config(out: Path, seed: int, args: argparse.Namespace) -> TrainConfig:
+def train_config(out: Path, seed: int, args: argparse.Namespace, **fields: Any) -> TrainConfig:
+    """The run's `dualvllm train` options: the recipe's, the budget in `args` (steps, eval_every, eval_prompts,
+    learning_rate), and `fields` (the correction, a task's dataset, teacher, max_tokens, ...)."""
     return TrainConfig.parse(config_file=RECIPE, output_dir=out, engine="transformers", seed=seed, steps=args.steps,
                              eval_every=args.eval_every, eval_prompts=args.eval_prompts,
                              prompts_per_step=PROMPTS_PER_STEP, group_size=GROUP_SIZE,
-                             learning_rate=args.learning_rate, correction=args.correction,
-                             max_staleness=args.max_staleness)
+                             learning_rate=args.learning_rate, **fields)
 
 
 def run_dualvllm(config: TrainConfig) -> dict[str, Any]:
@@ -67,7 +71,29 @@ def run_dualvllm(config: TrainConfig) -> dict[str, Any]:
     return {"reward_mean": rewards, "held_out_accuracy": accuracy}
 
 
-def run_trl(config: GRPOTrainConfig, *, shuffle: bool = False) -> dict[str, Any]:
+# GRPOConfig's options for the run -> (the GRPOTrainer class to run, its args): what a TRL arm trains with.
+TrainerChoice = Callable[[dict[str, Any]], tuple[type, Any]]
+# (the model being trained, its tokenizer) -> more held-out measurements, by name (a task's answer log-probability).
+Probe = Callable[[Any, Any], dict[str, float]]
+
+
+def qstar_trainer(correction: str) -> TrainerChoice:
+    """QStarGRPOTrainer with this project's `correction` (the TRL arm of the comparison above)."""
+
+    def choose(options: dict[str, Any]) -> tuple[type, Any]:
+        from dualvllm.training.trl_trainer import QStarGRPOConfig, QStarGRPOTrainer
+
+        return QStarGRPOTrainer, QStarGRPOConfig(**options, correction=correction)
+
+    return choose
+
+
+def run_trl(config: GRPOTrainConfig, *, shuffle: bool = False, trainer: TrainerChoice | None = None,
+            probe: Probe | None = None) -> dict[str, Any]:
+    """One TRL run of `config` in process: its held-out accuracy (and `probe`'s measurements) at every
+    evaluation and the evaluation's seconds (eval_s), the rollouts' mean reward, each update's seconds
+    (update_s: rollouts, loss and step, evaluations left out) and TRL's log history. `trainer` picks the
+    trainer (default QStarGRPOTrainer with `config.correction`)."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
@@ -77,65 +103,75 @@ def run_trl(config: GRPOTrainConfig, *, shuffle: bool = False) -> dict[str, Any]
     from dualvllm.training.recipe import held_out, prepare
     from dualvllm.training.rewards import reward_exact
     from dualvllm.training.trl_rollouts import QStarRollouts
-    from dualvllm.training.trl_trainer import QStarGRPOConfig, QStarGRPOTrainer
     from dualvllm.training.verifiers import verifier_pool
 
     inputs = prepare(config)
     torch.manual_seed(config.seed)
     model = AutoModelForCausalLM.from_pretrained(inputs.base_dir, dtype=torch.float32)
     base = TransformersEngine.live(model, inputs.tokenizer, name="theta")
-    teacher = TransformersEngine(tinymodels.TEACHER_DIR, name="t")
+    teacher = TransformersEngine(config.teacher or tinymodels.TEACHER_DIR, name="t")
     rows = Dataset.from_list([{"prompt": t.prompt_text, "answer": t.row["answer"]} for t in inputs.problems.train])
-    args = QStarGRPOConfig(
+    trainer_class, args = (trainer or qstar_trainer(config.correction))(dict(
         output_dir=str(config.output_dir), per_device_train_batch_size=PROMPTS_PER_STEP * GROUP_SIZE,
         num_generations=GROUP_SIZE, max_completion_length=config.max_tokens, max_steps=config.steps,
         learning_rate=config.learning_rate, lr_scheduler_type="constant", weight_decay=0.01, max_grad_norm=1.0,
-        correction=config.correction, loss_type=config.normalization, scale_rewards="group", beta=0.0,
+        loss_type=config.normalization, scale_rewards="group", beta=0.0,
         temperature=config.temperature, seed=config.seed, use_cpu=True, bf16=False, logging_steps=1,
         save_strategy="no", report_to=[], disable_tqdm=True,
         gradient_checkpointing=False,  # TRL turns it on, and with it the model's KV cache off, which the engine reads
         # The rows are in dualvllm train's order (problems.train, shuffled by the seed), which it takes 8 at a time:
         # unshuffled, TRL's sampler hands both arms the same prompts at every update.
-        shuffle_dataset=shuffle)
+        shuffle_dataset=shuffle))
     coordinator = CoordinatorConfig(top_k=config.top_k, mode="per_token", seed=config.seed,
                                     max_batch_size=PROMPTS_PER_STEP * GROUP_SIZE)
-    accuracy: dict[int, float] = {}
+    evaluations: dict[str, dict[int, float]] = {"held_out_accuracy": {}, "eval_s": {}}
+    update_s: list[float] = []
     with verifier_pool() as pool, QStarRollouts(coordinator, theta_engine=base, t_engine=teacher,
                                                 seed=config.seed) as rollouts:
 
         def evaluate(step: int) -> None:
+            started = time.perf_counter()
             scores = rollouts.run(held_out(rollouts.coordinator, config, inputs.problems, pool), timeout_s=None,
                                   what="the held-out evaluation")
-            accuracy[step] = scores["held_out_accuracy"]
+            evaluations["held_out_accuracy"][step] = scores["held_out_accuracy"]
+            for name, value in (probe(model, inputs.tokenizer) if probe else {}).items():
+                evaluations.setdefault(name, {})[step] = value
+            evaluations["eval_s"][step] = time.perf_counter() - started
 
         class InProcessSync(TrainerCallback):
             """The in-process counterpart of a weight push: drop the base engine's cached keys and values,
             computed with the weights before this update, and evaluate on dualvllm train's schedule."""
 
+            since = 0.0  # when the update being timed began: training began, or the last one's bookkeeping ended
+
+            def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                self.since = time.perf_counter()
+
             def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
                 rollouts.run(_drop_cache(base), timeout_s=None, what="dropping the base engine's cache")
+                update_s.append(time.perf_counter() - self.since)
                 if state.global_step % config.eval_every == 0 or state.global_step == config.steps:
                     evaluate(state.global_step)
+                self.since = time.perf_counter()
 
         sampled: list[list[str]] = []  # the prompts of each update, in order (TRL repeats each GROUP_SIZE times)
 
-        def rollout(prompts: list[str], trainer: Any) -> dict[str, list]:
+        def rollout(prompts: list[str], grpo: Any) -> dict[str, list]:
             sampled.append(prompts[::GROUP_SIZE])
-            return rollouts(prompts, trainer)
+            return rollouts(prompts, grpo)
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # TRL warns that rollout_func is experimental
-            trainer = QStarGRPOTrainer(model=model, reward_funcs=reward_exact, args=args, train_dataset=rows,
-                                       processing_class=inputs.tokenizer, rollout_func=rollout,
-                                       callbacks=[InProcessSync()])
+            grpo = trainer_class(model=model, reward_funcs=reward_exact, args=args, train_dataset=rows,
+                                 processing_class=inputs.tokenizer, rollout_func=rollout, callbacks=[InProcessSync()])
         evaluate(0)
-        trainer.train()
+        grpo.train()
     if not shuffle:
         texts = [t.prompt_text for t in inputs.problems.train]
         expected = [texts[PROMPTS_PER_STEP * k:PROMPTS_PER_STEP * (k + 1)] for k in range(len(sampled))]
         assert sampled == expected, "TRL's unshuffled sampler did not hand out dualvllm train's prompts in its order"
-    rewards = [e["reward"] for e in trainer.state.log_history if "reward" in e]
-    return {"reward_mean": rewards, "held_out_accuracy": accuracy}
+    rewards = [e["reward"] for e in grpo.state.log_history if "reward" in e]
+    return {"reward_mean": rewards, **evaluations, "update_s": update_s, "log_history": grpo.state.log_history}
 
 
 async def _drop_cache(engine: Any) -> None:
@@ -184,7 +220,7 @@ def main() -> None:
             if out.exists():
                 raise SystemExit(f"{out} exists; remove it or choose another --output")
             started = time.perf_counter()
-            result = run(train_config(out, seed, args))
+            result = run(train_config(out, seed, args, correction=args.correction, max_staleness=args.max_staleness))
             result["wall_s"] = time.perf_counter() - started
             results[arm][str(seed)] = result
             print(f"seed {seed} {arm}: {len(result['reward_mean'])} updates in {result['wall_s']:.0f} s, held-out "
