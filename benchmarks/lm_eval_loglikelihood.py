@@ -55,14 +55,14 @@ def served_name(url: str) -> str:
         return json.load(answer)["data"][0]["id"]
 
 
-def run_arm(url: str, model: str, *, limit: int | None, tokenizer: str) -> dict[str, float]:
-    """One lm-eval run of both tasks for `model` -> its metrics and wall time."""
+def run_arm(url: str, model: str, *, limit: int | None, tokenizer: str, tasks: list[str]) -> dict[str, float]:
+    """One lm-eval run of `tasks` for `model` -> its metrics and wall time."""
     with tempfile.TemporaryDirectory() as out:
         command = [
             sys.executable, "-m", "lm_eval", "--model", "local-completions",
             "--model_args", f"model={model},base_url={url}/completions,tokenizer_backend=huggingface,"
                             f"tokenizer={tokenizer},num_concurrent={CONCURRENT_REQUESTS},max_retries=1",
-            "--include_path", str(TASKS), "--tasks", f"{MC_TASK},{PPL_TASK}", "--output_path", out,
+            "--include_path", str(TASKS), "--tasks", ",".join(tasks), "--output_path", out,
             *(["--limit", str(limit)] if limit else []),
         ]
         started = time.perf_counter()
@@ -72,9 +72,12 @@ def run_arm(url: str, model: str, *, limit: int | None, tokenizer: str) -> dict[
         if done.returncode != 0:
             raise SystemExit(f"lm_eval failed for {model}:\n{(done.stdout + done.stderr)[-3000:]}")
         results = json.loads(next(Path(out).rglob("results_*.json")).read_text())["results"]
-    return {"mc_accuracy": results[MC_TASK]["acc,none"], "mc_accuracy_stderr": results[MC_TASK]["acc_stderr,none"],
-            "word_perplexity": results[PPL_TASK]["word_perplexity,none"],
-            "bits_per_byte": results[PPL_TASK]["bits_per_byte,none"], "wall_s": seconds}
+    nan = {"acc,none": float("nan"), "acc_stderr,none": float("nan"), "word_perplexity,none": float("nan"),
+           "bits_per_byte,none": float("nan")}
+    mc, ppl = results.get(MC_TASK, nan), results.get(PPL_TASK, nan)
+    return {"mc_accuracy": mc["acc,none"], "mc_accuracy_stderr": mc["acc_stderr,none"],
+            "word_perplexity": ppl["word_perplexity,none"], "bits_per_byte": ppl["bits_per_byte,none"],
+            "wall_s": seconds}
 
 
 async def echo_error(url: str, model: str, lines: int) -> dict[str, Any]:
@@ -127,6 +130,9 @@ def main() -> None:
                         help="the models' tokenizer, for lm-eval's context lengths (default: the bundled base's)")
     parser.add_argument("--exact-lines", type=int, default=64,
                         help="problem lines whose echoed values are compared with the exact q* (0 = skip)")
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+    parser.add_argument("--tasks", nargs="+", choices=[MC_TASK, PPL_TASK], default=[MC_TASK, PPL_TASK],
+                        help="the tasks of each arm's lm-eval run (the wall time covers these only)")
     parser.add_argument("--output", type=Path, default=None, help="write the results here as JSON")
     args = parser.parse_args()
     name = args.model or served_name(args.url)
@@ -137,14 +143,16 @@ def main() -> None:
               + ", ".join(f"|{k}| mean {v['mean']:.2e} max {v['max']:.2e}" for k, v in exact["errors"].items()))
     rows = {}
     print(f"{'arm':<8} {'model':<28} {'mc acc':>8} {'word ppl':>9} {'bits/byte':>9} {'wall s':>7}")
-    for arm, suffix in ARMS.items():
+    for arm in args.arms:
+        suffix = ARMS[arm]
         row = rows[arm] = {"model": name + suffix, **run_arm(args.url, name + suffix, limit=args.limit,
-                                                              tokenizer=args.tokenizer)}
+                                                              tokenizer=args.tokenizer, tasks=args.tasks)}
         print(f"{arm:<8} {row['model']:<28} {row['mc_accuracy']:>8.4f} {row['word_perplexity']:>9.4f} "
               f"{row['bits_per_byte']:>9.4f} {row['wall_s']:>7.1f}", flush=True)
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps({"url": args.url, "limit": args.limit, "exact": exact, "arms": rows},
+        args.output.write_text(json.dumps({"url": args.url, "limit": args.limit, "tasks": args.tasks, "exact": exact,
+                                           "arms": rows},
                                           indent=2))
 
 

@@ -2,19 +2,25 @@
 
     python benchmarks/scoring_throughput.py                     # starts the bundled tiny models
     python benchmarks/scoring_throughput.py --clients 16 --seconds 30 --repeats 2
+    python benchmarks/scoring_throughput.py --shape small    # a 151,936-token vocabulary
     python benchmarks/scoring_throughput.py --theta-url URL --t-url URL
 
 What lm-eval's loglikelihood requests do (`local-completions`: one prompt per request, echo,
-max_tokens 0, logprobs 1), from `--clients` concurrent clients, in three arms alternating
-`--repeats` times on the same two servers (service_load.drive: a warm-up, then the window):
-- `vllm`: straight to the base server, which scores the prompt alone: vLLM's own
-  prompt-logprobs throughput, the reference;
-- `service_unmerged`: through `dualvllm serve --scoring-call-tokens 0`: each request its own
-  prompt-logprobs call per server (the service before issue 44);
-- `service`: through `dualvllm serve` as shipped: concurrent requests merged into one call per
-  server while one is in flight (dualvllm.service.batching).
+max_tokens 0, logprobs 1), from `--clients` concurrent clients, in four arms alternating
+`--repeats` times (service_load.drive: a warm-up, then the window). Two server pairs run side
+by side, one started with --no-scoring-route (echo only), one as shipped, each server bound
+to its own core as the launcher binds them:
+- `vllm`: straight to the shipped pair's base server, which scores the prompt alone: vLLM's
+  own prompt-logprobs throughput, the reference;
+- `service_echo_unmerged`: `dualvllm serve --scoring-call-tokens 0` on the echo-only pair:
+  each request its own echo call per server (the service before issue 44);
+- `service_echo_merged`: `dualvllm serve` on the echo-only pair: concurrent requests merged
+  into one echo call per server while one is in flight (dualvllm.service.batching);
+- `service`: `dualvllm serve` as shipped, on the shipped pair: each prompt's top-k from
+  /inference/v1/generate with detokenizing off (dualvllm.engines.vllm_scoring).
 A service request costs both servers a prompt-logprobs pass (q* needs both models' top-k at
-every position) where the reference costs one. Each arm runs `--seconds` after a warm-up;
+every position) where the reference costs one. With `--theta-url`/`--t-url`, those two
+servers serve every arm, through whichever route they have. Each arm runs `--seconds` after a warm-up;
 requests finished inside the window count. Reported: requests/s, latency p50/p95, the
 servers' CPU seconds per 1,000 requests, and each service arm's requests/s over the vllm
 arm's of the same repeat (issue 44's target: at least 0.8). Writes
@@ -37,7 +43,8 @@ from dualvllm.common import loop  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from benchmarks.service_load import drive, running_service  # noqa: E402
 
-ARMS = ("vllm", "service_unmerged", "service")
+ARMS = ("vllm", "service_echo_unmerged", "service_echo_merged", "service")
+ECHO_ARMS = ("service_echo_unmerged", "service_echo_merged")  # on the pair started with --no-scoring-route
 TARGET_RATIO = 0.8
 LOGPROBS = 1  # lm-eval's local-completions loglikelihood
 
@@ -73,7 +80,7 @@ async def arm(name: str, args: Any, theta: str, t: str, prompts: list[str]) -> d
             async with session.get(theta + "/v1/models") as answer:
                 model = (await answer.json())["data"][0]["id"]
         return await measured(args, theta, t, echo_request(theta + "/v1", model, prompts))
-    flags = ("--scoring-call-tokens", "0") if name == "service_unmerged" else ()
+    flags = ("--scoring-call-tokens", "0") if name == "service_echo_unmerged" else ()
     async with running_service(args, theta, t, *flags) as (url, model, _):
         return await measured(args, theta, t, echo_request(url, model, prompts))
 
@@ -81,19 +88,25 @@ async def arm(name: str, args: Any, theta: str, t: str, prompts: list[str]) -> d
 async def run(args: Any) -> dict[str, Any]:
     prompts = [p + " " + p for p in harness.prompts_for(400, seed=0)]  # ~12 tokens, like a short MC choice
     rows = []
-    async with harness.servers(args.theta_url, args.t_url, max_logprobs=args.top_k,
-                               lockstep=args.mode != "per_token") as (theta, t):
+    lockstep = args.mode != "per_token"
+    given = bool(args.theta_url and args.t_url)
+    models = harness.shape_models(args.shape) if args.shape else {}
+    async with (harness.servers(args.theta_url, args.t_url, max_logprobs=args.top_k, lockstep=lockstep,
+                                **models) as shipped,
+                harness.servers(args.theta_url, args.t_url, max_logprobs=args.top_k, lockstep=lockstep,
+                                scoring_route=given, **models) as echo_only):
         for repeat in range(args.repeats):
             found = {}
             for name in ARMS:
-                found[name] = await arm(name, args, theta, t, prompts)
+                found[name] = await arm(name, args, *(echo_only if name in ECHO_ARMS else shipped), prompts)
                 print(f"repeat {repeat} {name:<17} {found[name]['requests_per_s']:7.1f} requests/s  p50 "
                       f"{found[name]['latency_p50_ms']:6.1f} ms  p95 {found[name]['latency_p95_ms']:6.1f} ms  "
                       f"servers {found[name]['servers_cpu_s_per_1k_requests']:.1f} CPU s / 1k requests", flush=True)
             for name in ARMS:
                 ratio = found[name]["requests_per_s"] / max(found["vllm"]["requests_per_s"], 1e-9)
                 rows.append({"repeat": repeat, "arm": name, **found[name], "ratio_to_vllm": ratio})
-    return {"machine": harness.machine(), "command": " ".join(["python", *sys.argv]), "clients": args.clients,
+    return {"machine": harness.machine(), "command": " ".join(["python", *sys.argv]), "shape": args.shape,
+            "clients": args.clients,
             "seconds": args.seconds, "target_ratio": TARGET_RATIO, "rows": rows}
 
 
@@ -115,8 +128,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--top-k", type=int, default=20)
     parser.add_argument("--mode", default="lockstep", choices=["lockstep", "per_token"])
+    parser.add_argument("--shape", choices=harness.SHAPE_NAMES,
+                        help="serve a realistic-shape pair (dualvllm.tinymodels.shapes: a 151,936-token vocabulary, "
+                             "built and cached on first use) instead of the bundled tiny models, in bfloat16")
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/scoring_throughput.json"))
     args = parser.parse_args()
+    if args.shape and (args.theta_url or args.t_url):
+        parser.error("--shape sets the servers this script starts; given servers keep their own")
     report = loop.run(run(args))
     for row in report["rows"]:
         if row["arm"] != "vllm":

@@ -78,6 +78,7 @@ SERVER_FLAGS = (
     "kv_cache_space_gib",
     "gpu_memory_utilization",
     "skip_tokenizer_init",
+    "scoring_route",
     "dev_mode",
     "weight_transfer",
     "lockstep",

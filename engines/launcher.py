@@ -93,6 +93,10 @@ class ServerConfig(RaisesInvalidInput, BaseModel):
         False,
         description="--skip-tokenizer-init: the server takes token ids only and detokenizes nothing (faster per request); clients must tokenize themselves (CoordinatorConfig.local_tokenizers).",
     )
+    scoring_route: bool = Field(
+        True,
+        description="--enable-scale-out: vLLM's /inference/v1/generate, where prompt scoring asks for each position's top-k without detokenizing every entry (engines/vllm_scoring.py: 1.5x less server CPU per scored request at k = 20 than echo, benchmarks/README.md). It reloads nothing and changes no state. False (--no-scoring-route): scoring echoes through /v1/completions.",
+    )
     lockstep: bool = Field(
         True,
         description="Load dualvllm's lockstep plugin (engines/vllm_plugin) and turn chunked prefill off, so a coordinator can pick every token of a long request (CoordinatorConfig.mode): faster than per-token mode at every batch size measured (benchmarks/README.md). False (--no-lockstep): plain vLLM, decoded per token.",
@@ -211,6 +215,8 @@ class VLLMServer:
             # Lets clients learn the EOS token of remote models (see VLLMClient.eos_token_ids).
             "--enable-tokenizer-info-endpoint",
         ]
+        if c.scoring_route:
+            cmd += ["--enable-scale-out"]
         if c.skip_tokenizer_init:
             cmd += ["--skip-tokenizer-init"]
         if c.served_model_name:

@@ -46,6 +46,20 @@ class Completion(msgspec.Struct):
 decode_completion: Callable[[bytes], Completion] = msgspec.json.Decoder(Completion).decode
 
 
+class _PromptLogprob(msgspec.Struct):
+    logprob: float
+
+
+class _Generated(msgspec.Struct):
+    """The part of an /inference/v1/generate answer generated_prompt_rows reads: its
+    prompt_logprobs, keyed by plain token ids (this route has no "token_id:N" keys)."""
+
+    prompt_logprobs: list[dict[int, _PromptLogprob] | None] | None = None
+
+
+decode_generated: Callable[[bytes], _Generated] = msgspec.json.Decoder(_Generated).decode
+
+
 def _check(condition: bool, what: str) -> None:
     if not condition:
         raise ValueError(what + SHAPE_HINT)
@@ -142,6 +156,28 @@ def echoed_prompt_rows(body: Any, prompts: Sequence[Sequence[int]], k: int, cach
         )
         answers.append(pad_rows(rows, k + 1, cache))
     return answers
+
+
+def generated_prompt_rows(raw: bytes, prompt: Sequence[int], k: int) -> TopKBatch:
+    """An /inference/v1/generate answer (max_tokens 1, prompt_logprobs k): the prompt's top-k rows
+    at positions 1.., as echoed_prompt_rows gives them, checked against the prompt sent."""
+    rows = decode_generated(raw).prompt_logprobs or []
+    entries = rows[1:]  # position 0 has no distribution (None)
+    _check(
+        len(rows) == len(prompt) and all(row is not None and token in row for row, token in zip(entries, prompt[1:])),
+        f"prompt_logprobs of {len(rows)} positions for a prompt of {len(prompt)} tokens, or a position "
+        "without its own token's logprob",
+    )
+    counts = np.fromiter(map(len, entries), np.int64, len(entries))  # type: ignore[arg-type]  # checked: no None
+    _check(int(counts.max(initial=0)) <= k + 1, f"more than {k + 1} logprobs in a row")
+    total = int(counts.sum())
+    ids = np.fromiter(itertools.chain.from_iterable(entries), np.int64, total)  # type: ignore[arg-type]
+    values = np.fromiter(
+        (entry.logprob for row in entries for entry in row.values()),  # type: ignore[union-attr]
+        np.float64,
+        total,
+    )
+    return TopKBatch.from_flat(ids, values, counts, k + 1)
 
 
 def prompt_logprob_rows(body: Any, prompts: Sequence[Sequence[int]]) -> list[list[dict[str, Any] | None]]:

@@ -49,6 +49,7 @@ from dualvllm.engines.http import (
 )
 from dualvllm.engines.protocol import Draft, ModelInfo, TopKBatch, score_by_prefixes
 from dualvllm.engines.vllm_admin import VLLMAdmin
+from dualvllm.engines.vllm_scoring import GENERATE_PATH, PromptScorer
 from dualvllm.engines.vllm_tokens import ServerTokenizer
 
 # observer(server name, path, seconds, ok): one finished call, retries included.
@@ -88,6 +89,7 @@ class VLLMClient:
         # over HTTP, with `local_tokenizer`: what a server started with --skip-tokenizer-init needs.
         self.tokens = ServerTokenizer(self, local=local_tokenizer)
         self.admin = VLLMAdmin(self)  # pause, resume, reloads, native weight transfer
+        self.scoring = PromptScorer(self)  # given prompts' top-k and logprobs
         self.requests = 0  # HTTP requests sent, retries included
         self.retries = 0
         self.failures = 0  # calls that raised after their retries
@@ -126,6 +128,7 @@ class VLLMClient:
             "/tokenize",
             "/detokenize",  # read the tokenizer
             "/v1/completions",  # generation changes no model state, only costs compute
+            GENERATE_PATH,  # the same
             "/reset_prefix_cache",  # emptying an empty cache changes nothing
             "/pause",
             "/resume",  # set a state; a second send sets the same state
@@ -248,56 +251,26 @@ class VLLMClient:
             "return_tokens_as_token_ids": True,
         }
         n, ids = len(contexts), self._token_ids
-        return await self._completions(
+        return await self.completions(
             payload, k, decode=lambda raw: answers.next_token_rows(answers.decode_completion(raw), n, k, ids)
         )
 
     async def prompt_topk(self, prompts: Sequence[Sequence[int]], k: int) -> list[TopKBatch]:
-        """The top-k before every token of each prompt but its first, in one batched request:
-        vLLM's prompt logprobs (`echo` with `max_tokens: 0` and `logprobs: k`).
-
-        Answer i has len(prompts[i]) - 1 rows; row j holds the raw logprobs of the distribution
-        prompts[i][j + 1] was drawn from, with that token's own logprob always among them:
-        vLLM adds it as a (k+1)-th entry when it is outside the top k. Not for decoding: a
-        prompt-logprobs request bypasses the prefix cache, so its cost grows with the prompt.
-        """
-        info = await self.model_info()
-        payload = {
-            "model": info.name,
-            "prompt": [list(p) for p in prompts],
-            "max_tokens": 0,
-            "echo": True,
-            "logprobs": k,
-            "temperature": 0.0,
-            "return_tokens_as_token_ids": True,
-        }
-        ids = self._token_ids
-        return await self._completions(
-            payload, k, decode=lambda raw: answers.echoed_prompt_rows(json.loads(raw), prompts, k, ids)
-        )
+        return await self.scoring.topk(prompts, k)
 
     async def prompt_logprobs(self, prompts: Sequence[Sequence[int]], k: int) -> list[list[dict[str, Any] | None]]:
-        """vLLM's own prompt logprobs of each prompt, as its server gives them: per position
-        None (position 0), then {"<token id>": {"logprob", "rank", "decoded_token"}} with the
-        top k and the position's own token at its true rank (k = -1: the whole vocabulary,
-        if the server allows it). One batched request; a q* service passes them through
-        when a request scores with one model alone."""
-        info = await self.model_info()
-        payload = {
-            "model": info.name,
-            "prompt": [list(p) for p in prompts],
-            "max_tokens": 1,
-            "temperature": 0.0,
-            "prompt_logprobs": k,
-        }
-        return await self._completions(
-            payload, k, decode=lambda raw: answers.prompt_logprob_rows(json.loads(raw), prompts)
-        )
+        return await self.scoring.logprobs(prompts, k)
 
-    async def _completions(self, payload: dict[str, Any], k: int, decode: Callable[[bytes], Any] = json.loads) -> Any:
-        """POST /v1/completions; a refused logprob count becomes TopKUnsupportedError."""
+    async def completions(
+        self,
+        payload: dict[str, Any],
+        k: int,
+        decode: Callable[[bytes], Any] = json.loads,
+        path: str = "/v1/completions",
+    ) -> Any:
+        """POST /v1/completions (or `path`); a refused logprob count becomes TopKUnsupportedError."""
         try:
-            return await self.call("POST", "/v1/completions", payload, decode=decode)
+            return await self.call("POST", path, payload, decode=decode)
         except ServerRejectedError as err:
             if "max_logprobs" in err.body or "max allowed" in err.body:
                 raise TopKUnsupportedError(
@@ -372,7 +345,7 @@ class VLLMClient:
             **answers.neutral_sampling(k),
         }
         ids = self._token_ids
-        (draft,) = await self._completions(payload, k, decode=lambda raw: answers.drafts(json.loads(raw), 1, k, ids))
+        (draft,) = await self.completions(payload, k, decode=lambda raw: answers.drafts(json.loads(raw), 1, k, ids))
         return draft
 
     async def draft_argmax(self, contexts: Sequence[Sequence[int]], *, max_tokens: int, k: int) -> list[Draft]:
@@ -388,7 +361,7 @@ class VLLMClient:
             "return_tokens_as_token_ids": True,
         }
         n, ids = len(contexts), self._token_ids
-        return await self._completions(payload, k, decode=lambda raw: answers.drafts(json.loads(raw), n, k, ids))
+        return await self.completions(payload, k, decode=lambda raw: answers.drafts(json.loads(raw), n, k, ids))
 
     async def score_continuations(
         self, contexts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]], k: int

@@ -81,6 +81,31 @@ def test_echoed_prompt_rows_start_at_the_second_token_and_keep_its_own_entry():
     assert batch.token_ids.tolist() == [[8, 3, 9], [2, PAD_TOKEN_ID, PAD_TOKEN_ID]]
 
 
+@given(st.lists(st.dictionaries(st.integers(0, 151_935), st.floats(-50, 0), min_size=1, max_size=4),
+                min_size=1, max_size=6), st.integers(0, 151_935))
+def test_the_generate_route_gives_the_rows_echo_gives(tops, first):
+    """/inference/v1/generate's prompt_logprobs (plain id keys, {logprob, rank, decoded_token})
+    read into the same TopKBatch as the echo answer of the same prompt."""
+    prompt = [first, *(next(iter(row)) for row in tops)]  # each position's own token among its entries
+    generated = json.dumps({"prompt_logprobs": [None, *({str(t): {"logprob": v, "rank": 1, "decoded_token": None}
+                                                          for t, v in row.items()} for row in tops)]}).encode()
+    via_generate = answers.generated_prompt_rows(generated, prompt, 4)
+    (via_echo,) = answers.echoed_prompt_rows(echo_body([prompt], [[None, *tops]]), [prompt], 4,
+                                             answers.TokenIdCache())
+    assert np.array_equal(via_generate.token_ids, via_echo.token_ids)
+    assert np.array_equal(via_generate.logprobs, via_echo.logprobs)
+
+
+@pytest.mark.parametrize(("rows", "message"), [
+    ([None, {"9": {"logprob": -0.5}}], "without its own token's logprob"),
+    ([None], "prompt_logprobs of 1 positions for a prompt of 2 tokens"),
+    ([None, {str(t): {"logprob": -1.0} for t in (8, 1, 2, 3, 4)}], "more than 3 logprobs in a row"),
+])
+def test_a_generate_answer_that_does_not_cover_the_prompt_is_refused(rows, message):
+    with pytest.raises(ValueError, match=message):
+        answers.generated_prompt_rows(json.dumps({"prompt_logprobs": rows}).encode(), [4, 8], 2)
+
+
 @pytest.mark.parametrize(("echoed", "tops", "message"), [
     ([4, 7], [None, {7: -0.5}], "not the prompt's"),  # another prompt's echo
     ([4, 8], [None, {3: -0.5}], "without its own token's logprob"),

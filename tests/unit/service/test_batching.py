@@ -106,6 +106,8 @@ async def test_concurrent_echo_requests_get_the_answers_each_would_get_alone(fak
     def echo(prompt: str) -> dict:
         return {"model": MODEL, "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 2}
 
+    # Merging is the echo route's: where a server has /inference/v1/generate, each prompt is its own request.
+    fake_theta.scale_out = fake_t.scale_out = False
     async with running(fake_theta, fake_t, scoring_call_tokens=call_tokens) as (url, _):
         alone = [await post(url, "/v1/completions", echo(p)) for p in prompts]
         fake_theta.running.clear()  # the base holds its calls: the requests below queue behind the first

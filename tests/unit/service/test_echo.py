@@ -42,7 +42,9 @@ def echo(prompt, **fields) -> dict:
     return {"model": MODEL, "prompt": prompt, "echo": True, "max_tokens": 0, "logprobs": 2, **fields}
 
 
-async def test_each_prompt_token_gets_the_exact_log_q_star_in_openai_echo_format(fake_theta, fake_t):
+@pytest.mark.parametrize("scale_out", [True, False], ids=["generate-route", "echo-route"])
+async def test_each_prompt_token_gets_the_exact_log_q_star_in_openai_echo_format(fake_theta, fake_t, scale_out):
+    fake_theta.scale_out = fake_t.scale_out = scale_out  # the servers' top-k through either route
     async with running(fake_theta, fake_t, WHOLE_VOCAB) as (url, _):
         status, answer = await post(url, "/v1/completions", echo(["abcdef", "hij"]))
     assert status == 200, answer
@@ -70,7 +72,9 @@ async def test_each_prompt_token_gets_the_exact_log_q_star_in_openai_echo_format
     assert [c["finish_reason"] for c in answer["choices"]] == ["length", "length"]
 
 
-async def test_one_prompt_logprobs_request_per_server_for_all_prompts_and_choices(fake_theta, fake_t):
+async def test_without_the_generate_route_one_echo_request_per_server_for_all_prompts_and_choices(
+        fake_theta, fake_t):
+    fake_theta.scale_out = fake_t.scale_out = False  # servers started without --enable-scale-out: a 403
     async with running(fake_theta, fake_t) as (url, _):
         before = [len(s.calls["/v1/completions"]) for s in (fake_theta, fake_t)]
         status, answer = await post(url, "/v1/completions", echo([[1, 2, 3], [4, 5], [6, 7, 8, 9]], n=2))
@@ -82,6 +86,21 @@ async def test_one_prompt_logprobs_request_per_server_for_all_prompts_and_choice
     # n choices per prompt, each with its prompt's scores
     assert [c["text"] for c in answer["choices"]] == ["abc", "abc", "de", "de", "fghi", "fghi"]
     assert echoed(answer, 0) == echoed(answer, 1) and echoed(answer, 4) == echoed(answer, 5)
+
+
+async def test_with_the_generate_route_each_prompt_is_scored_without_detokenizing_and_echo_is_never_sent(
+        fake_theta, fake_t):
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    async with running(fake_theta, fake_t) as (url, _):
+        for _ in range(2):  # the route is found on the first request and kept
+            status, answer = await post(url, "/v1/completions", echo(prompts))
+            assert status == 200, answer
+    for server in (fake_theta, fake_t):
+        calls = server.calls["/inference/v1/generate"]
+        assert sorted(c["token_ids"] for c in calls) == sorted(prompts * 2)
+        assert all(c["sampling_params"] == {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 8,
+                                            "detokenize": False} for c in calls)
+        assert not [c for c in server.calls["/v1/completions"] if c.get("echo")]
 
 
 @pytest.mark.parametrize("alpha, role", [(0.0, "theta"), (1.0, "t")])
@@ -212,8 +231,10 @@ async def test_the_prompt_tokens_a_request_scores_count_toward_its_ceiling(fake_
         assert (await post(url, "/v1/completions", echo(["abcdef", "ghijkl"], logprobs=None)))[0] == 200  # no scoring
 
 
-async def test_the_client_reads_prompt_logprobs_and_refuses_a_malformed_answer(fake_theta, monkeypatch):
+@pytest.mark.parametrize("scale_out", [True, False], ids=["generate-route", "echo-route"])
+async def test_the_client_reads_prompt_logprobs_and_refuses_a_malformed_answer(fake_theta, monkeypatch, scale_out):
     """VLLMClient.prompt_topk checks what vLLM sent back against the prompt it asked about."""
+    fake_theta.scale_out = scale_out
     async with VLLMClient(fake_theta.url, max_retries=0) as client:
         (rows,) = await client.prompt_topk([[1, 2, 3]], 4)
         assert rows.token_ids.shape == (2, 5)  # positions 1 and 2; the top 4 and maybe the token
@@ -232,6 +253,10 @@ async def test_the_client_reads_prompt_logprobs_and_refuses_a_malformed_answer(f
             return {**original(index, prompt, k, key), "logprobs": {"tokens": [key(t) for t in prompt],
                                                                      "top_logprobs": rows}}
 
+        def rows_without_own_token(prompt, k):
+            return [None] + [{"99": {"logprob": -1.0, "rank": 1, "decoded_token": None}}] * (len(prompt) - 1)
+
         monkeypatch.setattr(fake_theta, "_echo", without_own_token)
+        monkeypatch.setattr(fake_theta, "_prompt_logprobs", rows_without_own_token)
         with pytest.raises(MalformedResponseError, match="own token"):
             await client.prompt_topk([[1, 2, 3]], 4)
