@@ -12,12 +12,18 @@ by side, one started with --no-scoring-route (echo only), one as shipped, each s
 to its own core as the launcher binds them:
 - `vllm`: straight to the shipped pair's base server, which scores the prompt alone: vLLM's
   own prompt-logprobs throughput, the reference;
+- `vllm_top_k_echo`, `vllm_top_k_generate`: straight to the same server, the request the
+  service sends each server per prompt (token ids, the top `--top-k`), by echo on
+  /v1/completions and by /inference/v1/generate with detokenizing off: what each route costs
+  a server;
 - `service_echo_unmerged`: `dualvllm serve --scoring-call-tokens 0` on the echo-only pair:
   each request its own echo call per server (the service before issue 44);
 - `service_echo_merged`: `dualvllm serve` on the echo-only pair: concurrent requests merged
   into one echo call per server while one is in flight (dualvllm.service.batching);
 - `service`: `dualvllm serve` as shipped, on the shipped pair: each prompt's top-k from
-  /inference/v1/generate with detokenizing off (dualvllm.engines.vllm_scoring).
+  /inference/v1/generate with detokenizing off (dualvllm.engines.vllm_scoring);
+- `service_local_tokenizers`: the same with `--local-tokenizers`: text prompts tokenized in
+  the service with the models' own tokenizers instead of one /tokenize request per server.
 A service request costs both servers a prompt-logprobs pass (q* needs both models' top-k at
 every position) where the reference costs one. With `--theta-url`/`--t-url`, those two
 servers serve every arm, through whichever route they have. Each arm runs `--seconds` after a warm-up;
@@ -43,7 +49,8 @@ from dualvllm.common import loop  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from benchmarks.service_load import drive, running_service  # noqa: E402
 
-ARMS = ("vllm", "service_echo_unmerged", "service_echo_merged", "service")
+ARMS = ("vllm", "vllm_top_k_echo", "vllm_top_k_generate", "service_echo_unmerged", "service_echo_merged", "service",
+        "service_local_tokenizers")
 ECHO_ARMS = ("service_echo_unmerged", "service_echo_merged")  # on the pair started with --no-scoring-route
 TARGET_RATIO = 0.8
 LOGPROBS = 1  # lm-eval's local-completions loglikelihood
@@ -74,13 +81,41 @@ async def measured(args: Any, theta: str, t: str, request: Callable[..., Awaitab
     return result
 
 
+def top_k_request(url: str, model: str, prompts: list[list[int]], k: int,
+                  route: str) -> Callable[[aiohttp.ClientSession, int], Awaitable[int]]:
+    """What the service sends a server per scored prompt: its top-k by echo (`route` "echo") or by
+    /inference/v1/generate with detokenizing off ("generate"), as engines/vllm_scoring.py does."""
+    async def request(session: aiohttp.ClientSession, index: int) -> int:
+        ids = prompts[index % len(prompts)]
+        if route == "echo":
+            path, body = "/v1/completions", {"model": model, "prompt": ids, "max_tokens": 0, "echo": True,
+                                             "logprobs": k, "temperature": 0.0, "return_tokens_as_token_ids": True}
+        else:
+            path, body = "/inference/v1/generate", {"model": model, "token_ids": ids, "sampling_params": {
+                "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": k, "detokenize": False}}
+        async with session.post(url + path, json=body) as answer:
+            text = await answer.text()
+            if answer.status != 200:
+                raise RuntimeError(f"{url}{path} answered {answer.status}: {text[:300]}")
+        return 1
+    return request
+
+
 async def arm(name: str, args: Any, theta: str, t: str, prompts: list[str]) -> dict[str, Any]:
-    if name == "vllm":
+    if name.startswith("vllm"):
         async with aiohttp.ClientSession() as session:
             async with session.get(theta + "/v1/models") as answer:
                 model = (await answer.json())["data"][0]["id"]
-        return await measured(args, theta, t, echo_request(theta + "/v1", model, prompts))
-    flags = ("--scoring-call-tokens", "0") if name == "service_echo_unmerged" else ()
+            ids = []
+            for prompt in prompts:
+                async with session.post(theta + "/tokenize", json={"model": model, "prompt": prompt}) as answer:
+                    ids.append((await answer.json())["tokens"])
+        if name == "vllm":
+            return await measured(args, theta, t, echo_request(theta + "/v1", model, prompts))
+        route = name.rsplit("_", 1)[1]
+        return await measured(args, theta, t, top_k_request(theta, model, ids, args.top_k, route))
+    flags = {"service_echo_unmerged": ("--scoring-call-tokens", "0"),
+             "service_local_tokenizers": ("--local-tokenizers",)}.get(name, ())
     async with running_service(args, theta, t, *flags) as (url, model, _):
         return await measured(args, theta, t, echo_request(url, model, prompts))
 
@@ -99,7 +134,7 @@ async def run(args: Any) -> dict[str, Any]:
             found = {}
             for name in ARMS:
                 found[name] = await arm(name, args, *(echo_only if name in ECHO_ARMS else shipped), prompts)
-                print(f"repeat {repeat} {name:<17} {found[name]['requests_per_s']:7.1f} requests/s  p50 "
+                print(f"repeat {repeat} {name:<24} {found[name]['requests_per_s']:7.1f} requests/s  p50 "
                       f"{found[name]['latency_p50_ms']:6.1f} ms  p95 {found[name]['latency_p95_ms']:6.1f} ms  "
                       f"servers {found[name]['servers_cpu_s_per_1k_requests']:.1f} CPU s / 1k requests", flush=True)
             for name in ARMS:

@@ -26,6 +26,13 @@ def test_command_has_the_flags_vllm_needs(tmp_path):
     assert server.url == "http://127.0.0.1:8123"
 
 
+def test_the_scoring_route_is_on_unless_turned_off():
+    """--enable-scale-out opens /inference/v1/generate, where scoring skips detokenizing (engines/vllm_scoring.py)."""
+    assert "--enable-scale-out" in VLLMServer(ServerConfig(model="m", port=1, device="cpu")).command()
+    off = VLLMServer(ServerConfig(model="m", port=1, device="cpu", scoring_route=False)).command()
+    assert "--enable-scale-out" not in off
+
+
 def test_gpu_servers_share_the_gpu_and_skip_eager_mode():
     cmd = VLLMServer(ServerConfig(model="m", port=1, device="gpu")).command()
     assert "--enforce-eager" not in cmd
