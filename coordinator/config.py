@@ -90,7 +90,7 @@ class CoordinatorConfig(RaisesInvalidInput, BaseSettings):
     )
     local_tokenizers: bool = Field(
         False,
-        description="Tokenize and detokenize in the coordinator with each model's own tokenizer (transformers, from the model directory the server reports, which must be readable here) instead of over HTTP; needed for servers started with --skip-tokenizer-init, which then skip detokenizing every top-k entry (faster per request).",
+        description="Tokenize and detokenize in the coordinator with each model's own tokenizer (transformers, from the model directory the server reports, which must be readable here) instead of over HTTP; needed for servers started with --skip-tokenizer-init, which then skip detokenizing every top-k entry (faster per request). The CLI turns it on when it starts the servers itself (their model directories are here) unless --no-local-tokenizers.",
     )
     max_prompts_per_request: int = Field(
         1024,

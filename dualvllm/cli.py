@@ -263,6 +263,11 @@ async def _coordinator(
             overrides.update(theta_urls=[theta.url for theta, _ in servers], t_urls=[t.url for _, t in servers])
             if pairs[0][0].skip_tokenizer_init:  # servers without tokenizers: the coordinator must tokenize
                 overrides["local_tokenizers"] = True
+            elif "local_tokenizers" not in config.model_fields_set:
+                # The model directories are on this machine, so tokenize here: a /tokenize request per
+                # text per server cost the servers a seventh of a scored request's CPU at Qwen's
+                # vocabulary (benchmarks/README.md, scoring_throughput.py). --no-local-tokenizers: over HTTP.
+                overrides["local_tokenizers"] = True
             config = CoordinatorConfig(**overrides)
         yield await stack.enter_async_context(DualVLLMCoordinator(config))
 

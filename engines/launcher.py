@@ -95,7 +95,7 @@ class ServerConfig(RaisesInvalidInput, BaseModel):
     )
     scoring_route: bool = Field(
         True,
-        description="--enable-scale-out: vLLM's /inference/v1/generate, where prompt scoring asks for each position's top-k without detokenizing every entry (engines/vllm_scoring.py: 1.5x less server CPU per scored request at k = 20 than echo, benchmarks/README.md). It reloads nothing and changes no state. False (--no-scoring-route): scoring echoes through /v1/completions.",
+        description="--enable-scale-out: vLLM's /inference/v1/generate, where prompt scoring asks for each position's top-k without detokenizing every entry (engines/vllm_scoring.py; less server CPU per scored request than echo on /v1/completions: benchmarks/README.md, scoring_throughput.py). It reloads nothing and changes no state. False (--no-scoring-route): scoring echoes through /v1/completions.",
     )
     lockstep: bool = Field(
         True,

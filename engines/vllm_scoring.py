@@ -4,9 +4,9 @@ prompt logprobs. `VLLMClient` delegates its prompt_topk and prompt_logprobs here
 The top-k has two routes that give the same rows. Where the server has /inference/v1/generate
 (vLLM's --enable-scale-out, which dualvllm's launcher passes), one request per prompt with
 `detokenize` off. Through /v1/completions, vLLM turns each of the k entries at every position
-into text, even with `return_tokens_as_token_ids`, which a q* score never reads: at k = 20
-that was a third of a server's CPU per scored request (benchmarks/README.md,
-scoring_throughput.py). Elsewhere (a 403 or a 404 on the first call: an older vLLM, or a
+into text, even with `return_tokens_as_token_ids`, which a q* score never reads: at k = 20 that
+cost a server 1.2x the CPU per scored request at Qwen's vocabulary, 1.7-1.9x on the bundled models
+(benchmarks/README.md, scoring_throughput.py). Elsewhere (a 403 or a 404 on the first call: an older vLLM, or a
 server started without the flag), echo on /v1/completions, every prompt in one request.
 """
 
