@@ -5,8 +5,9 @@
     python benchmarks/scoring_throughput.py --shape small    # a 151,936-token vocabulary
     python benchmarks/scoring_throughput.py --theta-url URL --t-url URL
 
-What lm-eval's loglikelihood requests do (`local-completions`: one prompt per request, echo,
-max_tokens 0, logprobs 1), from `--clients` concurrent clients, in four arms alternating
+Scoring requests (one text prompt per request, echo, `--max-tokens` 0, logprobs 1: lm-eval's
+`local-completions` loglikelihood request, except that lm-eval sends max_tokens 1 and drops
+the token; `--max-tokens 1` sends that), from `--clients` concurrent clients, the arms alternating
 `--repeats` times (service_load.drive: a warm-up, then the window). Two server pairs run side
 by side, one started with --no-scoring-route (echo only), one as shipped, each server bound
 to its own core as the launcher binds them:
@@ -56,9 +57,10 @@ TARGET_RATIO = 0.8
 LOGPROBS = 1  # lm-eval's local-completions loglikelihood
 
 
-def echo_request(url: str, model: str, prompts: list[str]) -> Callable[[aiohttp.ClientSession, int], Awaitable[int]]:
+def echo_request(url: str, model: str, prompts: list[str],
+                 max_tokens: int = 0) -> Callable[[aiohttp.ClientSession, int], Awaitable[int]]:
     async def request(session: aiohttp.ClientSession, index: int) -> int:
-        body = {"model": model, "prompt": prompts[index % len(prompts)], "max_tokens": 0, "echo": True,
+        body = {"model": model, "prompt": prompts[index % len(prompts)], "max_tokens": max_tokens, "echo": True,
                 "logprobs": LOGPROBS, "temperature": 0.0}
         async with session.post(url + "/completions", json=body) as answer:
             text = await answer.text()
@@ -111,13 +113,13 @@ async def arm(name: str, args: Any, theta: str, t: str, prompts: list[str]) -> d
                 async with session.post(theta + "/tokenize", json={"model": model, "prompt": prompt}) as answer:
                     ids.append((await answer.json())["tokens"])
         if name == "vllm":
-            return await measured(args, theta, t, echo_request(theta + "/v1", model, prompts))
+            return await measured(args, theta, t, echo_request(theta + "/v1", model, prompts, args.max_tokens))
         route = name.rsplit("_", 1)[1]
         return await measured(args, theta, t, top_k_request(theta, model, ids, args.top_k, route))
     flags = {"service_echo_unmerged": ("--scoring-call-tokens", "0"),
              "service_local_tokenizers": ("--local-tokenizers",)}.get(name, ())
     async with running_service(args, theta, t, *flags) as (url, model, _):
-        return await measured(args, theta, t, echo_request(url, model, prompts))
+        return await measured(args, theta, t, echo_request(url, model, prompts, args.max_tokens))
 
 
 async def run(args: Any) -> dict[str, Any]:
@@ -132,23 +134,23 @@ async def run(args: Any) -> dict[str, Any]:
                                 scoring_route=given, **models) as echo_only):
         for repeat in range(args.repeats):
             found = {}
-            for name in ARMS:
+            for name in args.arms:
                 found[name] = await arm(name, args, *(echo_only if name in ECHO_ARMS else shipped), prompts)
                 print(f"repeat {repeat} {name:<24} {found[name]['requests_per_s']:7.1f} requests/s  p50 "
                       f"{found[name]['latency_p50_ms']:6.1f} ms  p95 {found[name]['latency_p95_ms']:6.1f} ms  "
                       f"servers {found[name]['servers_cpu_s_per_1k_requests']:.1f} CPU s / 1k requests", flush=True)
-            for name in ARMS:
+            for name in args.arms:
                 ratio = found[name]["requests_per_s"] / max(found["vllm"]["requests_per_s"], 1e-9)
                 rows.append({"repeat": repeat, "arm": name, **found[name], "ratio_to_vllm": ratio})
     return {"machine": harness.machine(), "command": " ".join(["python", *sys.argv]), "shape": args.shape,
-            "clients": args.clients,
+            "clients": args.clients, "max_tokens": args.max_tokens, "arms": args.arms,
             "seconds": args.seconds, "target_ratio": TARGET_RATIO, "rows": rows}
 
 
 def plot(report: dict, path: Path) -> None:
     plt = harness.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name in ARMS:
+    for name in report["arms"]:
         values = [r["requests_per_s"] for r in report["rows"] if r["arm"] == name]
         ax.bar(name, float(np.median(values)))
     ax.set(ylabel="requests/s (median of repeats)",
@@ -163,11 +165,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--top-k", type=int, default=20)
     parser.add_argument("--mode", default="lockstep", choices=["lockstep", "per_token"])
+    parser.add_argument("--max-tokens", type=int, default=0, choices=[0, 1],
+                        help="tokens each request generates after its echo (lm-eval sends 1 and drops it)")
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS),
+                        help="the arms to run (vllm always: the others' ratios are to it)")
     parser.add_argument("--shape", choices=harness.SHAPE_NAMES,
                         help="serve a realistic-shape pair (dualvllm.tinymodels.shapes: a 151,936-token vocabulary, "
                              "built and cached on first use) instead of the bundled tiny models, in bfloat16")
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/scoring_throughput.json"))
     args = parser.parse_args()
+    args.arms = ["vllm", *(a for a in ARMS if a in args.arms and a != "vllm")]
     if args.shape and (args.theta_url or args.t_url):
         parser.error("--shape sets the servers this script starts; given servers keep their own")
     report = loop.run(run(args))
