@@ -10,7 +10,8 @@ is the argmax and already inside the top k) and `return_tokens_as_token_ids: tru
 (otherwise distinct ids that decode to the same string collide in the logprobs dict).
 Answers are read by the pure functions of dualvllm.engines.vllm_answers, run as each request's
 `decode`; the admin routes are `client.admin` (dualvllm.engines.vllm_admin), the tokenizer's
-`client.tokens` (dualvllm.engines.vllm_tokens).
+`client.tokens` (dualvllm.engines.vllm_tokens), given prompts' scores `client.scoring`
+(dualvllm.engines.vllm_scoring).
 
 Speculative rounds use native generation (`draft`: several tokens sampled from the top-k,
 with their top-k per position) and next-token requests (`score_continuations`: one prompt
