@@ -24,7 +24,9 @@ to its own core as the launcher binds them:
 - `service`: `dualvllm serve` as shipped, on the shipped pair: each prompt's top-k from
   /inference/v1/generate with detokenizing off (dualvllm.engines.vllm_scoring);
 - `service_local_tokenizers`: the same with `--local-tokenizers`: text prompts tokenized in
-  the service with the models' own tokenizers instead of one /tokenize request per server.
+  the service with the models' own tokenizers instead of one /tokenize request per server;
+- `service_local_tokenizers_unmerged`: the same with `--scoring-call-tokens 0`: each request's
+  prompts sent at once instead of gathered while the previous call is in flight.
 A service request costs both servers a prompt-logprobs pass (q* needs both models' top-k at
 every position) where the reference costs one. With `--theta-url`/`--t-url`, those two
 servers serve every arm, through whichever route they have. Each arm runs `--seconds` after a warm-up;
@@ -51,7 +53,7 @@ from benchmarks import harness  # noqa: E402
 from benchmarks.service_load import drive, running_service  # noqa: E402
 
 ARMS = ("vllm", "vllm_top_k_echo", "vllm_top_k_generate", "service_echo_unmerged", "service_echo_merged", "service",
-        "service_local_tokenizers")
+        "service_local_tokenizers", "service_local_tokenizers_unmerged")
 ECHO_ARMS = ("service_echo_unmerged", "service_echo_merged")  # on the pair started with --no-scoring-route
 TARGET_RATIO = 0.8
 LOGPROBS = 1  # lm-eval's local-completions loglikelihood
@@ -117,7 +119,8 @@ async def arm(name: str, args: Any, theta: str, t: str, prompts: list[str]) -> d
         route = name.rsplit("_", 1)[1]
         return await measured(args, theta, t, top_k_request(theta, model, ids, args.top_k, route))
     flags = {"service_echo_unmerged": ("--scoring-call-tokens", "0"),
-             "service_local_tokenizers": ("--local-tokenizers",)}.get(name, ())
+             "service_local_tokenizers": ("--local-tokenizers",),
+             "service_local_tokenizers_unmerged": ("--local-tokenizers", "--scoring-call-tokens", "0")}.get(name, ())
     async with running_service(args, theta, t, *flags) as (url, model, _):
         return await measured(args, theta, t, echo_request(url, model, prompts, args.max_tokens))
 
