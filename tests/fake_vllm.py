@@ -110,10 +110,8 @@ def rendezvous(first: Failure, second: Failure) -> tuple[Failure, Failure]:
     """`first` and `second` (for two servers), each held until the other's request has arrived:
     both answer only if the two requests are in flight together."""
     first_arrived, second_arrived = asyncio.Event(), asyncio.Event()
-    return (
-        dataclasses.replace(first, arrived=first_arrived, meet=second_arrived),
-        dataclasses.replace(second, arrived=second_arrived, meet=first_arrived),
-    )
+    return (dataclasses.replace(first, arrived=first_arrived, meet=second_arrived),
+            dataclasses.replace(second, arrived=second_arrived, meet=first_arrived))
 
 
 @dataclass
@@ -162,12 +160,8 @@ class FakeVLLM:
         if self.dtype is not None:  # dev mode: vLLM's RL routes (the phases are recorded, nothing moves)
             app.router.add_get("/get_world_size", self._world_size)
             app.router.add_get("/weight_info", self._weight_info)
-            for phase in (
-                "init_weight_transfer_engine",
-                "start_weight_update",
-                "update_weights",
-                "finish_weight_update",
-            ):
+            for phase in ("init_weight_transfer_engine", "start_weight_update", "update_weights",
+                          "finish_weight_update"):
                 app.router.add_post(f"/{phase}", self._transfer_phase)
         self.running.set()
         self.server = TestServer(app, host="127.0.0.1")
@@ -194,35 +188,21 @@ class FakeVLLM:
         self.order.append(request.path)
         if request.path == "/v1/completions":
             await self.running.wait()  # like vLLM, generation waits while paused
-        if (
-            self.api_key
-            and request.path.startswith("/v1")
-            and request.headers.get("Authorization") != f"Bearer {self.api_key}"
-        ):
+        if self.api_key and request.path.startswith("/v1") and \
+                request.headers.get("Authorization") != f"Bearer {self.api_key}":
             return web.Response(status=401, text="Unauthorized")
         if isinstance(body, dict) and "model" in body and body["model"] != self.name:
             # vLLM's answer to a model name it does not serve.
-            return web.json_response(
-                {
-                    "error": {
-                        "message": f"The model `{body['model']}` does not exist.",
-                        "type": "NotFoundError",
-                        "code": 404,
-                    }
-                },
-                status=404,
-            )
+            return web.json_response({"error": {"message": f"The model `{body['model']}` does not exist.",
+                                                "type": "NotFoundError", "code": 404}}, status=404)
         queue = self.failures.get(request.path)
         if queue:
             failure = queue.popleft()
             if failure.dies:
                 self._died = asyncio.create_task(self.close())  # stops listening; this answer still goes out
             if not await failure.met():
-                return web.Response(
-                    status=500,
-                    text="rendezvous timed out: the other server never got its "
-                    "request (were the two calls sent one after the other?)",
-                )
+                return web.Response(status=500, text="rendezvous timed out: the other server never got its "
+                                                     "request (were the two calls sent one after the other?)")
             if failure.after_handling:
                 response = await handler(request)
                 await asyncio.sleep(failure.delay_s)
@@ -236,27 +216,15 @@ class FakeVLLM:
         return web.Response(text="")
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "data": [
-                    {
-                        "id": self.name,
-                        "root": self.root or f"/nonexistent/{self.name}",
-                        "max_model_len": self.model.max_model_len,
-                    }
-                ]
-            }
-        )
+        return web.json_response({"data": [{"id": self.name, "root": self.root or f"/nonexistent/{self.name}",
+                                            "max_model_len": self.model.max_model_len}]})
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = await request.json()
         if "messages" in body:  # like vLLM: the chat rendered with the model's template
             if not self.chat_template:
-                return web.Response(
-                    status=400,
-                    text="As of transformers v4.44, default chat template is no "
-                    "longer allowed, so you must provide a chat template",
-                )
+                return web.Response(status=400, text="As of transformers v4.44, default chat template is no "
+                                                     "longer allowed, so you must provide a chat template")
             text = "".join(m["content"] for m in body["messages"] if m["role"] != "system")
             return web.json_response({"tokens": tokenize(text), "count": len(text)})
         text = body["prompt"]
@@ -276,18 +244,11 @@ class FakeVLLM:
 
     async def _server_info(self, request: web.Request) -> web.Response:
         # vLLM dumps its config with fallback=str, so the dtype reads "torch.bfloat16".
-        return web.json_response(
-            {
-                "vllm_config": {
-                    "model_config": {"dtype": f"torch.{self.dtype}", "logprobs_mode": "raw_logprobs"},
-                    "weight_transfer_config": {"backend": "dualvllm_shm"},
-                    "parallel_config": {"data_parallel_size": 1},
-                    "lora_config": None,
-                },
-                "vllm_env": {},
-                "system_env": {},
-            }
-        )
+        return web.json_response({"vllm_config": {"model_config": {"dtype": f"torch.{self.dtype}",
+                                                                   "logprobs_mode": "raw_logprobs"},
+                                                  "weight_transfer_config": {"backend": "dualvllm_shm"},
+                                                  "parallel_config": {"data_parallel_size": 1}, "lora_config": None},
+                                  "vllm_env": {}, "system_env": {}})
 
     async def _world_size(self, request: web.Request) -> web.Response:
         return web.json_response({"world_size": 1})
@@ -327,16 +288,12 @@ class FakeVLLM:
         await asyncio.sleep(self.completion_delay_s)
         k = body.get("logprobs") or 0  # like vLLM: no logprobs asked, none returned
         if k > self.max_logprobs:
-            return web.Response(
-                status=400,
-                text=f"Requested sample logprobs of {k}, which is greater than max allowed: {self.max_logprobs}",
-            )
+            return web.Response(status=400, text=f"Requested sample logprobs of {k}, which is "
+                                                 f"greater than max allowed: {self.max_logprobs}")
         scored = body.get("prompt_logprobs")
         if scored is not None and (scored == -1 or scored > self.max_logprobs):
-            return web.Response(
-                status=400,
-                text=f"Requested prompt logprobs of {scored}, which is greater than max allowed: {self.max_logprobs}",
-            )
+            return web.Response(status=400, text=f"Requested prompt logprobs of {scored}, which is greater than "
+                                                 f"max allowed: {self.max_logprobs}")
         prompts = body["prompt"]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):  # a single prompt
             prompts = [prompts]
@@ -347,9 +304,8 @@ class FakeVLLM:
         if body.get("echo"):
             if max_tokens != 0:
                 return web.Response(status=400, text="the fake echoes prompts only with max_tokens 0")
-            return web.json_response(
-                {"choices": [self._echo(index, prompt, k, key) for index, prompt in enumerate(prompts)]}
-            )
+            return web.json_response({"choices": [self._echo(index, prompt, k, key)
+                                                  for index, prompt in enumerate(prompts)]})
         choices = []
         for index, context in enumerate(prompts):
             if len(context) + max_tokens > self.model.max_model_len:
@@ -366,14 +322,8 @@ class FakeVLLM:
                 tokens.append(key(token))
                 tops.append(entries)
                 sequence.append(token)
-            choices.append(
-                {
-                    "index": index,
-                    "text": "",
-                    "finish_reason": "length",
-                    "logprobs": {"tokens": tokens, "top_logprobs": tops} if k else None,
-                }
-            )
+            choices.append({"index": index, "text": "", "finish_reason": "length",
+                            "logprobs": {"tokens": tokens, "top_logprobs": tops} if k else None})
             if body.get("prompt_logprobs") is not None:
                 choices[-1]["prompt_logprobs"] = self._prompt_logprobs(context, body["prompt_logprobs"])
         if body.get("stream"):  # like vLLM: server-sent events, one chunk per choice here, then [DONE]
@@ -389,26 +339,21 @@ class FakeVLLM:
     async def _generate(self, request: web.Request) -> web.Response:
         """vLLM's token-in token-out route, as far as scoring uses it: prompt_logprobs of one prompt."""
         if not self.scale_out:
-            return web.Response(
-                status=403,
-                text="Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them.",
-            )
+            return web.Response(status=403, text="Scale-out endpoints are disabled. Restart vllm serve with "
+                                                 "--enable-scale-out to enable them.")
         body = await request.json()
         params = body["sampling_params"]
         k = params.get("prompt_logprobs")
         if k is not None and (k == -1 or k > self.max_logprobs):
-            return web.Response(
-                status=400,
-                text=f"Requested prompt logprobs of {k}, which is greater than max allowed: {self.max_logprobs}",
-            )
+            return web.Response(status=400, text=f"Requested prompt logprobs of {k}, which is greater than "
+                                                 f"max allowed: {self.max_logprobs}")
         rows = self._prompt_logprobs(body["token_ids"], k) if k is not None else None
         if rows is not None and params.get("detokenize") is False:  # like vLLM: no text for any entry
             for row in rows[1:]:
                 for entry in row.values():
                     entry["decoded_token"] = None
-        return web.json_response(
-            {"request_id": "generate-tokens-0", "choices": [{"index": 0, "token_ids": [0]}], "prompt_logprobs": rows}
-        )
+        return web.json_response({"request_id": "generate-tokens-0", "choices": [{"index": 0, "token_ids": [0]}],
+                                  "prompt_logprobs": rows})
 
     def _echo(self, index: int, prompt: list[int], k: int, key) -> dict:
         """vLLM's prompt logprobs (echo, max_tokens 0): None at position 0, then the top k before
@@ -419,18 +364,9 @@ class FakeVLLM:
             entries = {key(int(t)): float(logprobs[t]) for t in np.argsort(-logprobs)[:k]}
             entries.setdefault(key(prompt[j]), float(logprobs[prompt[j]]))
             tops.append(entries)
-        return {
-            "index": index,
-            "text": detokenize(prompt),
-            "finish_reason": "length",
-            "logprobs": {
-                "tokens": [key(t) for t in prompt],
-                "token_logprobs": [None] + [row[key(t)] for row, t in zip(tops[1:], prompt[1:])],
-                "top_logprobs": tops,
-            }
-            if k
-            else None,
-        }
+        return {"index": index, "text": detokenize(prompt), "finish_reason": "length",
+                "logprobs": {"tokens": [key(t) for t in prompt], "token_logprobs": [None] + [
+                    row[key(t)] for row, t in zip(tops[1:], prompt[1:])], "top_logprobs": tops} if k else None}
 
     def _prompt_logprobs(self, prompt: list[int], k: int) -> list[dict | None]:
         """vLLM's `prompt_logprobs`: None, then per position {"<id>": {logprob, rank, decoded_token}}
@@ -442,16 +378,8 @@ class FakeVLLM:
             ranks = np.empty_like(order)
             ranks[order] = np.arange(1, len(order) + 1)
             chosen = [*(order if k == -1 else order[:k]), prompt[j]]
-            rows.append(
-                {
-                    str(int(t)): {
-                        "logprob": float(logprobs[t]),
-                        "rank": int(ranks[t]),
-                        "decoded_token": token_text(int(t)),
-                    }
-                    for t in chosen
-                }
-            )
+            rows.append({str(int(t)): {"logprob": float(logprobs[t]), "rank": int(ranks[t]),
+                                       "decoded_token": token_text(int(t))} for t in chosen})
         return rows
 
     def _sample(self, logprobs: np.ndarray, body: dict, rng: np.random.Generator) -> int:
@@ -459,7 +387,7 @@ class FakeVLLM:
         temperature = body.get("temperature", 1.0)
         if temperature == 0:
             return int(np.argmax(logprobs))
-        allowed = np.argsort(-logprobs)[: body.get("top_k") or len(logprobs)]
+        allowed = np.argsort(-logprobs)[:body.get("top_k") or len(logprobs)]
         scaled = logprobs[allowed] / temperature
         return int(rng.choice(allowed, p=np.exp(scaled - np.logaddexp.reduce(scaled))))
 
