@@ -110,12 +110,12 @@ async def arm(name: str, args: Any, theta: str, t: str, prompts: list[str]) -> d
         async with aiohttp.ClientSession() as session:
             async with session.get(theta + "/v1/models") as answer:
                 model = (await answer.json())["data"][0]["id"]
-            ids = []
+            if name == "vllm":  # text, as lm-eval sends it
+                return await measured(args, theta, t, echo_request(theta + "/v1", model, prompts, args.max_tokens))
+            ids = []  # token ids, as the service sends them
             for prompt in prompts:
                 async with session.post(theta + "/tokenize", json={"model": model, "prompt": prompt}) as answer:
                     ids.append((await answer.json())["tokens"])
-        if name == "vllm":
-            return await measured(args, theta, t, echo_request(theta + "/v1", model, prompts, args.max_tokens))
         route = name.rsplit("_", 1)[1]
         return await measured(args, theta, t, top_k_request(theta, model, ids, args.top_k, route))
     flags = {"service_echo_unmerged": ("--scoring-call-tokens", "0"),
@@ -129,12 +129,11 @@ async def run(args: Any) -> dict[str, Any]:
     prompts = [p + " " + p for p in harness.prompts_for(400, seed=0)]  # ~12 tokens, like a short MC choice
     rows = []
     lockstep = args.mode != "per_token"
-    given = bool(args.theta_url and args.t_url)
     models = harness.shape_models(args.shape) if args.shape else {}
     async with (harness.servers(args.theta_url, args.t_url, max_logprobs=args.top_k, lockstep=lockstep,
                                 **models) as shipped,
                 harness.servers(args.theta_url, args.t_url, max_logprobs=args.top_k, lockstep=lockstep,
-                                scoring_route=given, **models) as echo_only):
+                                scoring_route=False, **models) as echo_only):
         for repeat in range(args.repeats):
             found = {}
             for name in args.arms:
