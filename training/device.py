@@ -1,0 +1,80 @@
+"""Where the learner runs, and in what precision: resolved once per run from `--learner-device`
+and `--mixed-precision`, and read by everything that makes a tensor for it.
+
+    learner_device(None)      cuda:0 when torch sees a GPU, else cpu
+    learner_device("cuda:1")  that GPU (refused when torch does not see it)
+    autocast_dtype(device, "auto")   bfloat16 on a CUDA device that supports it, else None (float32)
+
+The learner keeps float32 master weights whatever the precision: autocast runs the matmuls in
+bf16 (or fp16) and keeps the optimizer's state and the update in float32, as accelerate's
+`mixed_precision="bf16"` and TRL's `bf16=True` do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Literal
+
+import torch
+
+from dualvllm.common.errors import InvalidInputError
+
+MixedPrecision = Literal["auto", "no", "bf16", "fp16"]
+
+
+def learner_device(spec: str | None) -> torch.device:
+    """The learner's device from `--learner-device` (None: the first CUDA device when there is one, else the CPU)."""
+    if spec is None:
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError as err:
+        raise InvalidInputError(
+            f"--learner-device {spec!r} is not a torch device (cpu, cuda, cuda:1, ...): {err}"
+        ) from err
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidInputError(
+                f"--learner-device {spec} asks for a GPU and torch sees none (torch {torch.__version__}, "
+                f"CUDA build: {torch.version.cuda is not None}); drop the flag to train on the CPU"
+            )
+        index = device.index if device.index is not None else 0
+        if index >= torch.cuda.device_count():
+            raise InvalidInputError(
+                f"--learner-device {spec}: torch sees {torch.cuda.device_count()} GPU(s) "
+                "(CUDA_VISIBLE_DEVICES renumbers them from 0); give one of them"
+            )
+        return torch.device("cuda", index)
+    if device.type not in ("cpu", "meta"):
+        raise InvalidInputError(f"--learner-device {spec}: the learner runs on cpu or cuda, not {device.type}")
+    return device
+
+
+def autocast_dtype(device: torch.device, precision: MixedPrecision) -> torch.dtype | None:
+    """The dtype autocast computes in on `device` under `precision`; None: plain float32.
+
+    auto: bfloat16 on a CUDA device that supports it (Ampere and newer), else float32. On the
+    CPU, autocast to bf16 is slower than float32 on most cores, so auto keeps float32 there;
+    asking for bf16 explicitly still works.
+    """
+    if precision == "no" or device.type == "meta":
+        return None
+    if precision == "auto":
+        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if cuda_bf16 else None
+    if precision == "fp16" and device.type != "cuda":
+        raise InvalidInputError(
+            "--mixed-precision fp16 needs a CUDA learner (float16 autocast on the CPU is not supported); use bf16 or no"
+        )
+    return torch.bfloat16 if precision == "bf16" else torch.float16
+
+
+@contextlib.contextmanager
+def autocast(device: torch.device, dtype: torch.dtype | None) -> Iterator[None]:
+    """torch.autocast on `device` in `dtype`; a no-op for None (float32)."""
+    if dtype is None:
+        yield
+        return
+    with torch.autocast(device_type=device.type, dtype=dtype):
+        yield
