@@ -95,6 +95,7 @@ ARMS = {
 # Issue 24's comparison on the hard task: every arm takes 64 rollouts per update, as 8 prompts
 # x 8 (grpo needs groups) or 64 x 1 (the methods that train on each rollout alone).
 WIDE = {"prompts_per_step": 64, "group_size": 1}
+GROUPS = {"prompts_per_step": 8, "group_size": 8}  # grpo's default shape; the dense methods' is WIDE since issue 55
 # An arm's fields may start with a warm-up run: (its folder, its fields, its share of --steps); see run_arm.
 WARMUP = "warmup"
 ARMS["hard-methods"] = {
@@ -114,8 +115,8 @@ ARMS["hard-methods"] = {
     "forward KL, teacher states (64x1)": ("distill-teacher", {"method": "distill", "fixed_alpha": 1.0, **WIDE}),
     "forward KL, q* states (64x1)": ("distill-qstar", {"method": "distill", **WIDE}),
     "forward KL, base states (64x1)": ("distill-base", {"method": "distill", "fixed_alpha": 0.0, **WIDE}),
-    "forward KL, teacher states (8x8)": ("distill-teacher-8x8", {"method": "distill", "fixed_alpha": 1.0}),
-    "forward KL, q* states (8x8)": ("distill-qstar-8x8", {"method": "distill"}),
+    "forward KL, teacher states (8x8)": ("distill-teacher-8x8", {"method": "distill", "fixed_alpha": 1.0, **GROUPS}),
+    "forward KL, q* states (8x8)": ("distill-qstar-8x8", {"method": "distill", **GROUPS}),
     "RFT on q* (64x1)": ("rft-qstar", {"method": "rft", **WIDE}),
     "q*-GRPO, vespo (8x8)": ("qstar-grpo-vespo", {"correction": "vespo"}),
     "q*-GRPO, sequence IS (8x8)": ("qstar-grpo-sequence", {}),

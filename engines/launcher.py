@@ -5,7 +5,9 @@
 
 The server runs in its own process group, so stopping it also stops vLLM's engine-core
 and worker processes. Its output goes to a log file; when start-up fails, the error
-carries the log's tail. Security: the default host is 127.0.0.1, and dev mode (which
+carries the log's tail. Where each server runs on GPUs (CUDA_VISIBLE_DEVICES, tensor
+parallelism, memory share, start order) is engines/placement.py's plan; `replica_configs` turns
+it into configs, and `start_servers` starts servers sharing a GPU one after another. Security: the default host is 127.0.0.1, and dev mode (which
 exposes `/collective_rpc`, a remote call into the workers that vLLM's `--api-key` does
 NOT guard) is refused on any non-loopback host.
 """
@@ -13,6 +15,7 @@ NOT guard) is refused on any non-loopback host.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import importlib.metadata
 import json
@@ -32,10 +35,10 @@ from collections.abc import AsyncIterator
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from dualvllm.common.errors import LifecycleError, ServerStartupError
+from dualvllm.common.errors import InvalidInputError, LifecycleError, ServerStartupError
 from dualvllm.common.process import die_with_parent
 from dualvllm.common.validation import RaisesInvalidInput
-from dualvllm.engines import weight_transfer
+from dualvllm.engines import placement, weight_transfer
 from dualvllm.engines.vllm_plugin import spin
 from dualvllm.engines.vllm_plugin.net import is_loopback
 
@@ -46,6 +49,12 @@ LOG_TAIL_LINES = 40
 LOCKSTEP_PROCESSOR = "dualvllm.engines.vllm_plugin.processor:LockstepProcessor"
 LOCKSTEP_PROCESSOR_V2 = "dualvllm.engines.vllm_plugin.processor_v2:LockstepProcessorV2"  # Model Runner V2 (GPU builds)
 WEIGHT_TRANSFER_BACKEND = weight_transfer.BACKEND
+# vLLM 0.32's built-in weight-transfer engines (vllm/distributed/weight_transfer/factory.py; all
+# need CUDA), and dualvllm's own: the names a server's --weight-transfer-config may hold.
+VLLM_WEIGHT_TRANSFER_BACKENDS = ("nccl", "ipc", "sparse_nccl", "sharded_rdt", "nccl_m2n", "modelexpress")
+WEIGHT_TRANSFER_BACKENDS = (WEIGHT_TRANSFER_BACKEND, *VLLM_WEIGHT_TRANSFER_BACKENDS)
+# How long `nvidia-smi -L` may take to list the GPUs.
+NVIDIA_SMI_TIMEOUT_S = 30.0
 
 
 class ServerConfig(RaisesInvalidInput, BaseModel):
@@ -78,13 +87,21 @@ class ServerConfig(RaisesInvalidInput, BaseModel):
     gpu_memory_utilization: float = Field(
         0.45, gt=0, le=1, description="GPU build: share of GPU memory; 0.45 lets two servers share one GPU."
     )
+    gpus: tuple[int, ...] | None = Field(
+        None,
+        description="GPU build: the GPUs this server sees (CUDA_VISIBLE_DEVICES, numbered as nvidia-smi numbers "
+        "them); None = every GPU this process sees. engines/placement.py plans them.",
+    )
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=64, description="GPU build: GPUs the model is split over (--tensor-parallel-size); len(gpus)."
+    )
     dev_mode: bool = Field(
         False,
         description="Set VLLM_SERVER_DEV_MODE=1 (enables /collective_rpc for weight pushes; in a pair, on the base only); loopback only.",
     )
     weight_transfer: str | None = Field(
         WEIGHT_TRANSFER_BACKEND,
-        description="With dev_mode: the weight-transfer engine the server loads (--weight-transfer-config backend), so a trainer can push weights from its memory (dualvllm.training.weight_transfer). The default is dualvllm's shared-memory engine, for a trainer on the same machine, CPU or GPU; 'nccl' is vLLM's, for GPUs; None: none, weights are pushed through the disk.",
+        description=f"With dev_mode: the weight-transfer engine the server loads (--weight-transfer-config backend), so a trainer can push weights from its memory (dualvllm.training.weight_transfer). The default is dualvllm's shared-memory engine, for a trainer on the same machine, CPU or GPU; vLLM's own ({', '.join(VLLM_WEIGHT_TRANSFER_BACKENDS)}) need GPUs; none: no engine, weights are pushed through the disk. Given without dev_mode (--dev-mode), it is refused.",
     )
     api_key: str | None = Field(None, description="If set, /v1/* requests need 'Authorization: Bearer KEY'.")
     log_path: Path | None = Field(None, description="Where the server's output goes; None = a temp file.")
@@ -129,6 +146,33 @@ class ServerConfig(RaisesInvalidInput, BaseModel):
                 )
         return model
 
+    @field_validator("weight_transfer", mode="before")
+    @classmethod
+    def _known_backend(cls, backend: Any) -> Any:
+        """'none' (any case) from the command line means no engine; other names must be an engine's."""
+        if isinstance(backend, str) and backend.lower() == "none":
+            return None
+        if backend is not None and backend not in WEIGHT_TRANSFER_BACKENDS:
+            raise ValueError(
+                f"--weight-transfer {backend!r} is no weight-transfer engine; give one of "
+                f"{', '.join(WEIGHT_TRANSFER_BACKENDS)}, or none (weights pushed through the disk)"
+            )
+        return backend
+
+    @model_validator(mode="after")
+    def _placement_is_consistent(self) -> ServerConfig:
+        if self.gpus is not None and len(self.gpus) != self.tensor_parallel_size:
+            raise ValueError(
+                f"a server on GPUs {self.gpus} splits its model over all of them: tensor_parallel_size "
+                f"{self.tensor_parallel_size} must be {len(self.gpus)}"
+            )
+        if "weight_transfer" in self.model_fields_set and self.weight_transfer is not None and not self.dev_mode:
+            raise ValueError(
+                f"--weight-transfer {self.weight_transfer} loads a weight-transfer engine, whose routes vLLM "
+                "serves only in dev mode (VLLM_SERVER_DEV_MODE=1); add --dev-mode, or drop --weight-transfer"
+            )
+        return self
+
     @model_validator(mode="after")
     def _dev_mode_only_on_loopback(self) -> ServerConfig:
         if self.dev_mode and not is_loopback(self.host):
@@ -147,6 +191,35 @@ def is_cpu_build() -> bool:
         return True
     except importlib.metadata.PackageNotFoundError:
         return shutil.which("nvidia-smi") is None
+
+
+def visible_gpus() -> tuple[int, ...] | None:
+    """The host numbers of the GPUs servers may use; None on the CPU build.
+
+    CUDA_VISIBLE_DEVICES, when set, lists them (by number; UUIDs cannot be planned, so they are
+    refused); otherwise `nvidia-smi -L` counts them. Never imports torch (engines/ has none).
+    """
+    if is_cpu_build():
+        return None
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        entries = [entry.strip() for entry in listed.split(",") if entry.strip()]
+        if not all(entry.isdigit() for entry in entries):
+            raise InvalidInputError(
+                f"CUDA_VISIBLE_DEVICES={listed} names GPUs by UUID, which the placement plan cannot number; "
+                "give their numbers (nvidia-smi -L), or place the servers with --base-gpus and --teacher-gpus"
+            )
+        return tuple(int(entry) for entry in entries)
+    try:
+        listing = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as err:
+        raise ServerStartupError(
+            f"nvidia-smi -L failed ({err}), so the GPUs cannot be counted; fix the driver, or set "
+            "CUDA_VISIBLE_DEVICES to the GPUs to use"
+        ) from err
+    return tuple(range(sum(line.startswith("GPU ") for line in listing.splitlines())))
 
 
 def split_cores(n_servers: int, n_cores: int | None = None) -> list[str]:
@@ -178,6 +251,20 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def with_ports(pairs: list[tuple[ServerConfig, ServerConfig]]) -> list[tuple[ServerConfig, ServerConfig]]:
+    """`pairs` with a free port in every config that has none, chosen now (so a dry run prints the
+    port a run uses): all sockets are held open together, so no two servers get the same one."""
+    configs = [config for pair in pairs for config in pair]
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for config in configs:
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind((config.host, 0))
+            ports.append(sock.getsockname()[1])
+    resolved = [c if c.port else c.model_copy(update={"port": port}) for c, port in zip(configs, ports)]
+    return [(resolved[2 * i], resolved[2 * i + 1]) for i in range(len(pairs))]
 
 
 class VLLMServer:
@@ -236,12 +323,22 @@ class VLLMServer:
             if c.cpu_executor == "uni":
                 cmd += ["--distributed-executor-backend", "uni"]
         else:
-            cmd += ["--gpu-memory-utilization", str(c.gpu_memory_utilization)]
+            cmd += ["--tensor-parallel-size", str(c.tensor_parallel_size)]
+            cmd += ["--gpu-memory-utilization", f"{c.gpu_memory_utilization:g}"]
         return cmd + list(c.extra_args)
 
     def environment(self) -> dict[str, str]:
-        env = dict(os.environ)
+        """The server's whole environment: this process's, with `launcher_environment()` over it."""
+        return {**os.environ, **self.launcher_environment()}
+
+    def launcher_environment(self) -> dict[str, str]:
+        """The variables the launcher sets for this server (a dry run prints them)."""
+        env: dict[str, str] = {}
         c = self.config
+        if c.gpus is not None and not self._on_cpu():
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in c.gpus)
+            # CUDA's own default order (fastest first) may differ from nvidia-smi's, which the plan uses.
+            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         if self._on_cpu():
             env["VLLM_CPU_KVCACHE_SPACE"] = f"{c.kv_cache_space_gib:g}"
             env["VLLM_CPU_OMP_THREADS_BIND"] = c.cpu_cores or "nobind"
@@ -267,7 +364,8 @@ class VLLMServer:
             # the CPU build lacks), so lockstep servers run V1's unless the user asks for V2.
             env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         # Models are local: never wait on a hub that cannot be reached.
-        env.setdefault("HF_HUB_OFFLINE", "1")
+        if "HF_HUB_OFFLINE" not in os.environ:
+            env["HF_HUB_OFFLINE"] = "1"
         return env
 
     def _model_runner_v2(self) -> bool:
@@ -276,6 +374,11 @@ class VLLMServer:
 
     def _on_cpu(self) -> bool:
         return self.config.device == "cpu" or (self.config.device == "auto" and is_cpu_build())
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether this server runs on GPUs (the GPU build, or device="gpu"): what its command line says."""
+        return not self._on_cpu()
 
     async def __aenter__(self) -> VLLMServer:
         await self.start()
@@ -290,6 +393,7 @@ class VLLMServer:
         self._used = True
         if self.log_path is None:
             self.log_path = Path(tempfile.mkstemp(prefix=f"vllm-{self.name}-", suffix=".log")[1])
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self._process = subprocess.Popen(
                 self.command(),
@@ -399,14 +503,16 @@ def replica_configs(
     replicas: int,
     log_dir: Path | None = None,
     dev_mode: bool = False,
+    plan: placement.Plan | None = None,
     **options: Any,
 ) -> list[tuple[ServerConfig, ServerConfig]]:
     """`replicas` (base, teacher) pairs for one machine, as `pair_configs` builds one.
 
-    Each of the 2 x replicas servers gets its own block of cores when the CPU build has
-    enough (none are bound otherwise); logs go to theta-I.log and t-I.log. On GPUs, give
-    each replica its own devices with CUDA_VISIBLE_DEVICES, or use vLLM's own data
-    parallelism behind one URL (docs/replica-pools.md).
+    `plan` (engines/placement.py) says where each server runs: on GPUs, its CUDA_VISIBLE_DEVICES,
+    tensor-parallel size and memory share, and each role's extra vLLM arguments. Without one, or
+    with the CPU build's, each of the 2 x replicas servers gets its own block of cores when the
+    CPU build has enough (none are bound otherwise); logs go to theta-I.log and t-I.log. The
+    weight-transfer engine is the base's only, as dev mode is.
     """
     from dualvllm import tinymodels
 
@@ -414,13 +520,14 @@ def replica_configs(
         options.setdefault("dtype", tinymodels.SERVER_DTYPE)
     if "cpu_cores" in options:
         cores = [options.pop("cpu_cores")] * (2 * replicas)
-    else:
+    elif plan is None or not plan.on_gpus:
         cores = split_cores(2 * replicas) if is_cpu_build() else [None] * (2 * replicas)
-    if log_dir is not None:
-        log_dir.mkdir(parents=True, exist_ok=True)
-    roles = (
-        (base_model or tinymodels.BASE_DIR, "theta", dev_mode),
-        (teacher_model or tinymodels.TEACHER_DIR, "t", False),
+    else:
+        cores = [None] * (2 * replicas)
+    teacher_options = {name: value for name, value in options.items() if name != "weight_transfer"}
+    roles: tuple[tuple[str | Path, str, bool, dict[str, Any], placement.Role], ...] = (
+        (base_model or tinymodels.BASE_DIR, "theta", dev_mode, options, "base"),
+        (teacher_model or tinymodels.TEACHER_DIR, "t", False, teacher_options, "teacher"),
     )
     pairs = []
     for replica in range(replicas):
@@ -431,22 +538,56 @@ def replica_configs(
                 cpu_cores=cores[2 * replica + j],
                 dev_mode=role_dev_mode,
                 log_path=log_dir / f"{name}{suffix}.log" if log_dir is not None else None,
-                **options,
+                **{**role_options, **_placed(plan.of(role, replica) if plan else None, role_options)},
             )
-            for j, (model, name, role_dev_mode) in enumerate(roles)
+            for j, (model, name, role_dev_mode, role_options, role) in enumerate(roles)
         ]
         pairs.append((pair[0], pair[1]))
     return pairs
 
 
-async def start_servers(named: list[tuple[ServerConfig, str]]) -> list[VLLMServer]:
-    """Start every (config, name) server concurrently -> all of them, healthy.
+def _placed(where: placement.Placement | None, options: dict[str, Any]) -> dict[str, Any]:
+    """The ServerConfig fields of one server's placement (none without a plan)."""
+    if where is None:
+        return {}
+    fields: dict[str, Any] = {}
+    if where.vllm_args:
+        fields["extra_args"] = (*options.get("extra_args", ()), *where.vllm_args)
+    if where.gpus:
+        fields |= {
+            "device": "gpu",
+            "gpus": where.gpus,
+            "tensor_parallel_size": where.tensor_parallel_size,
+            "gpu_memory_utilization": where.gpu_memory_utilization,
+        }
+    return fields
 
-    If any fails to start, all are stopped and the first error is raised. The caller stops
-    them (`launch_pair`, `launch_replicas` do it on exit).
+
+def server_names(pairs: list[tuple[ServerConfig, ServerConfig]]) -> list[tuple[ServerConfig, str]]:
+    """Each server of the pairs with its name, in start-list order: theta, t (theta-0, t-0, theta-1, ... with replicas)."""
+    suffix = (lambda i: f"-{i}") if len(pairs) > 1 else (lambda i: "")
+    return [
+        (config, f"{role}{suffix(i)}") for i, pair in enumerate(pairs) for config, role in zip(pair, ("theta", "t"))
+    ]
+
+
+async def start_servers(named: list[tuple[ServerConfig, str]]) -> list[VLLMServer]:
+    """Start every (config, name) server -> all of them, healthy.
+
+    Servers sharing a GPU start one after another, in list order (vLLM measures free GPU memory
+    at start-up and assumes nothing else on the GPU moves meanwhile); the others start
+    concurrently (engines/placement.py, start_chains). If any fails to start, all are stopped
+    and the first error is raised. The caller stops them (`launch_pair`, `launch_replicas` do it
+    on exit).
     """
     servers = [VLLMServer(config, name=name) for config, name in named]
-    results = await asyncio.gather(*(server.start() for server in servers), return_exceptions=True)
+
+    async def one_after_another(chain: list[int]) -> None:
+        for index in chain:
+            await servers[index].start()
+
+    chains = placement.start_chains([server.config.gpus for server in servers])
+    results = await asyncio.gather(*(one_after_another(chain) for chain in chains), return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:
         for server in servers:
@@ -456,14 +597,14 @@ async def start_servers(named: list[tuple[ServerConfig, str]]) -> list[VLLMServe
 
 
 async def start_pair(base: ServerConfig, teacher: ServerConfig) -> tuple[VLLMServer, VLLMServer]:
-    """Start the base ("theta") and the teacher ("t") server concurrently -> both, healthy."""
+    """Start the base ("theta") and the teacher ("t") server (concurrently unless they share a GPU) -> both, healthy."""
     theta, t = await start_servers([(base, "theta"), (teacher, "t")])
     return theta, t
 
 
 @asynccontextmanager
 async def launch_pair(base: ServerConfig, teacher: ServerConfig) -> AsyncIterator[tuple[VLLMServer, VLLMServer]]:
-    """Both servers of a pair, started concurrently and stopped on exit (see start_pair)."""
+    """Both servers of a pair, started (see start_pair) and stopped on exit."""
     async with launch_replicas([(base, teacher)]) as [pair]:
         yield pair
 
@@ -472,11 +613,9 @@ async def launch_pair(base: ServerConfig, teacher: ServerConfig) -> AsyncIterato
 async def launch_replicas(
     pairs: list[tuple[ServerConfig, ServerConfig]],
 ) -> AsyncIterator[list[tuple[VLLMServer, VLLMServer]]]:
-    """Every (base, teacher) pair, all started concurrently, all stopped on exit."""
-    suffix = (lambda i: f"-{i}") if len(pairs) > 1 else (lambda i: "")
-    servers = await start_servers(
-        [(config, f"{role}{suffix(i)}") for i, pair in enumerate(pairs) for config, role in zip(pair, ("theta", "t"))]
-    )
+    """Every (base, teacher) pair, started by start_servers (servers sharing a GPU one after
+    another, the rest concurrently), all stopped on exit."""
+    servers = await start_servers(server_names(pairs))
     try:
         yield [(servers[2 * i], servers[2 * i + 1]) for i in range(len(pairs))]
     finally:

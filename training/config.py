@@ -87,16 +87,25 @@ class TrainConfig(TaskConfig):
     steps: int = Field(
         1000,
         ge=1,
-        description="Learner updates to run (about one pass over GSM8K's 7,473 training problems at 8 "
-        "prompts per update); --method dpo: batches of --prompts-per-step prompts sampled.",
+        description="Learner updates to run (about one pass over GSM8K's 7,473 training problems at grpo's 8 "
+        "prompts per update, 8.6 at the dense methods' 64); --method dpo: batches of --prompts-per-step "
+        "prompts sampled.",
     )
-    prompts_per_step: int = Field(8, ge=1, description="Prompts per update; each gets group_size rollouts.")
+    prompts_per_step: int = Field(
+        8,
+        ge=1,
+        description="Prompts per update; each gets group_size rollouts. The method's: 8 for grpo, adaptive "
+        'and dpo, groups of 8 making 64 rollouts (docs/training.md, "Defaults and where they come from"); '
+        '64 for distill, sft, rft and opd (benchmarks/README.md, "From likelihood to accuracy (issue 24)": '
+        "64 distinct prompts an update beat 8 x 8).",
+    )
     group_size: int = Field(
         8,
         ge=1,
-        description="Rollouts per prompt (G; TRL's num_generations): grpo's advantages and dpo's pairs "
-        "compare a prompt's rollouts (G >= 2); the other methods take G = 1 (more distinct "
-        "prompts per update).",
+        description="Rollouts per prompt (G; TRL's num_generations): grpo's and adaptive's advantages and "
+        "dpo's pairs compare a prompt's rollouts (G >= 2; 8, TRL's, docs/training.md, \"Defaults and where "
+        'they come from"); distill, sft, rft and opd take G = 1, more distinct prompts an update '
+        '(benchmarks/README.md, "From likelihood to accuracy (issue 24)").',
     )
     learning_rate: float = Field(
         1e-6,
@@ -435,6 +444,26 @@ class StreamingTrainConfig(TrainConfig):
         return None
 
 
+class _OneRolloutPerPrompt(BaseModel):
+    """The shape of an update for the methods that train on each rollout alone (distill, sft, rft,
+    opd): one rollout of each of many distinct prompts, where grpo, adaptive and dpo take groups."""
+
+    prompts_per_step: int = Field(
+        64,
+        ge=1,
+        description="Prompts per update; each gets group_size rollouts. 64 x 1 for the methods that train "
+        'on each rollout alone: benchmarks/README.md, "From likelihood to accuracy (issue 24)" (forward KL '
+        "on teacher states 74.5% at 64 x 1 against 5.5% at 8 x 8, on q* states 10.5% against 6.0%; sft, "
+        "rft and opd measured at 64 x 1).",
+    )
+    group_size: int = Field(
+        1,
+        ge=1,
+        description="Rollouts per prompt: 1 for the methods that train on each rollout alone, so an update "
+        'sees more distinct prompts: benchmarks/README.md, "From likelihood to accuracy (issue 24)".',
+    )
+
+
 class GRPOTrainConfig(_AlphaSchedule, _GroupRelative, _PolicyGradient, StreamingTrainConfig):
     """--method grpo: group-relative advantages of the rewards, corrected for sampling from q*."""
 
@@ -489,7 +518,7 @@ class GRPOTrainConfig(_AlphaSchedule, _GroupRelative, _PolicyGradient, Streaming
         return self.stop_without_signal
 
 
-class OPDTrainConfig(_PolicyGradient, StreamingTrainConfig):
+class OPDTrainConfig(_OneRolloutPerPrompt, _PolicyGradient, StreamingTrainConfig):
     """--method opd: the base samples (alpha = 0) and the teacher's per-token advantages train it."""
 
     method: Literal["opd"] = Field("opd", description=METHOD_HELP)
@@ -512,7 +541,7 @@ class OPDTrainConfig(_PolicyGradient, StreamingTrainConfig):
         return self.opd_coef if self.opd_coef is not None else 1.0
 
 
-class SFTTrainConfig(StreamingTrainConfig):
+class SFTTrainConfig(_OneRolloutPerPrompt, StreamingTrainConfig):
     """--method sft: fine-tuning on the teacher's samples (alpha = 1)."""
 
     method: Literal["sft"] = Field("sft", description=METHOD_HELP)
@@ -523,7 +552,7 @@ class SFTTrainConfig(StreamingTrainConfig):
         return 1.0
 
 
-class RFTTrainConfig(_AlphaSchedule, StreamingTrainConfig):
+class RFTTrainConfig(_OneRolloutPerPrompt, _AlphaSchedule, StreamingTrainConfig):
     """--method rft: fine-tuning on the rollouts whose reward reaches rft_min_reward (from q* by default)."""
 
     method: Literal["rft"] = Field("rft", description=METHOD_HELP)
@@ -531,7 +560,7 @@ class RFTTrainConfig(_AlphaSchedule, StreamingTrainConfig):
     rft_min_reward: float = Field(1.0, description="--method rft: rollouts whose reward reaches this are trained on.")
 
 
-class DistillTrainConfig(_AlphaSchedule, StreamingTrainConfig):
+class DistillTrainConfig(_OneRolloutPerPrompt, _AlphaSchedule, StreamingTrainConfig):
     """--method distill: the distillation term alone, on the states the rollouts visit."""
 
     method: Literal["distill"] = Field("distill", description=METHOD_HELP)

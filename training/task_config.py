@@ -5,7 +5,8 @@ the servers and the coordinator's options (`coordinator`, embedded whole). The t
 and evaluation configs built on it are in training/config.py. Besides each field's bounds,
 a task is checked against the model directories it names: a completion of `max_tokens`
 must fit their positions, and values that suit only the bundled tiny models are reported
-for any other base (`toy_values`).
+for any other base (`toy_values`). Such a base must name its teacher and its data: the
+bundled ones, the defaults, suit only the bundled models.
 """
 
 from __future__ import annotations
@@ -232,6 +233,30 @@ class TaskConfig(RaisesInvalidInput, BaseModel):
         if too_large := [k for k in self.pass_k if k > self.eval_samples]:
             if "pass_k" in given:
                 raise ValueError(f"--pass-k {too_large} needs at least {max(too_large)} --eval-samples per problem")
+        return self
+
+    @model_validator(mode="after")
+    def _real_base_names_its_inputs(self) -> TaskConfig:
+        """A base that is not a bundled model is refused without its own teacher and data: the
+        bundled ones (the defaults of --teacher and --dataset) are in a 98-character vocabulary no
+        real model shares, and the bundled arithmetic task with its exact reward is no real task."""
+        if bundled(self.base):
+            return self
+        missing = []
+        if self.teacher is None:
+            missing.append(
+                "without --teacher the teacher is the bundled tiny one, whose 98-character vocabulary the base "
+                "does not share: give --teacher, a model directory with the base's tokenizer (or 'self' / "
+                "'self-frozen': the base shown --teacher-template's prompt)"
+            )
+        if self.dataset is None:
+            missing.append(
+                "without --dataset the prompts are the bundled arithmetic task, scored by the exact reward: give "
+                "--dataset, the prompts to train or evaluate on (JSONL, or a file/directory the datasets library "
+                "loads)"
+            )
+        if missing:
+            raise ValueError(f"--base {self.base} is not one of the bundled tiny models; {'; and '.join(missing)}")
         return self
 
     @model_validator(mode="after")

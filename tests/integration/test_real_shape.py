@@ -185,7 +185,9 @@ def test_a_tied_base_is_refused_before_any_server_starts_with_the_command_that_u
     from dualvllm.tinymodels.shapes import ensure_pair
 
     base, teacher = ensure_pair("small", tied=True)
-    train = processes.dualvllm("train", "--base", str(base), "--teacher", str(teacher),
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": q, "answer": "-"}) + "\n" for q in QUESTIONS))
+    train = processes.dualvllm("train", "--base", str(base), "--teacher", str(teacher), "--dataset", str(data),
                                "--output-dir", str(tmp_path / "run"))
     _, stderr = train.communicate(timeout=TRAIN_TIMEOUT_S)
     assert train.returncode == 2, stderr[-4000:]

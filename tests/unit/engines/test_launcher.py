@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import textwrap
@@ -9,7 +10,18 @@ import textwrap
 import pytest
 
 from dualvllm.common.errors import InvalidInputError, LifecycleError, ServerStartupError
-from dualvllm.engines.launcher import ServerConfig, VLLMServer, pair_configs, split_cores
+from dualvllm.engines import placement
+from dualvllm.engines.launcher import (
+    VLLM_WEIGHT_TRANSFER_BACKENDS,
+    WEIGHT_TRANSFER_BACKEND,
+    ServerConfig,
+    VLLMServer,
+    pair_configs,
+    replica_configs,
+    split_cores,
+    start_servers,
+    with_ports,
+)
 from tests.waiting import eventually
 
 
@@ -165,3 +177,102 @@ async def test_start_up_timeout_reports_the_log_and_cleans_up(tmp_path):
     # stopped before it started anything, and there is no grandchild to look for.
     if pid_file.exists():
         await gone(int(pid_file.read_text()))
+
+
+def test_a_gpu_server_sees_only_its_gpus_and_splits_its_model_over_them():
+    server = VLLMServer(ServerConfig(model="m", port=1, device="gpu", gpus=(2, 3), tensor_parallel_size=2,
+                                     gpu_memory_utilization=0.9))
+    cmd, env = server.command(), server.launcher_environment()
+    assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
+    assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.9"
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert server.environment()["CUDA_VISIBLE_DEVICES"] == "2,3"
+    with pytest.raises(InvalidInputError, match="tensor_parallel_size 1 must be 2"):
+        ServerConfig(model="m", gpus=(0, 1))
+
+
+def test_cpu_servers_get_no_gpu_environment():
+    env = VLLMServer(ServerConfig(model="m", port=1, device="cpu", gpus=(0,))).launcher_environment()
+    assert "CUDA_VISIBLE_DEVICES" not in env and "--tensor-parallel-size" not in VLLMServer(
+        ServerConfig(model="m", port=1, device="cpu")).command()
+
+
+def test_replica_configs_follow_the_plan(monkeypatch):
+    options = placement.ServerOptions(base_gpus="0,1,2,3", teacher_gpus="4,5", base_tensor_parallel_size=2,
+                                      base_vllm_arg=("--enable-prefix-caching",))
+    plan = placement.plan(options, replicas=2, visible=range(8))
+    pairs = replica_configs(replicas=2, plan=plan, dev_mode=True, weight_transfer="nccl", extra_args=("--seed", "1"))
+    (theta0, t0), (theta1, t1) = pairs
+    assert (theta0.gpus, theta0.tensor_parallel_size, theta0.device) == ((0, 1), 2, "gpu")
+    assert (theta1.gpus, t0.gpus, t1.gpus) == ((2, 3), (4,), (5,))
+    assert theta0.extra_args == ("--seed", "1", "--enable-prefix-caching") and t0.extra_args == ("--seed", "1")
+    # The weight-transfer engine and dev mode are the base's only.
+    assert (theta0.dev_mode, theta0.weight_transfer) == (True, "nccl")
+    assert (t0.dev_mode, t0.weight_transfer == WEIGHT_TRANSFER_BACKEND) == (False, True)
+    ports = [c.port for pair in with_ports(pairs) for c in pair]
+    assert None not in ports and len(set(ports)) == 4
+
+
+def test_cpu_replica_configs_are_as_before_without_gpu_options(monkeypatch):
+    monkeypatch.setattr("dualvllm.engines.launcher.is_cpu_build", lambda: True)
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    plan = placement.plan(placement.ServerOptions(), replicas=1, visible=None)
+    assert replica_configs(replicas=1, plan=plan) == replica_configs(replicas=1)
+
+
+@pytest.mark.parametrize("value", ["none", "None", "NONE"])
+def test_weight_transfer_none_means_no_engine(value):
+    config = ServerConfig(model="m", port=1, device="cpu", dev_mode=True, weight_transfer=value)
+    assert config.weight_transfer is None
+    assert "--weight-transfer-config" not in VLLMServer(config).command()
+
+
+def test_weight_transfer_without_dev_mode_or_of_an_unknown_engine_is_refused():
+    with pytest.raises(InvalidInputError, match=r"--weight-transfer nccl .*add --dev-mode"):
+        ServerConfig(model="m", weight_transfer="nccl")
+    with pytest.raises(InvalidInputError, match=r"--weight-transfer 'nccll' is no weight-transfer engine; give one of dualvllm_shm, nccl, ipc"):
+        ServerConfig(model="m", dev_mode=True, weight_transfer="nccll")
+    assert ServerConfig(model="m", dev_mode=True, weight_transfer="nccl").weight_transfer == "nccl"
+    assert ServerConfig(model="m").weight_transfer == WEIGHT_TRANSFER_BACKEND  # the default needs no flag
+
+
+def test_the_known_engines_are_vllms_own():
+    factory = pytest.importorskip("vllm.distributed.weight_transfer.factory")
+    assert set(VLLM_WEIGHT_TRANSFER_BACKENDS) == set(factory.WeightTransferEngineFactory._registry)
+
+
+async def test_servers_sharing_a_gpu_start_one_after_another(monkeypatch):
+    events: list[tuple[str, str]] = []
+
+    async def start(self):
+        events.append((self.name, "start"))
+        await asyncio.sleep(0.05)
+        events.append((self.name, "healthy"))
+
+    monkeypatch.setattr(VLLMServer, "start", start)
+    named = [(ServerConfig(model="m", port=p, device="gpu", gpus=gpus), name)
+             for p, (gpus, name) in enumerate([((0,), "theta-0"), ((0,), "t-0"), ((1,), "theta-1"), ((2,), "t-1")], 1)]
+    servers = await start_servers(named)
+    assert [s.name for s in servers] == ["theta-0", "t-0", "theta-1", "t-1"]
+    order = events
+    assert order.index(("theta-0", "healthy")) < order.index(("t-0", "start"))  # one after another
+    assert order.index(("t-1", "start")) < order.index(("theta-0", "healthy"))  # the others at once
+    assert order.index(("theta-1", "start")) < order.index(("theta-0", "healthy"))
+
+
+async def test_a_failed_start_stops_the_chain_and_every_server(monkeypatch):
+    started: list[str] = []
+    stopped: list[str] = []
+
+    async def start(self):
+        started.append(self.name)
+        if self.name == "theta":
+            raise ServerStartupError("theta died")
+
+    monkeypatch.setattr(VLLMServer, "start", start)
+    monkeypatch.setattr(VLLMServer, "stop", lambda self: stopped.append(self.name))
+    named = [(ServerConfig(model="m", port=1, device="gpu", gpus=(0,)), "theta"),
+             (ServerConfig(model="m", port=2, device="gpu", gpus=(0,)), "t")]
+    with pytest.raises(ServerStartupError, match="theta died"):
+        await start_servers(named)
+    assert started == ["theta"] and sorted(stopped) == ["t", "theta"]

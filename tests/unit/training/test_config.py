@@ -39,6 +39,10 @@ OLD_DEFAULTS = {
 OLD_EVAL_DEFAULTS = {name: value for name, value in OLD_DEFAULTS.items() if name in EvalConfig.model_fields} | {
     "arms": ["base", "q*", "teacher"], "eval_samples": 8, "output": None, "eval_group_by": None,
     "retained_dataset": None}
+# The shape of an update of the methods that train on each rollout alone, their own default since
+# (benchmarks/README.md, "From likelihood to accuracy (issue 24)"): 8 x 8 then, as grpo's still is.
+DENSE_SHAPE = {"prompts_per_step": 64, "group_size": 1}
+DENSE_METHODS = ("sft", "rft", "opd", "distill")
 # The fields added since: the coordinator's options, the learner's memory options, how pushes go, and
 # what the evaluation reports besides overall accuracy.
 NEW_FIELDS = {"coordinator", "micro_batch_size", "gradient_checkpointing", "weights_via", "eval_group_by",
@@ -89,8 +93,9 @@ def test_the_tiny_arith_recipe_is_what_train_did_by_default_before(tmp_path, met
 
     assert type(config) is METHOD_CLASSES[method] and values.pop("method") == method
     assert values.pop("output_dir") == str(tmp_path)
-    assert {name: values[name] for name in OLD_DEFAULTS if name in values} == {
-        name: value for name, value in OLD_DEFAULTS.items() if name in values}
+    old = OLD_DEFAULTS | (DENSE_SHAPE if method in DENSE_METHODS else {})
+    assert {name: values[name] for name in old if name in values} == {
+        name: value for name, value in old.items() if name in values}
     # What is gone is what the method never read; what is new is the coordinator's and the learner's.
     assert not [name for name in OLD_DEFAULTS if name not in values and name in type(config).model_fields]
     assert set(values) - set(OLD_DEFAULTS) == NEW_FIELDS & set(type(config).model_fields)
@@ -130,9 +135,27 @@ def test_the_method_comes_from_the_flags_else_the_file_else_the_default_distill(
     assert unnamed.fixed_alpha is None  # at q* states
 
 
+def test_a_method_takes_the_update_shape_its_table_chose_and_help_says_which(tmp_path, capsys):
+    shapes = {method: TrainConfig.parse(config_file=recipe(tmp_path, "max_tokens: 6\n"), output_dir=tmp_path,
+                                        method=method) for method in METHOD_CLASSES}
+    # Groups for the methods that compare a prompt's rollouts; many distinct prompts for the rest.
+    assert {method: (c.prompts_per_step, c.group_size) for method, c in shapes.items()} == {
+        "grpo": (8, 8), "adaptive": (8, 8), "dpo": (8, 8), "sft": (64, 1), "rft": (64, 1), "opd": (64, 1),
+        "distill": (64, 1)}
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for flag_name in ("--prompts-per-step", "--group-size"):
+        text = help_text.split(f"{flag_name} {flag_name.lstrip('-').upper().replace('-', '_')} ", 1)[1]
+        assert '"From likelihood to accuracy (issue 24)"' in text.split(" --", 1)[0]
+        assert '"Defaults and where they come from"' in text.split(" --", 1)[0]
+    assert "(default: 64; grpo, adaptive, dpo: 8)" in help_text and "(default: 1; grpo, adaptive, dpo: 8)" in help_text
+
+
 def test_a_method_takes_its_own_learning_rate_by_default(tmp_path, real_model):
     rates = {method: TrainConfig.parse(output_dir=tmp_path, method=method, base=str(real_model), group_size=3,
-                                       teacher=str(real_model)).learning_rate for method in METHOD_CLASSES}
+                                       teacher=str(real_model), dataset=HARD_TRAIN).learning_rate
+             for method in METHOD_CLASSES}
     # TRL 1.16: GRPOConfig, DPOConfig, DistillationConfig 1e-6; SFTConfig 2e-5.
     assert rates == {"grpo": 1e-6, "sft": 2e-5, "rft": 2e-5, "opd": 1e-6, "distill": 1e-6, "adaptive": 1e-6,
                      "dpo": 1e-6}
@@ -215,7 +238,8 @@ def test_the_in_process_engine_owns_the_coordinator_mode(tmp_path):
 
 def test_toy_values_are_warned_about_for_a_base_that_is_not_bundled(tmp_path, real_model, caplog):
     caplog.set_level(logging.WARNING, logger="dualvllm.training")
-    TrainConfig.parse(config_file=TINY_ARITH, output_dir=tmp_path, base=str(real_model), teacher=str(real_model))
+    real = {"base": str(real_model), "teacher": str(real_model), "dataset": HARD_TRAIN}
+    TrainConfig.parse(config_file=TINY_ARITH, output_dir=tmp_path, **real)
 
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 2, warnings
@@ -226,13 +250,12 @@ def test_toy_values_are_warned_about_for_a_base_that_is_not_bundled(tmp_path, re
     assert "TRL's default for --method grpo is 1e-06: lower --learning-rate, or train LoRA adapters" in warnings[1]
 
     caplog.clear()  # LoRA trains at such rates; a flag's value says where it came from too
-    TrainConfig.parse(config_file=TINY_ARITH, output_dir=tmp_path, base=str(real_model), teacher=str(real_model),
-                      lora_rank=8, max_tokens=20)
+    TrainConfig.parse(config_file=TINY_ARITH, output_dir=tmp_path, **real, lora_rank=8, max_tokens=20)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and warnings[0].startswith("max_tokens=20 (set by --max-tokens)")
 
     caplog.clear()  # dualvllm eval warns too
-    EvalConfig.parse(config_file=TINY_ARITH, base=str(real_model), teacher=str(real_model))
+    EvalConfig.parse(config_file=TINY_ARITH, **real)
     assert [r.getMessage()[:33] for r in caplog.records if r.levelno == logging.WARNING] == [
         f"max_tokens=6 (set in {TINY_ARITH})"[:33]]
 
@@ -246,6 +269,29 @@ def test_no_toy_warning_for_the_bundled_models_or_a_checkpoint_of_one(tmp_path, 
     TrainConfig.parse(config_file=TINY_ARITH, output_dir=tmp_path, base=str(tinymodels.BASE_HINT_DIR),
                       teacher="self-frozen")
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@pytest.mark.parametrize("parse", [TrainConfig.parse, EvalConfig.parse], ids=["train", "eval"])
+def test_a_base_that_is_not_bundled_names_its_teacher_and_data(tmp_path, real_model, parse):
+    """Without them the run took the bundled teacher (another vocabulary: an error about its 64
+    positions) and trained on the bundled arithmetic task with the exact reward, silently."""
+    run = {"output_dir": tmp_path} if parse == TrainConfig.parse else {}
+    base = str(real_model)
+    with pytest.raises(InvalidInputError, match=rf"--base {base} is not one of the bundled tiny models; without "
+                                                r"--teacher .* give --teacher, .*; and without --dataset the prompts "
+                                                r"are the bundled arithmetic task, scored by the exact reward: give "
+                                                r"--dataset"):
+        parse(**run, base=base)
+    with pytest.raises(InvalidInputError, match=r"not one of the bundled tiny models; without --teacher") as refused:
+        parse(**run, base=base, dataset=HARD_TRAIN)
+    assert "--dataset" not in str(refused.value)
+    with pytest.raises(InvalidInputError, match=r"not one of the bundled tiny models; without --dataset") as refused:
+        parse(**run, base=base, teacher="self")
+    assert "give --teacher" not in str(refused.value)
+    for teacher in (base, "self", "self-frozen"):  # the base's own teacher, or itself
+        assert parse(**run, base=base, teacher=teacher, dataset=HARD_TRAIN).teacher == teacher
+    # A bundled base, or a checkpoint of one, still takes the bundled teacher and task.
+    assert parse(**run, base=str(tinymodels.BASE_HINT_DIR), max_tokens=6).dataset is None
 
 
 def test_the_defaults_do_not_fit_the_bundled_models_and_say_which_recipe_does(tmp_path):
