@@ -4,12 +4,14 @@
     python examples/trl_stock_grpo.py --url http://127.0.0.1:8100 --max-steps 4 --output-dir runs/trl-stock
 
 Nothing here is dualvllm's but the URL: GRPOConfig(use_vllm=True, vllm_mode="server",
-vllm_server_base_url=URL) and TRL does the rest. The completions it gets are samples of q*,
-and the logprobs are log q* of each sampled token (the service reports logprobs_mode
-"processed_logprobs"), so TRL's own importance-sampling correction
-(vllm_importance_sampling_correction, on by default) corrects for sampling from q* instead of
-the policy. Weight pushes go through the service's forwarded weight-transfer routes into the
-base server, inside the coordinator's pause.
+vllm_server_base_url=URL) and TRL does the rest, with one setting changed: its
+importance-sampling correction is off. The completions it gets are samples of q*, and the
+logprobs are log q* of each sampled token (the service reports logprobs_mode
+"processed_logprobs"), so TRL's correction (vllm_importance_sampling_correction, on by default:
+sequence_mask, cap 3) would weigh rollouts by pi_theta / q*: docs/trl.md, "TRL's importance
+sampling on q* rollouts", measured that default driving the base to 0% in every seed, and the
+correction off as the sound setting for stock TRL. Weight pushes go through the service's
+forwarded weight-transfer routes into the base server, inside the coordinator's pause.
 
 TRL's trainer-side weight sync runs on NCCL and refuses any device but CUDA. On a GPU
 machine (`--gpu`; the base servers started with `--weight-transfer nccl`) TRL's own sync runs
@@ -26,7 +28,8 @@ import contextlib
 import json
 import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 from dualvllm import tinymodels
 from dualvllm.training.data import BUNDLED_TRAIN
@@ -48,8 +51,9 @@ def cpu_weight_sync(url: str, model_of: Any) -> Iterator[list[Any]]:
     async def push() -> Any:
         async with VLLMClient(url, name="q* service") as service:
             dtype = await service.admin.served_dtype() or "float32"
-            return await weight_transfer.send_weights(service, model_of(), dtype=dtype,
-                                                      weight_version=f"trl-{len(pushes)}")
+            return await weight_transfer.send_weights(
+                service, model_of(), dtype=dtype, weight_version=f"trl-{len(pushes)}"
+            )
 
     def update_named_params(self: Any, metadata: Any, named_params: Any) -> None:
         pushes.append(asyncio.run(push()))
@@ -63,8 +67,15 @@ def cpu_weight_sync(url: str, model_of: Any) -> Iterator[list[Any]]:
         TRLClient.init_communicator, TRLClient.update_named_params = saved  # type: ignore[method-assign]
 
 
-def train(url: str, output_dir: Path, *, max_steps: int, gpu: bool = False, rows: list[dict] | None = None,
-          learning_rate: float = 1e-3) -> tuple[Any, list[Any]]:
+def train(
+    url: str,
+    output_dir: Path,
+    *,
+    max_steps: int,
+    gpu: bool = False,
+    rows: list[dict] | None = None,
+    learning_rate: float = 1e-3,
+) -> tuple[Any, list[Any]]:
     """A stock GRPOTrainer against the q* service at `url`: (the trainer, the CPU pushes made)."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -72,17 +83,39 @@ def train(url: str, output_dir: Path, *, max_steps: int, gpu: bool = False, rows
 
     rows = rows or [json.loads(line) for line in BUNDLED_TRAIN.read_text().splitlines()[:64]]
 
-    config = GRPOConfig(output_dir=str(output_dir), per_device_train_batch_size=8, num_generations=4,
-                        max_completion_length=5, max_steps=max_steps, learning_rate=learning_rate, report_to=[],
-                        use_cpu=not gpu, bf16=gpu, logging_steps=1, save_strategy="no", temperature=1.0, seed=0,
-                        use_vllm=True, vllm_mode="server", vllm_server_base_url=url)  # the one change
+    config = GRPOConfig(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=5,
+        max_steps=max_steps,
+        learning_rate=learning_rate,
+        report_to=[],
+        use_cpu=not gpu,
+        bf16=gpu,
+        logging_steps=1,
+        save_strategy="no",
+        temperature=1.0,
+        seed=0,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=url,  # the q* service
+        # TRL's default correction (sequence_mask, cap 3) on log q* drove the base to 0% in
+        # every seed; off, it learned as --correction none (docs/trl.md, "TRL's importance
+        # sampling on q* rollouts": 34.0% against 0% at update 150).
+        vllm_importance_sampling_correction=False,
+    )
     holder: dict[str, Any] = {}
     sync = contextlib.nullcontext([]) if gpu else cpu_weight_sync(url, lambda: holder["trainer"].model)
     with sync as pushes, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # TRL 1.16 names vLLM 0.31 as its newest tested; the pin is 0.32
         trainer = holder["trainer"] = GRPOTrainer(
-            model=AutoModelForCausalLM.from_pretrained(tinymodels.BASE_DIR), reward_funcs=reward_exact, args=config,
-            train_dataset=Dataset.from_list(rows), processing_class=AutoTokenizer.from_pretrained(tinymodels.BASE_DIR))
+            model=AutoModelForCausalLM.from_pretrained(tinymodels.BASE_DIR),
+            reward_funcs=reward_exact,
+            args=config,
+            train_dataset=Dataset.from_list(rows),
+            processing_class=AutoTokenizer.from_pretrained(tinymodels.BASE_DIR),
+        )
         trainer.train()
         trainer.vllm_generation.sync_weights()  # TRL pushes before each generation: once more after the last step
     return trainer, list(pushes)
