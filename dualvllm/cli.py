@@ -8,7 +8,9 @@ coordinator, to DUALVLLM_* variables first). `train` and `eval` also read a reci
 (`--config recipes/tiny-arith.yaml`): the flags given override its values, which override
 the schema's defaults (training/config_sources.py). Everything a user typed is checked
 before any server starts or is contacted, and a bad value is one line on stderr, exit
-code 2.
+code 2. `serve`, `train` and `eval` take `--dry-run`: the plan of the servers they would start
+(command lines, environments, ports, GPUs, start order; for `train`, the learner's device) is
+printed and nothing starts; `--plan-gpus N` plans for a machine of N GPUs (engines/placement.py).
 
 The flags stay argparse's, not pydantic-settings' CliSettingsSource: that source spells an
 option of several values as a repeated flag or a JSON list, not as `--reward exact length`,
@@ -36,7 +38,15 @@ from dualvllm.common.errors import DualVLLMError, InvalidInputError
 from dualvllm.coordinator.config import CoordinatorConfig
 from dualvllm.coordinator.core import DualVLLMCoordinator
 from dualvllm.coordinator.sequence import SamplingParams
-from dualvllm.engines.launcher import ServerConfig, launch_replicas, replica_configs
+from dualvllm.engines import placement
+from dualvllm.engines.launcher import (
+    ServerConfig,
+    launch_replicas,
+    replica_configs,
+    server_names,
+    visible_gpus,
+    with_ports,
+)
 
 # Coordinator fields exposed as flags (the rest are for the Python API / environment).
 COORDINATOR_FLAGS = (
@@ -69,14 +79,11 @@ SERVICE_FLAGS = (
     "default_max_tokens",
     "scoring_call_tokens",
 )
-# Server fields exposed as flags; the model directories are --base/--teacher.
+# Server fields exposed as flags; the model directories are --base/--teacher, and the options
+# `train` and `eval` share (placement per role, dtype, context, KV cache) are ServerOptions'.
 SERVER_FLAGS = (
     "host",
     "max_logprobs",
-    "max_model_len",
-    "dtype",
-    "kv_cache_space_gib",
-    "gpu_memory_utilization",
     "skip_tokenizer_init",
     "scoring_route",
     "dev_mode",
@@ -86,10 +93,19 @@ SERVER_FLAGS = (
 )
 
 
+# Flags whose values may start with "-" (vLLM arguments): given as `--flag VALUE`, they are
+# handed to argparse as `--flag=VALUE`, which it never reads as an option of its own.
+DASH_VALUE_FLAGS = frozenset(
+    "--" + name.replace("_", "-")
+    for name, field in placement.ServerOptions.model_fields.items()
+    if field.json_schema_extra == placement.REPEATED_FLAG
+)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     _stop_on_signals()
     parser = _parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_join_dash_values(sys.argv[1:] if argv is None else list(argv)))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         return loop.run(args.command(args))
@@ -98,6 +114,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _join_dash_values(argv: list[str]) -> list[str]:
+    """`--base-vllm-arg --enable-prefix-caching` -> `--base-vllm-arg=--enable-prefix-caching`."""
+    joined: list[str] = []
+    taking = False
+    for word in argv:
+        if taking:
+            joined[-1] += "=" + word
+        else:
+            joined.append(word)
+        taking = not taking and word in DASH_VALUE_FLAGS
+    return joined
 
 
 def _stop_on_signals() -> None:
@@ -125,6 +154,9 @@ async def _serve(args: argparse.Namespace) -> int:
     from dualvllm.service.app import listening_socket
     from dualvllm.service.config import ServiceConfig
 
+    if args.dry_run:
+        print(_dry_run(args, default_local=True))
+        return 0
     if args.servers_only:
         await serve_servers(_server_configs(args))
         return 0
@@ -203,7 +235,15 @@ def _train_config(args: argparse.Namespace) -> Any:
 
 
 async def _train(args: argparse.Namespace) -> int:
+    from dualvllm.training.serving import describe_run, run_plan
+
     config = _train_config(args)
+    if args.dry_run:
+        print(describe_run(config, plan_gpus=_plan_gpus(args)))
+        return 0
+    _plan_gpus(args)
+    if config.engine == "vllm" and not config.theta_urls:
+        run_plan(config)  # servers that cannot be placed are refused before any model loads
     if config.method == "dpo":
         if args.resume:
             raise InvalidInputError("--resume applies to grpo runs; a dpo run is short, start it again")
@@ -231,6 +271,12 @@ async def _eval(args: argparse.Namespace) -> int:
     from dualvllm.training.evaluation import run_eval
 
     config = EvalConfig.parse(config_file=args.config, **_given(args, EvalConfig, EvalConfig.model_fields))
+    if args.dry_run:
+        from dualvllm.training.serving import describe_run
+
+        print(describe_run(config, plan_gpus=_plan_gpus(args)))
+        return 0
+    _plan_gpus(args)
     report = await run_eval(config)
     print(report)
     return 0
@@ -244,8 +290,7 @@ async def _coordinator(
     to `launched`), or on two in-process transformers engines with `--engine transformers`."""
     overrides = _given(args, CoordinatorConfig, COORDINATOR_FLAGS)
     config = CoordinatorConfig(**overrides)  # bad flags fail here, before any server starts
-    given_urls = (args.theta_url or args.theta_urls) is not None and (args.t_url or args.t_urls) is not None
-    local = args.base is not None or args.teacher is not None or (default_local and not given_urls)
+    local = _starts_servers(args, default_local)
     if local and args.replicas > 1:  # what pools cannot do is refused before any server starts
         CoordinatorConfig(**overrides | {"theta_urls": [f"http://replica-{i}" for i in range(args.replicas)]})
     async with contextlib.AsyncExitStack() as stack:
@@ -287,16 +332,63 @@ async def _in_process_engines(args: argparse.Namespace) -> AsyncIterator[tuple[A
         yield theta, t
 
 
+def _starts_servers(args: argparse.Namespace, default_local: bool) -> bool:
+    """Whether the command starts local servers: --base/--teacher given, or (serve, demo) no server URLs."""
+    given_urls = (args.theta_url or args.theta_urls) is not None and (args.t_url or args.t_urls) is not None
+    return args.base is not None or args.teacher is not None or (default_local and not given_urls)
+
+
 def _server_configs(args: argparse.Namespace) -> list[tuple[ServerConfig, ServerConfig]]:
-    """Configs of the (base, teacher) pairs to start; they require the key the coordinator
-    sends (DUALVLLM_API_KEY, kept out of argv so `ps` does not show it)."""
+    """Configs of the (base, teacher) pairs to start, placed (engines/placement.py) and with their
+    ports chosen; they require the key the coordinator sends (DUALVLLM_API_KEY, kept out of argv
+    so `ps` does not show it)."""
     if args.replicas < 1:
         raise InvalidInputError(f"--replicas must be at least 1, got {args.replicas}")
     secret = CoordinatorConfig().api_key
     options = _given(args, ServerConfig, SERVER_FLAGS)
     if secret is not None:
         options["api_key"] = secret.get_secret_value()
-    return replica_configs(args.base, args.teacher, replicas=args.replicas, log_dir=args.log_dir, **options)
+    server_options = placement.PlacementOptions(
+        **_given(args, placement.ServerOptions, placement.ServerOptions.model_fields)
+    )
+    plan_gpus = _plan_gpus(args)
+    visible = tuple(range(plan_gpus)) if plan_gpus is not None else visible_gpus()
+    plan = placement.plan(server_options, replicas=args.replicas, visible=visible)
+    pairs = replica_configs(
+        args.base,
+        args.teacher,
+        replicas=args.replicas,
+        log_dir=args.log_dir,
+        plan=plan,
+        **options,
+        **server_options.server_fields(),
+    )
+    return with_ports(pairs)
+
+
+def _plan_gpus(args: argparse.Namespace) -> int | None:
+    """--plan-gpus N: the GPU count a dry run plans for (None: this machine's)."""
+    if args.plan_gpus is None:
+        return None
+    if not args.dry_run:
+        raise InvalidInputError(
+            f"--plan-gpus {args.plan_gpus} plans for another machine and starts nothing; add --dry-run, or drop it"
+        )
+    if args.plan_gpus < 0:
+        raise InvalidInputError(f"--plan-gpus must be 0 or more, got {args.plan_gpus}")
+    return int(args.plan_gpus)
+
+
+def _dry_run(args: argparse.Namespace, default_local: bool) -> str:
+    """`serve --dry-run`: the servers it would start (engines/dry_run.py), or why it starts none."""
+    from dualvllm.engines.dry_run import describe_servers
+
+    CoordinatorConfig(**_given(args, CoordinatorConfig, COORDINATOR_FLAGS))  # its flags are checked too
+    if args.engine == "transformers":
+        return "--engine transformers: no server is started; both models run in this process"
+    if not _starts_servers(args, default_local) and not args.servers_only:
+        return "no server is started: the coordinator uses the servers of --theta-url(s) and --t-url(s)"
+    return describe_servers(server_names(_server_configs(args)))
 
 
 def _given(args: argparse.Namespace, schema: type[BaseModel], names: Iterable[str]) -> dict[str, Any]:
@@ -324,6 +416,7 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
     from dualvllm.training.config import METHOD_CLASSES, TRAIN_OPTIONS, TrainConfig
     from dualvllm.training.config_sources import NESTED
 
+    servers = _run_servers_group(parser)
     for name in TRAIN_OPTIONS:
         if name == NESTED:
             continue
@@ -340,7 +433,34 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
             text += f" (default: {usual}" + "".join(f"; {', '.join(defaults[d])}: {d}" for d in others) + ")"
         if len(takers) < len(METHOD_CLASSES):
             text += f" [--method {', '.join(takers)}]"
-        _add_flag(parser, name, field, text, required=False)
+        _add_flag(
+            servers if name in placement.ServerOptions.model_fields else parser, name, field, text, required=False
+        )
+
+
+def _run_servers_group(parser: argparse.ArgumentParser) -> Any:
+    """The group of a run's server options (placement per role; engines/placement.py), with --dry-run."""
+    group = parser.add_argument_group(
+        "servers the run starts (placement per role: each server sees only its GPUs; engines/placement.py)"
+    )
+    _add_plan_flags(group)
+    return group
+
+
+def _add_plan_flags(group: Any) -> None:
+    group.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print every server this would start (command line, the environment the launcher sets, port, "
+        "log, GPUs, start order; for train the learner's device), then exit without starting anything",
+    )
+    group.add_argument(
+        "--plan-gpus",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --dry-run: plan for a GPU machine with N GPUs (0..N-1) instead of this one",
+    )
 
 
 def _add_flag(
@@ -351,7 +471,12 @@ def _add_flag(
     text = text.replace("%", "%%")  # argparse formats help strings
     kind, many = _flag_type(field.annotation)
     extra: dict[str, Any] = {"nargs": "+"} if many else {}
-    if kind is bool:
+    spelling = field.json_schema_extra
+    if spelling == placement.REPEATED_FLAG:  # once per value
+        parser.add_argument(flag, action="append", default=None, metavar="ARGS", help=text)
+    elif spelling == placement.CSV_FLAG:  # one value, the list comma-separated; the schema splits it
+        parser.add_argument(flag, type=str, default=None, metavar="N,N,...", help=text)
+    elif kind is bool:
         parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
     elif isinstance(kind, tuple):
         parser.add_argument(flag, choices=kind, default=None, required=required, help=text, **extra)
@@ -387,6 +512,7 @@ def _parser() -> argparse.ArgumentParser:
         help="start the two vLLM servers and print their URLs, without the q* endpoint",
     )
     _add_server_flags(serve)
+    _add_plan_flags(serve)
     _add_coordinator_flags(serve)
     group = serve.add_argument_group(
         "q* endpoint (unset flags fall back to DUALVLLM_* variables; prefer "
@@ -435,7 +561,10 @@ def _parser() -> argparse.ArgumentParser:
     from dualvllm.training.config_sources import NESTED
 
     _add_config_flag(evaluate)
-    _add_schema_flags(evaluate, EvalConfig, [name for name in EvalConfig.model_fields if name != NESTED])
+    options = [name for name in EvalConfig.model_fields if name != NESTED]
+    placed = placement.ServerOptions.model_fields
+    _add_schema_flags(evaluate, EvalConfig, [name for name in options if name not in placed])
+    _add_schema_flags(_run_servers_group(evaluate), EvalConfig, [name for name in options if name in placed])
     evaluate.set_defaults(command=_eval)
     return parser
 
@@ -473,11 +602,14 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
         "--replicas",
         type=int,
         default=1,
-        help="start this many (base, teacher) pairs, each on its own cores when there are enough; "
-        "the coordinator pools the replicas of each role, and a replica that dies hands its "
+        help="start this many (base, teacher) pairs, each on its own GPUs (--base-gpus, --teacher-gpus, "
+        "or the default plan) or, on the CPU build, its own cores when there are enough; the "
+        "coordinator pools the replicas of each role, and a replica that dies hands its "
         "sequences to the others (default: 1)",
     )
     _add_schema_flags(group, ServerConfig, SERVER_FLAGS)
+    _add_schema_flags(group, placement.ServerOptions, placement.ServerOptions.model_fields)
+    parser.set_defaults(dry_run=False, plan_gpus=None)
 
 
 def _add_coordinator_flags(parser: argparse.ArgumentParser) -> None:

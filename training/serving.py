@@ -7,18 +7,39 @@ Which weights each server holds, by `--teacher`:
     self                one server: the base, sent the teacher's prompts too, so the teacher
                         is always the current policy shown privileged information
     self-frozen         two servers: the base, and the starting base weights as the teacher
+
+Where each server runs (GPUs, tensor parallelism, memory, the start order) is the plan of
+engines/placement.py over the run's ServerOptions (TaskConfig inherits them); a training run's
+learner GPU (`--learner-device`) is never given to a server. `describe_run` prints that plan for
+`--dry-run` without starting anything.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+from typing import TYPE_CHECKING
 from pathlib import Path
 from collections.abc import AsyncIterator, Sequence
 
 from dualvllm import tinymodels
 from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator
-from dualvllm.engines.launcher import VLLMServer, launch_replicas, replica_configs
+from dualvllm.common.errors import InvalidInputError
+from dualvllm.engines import placement
+from dualvllm.engines.dry_run import describe_servers
+from dualvllm.engines.launcher import (
+    ServerConfig,
+    VLLMServer,
+    launch_replicas,
+    replica_configs,
+    server_names,
+    visible_gpus,
+    with_ports,
+)
 from dualvllm.training.task_config import TaskConfig
+
+if TYPE_CHECKING:
+    from dualvllm.training.config import TrainConfig
 
 # The batch a run's coordinator gets unless its config sets one: the run's batch, at least this.
 MIN_BATCH = 64
@@ -70,6 +91,19 @@ async def _start_servers(
     stack: contextlib.AsyncExitStack, config: TaskConfig, start_dir: str, *, log_dir: Path | None, dev_mode: bool
 ) -> tuple[list[str], list[str]]:
     """Start the run's servers (stopped when `stack` closes) -> (base URLs, teacher URLs)."""
+    pairs = server_configs(config, start_dir, log_dir=log_dir, dev_mode=dev_mode)
+    if config.teacher == "self":  # one server plays both roles
+        base = await stack.enter_async_context(VLLMServer(pairs[0][0], name="theta"))
+        return [base.url], [base.url]
+    servers = await stack.enter_async_context(launch_replicas(pairs))
+    return [theta.url for theta, _ in servers], [t.url for _, t in servers]
+
+
+def server_configs(
+    config: TaskConfig, start_dir: str, *, log_dir: Path | None, dev_mode: bool, plan_gpus: int | None = None
+) -> list[tuple[ServerConfig, ServerConfig]]:
+    """The (base, teacher) configs of the servers the run starts, placed and with their ports chosen.
+    With `--teacher self` only the first base is started. `plan_gpus`: plan for that many GPUs (a dry run)."""
     base_dir = config.base or str(tinymodels.BASE_DIR)
     teacher = base_dir if config.teacher == "self-frozen" else config.teacher
     bundled = {"dtype": tinymodels.SERVER_DTYPE} if config.base is None else {}  # start_dir is a copy of it
@@ -79,12 +113,87 @@ async def _start_servers(
         replicas=config.replicas,
         log_dir=log_dir,
         dev_mode=dev_mode,
+        plan=run_plan(config, plan_gpus=plan_gpus),
         max_logprobs=max(config.top_k, 20),
         lockstep=config.lockstep,
-        **bundled,
+        **{**bundled, **config.server_fields()},
     )
-    if teacher == "self":  # one server plays both roles
-        base = await stack.enter_async_context(VLLMServer(pairs[0][0], name="theta"))
-        return [base.url], [base.url]
-    servers = await stack.enter_async_context(launch_replicas(pairs))
-    return [theta.url for theta, _ in servers], [t.url for _, t in servers]
+    return with_ports(pairs)
+
+
+def run_plan(config: TaskConfig, *, plan_gpus: int | None = None) -> placement.Plan:
+    """Where the run's servers go (engines/placement.py): on this machine's GPUs (none on the CPU
+    build), or on `plan_gpus` GPUs numbered 0..N-1 for a dry run; a training run's learner GPU is
+    kept for the learner."""
+    visible = tuple(range(plan_gpus)) if plan_gpus is not None else visible_gpus()
+    learner = learner_gpu(config, planning=plan_gpus is not None) if visible is not None else None
+    return placement.plan(
+        config, replicas=config.replicas, visible=visible, learner_gpu=learner, teacher=config.teacher != "self"
+    )
+
+
+def learner_gpu(config: TaskConfig, *, planning: bool = False) -> int | None:
+    """The host number of a training run's learner GPU (None: no learner, or not on a GPU).
+
+    torch numbers the GPUs it sees from 0; under CUDA_VISIBLE_DEVICES, cuda:N is its N-th entry.
+    `planning` (a dry run for another machine): `--learner-device` as written (default cuda:0),
+    without asking torch whether the GPU is there, numbered as the plan's GPUs are."""
+    from dualvllm.training.config import TrainConfig
+    from dualvllm.training.device import device_of, learner_device
+
+    if not isinstance(config, TrainConfig):
+        return None
+    device = device_of(config.learner_device or "cuda:0") if planning else learner_device(config.learner_device)
+    if device.type != "cuda":
+        return None
+    index = device.index or 0
+    return index if planning else placement.host_gpu(index, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def describe_run(config: TaskConfig, *, plan_gpus: int | None = None) -> str:
+    """`train --dry-run` / `eval --dry-run`: the servers the run would start (engines/dry_run.py), or
+    why it starts none, and a training run's learner. Starts nothing and loads no model."""
+    from dualvllm.training.config import TrainConfig
+
+    run = config if isinstance(config, TrainConfig) else None  # None: an evaluation, without a learner
+    lines = []
+    if run is not None and run.engine == "transformers":
+        lines.append("--engine transformers: no server is started; the base and the teacher run in this process")
+    elif config.theta_urls:
+        lines.append(
+            f"no server is started: the run samples from --theta-urls {' '.join(config.theta_urls)}"
+            + (f" and --t-urls {' '.join(config.t_urls)}" if config.t_urls else "")
+        )
+    else:
+        log_dir = run.output_dir if run is not None else None
+        dev_mode = run is not None and run.method != "dpo"  # as grpo.py and dpo.py start them
+        pairs = server_configs(
+            config, config.base or str(tinymodels.BASE_DIR), log_dir=log_dir, dev_mode=dev_mode, plan_gpus=plan_gpus
+        )
+        named = server_names(pairs)
+        lines.append(describe_servers(named[:1] if config.teacher == "self" else named))
+        if run is not None and run.method == "dpo":
+            lines.append(
+                f"then, after training, the same servers on the trained model (logs in {log_dir}/final-servers)"
+            )
+    if run is not None:
+        lines.append(_learner_line(run, plan_gpus))
+    return "\n".join(lines)
+
+
+def _learner_line(config: TrainConfig, plan_gpus: int | None) -> str:
+    from dualvllm.training.device import autocast_dtype, device_of, learner_device
+
+    precision: str = config.mixed_precision
+    if plan_gpus is not None:
+        device = device_of(config.learner_device or ("cuda:0" if plan_gpus else "cpu"))
+        if device.type == "cuda" and (device.index or 0) >= plan_gpus:
+            raise InvalidInputError(f"--learner-device {device}: the plan has {plan_gpus} GPU(s) (--plan-gpus)")
+    else:
+        device = learner_device(config.learner_device)
+        dtype = autocast_dtype(device, config.mixed_precision)
+        computed = "float32" if dtype is None else f"{str(dtype).removeprefix('torch.')} autocast over float32 weights"
+        precision += f" ({computed})"
+    host = learner_gpu(config, planning=plan_gpus is not None)
+    where = f" (GPU {host} of the host)" if host is not None else ""
+    return f"learner: {device}{where}, mixed precision {precision}"

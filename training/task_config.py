@@ -15,12 +15,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from dualvllm import tinymodels
 from dualvllm.common.validation import RaisesInvalidInput
 from dualvllm.coordinator.config import CoordinatorConfig
 from dualvllm.coordinator.sequence import SamplingParams
+from dualvllm.engines import placement
 from dualvllm.training.config_sources import flag
 
 # The teacher may be the base model itself, shown the teacher's prompt: "self" on the base
@@ -52,8 +53,9 @@ TOY_MAX_TOKENS = 32
 TOY_LEARNING_RATE = 1e-4
 
 
-class TaskConfig(RaisesInvalidInput, BaseModel):
-    """What is sampled and how it is scored: the models, the data, the prompts and the rewards."""
+class TaskConfig(RaisesInvalidInput, placement.ServerOptions):
+    """What is sampled and how it is scored: the models, the data, the prompts and the rewards; and
+    the servers' options (placement per role, dtype, context: engines/placement.py's ServerOptions)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -257,6 +259,17 @@ class TaskConfig(RaisesInvalidInput, BaseModel):
             )
         if missing:
             raise ValueError(f"--base {self.base} is not one of the bundled tiny models; {'; and '.join(missing)}")
+        return self
+
+    @model_validator(mode="after")
+    def _servers_fit_their_gpus(self) -> TaskConfig:
+        """What the placement options say that can be checked before the machine is known."""
+        if self.theta_urls and (given := self.server_flags_given()):
+            raise ValueError(
+                f"{', '.join(given)} set the servers this run starts, and --theta-urls names running ones; "
+                "drop one or the other"
+            )
+        placement.check(self, replicas=self.replicas, teacher=self.teacher != "self")
         return self
 
     @model_validator(mode="after")

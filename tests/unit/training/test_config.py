@@ -19,6 +19,7 @@ from tests.recipes import QWEN_GSM8K, RECIPES, TINY_ARITH, TINY_HARD
 from dualvllm.tinymodels.task import HARD_TEST, HARD_TRAIN
 from dualvllm.training.config import DEFAULT_METHOD, METHOD_CLASSES, TRAIN_OPTIONS, DistillTrainConfig, EvalConfig, GRPOTrainConfig, TrainConfig
 from dualvllm.training.serving import coordinator_config
+from dualvllm.engines.placement import ServerOptions
 
 # What `dualvllm train --output-dir X` resolved to before the defaults became a real LLM's
 # (every field of the one TrainConfig then, but output_dir and method; written out from it).
@@ -49,7 +50,9 @@ NEW_FIELDS = {"coordinator", "micro_batch_size", "gradient_checkpointing", "weig
               "retained_dataset", "kl_from_start_prompts", "kl_from",
               # --method adaptive's own (training/regimes.py)
               "guided_alpha", "probe_rollouts", "pass_rate_decay", "never_enter", "never_exit", "always_enter",
-              "always_exit", "solved_weight"}
+              "always_exit", "solved_weight",
+              # the servers' options, shared with serve and eval (engines/placement.py)
+              *ServerOptions.model_fields}
 
 
 @pytest.fixture(autouse=True)
@@ -107,6 +110,8 @@ def test_the_tiny_arith_recipe_is_what_train_did_by_default_before(tmp_path, met
 def test_eval_reads_the_tiny_arith_recipe_as_it_read_its_old_defaults():
     values = dumped(EvalConfig.parse(config_file=TINY_ARITH))
     assert values.pop("coordinator") == dumped(CoordinatorConfig())
+    servers = {name: values.pop(name) for name in ServerOptions.model_fields}  # added since, all unset
+    assert servers == json.loads(ServerOptions().model_dump_json())
     assert values == OLD_EVAL_DEFAULTS  # the recipe's training options (steps, learning rate) are skipped
 
 
