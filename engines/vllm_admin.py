@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import aiohttp
@@ -31,6 +32,33 @@ SERVED_DTYPES = frozenset({"bfloat16", "float16", "float32"})
 # What /pause does with requests in flight (vLLM 0.32's `mode`): wait for them to finish,
 # abort them, or keep them queued until /resume.
 PauseMode = Literal["wait", "abort", "keep"]
+# vLLM's dense NCCL weight-transfer engine (--weight-transfer-config '{"backend": "nccl"}').
+NCCL_BACKEND = "nccl"
+
+
+def replica_init_infos(init_info: dict[str, Any], world_sizes: Sequence[int]) -> list[dict[str, Any]]:
+    """One base replica's init payload each, for one trainer group across all of them.
+
+    An NCCL-style payload (it has `rank_offset`) names where the first replica's workers
+    start; the replicas' workers then take consecutive ranks, replica i from `rank_offset`
+    plus the world sizes (TP x PP x DP) of the replicas before it, so no two workers claim
+    the same rank. Its `world_size` must hold them all. Any other payload (the shared-memory
+    engine's) goes to every replica as it is.
+    """
+    if "rank_offset" not in init_info:
+        return [dict(init_info) for _ in world_sizes]
+    first, total = init_info["rank_offset"], init_info.get("world_size")
+    if not isinstance(first, int) or not isinstance(total, int):
+        raise WeightSyncError(f"init_info's rank_offset and world_size must be integers (got {first!r} and {total!r})")
+    offsets = [first + sum(world_sizes[:i]) for i in range(len(world_sizes))]
+    if first + sum(world_sizes) > total:
+        raise WeightSyncError(
+            f"init_info's world_size {total} cannot hold the base replicas' workers: ranks {first} to "
+            f"{first + sum(world_sizes) - 1} for world sizes {list(world_sizes)} (TP x PP x DP each). Size "
+            f"the group as rank_offset + the sum of their world sizes ({first + sum(world_sizes)}); "
+            "GET /get_world_size gives that sum"
+        )
+    return [{**init_info, "rank_offset": offset} for offset in offsets]
 
 
 class VLLMAdmin:
@@ -206,6 +234,11 @@ class VLLMAdmin:
     async def finish_weight_update(self, weight_version: str | None = None, *, timeout_s: float) -> None:
         payload = None if weight_version is None else {"weight_version": weight_version}
         await self._transfer_phase("/finish_weight_update", payload, timeout_s)
+
+    async def shutdown_weight_transfer_engine(self, *, timeout_s: float) -> None:
+        """Release the server's side of the transfer (an NCCL group's communicator); the server
+        keeps serving, and a later init opens a new one."""
+        await self._transfer_phase("/shutdown_weight_transfer_engine", None, timeout_s)
 
     async def world_size(self, include_dp: bool = True) -> int:
         """The server's worker count (TP x PP, x DP with `include_dp`): GET /get_world_size (dev mode)."""

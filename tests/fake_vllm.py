@@ -125,6 +125,8 @@ class FakeVLLM:
     completion_delay_s: float = 0.0  # every /v1/completions answer waits this long (a slow model)
     dtype: str | None = "float32"  # what dev-mode /server_info names; None = no such route (not dev mode)
     scale_out: bool = True  # /inference/v1/generate answers (vLLM's --enable-scale-out); False: a 403, as vLLM's
+    world_size: int = 1  # what dev-mode /get_world_size answers (TP x PP x DP)
+    weight_transfer_backend: str | None = "dualvllm_shm"  # /server_info's weight_transfer_config backend (None: none)
     failures: dict[str, deque[Failure]] = field(default_factory=lambda: defaultdict(deque))
     calls: dict[str, list[dict]] = field(default_factory=lambda: defaultdict(list))
     order: list[str] = field(default_factory=list)  # the path of every request, in arrival order
@@ -161,7 +163,7 @@ class FakeVLLM:
             app.router.add_get("/get_world_size", self._world_size)
             app.router.add_get("/weight_info", self._weight_info)
             for phase in ("init_weight_transfer_engine", "start_weight_update", "update_weights",
-                          "finish_weight_update"):
+                          "finish_weight_update", "shutdown_weight_transfer_engine"):
                 app.router.add_post(f"/{phase}", self._transfer_phase)
         self.running.set()
         self.server = TestServer(app, host="127.0.0.1")
@@ -246,12 +248,13 @@ class FakeVLLM:
         # vLLM dumps its config with fallback=str, so the dtype reads "torch.bfloat16".
         return web.json_response({"vllm_config": {"model_config": {"dtype": f"torch.{self.dtype}",
                                                                    "logprobs_mode": "raw_logprobs"},
-                                                  "weight_transfer_config": {"backend": "dualvllm_shm"},
+                                                  "weight_transfer_config": None if self.weight_transfer_backend is None
+                                                  else {"backend": self.weight_transfer_backend},
                                                   "parallel_config": {"data_parallel_size": 1}, "lora_config": None},
                                   "vllm_env": {}, "system_env": {}})
 
     async def _world_size(self, request: web.Request) -> web.Response:
-        return web.json_response({"world_size": 1})
+        return web.json_response({"world_size": self.world_size})
 
     async def _weight_info(self, request: web.Request) -> web.Response:
         finished = [b for b in self.calls["/finish_weight_update"] if b]

@@ -173,6 +173,7 @@ class GRPORecipe:
         )
         probes = [list(t.prompt_ids) for t in self.problems.held_out[:PUSH_PROBES]]
         self.pusher = BasePusher(self.coordinator.base_engine, probes, via=config.weights_via)
+        self._stack.push_async_callback(self.pusher.close)  # the run's NCCL group ends before its servers
         if config.theta_urls:  # servers started elsewhere serve whatever they were given: make it ours
             await self.pusher.push(self.learner.model, self.tokenizer, new_push_dir(self.out, self.state.step))
 

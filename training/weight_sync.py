@@ -46,7 +46,7 @@ import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
@@ -54,8 +54,13 @@ import numpy as np
 from dualvllm.common.errors import ServerConnectError, ServerError, WeightSyncError
 from dualvllm.engines.pool import as_pool, live_members, vllm_members
 from dualvllm.engines.protocol import Engine, TopKBatch
+from dualvllm.engines.vllm_admin import NCCL_BACKEND
 from dualvllm.engines.vllm_client import VLLMClient
+from dualvllm.engines.weight_transfer import BACKEND as SHM_BACKEND
 from dualvllm.engines.weights_dir import checked_weights_dir
+
+if TYPE_CHECKING:
+    from dualvllm.training.nccl_push import NcclGroup
 
 log = logging.getLogger("dualvllm.training")
 
@@ -286,6 +291,14 @@ def _device(model: Any) -> Any:
     return next(model.parameters()).device
 
 
+def _on_cuda(device: Any) -> bool:
+    """Whether the learner's tensors are on CUDA (`device` None: whether this process sees a GPU,
+    where the learner goes by default)."""
+    import torch
+
+    return torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
+
+
 def push_metrics(report: PushReport) -> dict[str, Any]:
     """A push's cost for metrics.jsonl, the TRL callback's logs and /metrics: how it went, bytes
     moved (in memory) and seconds by phase (memory: init, start, send, finish, reset, verify;
@@ -327,6 +340,8 @@ class BasePusher:
         self._top_k, self._given_tolerance = top_k, tolerance
         self._via = via
         self._in_memory: bool | None = None  # decided at the first push
+        self._backend: str | None = None  # the servers' weight-transfer engine pushes go through; None: the disk
+        self._group: NcclGroup | None = None  # the run's NCCL group, opened at the first NCCL push
         self._dtype: str | None = None  # the base servers', asked once
         # The newest push: how to send it to one more replica, and what that replica must answer.
         self._newest: tuple[Callable[[VLLMClient], Awaitable[PushReport]], np.ndarray] | None = None
@@ -340,27 +355,42 @@ class BasePusher:
             self._dtype = await served_dtype(_vllm(self._first()))
         return self._dtype
 
-    async def in_memory(self) -> bool:
-        """Whether pushes go through the servers' memory (decided once, logged once)."""
+    async def in_memory(self, device: Any = None) -> bool:
+        """Whether pushes go through the servers' memory, for a learner on `device` (None: the first
+        CUDA device when there is one); decided once, at the first call, and logged once."""
+        return await self._route(device) is not None
+
+    async def _route(self, device: Any) -> str | None:
+        """The base servers' weight-transfer backend the pushes use, or None for the disk: their
+        shared-memory engine, or vLLM's NCCL engine for a learner on CUDA (never over the disk
+        when `via` is "memory": the reason is raised)."""
         if self._in_memory is None:
             backend = None if self._via == "disk" else await _vllm(self._first()).admin.weight_transfer_backend()
-            if self._via == "memory" and backend is None:
+            usable = backend == SHM_BACKEND or (backend == NCCL_BACKEND and _on_cuda(device))
+            why = {
+                None: "the base server was started without --weight-transfer-config",
+                NCCL_BACKEND: f"its {NCCL_BACKEND!r} engine takes tensors from CUDA; the learner is on {device or 'the CPU'}",
+            }.get(backend, f"dualvllm pushes through {SHM_BACKEND!r} or {NCCL_BACKEND!r}, not {backend!r}")
+            why = "as asked (weights_via disk)" if self._via == "disk" else why
+            if self._via == "memory" and not usable:
                 raise WeightSyncError(
-                    f"weights_via is 'memory', but the base server at {_vllm(self._first()).url} "
-                    "has no weight-transfer engine: start it with dev mode and "
-                    "--weight-transfer-config (ServerConfig.weight_transfer), or push via the disk"
+                    f"weights_via is 'memory', but the base server at {_vllm(self._first()).url} cannot take the "
+                    f"learner's weights in memory: {why}. Start it with dev mode and --weight-transfer-config "
+                    "(ServerConfig.weight_transfer), put the learner on CUDA for nccl, or push via the disk"
                 )
-            self._in_memory = backend is not None
-            if self._in_memory:
+            self._in_memory = usable
+            self._backend = backend if usable else None
+            if usable:
                 log.info("weights are pushed in memory, through the base servers' %r weight-transfer engine", backend)
             else:
-                log.info(
-                    "weights are pushed through the disk (a checkpoint the base servers reload): %s",
-                    "as asked (weights_via disk)"
-                    if self._via == "disk"
-                    else "the base server was started without --weight-transfer-config",
-                )
-        return self._in_memory
+                log.info("weights are pushed through the disk (a checkpoint the base servers reload): %s", why)
+        return self._backend
+
+    async def close(self) -> None:
+        """End the run's NCCL group, if pushes opened one (bounded; a no-op otherwise)."""
+        if self._group is not None:
+            group, self._group = self._group, None
+            await group.close()
 
     def _first(self) -> Engine:
         return live_members(self._single)[0]
@@ -376,7 +406,7 @@ class BasePusher:
         """Push `model`'s weights into every base replica, in the servers' dtype, and verify each:
         in memory, or saved to the new directory `out_dir` and reloaded from there."""
         dtype = await self.served_dtype()
-        if not await self.in_memory():
+        if not await self.in_memory(_device(model)):
             started = time.perf_counter()
             expected = await save_for_push(model, tokenizer, out_dir, self._probes, dtype=dtype)
             saved = time.perf_counter()
@@ -394,6 +424,8 @@ class BasePusher:
         # LoRA changes only the decoder layers it adapts: the servers keep the rest from their start
         # (a restarted replica too, from the same base checkpoint).
         only = lora.adapted_names(model) if lora.is_lora(model) else None
+        if self._backend == NCCL_BACKEND:
+            return await self._push_nccl(model, expected, dtype, only, out_dir.name)
 
         async def send(client: VLLMClient, previous: np.ndarray | None = previous) -> PushReport:
             return await weight_transfer.transfer_and_verify(
@@ -415,6 +447,46 @@ class BasePusher:
             f"the in-memory push {out_dir.name}",
             catch_up=lambda client: send(client, None),
         )
+
+    async def _push_nccl(
+        self, model: Any, expected: np.ndarray, dtype: str, only: set[str] | None, version: str
+    ) -> PushReport:
+        """One send to every replica of the run's NCCL group (dualvllm.training.nccl_push), then each
+        replica verified on its own; one that serves other weights is taken out of the pool."""
+        import torch
+
+        from dualvllm.training import nccl_push, weight_transfer
+        from dualvllm.training.learner_source import LearnerSource
+
+        started = time.perf_counter()
+        if self._group is not None and not self._group.sends(model):  # another model: a group of its own
+            await self.close()
+        if self._group is None:
+            members = [_vllm(m) for m in live_members(self._single)]
+            source = LearnerSource(model, getattr(torch, dtype), only=only)
+            self._group = await nccl_push.NcclGroup.open(members, source, _device(model))
+        sent = await self._group.push(version)
+        stats = weight_transfer.TransferStats(bytes=sent.bytes, chunks=1, tensors=sent.tensors, seconds=sent.seconds)
+        previous = None if self._newest is None else self._newest[1]
+
+        async def verify(client: VLLMClient, wait_s: float) -> PushReport:
+            return await weight_transfer.verify_transfer(
+                client,
+                model,
+                self._probes,
+                expected,
+                stats,
+                top_k=self._top_k,
+                tolerance=self._tolerance,
+                previous=previous,
+                started=started,
+                via="nccl",
+            )
+
+        async def refuse(client: VLLMClient) -> PushReport:  # a restarted server is not in the group
+            raise WeightSyncError(f"{client.url} cannot rejoin the run's NCCL group, fixed at its first push")
+
+        return await self._push_each(verify, expected, f"the NCCL push {version}", catch_up=refuse)
 
     async def push_saved(self, out_dir: Path, expected: np.ndarray) -> PushReport:
         """Reload the checkpoint in `out_dir` (written in `served_dtype()`, see `write_push`) into

@@ -5,9 +5,10 @@
 
 The learner's weights go straight from its memory into the server's, through the server's
 weight-transfer engine: on the CPU build dualvllm's shared-memory engine (engines/
-weight_transfer.py), driven by `SharedMemoryTrainerEngine` below; on GPUs vLLM's NCCL engine
-would be driven the same way, through the same `WeightTransferTrainerFactory` and the same
-`LearnerSource` (that path has not run here: no GPU). The trainer code is vLLM's own where
+weight_transfer.py), driven by `SharedMemoryTrainerEngine` below, one server at a time; on
+GPUs vLLM's NCCL engine, one group for every base replica kept for the run (dualvllm.training.
+nccl_push), through the same `WeightTransferTrainerFactory` and the same `LearnerSource`
+(dualvllm.training.learner_source); both are checked by `verify_transfer`. The trainer code is vLLM's own where
 the pinned version has it: `WeightSource`, `TrainerWeightTransferEngine`, the factory and
 `layerwise_groups`; the HTTP calls are dualvllm.engines.vllm_client's, bridged to vLLM's synchronous
 `VLLMWeightSyncClient` protocol.
@@ -34,7 +35,6 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 from vllm.distributed.weight_transfer import (
-    ParamMeta,
     TrainerWeightTransferEngine,
     WeightSource,
     WeightTransferTrainerFactory,
@@ -45,6 +45,7 @@ from dualvllm.common.errors import ServerError, ServerRejectedError, ServerUnava
 from dualvllm.engines.vllm_client import VLLMClient
 from dualvllm.engines.weight_transfer import BACKEND, SEGMENT_PREFIX, ShmInitInfo, ShmUpdateInfo, aligned, segment_path
 from dualvllm.training import lora
+from dualvllm.training.learner_source import LearnerSource
 from dualvllm.training.weight_sync import (
     PushReport,
     compare_logprobs,
@@ -75,49 +76,6 @@ class TransferStats:
     chunks: int = 0
     tensors: int = 0
     seconds: dict[str, float] = field(default_factory=dict)  # init, start, send (write + load), finish
-
-
-class LearnerSource(WeightSource):
-    """The learner's weights under checkpoint names, in the order vLLM's groups expect.
-
-    A LoRA model yields its merged weights (W + scale * B A, computed one module at a time, never
-    all at once). Tensors that share storage (tied embeddings) are yielded once, as the
-    checkpoint on disk would hold them. `only` restricts the stream to whole decoder layers
-    (vLLM's `layerwise_groups`) that hold one of these names.
-    """
-
-    def __init__(self, model: Any, dtype: torch.dtype, only: set[str] | None = None) -> None:
-        self._model, self._dtype = model, dtype
-        names = [name for name, _ in self._tensors(merge=False)]
-        self._names = names
-        if only is not None:
-            from vllm.distributed.weight_transfer.base import layerwise_groups
-
-            keep = {n for group in layerwise_groups(names) if only & set(group) for n in group}
-            self._names = [n for n in names if n in keep]
-
-    def metadata(self) -> list[ParamMeta]:
-        wanted = set(self._names)
-        return [
-            ParamMeta(name, self._dtype, tuple(tensor.shape))
-            for name, tensor in self._tensors(merge=False)
-            if name in wanted
-        ]
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        wanted = set(self._names)
-        return ((name, tensor) for name, tensor in self._tensors(merge=True) if name in wanted)
-
-    def _tensors(self, *, merge: bool) -> Iterator[tuple[str, torch.Tensor]]:
-        if lora.is_lora(self._model):
-            yield from lora.merged_items(self._model, merge=merge)
-            return
-        seen = set()
-        for name, tensor in self._model.state_dict().items():
-            key = (tensor.data_ptr(), tuple(tensor.shape))
-            if key not in seen:
-                seen.add(key)
-                yield name, tensor.detach()
 
 
 @dataclass
@@ -436,6 +394,27 @@ async def transfer_and_verify(
         raise
     if fenced:
         await client.admin.resume()
+    return await verify_transfer(
+        client, model, probes, expected, stats, top_k=top_k, tolerance=tolerance, previous=previous, started=started
+    )
+
+
+async def verify_transfer(
+    client: VLLMClient,
+    model: Any,
+    probes: Sequence[Sequence[int]],
+    expected: np.ndarray,
+    stats: TransferStats,
+    *,
+    top_k: int,
+    tolerance: float,
+    previous: np.ndarray | None,
+    started: float,
+    via: str = "memory",
+) -> PushReport:
+    """Check, after an in-memory push that `stats` describes (begun at `started`, perf_counter),
+    that the server serves `model`'s weights on the probes; WeightSyncError says what it serves instead."""
+    stats = TransferStats(stats.bytes, stats.chunks, stats.tensors, dict(stats.seconds))  # this server's own times
     verify = time.perf_counter()
     diff = compare_logprobs(await client.next_token_topk(probes, top_k), expected)
     stats.seconds["verify"] = time.perf_counter() - verify
@@ -449,10 +428,11 @@ async def transfer_and_verify(
         )
     stats.seconds["total"] = time.perf_counter() - started
     log.info(
-        "pushed %.1f MB in %d chunks to %s in memory in %.2f s (%s); max |logprob diff| %.2e on %d probes",
+        "pushed %.1f MB in %d chunks to %s in memory (%s) in %.2f s (%s); max |logprob diff| %.2e on %d probes",
         stats.bytes / 1e6,
         stats.chunks,
         client.url,
+        via,
         stats.seconds["total"],
         ", ".join(f"{k} {v:.2f} s" for k, v in stats.seconds.items() if k != "total"),
         diff.max_abs_diff,
@@ -463,7 +443,7 @@ async def transfer_and_verify(
         max_abs_diff=diff.max_abs_diff,
         probes=len(probes),
         reload_sends=1,
-        via="memory",
+        via=via,
         bytes_moved=stats.bytes,
         seconds=dict(stats.seconds),
     )
