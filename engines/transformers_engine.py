@@ -24,7 +24,7 @@ import contextlib
 import inspect
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 import numpy as np
@@ -37,7 +37,6 @@ from dualvllm.engines.protocol import PAD_TOKEN_ID, Draft, ModelInfo, TopKBatch,
 if TYPE_CHECKING:
     import torch
 
-Device = Literal["auto", "cpu", "cuda"]
 # topk_logprobs' chunk of rows, 4 MB of float32: glibc maps every allocation above 32 MB afresh
 # (page faults on each step), smaller ones are reused.
 LOGITS_PER_PASS = 1 << 20
@@ -46,14 +45,18 @@ T = TypeVar("T")
 
 
 class TransformersEngine:
-    """A causal LM in this process; implements `dualvllm.engines.protocol.Engine`."""
+    """A causal LM in this process; implements `dualvllm.engines.protocol.Engine`.
+
+    `device`: auto (the first GPU when torch sees one, else the CPU), cpu, cuda or cuda:N; the
+    engines of `--engine transformers` take the learner's (dualvllm.training.inprocess).
+    """
 
     def __init__(
         self,
         model: str | Path,
         *,
         name: str = "model",
-        device: Device = "auto",
+        device: str = "auto",
         dtype: str = "float32",
         kv_cache: bool = True,
         max_model_len: int | None = None,
@@ -112,12 +115,7 @@ class TransformersEngine:
         if self._model is None:  # not a live model (that one is used where it is)
             if not Path(self.model_path).exists():
                 raise InvalidInputError(f"{self.name} model directory {self.model_path} does not exist")
-            cuda = torch.cuda.is_available()
-            if self._device_choice == "cuda" and not cuda:
-                raise InvalidInputError(f"{self.name} engine asked for device 'cuda' but torch sees no GPU")
-            device = torch.device(
-                "cuda" if self._device_choice == "cuda" or (self._device_choice == "auto" and cuda) else "cpu"
-            )
+            device = engine_device(self._device_choice, self.name)
             dtype = getattr(torch, self._dtype_name, None)
             if not isinstance(dtype, torch.dtype):
                 raise InvalidInputError(f"unknown dtype {self._dtype_name!r}; use float32, bfloat16 or float16")
@@ -244,6 +242,24 @@ class TransformersEngine:
     def _require_open(self) -> None:
         if self._state != "open" or self._model is None:
             raise LifecycleError(f"{self.name} engine is not open; use `async with TransformersEngine(...)`")
+
+
+def engine_device(choice: str, name: str) -> torch.device:
+    """The engine's device from its `device` option: auto, cpu, cuda or cuda:N."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if choice == "auto":
+        return torch.device("cuda" if cuda else "cpu")
+    try:
+        device = torch.device(choice)
+    except RuntimeError as err:
+        raise InvalidInputError(f"{name} engine: device {choice!r} is not auto, cpu, cuda or cuda:N") from err
+    if device.type == "cuda" and not cuda:
+        raise InvalidInputError(f"{name} engine asked for device {choice!r} but torch sees no GPU")
+    if device.type not in ("cpu", "cuda"):
+        raise InvalidInputError(f"{name} engine: device {choice!r} is not auto, cpu, cuda or cuda:N")
+    return device
 
 
 def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -7,6 +7,21 @@ from tests import processes
 from tests.fake_vllm import FakeModel, FakeVLLM
 
 
+def pytest_collection_modifyitems(config, items):
+    """Every `gpu`-marked test is skipped, with the reason, where torch sees no CUDA device (torch is
+    imported only when such a test is collected)."""
+    marked = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not marked:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=f"needs a CUDA device; torch {torch.__version__} sees none")
+    for item in marked:
+        item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def end_started_processes():
     """Every process a test started through tests.processes.start ends with the test, on

@@ -38,6 +38,7 @@ from pydantic import BaseModel, Field, TypeAdapter, ValidationError, model_valid
 from dualvllm.common.errors import InvalidInputError
 from dualvllm.coordinator.config import CoordinatorConfig
 from dualvllm.training.config_sources import Sources, flag
+from dualvllm.training.device import MixedPrecision, check_choice
 from dualvllm.training.losses import Correction, Normalization
 from dualvllm.training.regimes import Regimes
 from dualvllm.training.task_config import TOY_LEARNING_RATE, TaskConfig, bundled
@@ -125,6 +126,17 @@ class TrainConfig(TaskConfig):
     lora_alpha: int = Field(
         32, ge=1, description="LoRA scaling numerator (peft's lora_alpha); used when lora_rank > 0."
     )
+    learner_device: str | None = Field(
+        None,
+        description="Where the learner runs (cpu, cuda, cuda:N): the model, its reference and start copies, the "
+        "batches and the in-process engines; None = the first CUDA device torch sees, else the CPU "
+        "(training/device.py).",
+    )
+    mixed_precision: MixedPrecision = Field(
+        "auto",
+        description="Autocast of the learner's forward passes over float32 master weights: bf16, fp16 (CUDA "
+        "only, with loss scaling) or no; auto = bf16 on a CUDA device that supports it natively, else no.",
+    )
 
     @classmethod
     def parse(cls, config_file: Path | None = None, **values: Any) -> TrainConfig:
@@ -175,6 +187,7 @@ class TrainConfig(TaskConfig):
     @model_validator(mode="after")
     def _run_is_consistent(self) -> TrainConfig:
         given = self.model_fields_set
+        check_choice(self.learner_device, self.mixed_precision)
         if "lora_alpha" in given and self.lora_rank == 0:
             raise ValueError(
                 "--lora-alpha scales LoRA adapters, and lora_rank is 0 (full fine-tuning); "

@@ -1,8 +1,9 @@
 """Where the learner runs, and in what precision: resolved once per run from `--learner-device`
 and `--mixed-precision`, and read by everything that makes a tensor for it.
 
+    check_choice(spec, precision)    what is wrong on any machine, refused when the config is read
     learner_device(None)      cuda:0 when torch sees a GPU, else cpu
-    learner_device("cuda:1")  that GPU (refused when torch does not see it)
+    learner_device("cuda:1")  that GPU (refused when torch does not see it, when the run starts)
     autocast_dtype(device, "auto")   bfloat16 on a CUDA device that supports it, else None (float32)
 
 The learner keeps float32 master weights whatever the precision: autocast runs the matmuls in
@@ -23,16 +24,35 @@ from dualvllm.common.errors import InvalidInputError
 MixedPrecision = Literal["auto", "no", "bf16", "fp16"]
 
 
-def learner_device(spec: str | None) -> torch.device:
-    """The learner's device from `--learner-device` (None: the first CUDA device when there is one, else the CPU)."""
-    if spec is None:
-        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+def check_choice(spec: str | None, precision: MixedPrecision) -> None:
+    """Refuse what is wrong on any machine: a `--learner-device` that is no learner device, fp16 on the CPU.
+
+    Whether the GPU exists is left to `learner_device`, asked when the run starts: a plan for a
+    GPU machine (`--dry-run`) is written and checked on machines without one.
+    """
+    if spec is not None:
+        _precision_fits(device_of(spec), precision)
+
+
+def device_of(spec: str) -> torch.device:
+    """`--learner-device` as a torch device the learner can run on (cpu, cuda, cuda:N; meta for plans and
+    tests), without asking whether the hardware is there."""
     try:
         device = torch.device(spec)
     except RuntimeError as err:
         raise InvalidInputError(
             f"--learner-device {spec!r} is not a torch device (cpu, cuda, cuda:1, ...): {err}"
         ) from err
+    if device.type not in ("cpu", "cuda", "meta"):
+        raise InvalidInputError(f"--learner-device {spec}: the learner runs on cpu or cuda, not {device.type}")
+    return device
+
+
+def learner_device(spec: str | None) -> torch.device:
+    """The learner's device from `--learner-device` (None: the first CUDA device when there is one, else the CPU)."""
+    if spec is None:
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    device = device_of(spec)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise InvalidInputError(
@@ -46,8 +66,6 @@ def learner_device(spec: str | None) -> torch.device:
                 "(CUDA_VISIBLE_DEVICES renumbers them from 0); give one of them"
             )
         return torch.device("cuda", index)
-    if device.type not in ("cpu", "meta"):
-        raise InvalidInputError(f"--learner-device {spec}: the learner runs on cpu or cuda, not {device.type}")
     return device
 
 
@@ -61,13 +79,19 @@ def autocast_dtype(device: torch.device, precision: MixedPrecision) -> torch.dty
     if precision == "no" or device.type == "meta":
         return None
     if precision == "auto":
-        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        # Emulated bf16 (before Ampere) is slower than float32: auto takes native support only.
+        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
         return torch.bfloat16 if cuda_bf16 else None
-    if precision == "fp16" and device.type != "cuda":
-        raise InvalidInputError(
-            "--mixed-precision fp16 needs a CUDA learner (float16 autocast on the CPU is not supported); use bf16 or no"
-        )
+    _precision_fits(device, precision)
     return torch.bfloat16 if precision == "bf16" else torch.float16
+
+
+def _precision_fits(device: torch.device, precision: MixedPrecision) -> None:
+    if precision == "fp16" and device.type == "cpu":
+        raise InvalidInputError(
+            "--mixed-precision fp16 needs a CUDA learner (float16 autocast on the CPU is not supported); "
+            "use --mixed-precision bf16 or no, or --learner-device cuda"
+        )
 
 
 @contextlib.contextmanager
@@ -78,3 +102,10 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> Iterator[None]:
         return
     with torch.autocast(device_type=device.type, dtype=dtype):
         yield
+
+
+def describe(device: torch.device, dtype: torch.dtype | None) -> str:
+    """How the learner computes, for the run's log: "cuda:0, bfloat16 autocast over float32 weights"."""
+    if dtype is None:
+        return f"{device}, float32"
+    return f"{device}, {str(dtype).removeprefix('torch.')} autocast over float32 weights"

@@ -101,7 +101,11 @@ class DPORecipe:
             self.cleanup()
 
     def setup(self) -> None:
-        """Inputs (checked before any server starts) and the verifier pool."""
+        """The learner's device, inputs (both checked before any server starts) and the verifier pool."""
+        from dualvllm.training.device import autocast_dtype, learner_device
+
+        self.device = learner_device(self.config.learner_device)
+        self.precision = autocast_dtype(self.device, self.config.mixed_precision)
         inputs = prepare(self.config)
         self.base_dir, self.tokenizer, self.problems = inputs.base_dir, inputs.tokenizer, inputs.problems
         self.chosen = self.problems.train[: self.config.steps * self.config.prompts_per_step]
@@ -151,7 +155,9 @@ class DPORecipe:
 
         config = self.config
         torch.manual_seed(config.seed)
-        model = AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=torch.float32)
+        if self.device.type == "cuda":  # accelerate puts a single-process run on the current device ("cuda")
+            torch.cuda.set_device(self.device)
+        model = AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=torch.float32)  # the master weights
         args = DPOConfig(
             output_dir=str(self.out / "trl"),
             per_device_train_batch_size=32,
@@ -160,7 +166,9 @@ class DPORecipe:
             beta=config.dpo_beta,
             save_strategy="no",
             report_to=[],
-            use_cpu=not torch.cuda.is_available(),
+            use_cpu=self.device.type == "cpu",
+            bf16=self.precision == torch.bfloat16,  # transformers' autocast over the float32 weights
+            fp16=self.precision == torch.float16,
             seed=config.seed,
             logging_steps=5,
             disable_tqdm=not self.show_progress,

@@ -32,4 +32,4 @@ def state_kl(model: Any, start: Any, packed: Packed, *, chunk: int) -> torch.Ten
         logp0 = torch.log_softmax(start_head(start_hidden[i : i + chunk]).double(), dim=-1)  # [N, V]
         pieces.append((logp.exp() * (logp - logp0)).sum(-1))  # [N]
     per_state = torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float64)  # [M]
-    return torch.zeros(real.shape, dtype=torch.float64).index_put((real,), per_state).sum(1)  # [B]
+    return per_state.new_zeros(real.shape).index_put((real,), per_state).sum(1)  # [B]

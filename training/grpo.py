@@ -36,6 +36,7 @@ from dualvllm.training import checkpoint, lora, untie
 from dualvllm.training.checkpoint import RunState
 from dualvllm.training.config import AdaptiveTrainConfig, StreamingTrainConfig
 from dualvllm.training.curriculum import Curriculum
+from dualvllm.training.device import autocast_dtype, describe, learner_device
 from dualvllm.training.inprocess import in_process
 from dualvllm.training.forgetting import state_kl
 from dualvllm.training.learner import Learner, Objective, pack
@@ -129,6 +130,8 @@ class GRPORecipe:
         from transformers import AutoModelForCausalLM
 
         config = self.config
+        device = learner_device(config.learner_device)  # a GPU that is not there: refused before anything loads
+        precision = autocast_dtype(device, config.mixed_precision)
         newest = checkpoint.latest(self.out) if self.resume and self.out.is_dir() else None
         inputs = prepare(config, resume=self.resume)
         self.tokenizer, self.problems = inputs.tokenizer, inputs.problems
@@ -140,11 +143,15 @@ class GRPORecipe:
             model = AutoModelForCausalLM.from_pretrained(start_dir, dtype=torch.float32)
             if config.lora_rank:
                 model = lora.wrap(model, rank=config.lora_rank, alpha=config.lora_alpha)
+        model = model.to(device)  # loaded on the CPU in float32: the master weights, wherever they train
+        log.info("learner on %s", describe(device, precision))
         if config.engine == "vllm":
             untie.refuse_tied(model, start_dir)
         if config.kl_from_start_prompts:  # the run's start, also when resuming: the base, not the checkpoint
             start = config.kl_from or inputs.base_dir
-            self._start = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32).eval()
+            # Typed as the Module it is: mypy does not bind transformers' wrapped `to` to the instance.
+            frozen: torch.nn.Module = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32)
+            self._start = frozen.to(device).eval()
             self._start.requires_grad_(False)
         self.learner = Learner(
             model,
@@ -154,6 +161,7 @@ class GRPORecipe:
             micro_batch_size=config.micro_batch_size,
             gradient_checkpointing=config.gradient_checkpointing,
             weight_decay=config.weight_decay,
+            autocast_dtype=precision,
         )
         self.state = checkpoint.load_state(newest, self.learner.optimizer) if newest is not None else RunState(0, 0, 0)
         if newest is not None:
@@ -215,7 +223,7 @@ class GRPORecipe:
                     state_kl(
                         learner.model,
                         self._start,
-                        pack(rollouts[i : i + size], learner.pad_id),
+                        pack(rollouts[i : i + size], learner.pad_id, device=learner.device),
                         chunk=learner.logit_chunk_size,
                     )
                     for i in range(0, len(rollouts), size)

@@ -27,7 +27,9 @@ from dualvllm.training.serving import coordinator_config
 async def in_process(
     config: TrainConfig, model: Any, tokenizer: Any, *, batch_size: int
 ) -> AsyncIterator[tuple[DualVLLMCoordinator, TransformersEngine]]:
-    """(coordinator, the base's live engine) over `model` and the run's teacher."""
+    """(coordinator, the base's live engine) over `model` and the run's teacher, the teacher on
+    `model`'s device (the learner's: --learner-device)."""
+    device = str(next(model.parameters()).device)
     async with contextlib.AsyncExitStack() as stack:
         base = await stack.enter_async_context(TransformersEngine.live(model, tokenizer, name="theta"))
         if config.teacher == "self":
@@ -38,7 +40,7 @@ async def in_process(
                 if config.teacher == "self-frozen"
                 else (config.teacher or tinymodels.TEACHER_DIR)
             )
-            teacher = await stack.enter_async_context(TransformersEngine(path, name="t"))
+            teacher = await stack.enter_async_context(TransformersEngine(path, name="t", device=device))
         coordinator = await stack.enter_async_context(
             DualVLLMCoordinator(
                 coordinator_config(config, batch_size=batch_size, mode="per_token"), theta_engine=base, t_engine=teacher

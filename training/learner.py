@@ -28,10 +28,12 @@ from dataclasses import dataclass
 from typing import Any
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from dualvllm.training import lora
+from dualvllm.training.device import autocast
 from dualvllm.training.distill import sft_loss, teacher_advantages, topk_divergence
 from dualvllm.training.logprobs import body_and_head, last_hidden_states, selected_logprobs
 from dualvllm.training.losses import Correction, Normalization, advantages as group_advantages, normalize, policy_loss
@@ -97,36 +99,54 @@ class Packed:
     teacher_logprobs: torch.Tensor | None  # [B, T, k] their logprobs (-inf in padding)
 
 
-def pack(rollouts: Sequence[Rollout], pad_id: int) -> Packed:
+def pack(rollouts: Sequence[Rollout], pad_id: int, *, device: torch.device | str = "cpu") -> Packed:
+    """`rollouts` as padded tensors on `device` (the model's).
+
+    Filled row by row in host arrays, then each copied to the device once: filling a CUDA
+    tensor row by row would copy every row on its own.
+    """
     width_t = max(len(r.completion_ids) for r in rollouts)
     width = max(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
     batch = len(rollouts)
-    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
-    attention = torch.zeros((batch, width), dtype=torch.long)
-    targets = torch.zeros((batch, width_t), dtype=torch.long)
-    target_mask = torch.zeros((batch, width_t))
-    behaviour = torch.zeros((batch, width_t), dtype=torch.float64)
-    starts = torch.zeros(batch, dtype=torch.long)
-    teacher = torch.zeros((batch, width_t), dtype=torch.float64)
+    input_ids = np.full((batch, width), pad_id, dtype=np.int64)
+    attention = np.zeros((batch, width), dtype=np.int64)
+    targets = np.zeros((batch, width_t), dtype=np.int64)
+    target_mask = np.zeros((batch, width_t), dtype=np.float32)
+    behaviour = np.zeros((batch, width_t), dtype=np.float64)
+    starts = np.array([len(r.prompt_ids) for r in rollouts], dtype=np.int64)
+    teacher = np.zeros((batch, width_t), dtype=np.float64)
     recorded = [r.teacher_topk for r in rollouts if r.teacher_topk is not None]
     k = recorded[0][0].shape[1] if len(recorded) == batch else 0
-    teacher_ids = torch.zeros((batch, width_t, k), dtype=torch.long) if k else None
-    teacher_logprobs = torch.full((batch, width_t, k), -torch.inf, dtype=torch.float32) if k else None
+    teacher_ids = np.zeros((batch, width_t, k), dtype=np.int64) if k else None
+    teacher_logprobs = np.full((batch, width_t, k), -np.inf, dtype=np.float32) if k else None
     for row, r in enumerate(rollouts):
-        sequence = list(r.prompt_ids) + list(r.completion_ids)
-        input_ids[row, : len(sequence)] = torch.tensor(sequence)
+        sequence = [*r.prompt_ids, *r.completion_ids]
+        input_ids[row, : len(sequence)] = sequence
         attention[row, : len(sequence)] = 1
         n = len(r.completion_ids)
-        targets[row, :n] = torch.tensor(r.completion_ids)
+        targets[row, :n] = r.completion_ids
         target_mask[row, :n] = 1.0
-        behaviour[row, :n] = torch.tensor(r.logprobs_q, dtype=torch.float64)
-        starts[row] = len(r.prompt_ids)
+        behaviour[row, :n] = r.logprobs_q
         if r.logprobs_t:
-            teacher[row, :n] = torch.tensor(r.logprobs_t, dtype=torch.float64)
+            teacher[row, :n] = r.logprobs_t
         if teacher_ids is not None and teacher_logprobs is not None and r.teacher_topk is not None:
-            teacher_ids[row, :n] = torch.from_numpy(r.teacher_topk[0]).clamp(min=0)
-            teacher_logprobs[row, :n] = torch.from_numpy(r.teacher_topk[1]).float()
-    return Packed(input_ids, attention, targets, target_mask, behaviour, starts, teacher, teacher_ids, teacher_logprobs)
+            teacher_ids[row, :n] = np.maximum(r.teacher_topk[0], 0)
+            teacher_logprobs[row, :n] = r.teacher_topk[1]
+
+    def moved(values: np.ndarray | None) -> torch.Tensor | None:
+        return None if values is None else torch.as_tensor(values, device=device)
+
+    return Packed(
+        torch.as_tensor(input_ids, device=device),
+        torch.as_tensor(attention, device=device),
+        torch.as_tensor(targets, device=device),
+        torch.as_tensor(target_mask, device=device),
+        torch.as_tensor(behaviour, device=device),
+        torch.as_tensor(starts, device=device),
+        torch.as_tensor(teacher, device=device),
+        moved(teacher_ids),
+        moved(teacher_logprobs),
+    )
 
 
 def completion_states(model: Any, packed: Packed) -> torch.Tensor:
@@ -137,8 +157,9 @@ def completion_states(model: Any, packed: Packed) -> torch.Tensor:
     assert bool((packed.starts >= 1).all()), "every rollout needs a prompt token before its completion"
     hidden = last_hidden_states(model, packed.input_ids, packed.attention_mask)  # [B, L, H]
     # The token at position s + t is predicted by the state at s + t - 1.
-    positions = packed.starts[:, None] - 1 + torch.arange(packed.targets.shape[1])[None, :]  # [B, T]
-    rows = torch.arange(hidden.shape[0])[:, None].expand_as(positions)  # [B, T]
+    device = packed.targets.device
+    positions = packed.starts[:, None] - 1 + torch.arange(packed.targets.shape[1], device=device)[None, :]  # [B, T]
+    rows = torch.arange(hidden.shape[0], device=device)[:, None].expand_as(positions)  # [B, T]
     real = packed.target_mask.bool()  # [B, T]
     return hidden[rows[real], positions[real]]  # [M, H]
 
@@ -195,8 +216,10 @@ def denormals_flushed() -> Iterator[None]:
 
 
 def _flushing_denormals() -> bool:
-    """Whether this thread flushes denormals now (torch has no getter: 1e-40 is a float32 denormal)."""
-    return float(torch.tensor([1e-30]) * torch.tensor([1e-10])) == 0.0
+    """Whether this thread flushes denormals now (torch has no getter: 1e-40 is a float32 denormal).
+    On the CPU whatever the learner's device: the flag is the CPU's."""
+    tiny, scale = torch.tensor([1e-30], device="cpu"), torch.tensor([1e-10], device="cpu")
+    return float(tiny * scale) == 0.0
 
 
 def _padded_rows(parts: Sequence[torch.Tensor], width: int) -> torch.Tensor:
@@ -230,6 +253,12 @@ class Learner:
     layer in backward instead of keeping its activations. `logit_chunk_size`: completion
     positions per lm_head chunk (dualvllm.training.logprobs).
 
+    Everything runs on the model's device: the batches are packed there and the reference is
+    a copy there. `autocast_dtype` (dualvllm.training.device.autocast_dtype; None: float32):
+    the forward passes run under autocast in it, while the weights, their gradients and
+    AdamW's state stay float32; under float16 the loss is scaled (torch.amp.GradScaler) so
+    that small gradients do not underflow.
+
     The model is in train mode only during an update: between updates an in-process engine
     (dualvllm.training.inprocess) samples the same weights with a KV cache, which transformers'
     checkpointed layers drop in train mode.
@@ -246,6 +275,7 @@ class Learner:
         gradient_checkpointing: bool = False,
         logit_chunk_size: int = LOGIT_CHUNK_SIZE,
         weight_decay: float = 0.0,
+        autocast_dtype: torch.dtype | None = None,
     ) -> None:
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ValueError(
@@ -254,6 +284,9 @@ class Learner:
         if logit_chunk_size < 1:
             raise ValueError(f"logit_chunk_size must be at least 1 position, got {logit_chunk_size}")
         self.model = model.eval()
+        self.device: torch.device = next(model.parameters()).device
+        self.autocast_dtype = autocast_dtype
+        self._scaler = torch.amp.GradScaler(self.device.type, enabled=autocast_dtype == torch.float16)
         # Only what trains: with LoRA the base weights are frozen.
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=learning_rate, weight_decay=weight_decay
@@ -270,8 +303,10 @@ class Learner:
         started = time.perf_counter()
         self.optimizer.zero_grad()
         metrics = self.accumulate_gradients(batch, objective)
+        self._scaler.unscale_(self.optimizer)  # the clip reads the true gradients (a no-op but under float16)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.optimizer.step()
+        self._scaler.step(self.optimizer)  # skipped when float16 overflowed; the scale then shrinks
+        self._scaler.update()
         return {
             **metrics,
             "grad_norm": float(grad_norm),
@@ -300,9 +335,11 @@ class Learner:
         "sequence" correction's advantages read every rollout's log pi_theta - log q*, so
         they come from a first pass without gradients. The metrics are computed afterwards
         on the whole batch's values, as `loss` computes them. Equal to
-        `loss(batch)[0].backward()` up to float round-off.
+        `loss(batch)[0].backward()` up to float round-off (times the loss scale under float16
+        autocast: `train_step` unscales).
         """
-        with denormals_flushed():
+        # Denormals cost only on the CPU's float units, and the flag is the CPU's.
+        with denormals_flushed() if self.device.type == "cpu" else contextlib.nullcontext():
             return self._accumulate_gradients(batch, objective)
 
     def _accumulate_gradients(self, batch: ScoredBatch, objective: Objective) -> dict[str, float]:
@@ -311,7 +348,7 @@ class Learner:
         if size >= len(prepared.rollouts):
             loss, metrics = self._loss(prepared, objective)
             with self._training():  # checkpointed layers recompute in backward in the mode they ran in
-                loss.backward()
+                self._scaler.scale(loss).backward()
             return {"loss": float(loss.detach()), **metrics}
         slices = [slice(start, start + size) for start in range(0, len(prepared.rollouts), size)]
         advantages = None
@@ -322,7 +359,7 @@ class Learner:
         references: list[torch.Tensor] = []  # none when there is no reference model, one per micro-batch else
         started = time.perf_counter()
         for done, rows in enumerate(slices, 1):
-            packed = pack(prepared.rollouts[rows], self.pad_id)
+            packed = pack(prepared.rollouts[rows], self.pad_id, device=self.device)
             reference = self._reference_logprobs(packed, objective)
             with self._training():
                 part = self._values(packed, objective)  # [b, T_b, J]
@@ -330,7 +367,7 @@ class Learner:
                     objective, prepared, packed, part, reference, None if advantages is None else advantages[rows], rows
                 )
                 if share.requires_grad:  # rows without real tokens add nothing
-                    share.backward()
+                    self._scaler.scale(share).backward()
             values.append(part.detach())
             if reference is not None:
                 references.append(reference)
@@ -340,6 +377,11 @@ class Learner:
         with torch.no_grad():
             loss, metrics = self._whole_batch(prepared, objective, _padded_rows(values, width), reference)
         return {"loss": float(loss), **metrics}
+
+    def _autocast(self) -> contextlib.AbstractContextManager[None]:
+        """The forward passes' precision (backward runs outside it, as torch.autocast asks; checkpointed
+        layers and logit chunks recompute under the autocast state they first ran in)."""
+        return autocast(self.device, self.autocast_dtype)
 
     @contextlib.contextmanager
     def _training(self) -> Iterator[None]:
@@ -351,9 +393,9 @@ class Learner:
 
     def _prepare(self, batch: ScoredBatch, objective: Objective) -> Prepared:
         groups: list[Sequence[Rollout]] = [g for g in batch.groups if len(g) >= objective.min_group]
-        rewards = [torch.tensor([r.reward for r in g]) for g in groups]
+        rewards = [torch.tensor([r.reward for r in g], device=self.device) for g in groups]
         rollouts = [r for g in groups for r in g]
-        packed = pack(rollouts, self.pad_id)
+        packed = pack(rollouts, self.pad_id, device=self.device)
         if objective.distill_coef > 0 and (packed.teacher_ids is None or packed.teacher_logprobs is None):
             raise ValueError(
                 "the distillation term needs the teacher's top-k of every rollout; sample with record_topk"
@@ -363,8 +405,12 @@ class Learner:
         if objective.method == "rft":
             chosen = all_rewards >= objective.rft_min_reward
         mask = packed.target_mask
-        shaped = torch.tensor([not r.on_policy for r in rollouts]) if objective.shaping_gamma is not None else None
-        on_policy = torch.tensor([r.on_policy for r in rollouts], dtype=torch.bool)
+        shaped = (
+            torch.tensor([not r.on_policy for r in rollouts], device=self.device)
+            if objective.shaping_gamma is not None
+            else None
+        )
+        on_policy = torch.tensor([r.on_policy for r in rollouts], dtype=torch.bool, device=self.device)
         reward_rows = on_policy if objective.split_rows else torch.ones_like(on_policy)
         distill_rows = ~on_policy if objective.split_rows else torch.ones_like(on_policy)
         return Prepared(
@@ -388,12 +434,13 @@ class Learner:
         if objective.distill_coef > 0:
             assert packed.teacher_ids is not None, "checked by _prepare"
             ids = torch.cat([ids, packed.teacher_ids], dim=-1)  # [B, T, 1 + K]
-        return token_logprobs(self.model, packed, ids, chunk_size=self.logit_chunk_size)
+        with self._autocast():
+            return token_logprobs(self.model, packed, ids, chunk_size=self.logit_chunk_size)
 
     def _reference_logprobs(self, packed: Packed, objective: Objective) -> torch.Tensor | None:
         if self.reference is None or not objective.policy_gradient:
             return None
-        with torch.no_grad():
+        with torch.no_grad(), self._autocast():
             return completion_logprobs(self.reference, packed, chunk_size=self.logit_chunk_size)  # [B, T]
 
     @staticmethod
@@ -404,13 +451,10 @@ class Learner:
     def _first_pass_logprobs(self, prepared: Prepared, slices: Sequence[slice]) -> torch.Tensor:
         """log pi_theta of every completion token, micro-batch by micro-batch, without gradients -> [B, T]."""
         parts, started = [], time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), self._autocast():
             for done, rows in enumerate(slices, 1):
-                parts.append(
-                    completion_logprobs(
-                        self.model, pack(prepared.rollouts[rows], self.pad_id), chunk_size=self.logit_chunk_size
-                    )
-                )
+                packed = pack(prepared.rollouts[rows], self.pad_id, device=self.device)
+                parts.append(completion_logprobs(self.model, packed, chunk_size=self.logit_chunk_size))
                 log.debug(
                     "pass without gradients: micro-batch %d/%d, %.1f s",
                     done,
@@ -427,19 +471,19 @@ class Learner:
         packed = prepared.packed
         if logp is None:
             assert not self._advantages_need_logprobs(objective), "the sequence correction needs log pi_theta"
-            log_ratio = torch.zeros(len(prepared.rollouts))
+            log_ratio = torch.zeros(len(prepared.rollouts), device=self.device)
         else:
             log_ratio = ((logp - packed.logp_behaviour.float()) * packed.target_mask).sum(-1)  # [B]
         correction: Correction = objective.correction if objective.method in ("grpo", "adaptive") else "none"
         rewards, ratios = prepared.rewards, list(torch.split(log_ratio, [len(g) for g in prepared.groups]))
-        compared = [torch.ones(len(r), dtype=torch.bool) for r in rewards]  # [G_g] per group: the rows compared
+        compared = [torch.ones_like(r, dtype=torch.bool) for r in rewards]  # [G_g] per group: the rows compared
         if objective.split_rows:  # a group's on-policy members among themselves, when there are two or more
             compared = [
                 m if int(m.sum()) >= 2 else torch.zeros_like(m)
                 for m in torch.split(prepared.reward_rows, [len(g) for g in prepared.groups])
             ]
         kept = [i for i, m in enumerate(compared) if m.any()]
-        advantages = torch.zeros(len(prepared.rollouts))
+        advantages = torch.zeros(len(prepared.rollouts), device=self.device)
         metrics: dict[str, float] = {}
         if kept:
             values, metrics = group_advantages(
@@ -500,7 +544,7 @@ class Learner:
         whole batch, and these rows' metrics. `values` [b, T, J] (`_values`), `advantages` [b]."""
         mask = packed.target_mask  # [b, T]
         logp = values[..., 0]  # [b, T]
-        loss = torch.zeros(())
+        loss = values.new_zeros(())  # float32 on the model's device, as every term
         metrics: dict[str, float] = {}
         if objective.policy_gradient:
             assert advantages is not None, "policy-gradient methods need the advantages"
