@@ -6,9 +6,14 @@ pushes weights through these routes; here they reach every healthy base replica:
     GET  /server_info            the first base replica's vllm_config; logprobs_mode says
                                  "processed_logprobs" (the logprobs returned are log q* of the
                                  distribution sampled, after temperature), plus a `dualvllm` key
-    GET  /get_world_size         the base replica's (TP x PP x DP)
-    POST /init_weight_transfer_engine, /update_weights
-                                 to every base replica, at once
+    GET  /get_world_size         the sum of the base replicas' (TP x PP x DP each): the ranks an
+                                 NCCL trainer's group must hold besides its own (TRL adds 1)
+    POST /init_weight_transfer_engine
+                                 to every base replica, at once; an NCCL payload's rank_offset
+                                 is the first replica's, and each next one starts after the
+                                 ranks of those before it
+                                 (dualvllm.engines.vllm_admin.replica_init_infos)
+    POST /update_weights         to every base replica, at once
     POST /start_weight_update    holds the coordinator (coordinator.paused(): lockstep sequences
                                  leave the servers at their agreed tokens), pauses each base
                                  server (mode "keep"), then starts the update on each
@@ -18,6 +23,13 @@ pushes weights through these routes; here they reach every healthy base replica:
     POST /reset_prefix_cache     to every base replica
     GET  /weight_info            the first base replica's
 
+A base that ties its input and output embeddings (its config's `tie_word_embeddings: true`)
+takes no weight push: vLLM 0.32's in-place update loads its embedding and leaves its output
+layer, so it would serve a model nobody trained (dualvllm.training.untie; `dualvllm train`
+refuses it too). The refusal comes at the first weight-transfer call (init or start), with the
+untie command, and not when the service starts: a tied base is served, sampled and scored
+correctly in dev mode too, and only a push into it goes wrong.
+
 An update left open (a trainer that died between start and finish) is ended after
 UPDATE_IDLE_S without a phase: the servers finish it (keeping what arrived) and the
 coordinator goes on, so one dead trainer cannot stop sampling for good.
@@ -26,7 +38,10 @@ coordinator goes on, so one dead trainer cannot stop sampling for good.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import re
+from pathlib import Path
 from typing import Any
 from collections.abc import Awaitable, Callable
 
@@ -35,8 +50,10 @@ from aiohttp import web
 from dualvllm.common.errors import WeightSyncError
 from dualvllm.coordinator.core import DualVLLMCoordinator
 from dualvllm.engines.pool import live_members
+from dualvllm.engines.vllm_admin import replica_init_infos
 from dualvllm.engines.protocol import WeightTransferServer
 from dualvllm.service.errors import RequestError
+from dualvllm.training.untie import UNTIE_COMMAND
 
 log = logging.getLogger("dualvllm.service")
 
@@ -90,6 +107,7 @@ class DevRoutes:
         self.idle_s = UPDATE_IDLE_S if idle_s is None else idle_s
         self.update: UpdateInProgress | None = None
         self.watchdog: asyncio.Task | None = None
+        self.untied = False  # the base was found untied (asked at the first weight-transfer call)
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_get("/server_info", self.server_info)
@@ -145,7 +163,7 @@ class DevRoutes:
 
     async def get_world_size(self, request: web.Request) -> web.Response:
         include_dp = request.query.get("include_dp", "true").lower() != "false"
-        return web.json_response({"world_size": await self.bases()[0].world_size(include_dp)})
+        return web.json_response({"world_size": sum(await self._each(lambda c: c.world_size(include_dp)))})
 
     async def weight_info(self, request: web.Request) -> web.Response:
         return web.json_response({"weight_version": await self.bases()[0].weight_version()})
@@ -156,7 +174,16 @@ class DevRoutes:
         info = (await _json(request)).get("init_info")
         if not isinstance(info, dict):
             raise RequestError("the body needs init_info: an object (the backend's init arguments)", param="init_info")
-        await self._each(lambda c: c.init_weight_transfer_engine(info, timeout_s=PHASE_TIMEOUT_S))
+        await self._refuse_tied_base()
+        bases = self.bases()
+        sizes = await asyncio.gather(*(c.world_size() for c in bases)) if "rank_offset" in info else [1] * len(bases)
+        try:
+            infos = replica_init_infos(info, sizes)
+        except WeightSyncError as err:
+            raise RequestError(str(err), param="init_info") from err
+        await asyncio.gather(
+            *(c.init_weight_transfer_engine(i, timeout_s=PHASE_TIMEOUT_S) for c, i in zip(bases, infos))
+        )
         return web.json_response({"message": "Weight transfer initialized"})
 
     async def start_weight_update(self, request: web.Request) -> web.Response:
@@ -167,6 +194,7 @@ class DevRoutes:
                 code="conflict",
                 status=409,
             )
+        await self._refuse_tied_base()
         update = self.update = UpdateInProgress(self.coordinator)
         try:
             await update.wait_held()
@@ -195,6 +223,23 @@ class DevRoutes:
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         await self._each(lambda c: c.reset_prefix_cache())
         return web.json_response({"success": True})
+
+    async def _refuse_tied_base(self) -> None:
+        """Refuse a weight push into a base that ties its embeddings (see the module's docstring)."""
+        if self.untied:
+            return
+        root = (await self.coordinator.base_engine.model_info()).root
+        if ties_embeddings(root, await self.bases()[0].server_config()):
+            raise RequestError(
+                f"the base model {root} ties its input and output embeddings (tie_word_embeddings: true), and vLLM "
+                "0.32's in-place weight update loads a tied model's embedding but not its output layer: it would "
+                "serve a model that was never trained (`dualvllm train` refuses it too). Untie it once, "
+                f"`{UNTIE_COMMAND} {root} {root.rstrip('/')}-untied`, serve that directory as the base, and push "
+                "into it",
+                code="tied_embeddings",
+                status=409,
+            )
+        self.untied = True
 
     # -- ending an update ---------------------------------------------------------------
 
@@ -254,6 +299,22 @@ class DevRoutes:
     async def _close(self, app: web.Application) -> None:
         if self.update is not None:
             await self._end(finish=True)
+
+
+def ties_embeddings(root: str, server_config: dict[str, Any] | None) -> bool:
+    """Whether the base ties its input and output embeddings: `tie_word_embeddings` in the
+    config.json of its model directory `root` (dev mode serves from this machine), else in the
+    server's own config (/server_info's model_config.hf_config, which vLLM writes as the repr of
+    transformers' config, a JSON text); False when neither says."""
+    try:
+        config = json.loads((Path(root) / "config.json").read_text())
+    except (OSError, ValueError):  # a hub name, or a directory not readable here
+        config = None
+    if isinstance(config, dict) and "tie_word_embeddings" in config:
+        return bool(config["tie_word_embeddings"])
+    model = (server_config or {}).get("model_config")
+    hf_config = str(model.get("hf_config", "")) if isinstance(model, dict) else ""
+    return re.search(r'"tie_word_embeddings":\s*true', hf_config) is not None
 
 
 async def _json(request: web.Request) -> dict[str, Any]:
