@@ -36,25 +36,35 @@ Every wait is bounded: each HTTP phase by PHASE_TIMEOUT_S, the learner's side of
 send by its own timeout, run in a daemon thread of its own; a thread still stuck in NCCL
 after its timeout is left behind (nothing can interrupt an NCCL call) and the error says so.
 
-Lines only CUDA runs, and what the contract tests (tests/unit/training/test_nccl_push.py)
-prove in their place with vLLM's own code on the CPU:
-  - the communicator: `nccl_common.stateless_init_process_group` (a TCPStore rendezvous and
-    `PyNcclCommunicator`) on both sides, its `broadcast` and `destroy`. The tests patch
-    `stateless_init_process_group` with an in-process broadcast among threads, and run vLLM's
-    real `worker_init_process_group` with a real `ParallelConfig` (TP 2): two replicas of TP 2
-    get ranks 1,2 and 3,4 of a world of 5, at one master address and port.
-  - CUDA streams: `packed_tensor._get_streams` and `torch.cuda.stream` (the packed producer
-    and consumer), `torch.cuda.current_stream` (the unpacked broadcast on both sides),
-    `torch.accelerator.current_device_index` (both sides' device) and `torch.cuda.set_device`
-    here (the learner's device, set in the thread that runs vLLM's engine). The tests patch
-    the first three with stand-ins and run the packed producer and consumer themselves,
-    buffers smaller than the model, so several packed buffers cross.
+Lines only CUDA runs (vllm/distributed/weight_transfer/ in vllm 0.32; never run here), and what
+the contract tests (tests/unit/training/test_nccl_push.py) prove in their place, with vLLM's own
+code on the CPU:
+  - the communicator: `nccl_common.stateless_init_process_group` (a TCPStore rendezvous and a
+    `PyNcclCommunicator`) on both sides, its `broadcast` and `destroy`. The tests patch that one
+    function with a broadcast among threads (every rank waits at a barrier for all the others,
+    as NCCL's init does; receivers check dtype and size against the sender's), and run vLLM's
+    real `nccl_common.trainer_init` and `worker_init_process_group` around it, with real
+    `ParallelConfig`s (TP 2): two replicas of TP 2 take ranks 1,2 and 3,4 of a world of 5, at
+    one master address and port, and a fan-out that sent one replica after the other would time
+    out at that barrier.
+  - CUDA devices and streams: `torch.accelerator.current_device_index` (both sides),
+    `packed_tensor._get_streams` and `torch.cuda.stream` (the packed producer and consumer,
+    double-buffered on two streams), `torch.cuda.current_stream` (the one-by-one broadcast,
+    both sides), `NCCLTrainerWeightTransferEngine._post_send_sync` (a stream sync, skipped
+    without CUDA), `torch.accelerator.synchronize` (the worker's `update_weights` wrapper) and
+    `_use` below (`torch.cuda.set_device` in the thread that runs vLLM's engine). The tests
+    stand in for the first four; the packed producer and consumer themselves run, with 8 kB
+    buffers so that the model crosses in several chunks, and one by one too.
   - the worker's layerwise reload (`start_weight_update` / `finish_weight_update` on a vLLM
-    model) and `torch.accelerator.synchronize`: the tests' stand-in workers run vLLM's real
-    `parse_init_info`, `init_transfer_engine`, `parse_update_info` and `receive_weights` into
-    a model stand-in whose `load_weights` records every tensor, and check that each replica's
-    workers got exactly the learner's weights in the announced dtype, on two pushes over one
-    rendezvous.
+    model). The tests' workers run vLLM's real `parse_init_info`, `init_transfer_engine`,
+    `parse_update_info` and `receive_weights`, into a model stand-in whose `load_weights`
+    records what arrives: each worker of each replica gets exactly the learner's weights in
+    the announced dtype (bf16 and float32), on two pushes over one rendezvous, and the source's
+    metadata equals its iteration (vLLM's `_checked_iter` runs on every send).
+  - memory: vLLM's packed defaults, two 1 GB buffers on the learner's GPU and on each worker's,
+    and the learner's tensors cast to the wire dtype one at a time (one tensor's copy at most).
+What the tests do not prove: NCCL itself across processes and machines (ports, interfaces,
+NCCL_* environment), vLLM's reload on a real model, and timings.
 """
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ class PushReport:
     reload_sends: int  # 2 when the first send failed without a clear answer and did not take
     replicas: int = 1  # base replicas that serve the pushed weights, verified
     dropped: tuple[str, ...] = ()  # URLs of replicas the push failed on, taken out of the pool
-    via: str = "disk"  # "memory": vLLM's weight-transfer API (dualvllm.training.weight_transfer); "disk": a reload
+    via: str = "disk"  # "memory": shared memory (weight_transfer); "nccl": nccl_push; "disk": a reload
     bytes_moved: int = 0  # in memory: bytes sent to each replica
     seconds: dict[str, float] = field(default_factory=dict)  # by phase (the slowest replica's), and "total"
 
@@ -313,15 +313,19 @@ def push_metrics(report: PushReport) -> dict[str, Any]:
 class BasePusher:
     """Pushes the learner's weights into the base role: one server, or every healthy replica of a pool.
 
-    In memory (dualvllm.training.weight_transfer: vLLM's weight-transfer API, fenced by pause(mode=
-    "keep")) when every base server was started with a weight-transfer engine, else, or with
-    `via="disk"`, through a checkpoint each server reloads. `via="memory"` refuses the disk.
+    In memory (vLLM's weight-transfer API, fenced by pause(mode="keep")) when the base servers
+    were started with a weight-transfer engine that can take the learner's tensors: dualvllm's
+    shared-memory one (dualvllm.training.weight_transfer, one replica at a time), or vLLM's NCCL
+    one for a learner on CUDA (dualvllm.training.nccl_push: one group for every replica, opened at
+    the first push and kept for the run; `close()` ends it). Else, or with `via="disk"`, through a
+    checkpoint each server reloads. `via="memory"` refuses the disk, with the reason.
 
     Each replica is pushed to and verified on its own, all at once. A replica whose push
     fails (it died, or serves other weights after its reload) is taken out of the pool and
     the run goes on with the others; WeightSyncError only when no replica took the push.
     The newest pushed weights stay at hand: a replica that comes back gets them, verified,
     before it rejoins (a rejoin check it adds to the pool), so no replica ever samples stale weights.
+    Over NCCL a replica that left the pool stays out: the group is fixed at its rendezvous.
     """
 
     def __init__(
@@ -368,7 +372,7 @@ class BasePusher:
             backend = None if self._via == "disk" else await _vllm(self._first()).admin.weight_transfer_backend()
             usable = backend == SHM_BACKEND or (backend == NCCL_BACKEND and _on_cuda(device))
             why = {
-                None: "the base server was started without --weight-transfer-config",
+                None: "it has no weight-transfer engine (started without --weight-transfer-config)",
                 NCCL_BACKEND: f"its {NCCL_BACKEND!r} engine takes tensors from CUDA; the learner is on {device or 'the CPU'}",
             }.get(backend, f"dualvllm pushes through {SHM_BACKEND!r} or {NCCL_BACKEND!r}, not {backend!r}")
             why = "as asked (weights_via disk)" if self._via == "disk" else why

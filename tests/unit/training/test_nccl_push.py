@@ -30,6 +30,7 @@ import queue
 import threading
 from typing import Any
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -403,3 +404,64 @@ async def test_weights_via_memory_with_an_nccl_server_and_a_cpu_learner_says_why
     async with VLLMClient(fake_theta.url, name="theta") as client:
         with pytest.raises(WeightSyncError, match="'nccl' engine takes tensors from CUDA; the learner is on cpu"):
             await BasePusher(client, [[1, 2]], via="memory").in_memory(torch.device("cpu"))
+
+
+class RecordingGroup:
+    """NcclGroup's surface as BasePusher uses it, recording instead of sending."""
+
+    opened: list[RecordingGroup] = []
+
+    def __init__(self, clients: list, source: LearnerSource) -> None:
+        self.urls, self.source = [c.url for c in clients], source
+        self.pushes: list[str | None] = []
+        self.closed = False
+
+    @classmethod
+    async def open(cls, clients: list, source: LearnerSource, device: Any) -> RecordingGroup:
+        cls.opened.append(cls(clients, source))
+        return cls.opened[-1]
+
+    def sends(self, model: Any) -> bool:
+        return self.source.reads(model)
+
+    async def push(self, weight_version: str | None = None) -> nccl_push.NcclSend:
+        self.pushes.append(weight_version)
+        return nccl_push.NcclSend(bytes=1234, tensors=5, seconds={"pause": 0.0, "send": 0.0, "reset": 0.0})
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+async def test_the_pusher_opens_one_group_for_its_pushes_verifies_each_and_closes_it(fake_theta, tmp_path,
+                                                                                     monkeypatch):
+    """BasePusher's NCCL route over HTTP: the group is opened once, each push verified on the
+    server's logprobs (the fake serves FakeModel(seed=1), which is what the learner 'is' here)."""
+    from dualvllm.training import weight_sync, weight_transfer
+
+    probes = [[1, 2, 3], [4, 5]]
+    served = np.stack([FakeModel(seed=1).logprobs(p) for p in probes])
+    fake_theta.weight_transfer_backend = "nccl"
+    monkeypatch.setattr(weight_sync, "_on_cuda", lambda device: True)  # the learner 'is' on CUDA
+    monkeypatch.setattr(weight_transfer, "expected_logprobs", lambda model, probes, dtype: served)
+    monkeypatch.setattr(nccl_push, "NcclGroup", RecordingGroup)
+    RecordingGroup.opened = []
+    learner, other = small_model(), small_model()
+    async with VLLMClient(fake_theta.url, name="theta") as client:
+        pusher = BasePusher(client, probes)
+        reports = [await pusher.push(learner, None, tmp_path / f"step-{n}") for n in (1, 2)]
+        assert [(r.via, r.bytes_moved, r.replicas, r.path) for r in reports] == [("nccl", 1234, 1, None)] * 2
+        assert len(RecordingGroup.opened) == 1 and RecordingGroup.opened[0].pushes == ["step-1", "step-2"]
+        assert RecordingGroup.opened[0].urls == [fake_theta.url]
+        await pusher.push(other, None, tmp_path / "step-3")  # another model: a group of its own
+        assert RecordingGroup.opened[0].closed and len(RecordingGroup.opened) == 2
+        await pusher.close()
+    assert RecordingGroup.opened[1].closed
+    assert not (tmp_path / "step-1").exists()  # nothing written to disk
+    assert len(fake_theta.calls["/v1/completions"]) >= 3  # each push verified on the server's answers
+
+
+def test_the_source_yields_every_tensor_on_the_learners_own_device():
+    """On the `meta` device, as on CUDA: the cast to the wire dtype happens where the tensor is."""
+    with torch.device("meta"):
+        model = small_model()
+    assert {(t.device.type, t.dtype) for _, t in LearnerSource(model, torch.bfloat16)} == {("meta", torch.bfloat16)}
