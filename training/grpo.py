@@ -143,10 +143,10 @@ class GRPORecipe:
             model = AutoModelForCausalLM.from_pretrained(start_dir, dtype=torch.float32)
             if config.lora_rank:
                 model = lora.wrap(model, rank=config.lora_rank, alpha=config.lora_alpha)
-        model = model.to(device)  # loaded on the CPU in float32: the master weights, wherever they train
-        log.info("learner on %s", describe(device, precision))
         if config.engine == "vllm":
             untie.refuse_tied(model, start_dir)
+        model = model.to(device)  # loaded on the CPU in float32: the master weights, wherever they train
+        log.info("learner on %s", describe(device, precision))
         if config.kl_from_start_prompts:  # the run's start, also when resuming: the base, not the checkpoint
             start = config.kl_from or inputs.base_dir
             # Typed as the Module it is: mypy does not bind transformers' wrapped `to` to the instance.
