@@ -283,7 +283,16 @@ class NcclGroup:
             begun = time.perf_counter()
             # Requests frozen by the pause hold KV the old weights computed: dropping it makes them
             # recompute their context with the new weights when they resume.
-            await asyncio.gather(*(a.reset_prefix_cache(reset_running_requests=True) for a in admins))
+            resets = await asyncio.gather(
+                *(a.reset_prefix_cache(reset_running_requests=True) for a in admins), return_exceptions=True
+            )
+            for admin, failed in zip(admins, resets):
+                if isinstance(failed, BaseException):
+                    raise WeightSyncError(
+                        f"the NCCL push {weight_version} arrived, but {admin.name} server at {admin.url} could not "
+                        f"drop its KV cache ({failed}): requests the pause froze would go on with KV the old weights "
+                        "computed. The group can push again"
+                    ) from failed
             sent.seconds["reset"] = time.perf_counter() - begun
         finally:
             await _resume(admins, fenced)

@@ -339,6 +339,21 @@ async def test_a_failed_push_breaks_the_group_and_no_push_is_tried_on_it_again(n
     await group.close()
 
 
+async def test_a_kv_cache_that_cannot_be_dropped_fails_the_push_but_not_the_group(nccl):
+    model = small_model()
+    replicas = [Replica("http://127.0.0.1:1"), Replica("http://127.0.0.1:2")]
+    group = await nccl_push.NcclGroup.open(replicas, LearnerSource(model, torch.float32), torch.device("cpu"))
+    replicas[0].fail = "reset"
+    with pytest.raises(WeightSyncError, match="could not drop its KV cache .*The group can push again"):
+        await group.push("step-1")
+    assert [r.phases()[-1] for r in replicas] == ["resume", "resume"]
+    replicas[0].fail = None
+    step(model)
+    await group.push("step-2")
+    assert_received(replicas, model, torch.float32)
+    await group.close()
+
+
 def test_the_master_address_is_loopback_when_every_server_is():
     assert nccl_push.master_address(["http://127.0.0.1:8000", "http://localhost:8001", "http://[::1]:8002"]) \
         == "127.0.0.1"
