@@ -145,9 +145,9 @@ def learner_logprobs(model: Any, contexts: Sequence[Sequence[int]]) -> np.ndarra
             # Only the last position's logits: at a 150k vocabulary the head over every position
             # is a sixth of the forward pass and a [T, V] tensor nobody reads.
             logits = model(torch.tensor([list(context)], device=device), logits_to_keep=1).logits[0, -1]
-            rows.append(torch.log_softmax(logits.double(), dim=-1).cpu().numpy())
+            rows.append(torch.log_softmax(logits.double(), dim=-1))  # [V], on the learner's device
     model.train(was_training)
-    return np.stack(rows)
+    return torch.stack(rows).cpu().numpy()  # one copy to the host, at the end
 
 
 def compare_logprobs(server: TopKBatch, expected: np.ndarray) -> ProbeDiff:
