@@ -277,7 +277,8 @@ class NcclGroup:
                 raise WeightSyncError(
                     f"the NCCL push {weight_version} to the base servers at {', '.join(self.urls)} failed: {err}. "
                     "The group cannot be used again (a peer may still wait in the broadcast), so this run pushes "
-                    "no more: restart it, or push through the disk (--weights-via disk)"
+                    "no more: restart it (and any base server it did not start itself: its workers may still wait "
+                    "in NCCL), or push through the disk (--weights-via disk)"
                 ) from err
             sent.seconds["send"] = time.perf_counter() - begun
             begun = time.perf_counter()

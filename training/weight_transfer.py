@@ -6,12 +6,12 @@
 The learner's weights go straight from its memory into the server's, through the server's
 weight-transfer engine: on the CPU build dualvllm's shared-memory engine (engines/
 weight_transfer.py), driven by `SharedMemoryTrainerEngine` below, one server at a time; on
-GPUs vLLM's NCCL engine, one group for every base replica kept for the run (dualvllm.training.
-nccl_push), through the same `WeightTransferTrainerFactory` and the same `LearnerSource`
-(dualvllm.training.learner_source); both are checked by `verify_transfer`. The trainer code is vLLM's own where
-the pinned version has it: `WeightSource`, `TrainerWeightTransferEngine`, the factory and
-`layerwise_groups`; the HTTP calls are dualvllm.engines.vllm_client's, bridged to vLLM's synchronous
-`VLLMWeightSyncClient` protocol.
+GPUs vLLM's NCCL engine, one group for every base replica, kept for the run
+(dualvllm.training.nccl_push), through the same `WeightTransferTrainerFactory` and the same
+`LearnerSource` (dualvllm.training.learner_source); `verify_transfer` checks both. The
+trainer code is vLLM's own where the pinned version has it: `WeightSource`,
+`TrainerWeightTransferEngine`, the factory and `layerwise_groups`; the HTTP calls are
+dualvllm.engines.vllm_client's, bridged to vLLM's synchronous `VLLMWeightSyncClient` protocol.
 
 `pause(mode="keep")` freezes the requests in flight instead of draining them: they keep their
 place and, once the cache reset has dropped the KV blocks the old weights computed, recompute
