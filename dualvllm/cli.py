@@ -238,6 +238,11 @@ async def _train(args: argparse.Namespace) -> int:
     from dualvllm.training.serving import describe_run, run_plan
 
     config = _train_config(args)
+    if config.engine == "transformers" and (servers := config.server_flags_given()):
+        raise InvalidInputError(
+            f"--engine transformers samples in this process and starts no server; {', '.join(servers)} "
+            "set the servers: drop them or use --engine vllm"
+        )
     if args.dry_run:
         print(describe_run(config, plan_gpus=_plan_gpus(args)))
         return 0
