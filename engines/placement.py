@@ -87,7 +87,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic.config import JsonDict
 
 from dualvllm.common.errors import InvalidInputError
@@ -101,18 +101,18 @@ OWN_GPU_SHARE = 0.9
 SHARED_GPU_SHARE = 0.45
 # Shares summed per GPU are compared with 1 within this (0.45 + 0.55 is 1.0000000000000002).
 SHARE_TOLERANCE = 1e-9
-# The options each role's --X-vllm-arg may not set: the launcher sets them, from these options.
+# The options each role's --X-vllm-arg may not set: the launcher sets them itself; what to use instead.
 LAUNCHER_OWNED = {
-    "--model": "--base/--teacher",
-    "--host": "--host",
-    "--port": "(a free port, chosen at plan time)",
-    "--tensor-parallel-size": "--{role}-tensor-parallel-size",
-    "-tp": "--{role}-tensor-parallel-size",
-    "--gpu-memory-utilization": "--{role}-gpu-memory-utilization",
-    "--dtype": "--dtype",
-    "--max-model-len": "--max-model-len",
-    "--max-logprobs": "--max-logprobs",
-    "--weight-transfer-config": "--weight-transfer",
+    "--model": "use --base or --teacher",
+    "--host": "use --host",
+    "--port": "it picks a free port for each server",
+    "--tensor-parallel-size": "use --{role}-tensor-parallel-size",
+    "-tp": "use --{role}-tensor-parallel-size",
+    "--gpu-memory-utilization": "use --{role}-gpu-memory-utilization",
+    "--dtype": "use --dtype",
+    "--max-model-len": "use --max-model-len",
+    "--max-logprobs": "use --max-logprobs",
+    "--weight-transfer-config": "use --weight-transfer",
 }
 # The ServerOptions fields that are ServerConfig fields of every server (engines/launcher.py).
 SERVER_FIELDS = ("dtype", "max_model_len", "kv_cache_space_gib")
@@ -123,6 +123,8 @@ REPEATED_FLAG: JsonDict = {"flag": "repeated"}  # the flag once per value: --bas
 
 class ServerOptions(BaseModel):
     """The servers' options, per role where they differ: GPUs, tensor parallelism, memory, vLLM arguments."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     base_gpus: tuple[int, ...] | None = Field(
         None,
@@ -218,7 +220,7 @@ class ServerOptions(BaseModel):
                 owner = LAUNCHER_OWNED.get(word.split("=")[0])
                 if owner is not None:
                     raise ValueError(
-                        f"{name} {text!r}: dualvllm sets {word.split('=')[0]} itself; use {owner.format(role=role)}"
+                        f"{name} {text!r}: dualvllm sets {word.split('=')[0]} itself; {owner.format(role=role)}"
                     )
         return values
 
