@@ -2,8 +2,10 @@
 
 `VLLMClient.admin` holds one: the transport (retries, timeouts, error translation) is the
 client's, and the routes here change the server's state, so each is resent only where the
-table below says so. All but /pause, /resume and /reset_prefix_cache need a dev-mode server
-(VLLM_SERVER_DEV_MODE=1), which must listen on a loopback host only.
+table below says so. Every route here, /pause, /resume and /reset_prefix_cache included, needs a
+dev-mode server (VLLM_SERVER_DEV_MODE=1): vLLM 0.32 registers them, the weight-transfer and
+/collective_rpc routes and /server_info only under it (vllm/entrypoints/launchers/api_server/
+routers.py: the dev and rl routers). Such a server must listen on a loopback host only.
 """
 
 from __future__ import annotations
