@@ -287,13 +287,13 @@ class NcclGroup:
             resets = await asyncio.gather(
                 *(a.reset_prefix_cache(reset_running_requests=True) for a in admins), return_exceptions=True
             )
-            for admin, failed in zip(admins, resets):
-                if isinstance(failed, BaseException):
+            for admin, reset in zip(admins, resets):
+                if isinstance(reset, BaseException):
                     raise WeightSyncError(
                         f"the NCCL push {weight_version} arrived, but {admin.name} server at {admin.url} could not "
-                        f"drop its KV cache ({failed}): requests the pause froze would go on with KV the old weights "
+                        f"drop its KV cache ({reset}): requests the pause froze would go on with KV the old weights "
                         "computed. The group can push again"
-                    ) from failed
+                    ) from reset
             sent.seconds["reset"] = time.perf_counter() - begun
         finally:
             await _resume(admins, fenced)
