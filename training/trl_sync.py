@@ -43,6 +43,8 @@ from dualvllm.training.weight_sync import (
 # minutes, and a replica that restarts gets BasePusher's own health wait on top.
 PUSH_TIMEOUT_S = 1800.0
 PROBES = 4
+# Closing a push group: the learner's communicator and each server's side, each bounded by the pusher.
+CLOSE_TIMEOUT_S = 120.0
 
 
 class QStarWeightSync(TrainerCallback):
@@ -85,6 +87,11 @@ class QStarWeightSync(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.global_step % self.sync_every == 0:
             self.sync(state.global_step)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """End the pushes' NCCL group, if they opened one: its servers' side waits on it otherwise."""
+        if self._pusher is not None and self.trainer.accelerator.is_main_process:
+            self.rollouts.run(self._pusher.close(), timeout_s=CLOSE_TIMEOUT_S, what="closing the weight-push group")
 
     def sync(self, step: int) -> None:
         """One push at optimizer step `step`; every rank must call it (see the module docstring)."""
