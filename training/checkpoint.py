@@ -48,6 +48,8 @@ def save(
     tokenizer.save_pretrained(partial)
     torch.save(optimizer.state_dict(), partial / "optimizer.pt")
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():  # a learner on a GPU samples dropout and the like from the CUDA generators
+        rng["cuda"] = torch.cuda.get_rng_state_all()
     torch.save(rng, partial / "rng.pt")
     (partial / "state.json").write_text(json.dumps(asdict(state)) + "\n")
     shutil.rmtree(final, ignore_errors=True)
@@ -75,10 +77,16 @@ def latest(output_dir: Path) -> Path | None:
 
 
 def load_state(path: Path, optimizer: torch.optim.Optimizer) -> RunState:
-    """Restore the optimizer and RNGs from checkpoint `path` (the model is loaded from it directly)."""
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
-    rng = torch.load(path / "rng.pt", weights_only=False)
+    """Restore the optimizer and RNGs from checkpoint `path` (the model is loaded from it directly).
+
+    Loaded onto the CPU first, so a checkpoint a GPU learner wrote resumes on a machine without
+    one (or on another GPU): the optimizer moves each state tensor to its parameter's device."""
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False))
+    rng = torch.load(path / "rng.pt", map_location="cpu", weights_only=False)
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
     torch.set_rng_state(rng["torch"])
+    cuda = rng.get("cuda")
+    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
     return RunState(**json.loads((path / "state.json").read_text()))
