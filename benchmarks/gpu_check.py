@@ -42,7 +42,6 @@ import argparse
 import asyncio
 import gc
 import importlib.util
-import inspect
 import json
 import math
 import platform
@@ -184,18 +183,19 @@ def learner_update(
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).to(device)
     dtype = devices.autocast_dtype(device, precision)  # type: ignore[arg-type]
-    options: dict[str, Any] = {"micro_batch_size": micro_batch, "gradient_checkpointing": micro_batch is not None}
-    takes_dtype = "autocast_dtype" in inspect.signature(Learner).parameters
-    if takes_dtype:
-        options["autocast_dtype"] = dtype
-    learner = Learner(model, learning_rate=1e-6, kl_coef=0.0, pad_id=0, **options)
+    learner = Learner(
+        model,
+        learning_rate=1e-6,
+        kl_coef=0.0,
+        pad_id=0,
+        micro_batch_size=micro_batch,
+        gradient_checkpointing=micro_batch is not None,
+        autocast_dtype=dtype,
+    )
     objective = objective_for("distill")
 
     def step(batch: Any) -> dict[str, float]:
-        if takes_dtype:
-            return learner.train_step(batch, objective)
-        with devices.autocast(device, dtype):  # a Learner that does not autocast itself
-            return learner.train_step(batch, objective)
+        return learner.train_step(batch, objective)
 
     step(synthetic_batch(2, 2, 8, 8, seed=1))  # warm-up: AdamW's moments exist, kernels are loaded
     batch = synthetic_batch(rollouts, 1, prompt_tokens, completion_tokens, seed=2)
@@ -223,7 +223,6 @@ def learner_update(
         "micro_batch_size": micro_batch,
         "gradient_checkpointing": micro_batch is not None,
         "autocast_dtype": None if dtype is None else str(dtype).removeprefix("torch."),
-        "autocast_by_the_learner": takes_dtype,
         "loss": float(metrics["loss"]),
         "grad_norm": float(metrics.get("grad_norm", float("nan"))),
         "weights_moved": moved,
