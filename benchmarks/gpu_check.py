@@ -18,10 +18,10 @@ without it) and reaches no network: the pairs are built from the repository (dua
   dualvllm.theory). Passes when the largest errors of alpha* and of log q* (tokens with exact
   q* above LIKELY) are within Q_STAR_TOLERANCE.
 - learner_update: one `Learner.train_step` of the distillation update (`--method distill`'s:
-  forward KL to the teacher's top-20 with the tail bucket) on `--rollouts` rollouts of
-  `--prompt-tokens` + `--completion-tokens` random tokens (benchmarks/learner_memory.py's batch),
-  after a warm-up update of 2 rollouts of 8 + 8: the qwen3-0.6b base in float32 master weights,
-  bf16 autocast, micro-batches of `--micro-batch` with gradient checkpointing. Passes when the
+  forward KL to the teacher's top-20 with the tail bucket) on 64 rollouts of 128 prompt + 1,024
+  completion tokens, random (benchmarks/learner_memory.py's batch; SIZES), after a warm-up update
+  of 2 rollouts of 8 + 8: the qwen3-0.6b base in float32 master weights, bf16 autocast,
+  micro-batches of 8 rollouts with gradient checkpointing. Passes when the
   loss and the gradient norm are finite and the weights moved. Peak GPU memory is
   torch.cuda.max_memory_allocated over the measured update (GiB); tokens/s counts its
   completion tokens over its wall time (the device synchronized).
