@@ -39,6 +39,8 @@ from dualvllm.engines.launcher import (
 from dualvllm.training.task_config import TaskConfig
 
 if TYPE_CHECKING:
+    import torch
+
     from dualvllm.training.config import TrainConfig
 
 # The batch a run's coordinator gets unless its config sets one: the run's batch, at least this.
@@ -126,28 +128,39 @@ def run_plan(config: TaskConfig, *, plan_gpus: int | None = None) -> placement.P
     build), or on `plan_gpus` GPUs numbered 0..N-1 for a dry run; a training run's learner GPU is
     kept for the learner."""
     visible = tuple(range(plan_gpus)) if plan_gpus is not None else visible_gpus()
-    learner = learner_gpu(config, planning=plan_gpus is not None) if visible is not None else None
+    learner = learner_gpu(config, plan_gpus=plan_gpus) if visible is not None else None
     return placement.plan(
         config, replicas=config.replicas, visible=visible, learner_gpu=learner, teacher=config.teacher != "self"
     )
 
 
-def learner_gpu(config: TaskConfig, *, planning: bool = False) -> int | None:
+def learner_gpu(config: TaskConfig, *, plan_gpus: int | None = None) -> int | None:
     """The host number of a training run's learner GPU (None: no learner, or not on a GPU).
 
     torch numbers the GPUs it sees from 0; under CUDA_VISIBLE_DEVICES, cuda:N is its N-th entry.
-    `planning` (a dry run for another machine): `--learner-device` as written (default cuda:0),
-    without asking torch whether the GPU is there, numbered as the plan's GPUs are."""
+    With `plan_gpus` (a dry run for another machine) the plan's GPUs are numbered 0..N-1."""
+    device = _learner(config, plan_gpus)
+    if device is None or device.type != "cuda":
+        return None
+    index = device.index or 0
+    return index if plan_gpus is not None else placement.host_gpu(index, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def _learner(config: TaskConfig, plan_gpus: int | None) -> torch.device | None:
+    """A training run's learner device (None for an evaluation). For a plan (`plan_gpus`),
+    `--learner-device` as written (default: cuda:0 when the plan has GPUs), without asking torch
+    whether the GPU is there."""
     from dualvllm.training.config import TrainConfig
     from dualvllm.training.device import device_of, learner_device
 
     if not isinstance(config, TrainConfig):
         return None
-    device = device_of(config.learner_device or "cuda:0") if planning else learner_device(config.learner_device)
-    if device.type != "cuda":
-        return None
-    index = device.index or 0
-    return index if planning else placement.host_gpu(index, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if plan_gpus is None:
+        return learner_device(config.learner_device)
+    device = device_of(config.learner_device or ("cuda:0" if plan_gpus else "cpu"))
+    if device.type == "cuda" and (device.index or 0) >= plan_gpus:
+        raise InvalidInputError(f"--learner-device {device}: the plan has {plan_gpus} GPU(s) (--plan-gpus)")
+    return device
 
 
 def describe_run(config: TaskConfig, *, plan_gpus: int | None = None) -> str:
@@ -182,18 +195,15 @@ def describe_run(config: TaskConfig, *, plan_gpus: int | None = None) -> str:
 
 
 def _learner_line(config: TrainConfig, plan_gpus: int | None) -> str:
-    from dualvllm.training.device import autocast_dtype, device_of, learner_device
+    from dualvllm.training.device import autocast_dtype
 
+    device = _learner(config, plan_gpus)
+    assert device is not None, "a training run has a learner"
     precision: str = config.mixed_precision
-    if plan_gpus is not None:
-        device = device_of(config.learner_device or ("cuda:0" if plan_gpus else "cpu"))
-        if device.type == "cuda" and (device.index or 0) >= plan_gpus:
-            raise InvalidInputError(f"--learner-device {device}: the plan has {plan_gpus} GPU(s) (--plan-gpus)")
-    else:
-        device = learner_device(config.learner_device)
+    if plan_gpus is None:  # what autocast resolves to on this machine
         dtype = autocast_dtype(device, config.mixed_precision)
         computed = "float32" if dtype is None else f"{str(dtype).removeprefix('torch.')} autocast over float32 weights"
         precision += f" ({computed})"
-    host = learner_gpu(config, planning=plan_gpus is not None)
+    host = learner_gpu(config, plan_gpus=plan_gpus)
     where = f" (GPU {host} of the host)" if host is not None else ""
     return f"learner: {device}{where}, mixed precision {precision}"
