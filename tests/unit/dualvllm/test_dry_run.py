@@ -191,3 +191,17 @@ def test_the_weight_transfer_engine_none_is_no_engine(capsys):
     code, out, _ = run(capsys, "serve", "--dry-run", "--dev-mode", "--weight-transfer", "None")
     assert code == 0
     assert "--weight-transfer-config" not in out and "VLLM_SERVER_DEV_MODE=1" in out
+
+
+def test_the_learners_gpu_is_its_host_number_under_cuda_visible_devices(monkeypatch, tmp_path):
+    import torch
+
+    from dualvllm.training import device, serving
+    from dualvllm.training.config import TrainConfig
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    monkeypatch.setattr(serving, "visible_gpus", lambda: (4, 6))
+    monkeypatch.setattr(device, "learner_device", lambda spec: torch.device("cuda", 1))  # torch's cuda:1 is GPU 6
+    config = TrainConfig.parse(config_file=TINY_ARITH, output_dir=tmp_path, learner_device="cuda:1")
+    plan = serving.run_plan(config)
+    assert [(s.name, s.gpus) for s in plan.servers] == [("theta-0", (4,)), ("t-0", (4,))]

@@ -276,3 +276,22 @@ async def test_a_failed_start_stops_the_chain_and_every_server(monkeypatch):
     with pytest.raises(ServerStartupError, match="theta died"):
         await start_servers(named)
     assert started == ["theta"] and sorted(stopped) == ["t", "theta"]
+
+
+def test_visible_gpus_are_cuda_visible_devices_else_nvidia_smis(monkeypatch):
+    import subprocess as sp
+
+    from dualvllm.engines import launcher
+
+    monkeypatch.setattr(launcher, "is_cpu_build", lambda: True)
+    assert launcher.visible_gpus() is None  # the CPU build: no GPU plan
+    monkeypatch.setattr(launcher, "is_cpu_build", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert launcher.visible_gpus() == (2, 3)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-5d1f")
+    with pytest.raises(InvalidInputError, match="UUID.*--base-gpus and --teacher-gpus"):
+        launcher.visible_gpus()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    listing = "GPU 0: NVIDIA H100 (UUID: GPU-a)\nGPU 1: NVIDIA H100 (UUID: GPU-b)\n"
+    monkeypatch.setattr(launcher.subprocess, "run", lambda *a, **k: sp.CompletedProcess(a, 0, stdout=listing))
+    assert launcher.visible_gpus() == (0, 1)
