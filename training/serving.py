@@ -27,6 +27,7 @@ from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator
 from dualvllm.common.errors import InvalidInputError
 from dualvllm.engines import placement
 from dualvllm.engines.dry_run import describe_servers
+from dualvllm.engines.vllm_admin import NCCL_BACKEND
 from dualvllm.engines.launcher import (
     ServerConfig,
     VLLMServer,
@@ -109,18 +110,33 @@ def server_configs(
     base_dir = config.base or str(tinymodels.BASE_DIR)
     teacher = base_dir if config.teacher == "self-frozen" else config.teacher
     bundled = {"dtype": tinymodels.SERVER_DTYPE} if config.base is None else {}  # start_dir is a copy of it
+    plan = run_plan(config, plan_gpus=plan_gpus)
+    pushes = {"weight_transfer": NCCL_BACKEND} if dev_mode and _pushes_over_nccl(config, plan, plan_gpus) else {}
     pairs = replica_configs(
         start_dir,
         None if teacher == "self" else teacher,
         replicas=config.replicas,
         log_dir=log_dir,
         dev_mode=dev_mode,
-        plan=run_plan(config, plan_gpus=plan_gpus),
+        plan=plan,
         max_logprobs=max(config.top_k, 20),
         lockstep=config.lockstep,
-        **{**bundled, **config.server_fields()},
+        **{**bundled, **config.server_fields(), **pushes},
     )
     return with_ports(pairs)
+
+
+def _pushes_over_nccl(config: TaskConfig, plan: placement.Plan, plan_gpus: int | None) -> bool:
+    """Whether the base servers a training run starts load vLLM's NCCL engine (else dualvllm's
+    shared-memory one): when the learner is on a GPU, the servers are too, and pushes may go in
+    memory. The weights then go GPU to GPU in one broadcast to every replica (training/nccl_push.py)
+    instead of through host memory; BasePusher picks NCCL from the servers' own /server_info."""
+    from dualvllm.training.config import TrainConfig
+
+    if not isinstance(config, TrainConfig) or config.weights_via == "disk" or not plan.on_gpus:
+        return False
+    device = _learner(config, plan_gpus)
+    return device is not None and device.type == "cuda"
 
 
 def run_plan(config: TaskConfig, *, plan_gpus: int | None = None) -> placement.Plan:

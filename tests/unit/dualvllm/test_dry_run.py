@@ -4,6 +4,7 @@ started server or an opened coordinator fails the test."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 
@@ -116,6 +117,20 @@ def test_train_dry_run_default_plan_on_two_gpus_shares_the_one_the_learner_leave
     found = servers(out)
     assert [found[n]["env"]["CUDA_VISIBLE_DEVICES"] for n in ("theta", "t")] == ["1", "1"]
     assert "start order: theta then t (they share a GPU)" in out and "learner: cuda:0" in out
+
+
+@pytest.mark.parametrize(
+    ("extra", "backend"),
+    [((), "nccl"), (("--learner-device", "cpu"), "dualvllm_shm"), (("--weights-via", "disk"), "dualvllm_shm")],
+)
+def test_train_dry_run_base_servers_take_nccl_pushes_from_a_gpu_learner(capsys, tmp_path, extra, backend):
+    """A learner on a GPU pushes over NCCL, so the base servers load vLLM's engine; the teacher loads none."""
+    code, out, _ = run(capsys, "train", "--config", str(TINY_ARITH), "--output-dir", str(tmp_path), "--dry-run",
+                       "--plan-gpus", "2", *extra)
+    assert code == 0
+    found = servers(out)
+    assert json.loads(value(found["theta"]["argv"], "--weight-transfer-config")) == {"backend": backend}
+    assert "--weight-transfer-config" not in found["t"]["argv"]
 
 
 def test_train_dry_run_reads_placement_from_the_recipe(capsys, tmp_path):
