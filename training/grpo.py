@@ -36,6 +36,7 @@ from dualvllm.training import checkpoint, lora, untie
 from dualvllm.training.checkpoint import RunState
 from dualvllm.training.config import AdaptiveTrainConfig, StreamingTrainConfig
 from dualvllm.training.curriculum import Curriculum
+from dualvllm.training.data_parallel import DataParallel, Ranks
 from dualvllm.training.device import autocast_dtype, describe, learner_device
 from dualvllm.training.inprocess import in_process
 from dualvllm.training.forgetting import state_kl
@@ -117,11 +118,26 @@ class GRPORecipe:
         self.objective = objective(config)
         self._live: TransformersEngine | None = None  # the base engine under --engine transformers
         self._start: Any = None  # the starting weights, frozen, for kl_from_start
+        # Several learner processes (training/data_parallel.py): rank 0 runs the recipe, the others
+        # only the learner's updates. None: this process alone.
+        self._ranks = Ranks.from_environment()
+        self.data_parallel: DataParallel | None = None
+        self._failure: str | None = None  # rank 0's error, told to the other ranks
+        self._report: TrainReport | None = None  # rank 0's, told to the other ranks
+
+    @property
+    def main(self) -> bool:
+        """Whether this process runs the recipe (servers, sampling, evaluations, pushes, checkpoints)."""
+        return self._ranks is None or self._ranks.main
 
     async def run(self) -> TrainReport:
         try:
             await self.setup()
-            return await self.train()
+            self._report = await self.train() if self.main else await self._follow()
+            return self._report
+        except BaseException as err:
+            self._failure = f"{type(err).__name__}: {err}"
+            raise
         finally:
             await self.cleanup()
 
@@ -130,7 +146,13 @@ class GRPORecipe:
         from transformers import AutoModelForCausalLM
 
         config = self.config
-        device = learner_device(config.learner_device)  # a GPU that is not there: refused before anything loads
+        # A GPU that is not there: refused before anything loads.
+        if self._ranks is None:
+            device = learner_device(config.learner_device)
+        else:  # one of several learner processes: cuda:LOCAL_RANK, and their process groups
+            device = self._ranks.device(config.learner_device)
+            self.data_parallel = DataParallel(self._ranks, device)
+            self.data_parallel.open()
         precision = autocast_dtype(device, config.mixed_precision)
         newest = checkpoint.latest(self.out) if self.resume and self.out.is_dir() else None
         inputs = prepare(config, resume=self.resume)
@@ -146,8 +168,11 @@ class GRPORecipe:
         if config.engine == "vllm":
             untie.refuse_tied(model, start_dir)
         model = model.to(device)  # loaded on the CPU in float32: the master weights, wherever they train
+        if self.data_parallel is not None:
+            self.data_parallel.broadcast_parameters(model)
         log.info("learner on %s", describe(device, precision))
-        if config.kl_from_start_prompts:  # the run's start, also when resuming: the base, not the checkpoint
+        # The run's start, also when resuming: the base, not the checkpoint; measured by rank 0 alone.
+        if config.kl_from_start_prompts and self.main:
             start = config.kl_from or inputs.base_dir
             # Typed as the Module it is: mypy does not bind transformers' wrapped `to` to the instance.
             frozen: torch.nn.Module = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32)
@@ -162,8 +187,11 @@ class GRPORecipe:
             gradient_checkpointing=config.gradient_checkpointing,
             weight_decay=config.weight_decay,
             autocast_dtype=precision,
+            data_parallel=self.data_parallel,
         )
         self.state = checkpoint.load_state(newest, self.learner.optimizer) if newest is not None else RunState(0, 0, 0)
+        if not self.main:  # the other ranks: the learner alone
+            return
         if newest is not None:
             log.info("resuming from %s (step %d)", newest, self.state.step)
         self._chooser = _chooser(config, self.state, len(self.problems.train))
@@ -344,7 +372,7 @@ class GRPORecipe:
             return None
         started = time.perf_counter()
         async with self._live.updating() if self._live is not None else contextlib.nullcontext():
-            metrics = await asyncio.to_thread(self.learner.train_step, batch, self.objective)
+            metrics = await asyncio.to_thread(self._update, batch)
         step, version = state.step + 1, state.policy_version
         if self._live is not None:  # the next forward pass samples the new weights
             version += 1
@@ -386,6 +414,20 @@ class GRPORecipe:
             step_seconds=time.perf_counter() - started,
         )
         return metrics
+
+    def _update(self, batch: ScoredBatch) -> dict[str, float]:
+        """The learner's update on `batch`; with several learner processes, theirs too."""
+        if self.data_parallel is None:
+            return self.learner.train_step(batch, self.objective)
+        return self.data_parallel.update(batch, lambda b: self.learner.train_step(b, self.objective))
+
+    async def _follow(self) -> TrainReport:
+        """Ranks > 0: rank 0's updates until it stops (training/data_parallel.py); rank 0's report."""
+        assert self.data_parallel is not None, "only a rank of several follows"
+        dp = self.data_parallel
+        report = await asyncio.to_thread(dp.follow, lambda b: self.learner.train_step(b, self.objective))
+        assert isinstance(report, TrainReport), f"rank 0 ended with {type(report).__name__}, not its report"
+        return report
 
     async def train(self) -> TrainReport:
         """Evaluate, update until `steps`, evaluate every `eval_every` updates and once after the last."""
@@ -459,8 +501,13 @@ class GRPORecipe:
         try:
             await self._stop_sampler()
         finally:
-            await self._stack.aclose()
-            prune_pushed(self.out)
+            try:
+                await self._stack.aclose()
+                if self.main:
+                    prune_pushed(self.out)
+            finally:
+                if self.data_parallel is not None:  # rank 0 tells the others to stop, with its error if any
+                    self.data_parallel.close(self._failure, self._report)
 
 
 def _chooser(config: StreamingTrainConfig, state: RunState, n_tasks: int) -> Curriculum | Regimes | None:

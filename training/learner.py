@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from dualvllm.training import lora
+from dualvllm.training.data_parallel import DataParallel
 from dualvllm.training.device import autocast
 from dualvllm.training.distill import sft_loss, teacher_advantages, topk_divergence
 from dualvllm.training.logprobs import body_and_head, last_hidden_states, selected_logprobs
@@ -259,6 +260,10 @@ class Learner:
     AdamW's state stay float32; under float16 the loss is scaled (torch.amp.GradScaler) so
     that small gradients do not underflow.
 
+    `data_parallel` (training/data_parallel.py; None: this process alone): this rank runs its
+    share of the micro-batches and `train_step` sums the ranks' gradients, so that every rank
+    takes the whole batch's step.
+
     The model is in train mode only during an update: between updates an in-process engine
     (dualvllm.training.inprocess) samples the same weights with a KV cache, which transformers'
     checkpointed layers drop in train mode.
@@ -276,6 +281,7 @@ class Learner:
         logit_chunk_size: int = LOGIT_CHUNK_SIZE,
         weight_decay: float = 0.0,
         autocast_dtype: torch.dtype | None = None,
+        data_parallel: DataParallel | None = None,
     ) -> None:
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ValueError(
@@ -298,11 +304,14 @@ class Learner:
         self.pad_id = pad_id
         self.micro_batch_size = micro_batch_size
         self.logit_chunk_size = logit_chunk_size
+        self.data_parallel = data_parallel
 
     def train_step(self, batch: ScoredBatch, objective: Objective) -> dict[str, float]:
         started = time.perf_counter()
         self.optimizer.zero_grad()
         metrics = self.accumulate_gradients(batch, objective)
+        if self.data_parallel is not None:  # every rank's share summed: the whole batch's gradient on each
+            self.data_parallel.sum_gradients([p for p in self.model.parameters() if p.requires_grad])
         self._scaler.unscale_(self.optimizer)  # the clip reads the true gradients (a no-op but under float16)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self._scaler.step(self.optimizer)  # skipped when float16 overflowed; the scale then shrinks
@@ -345,20 +354,29 @@ class Learner:
     def _accumulate_gradients(self, batch: ScoredBatch, objective: Objective) -> dict[str, float]:
         prepared = self._prepare(batch, objective)
         size = self.micro_batch_size or len(prepared.rollouts)
-        if size >= len(prepared.rollouts):
+        ranks = self.data_parallel
+        if ranks is None and size >= len(prepared.rollouts):
             loss, metrics = self._loss(prepared, objective)
             with self._training():  # checkpointed layers recompute in backward in the mode they ran in
                 self._scaler.scale(loss).backward()
             return {"loss": float(loss.detach()), **metrics}
+        if ranks is not None:  # data parallel: at least one micro-batch per rank where the batch allows
+            size = min(size, -(-len(prepared.rollouts) // ranks.ranks.world_size))
         slices = [slice(start, start + size) for start in range(0, len(prepared.rollouts), size)]
+        # Data parallel: each rank's micro-batches (one process: all), this rank's, and each rank's rows.
+        shares = ranks.shares(len(slices)) if ranks is not None else [range(len(slices))]
+        mine = [slices[i] for i in shares[ranks.ranks.rank if ranks is not None else 0]]
+        counts = [sum(len(prepared.rollouts[slices[i]]) for i in share) for share in shares]
         advantages = None
         if objective.policy_gradient:
-            first = self._first_pass_logprobs(prepared, slices) if self._advantages_need_logprobs(objective) else None
+            first = None
+            if self._advantages_need_logprobs(objective):
+                first = self._gathered(self._first_pass_logprobs(prepared, mine), counts)
             advantages, _ = self._advantages(prepared, objective, first)
         values: list[torch.Tensor] = []
         references: list[torch.Tensor] = []  # none when there is no reference model, one per micro-batch else
         started = time.perf_counter()
-        for done, rows in enumerate(slices, 1):
+        for done, rows in enumerate(mine, 1):
             packed = pack(prepared.rollouts[rows], self.pad_id, device=self.device)
             reference = self._reference_logprobs(packed, objective)
             with self._training():
@@ -371,12 +389,24 @@ class Learner:
             values.append(part.detach())
             if reference is not None:
                 references.append(reference)
-            log.debug("gradient pass: micro-batch %d/%d, %.1f s", done, len(slices), time.perf_counter() - started)
-        width = prepared.packed.targets.shape[1]
-        reference = _padded_rows(references, width) if references else None
+            log.debug("gradient pass: micro-batch %d/%d, %.1f s", done, len(mine), time.perf_counter() - started)
+        width, teacher_ids = prepared.packed.targets.shape[1], prepared.packed.teacher_ids
+        columns = 1 + (teacher_ids.shape[-1] if teacher_ids is not None and objective.distill_coef > 0 else 0)
+        reference = None
+        if self.reference is not None and objective.policy_gradient:
+            reference = self._gathered(self._rows(references, width), counts)
+        gathered = self._gathered(self._rows(values, width, columns), counts)
         with torch.no_grad():
-            loss, metrics = self._whole_batch(prepared, objective, _padded_rows(values, width), reference)
+            loss, metrics = self._whole_batch(prepared, objective, gathered, reference)
         return {"loss": float(loss), **metrics}
+
+    def _rows(self, parts: Sequence[torch.Tensor], width: int, *columns: int) -> torch.Tensor:
+        """`_padded_rows`, and float32 [0, width, *columns] for none (a data-parallel rank without micro-batches)."""
+        return _padded_rows(parts, width) if parts else torch.zeros((0, width, *columns), device=self.device)
+
+    def _gathered(self, part: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        """Data parallel: every rank's rows of a per-row value, in row order; in one process, `part`."""
+        return part if self.data_parallel is None else self.data_parallel.gather_rows(part, counts)
 
     def _autocast(self) -> contextlib.AbstractContextManager[None]:
         """The forward passes' precision (backward runs outside it, as torch.autocast asks; checkpointed
@@ -461,7 +491,7 @@ class Learner:
                     len(slices),
                     time.perf_counter() - started,
                 )
-        return _padded_rows(parts, prepared.packed.targets.shape[1])
+        return self._rows(parts, prepared.packed.targets.shape[1])
 
     def _advantages(
         self, prepared: Prepared, objective: Objective, logp: torch.Tensor | None
