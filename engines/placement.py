@@ -30,7 +30,9 @@ for dualvllm, only the GPUs it lists are used, still by their host numbers.
 * A server on a GPU of its own takes vLLM's default share of its memory, 0.9; a server sharing a
   GPU takes 0.45 (`--base-gpu-memory-utilization`, `--teacher-gpu-memory-utilization` override
   them). The shares of the servers on one GPU must sum to at most 1.
-* The learner's GPU is never given to a server: a list naming it is refused.
+* The learner's GPU is never given to a server: a list naming it is refused. Several learner
+  processes (`accelerate launch --num_processes N`, training/data_parallel.py) hold one GPU each,
+  the launch's local ranks 0..N-1, and none of them goes to a server.
 * Start order: servers that share a GPU start one after another (vLLM profiles free memory
   at start-up and assumes nothing else on the GPU moves meanwhile); servers on disjoint GPUs,
   and every server on the CPU build, start concurrently.
@@ -83,7 +85,7 @@ only: the I/O (counting GPUs, starting servers) is engines/launcher.py's.
 from __future__ import annotations
 
 import shlex
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -273,13 +275,14 @@ def plan(
     *,
     replicas: int,
     visible: Sequence[int] | None,
-    learner_gpu: int | None = None,
+    learner_gpus: Collection[int] = (),
     teacher: bool = True,
 ) -> Plan:
     """Place `replicas` base servers (and as many teachers, unless `teacher` is False: `--teacher self`).
 
     `visible`: the host numbers of the GPUs servers may use; None = no GPU (the CPU build).
-    `learner_gpu`: the host number of the learner's GPU (`dualvllm train`), never given to a server.
+    `learner_gpus`: the host numbers of the learner's GPUs (`dualvllm train`: one per learner
+    process), never given to a server.
     The rule, and examples: this module's docstring. Raises InvalidInputError naming the flags.
     """
     roles: tuple[Role, ...] = ROLES if teacher else ("base",)
@@ -299,14 +302,15 @@ def plan(
                 "--dry-run --plan-gpus N)"
             )
         return Plan(tuple(Placement(role, i, (), 1, None, args[role]) for i in range(replicas) for role in roles))
-    visible = tuple(visible)
+    visible, learner_gpus = tuple(visible), tuple(learner_gpus)
     tp = {role: _tp(options, role) for role in roles}
     lists = {role: _listed(options, role) for role in roles}
     for role, gpus in lists.items():
         for gpu in gpus or ():
-            if gpu == learner_gpu:
+            if gpu in learner_gpus:
+                owner = "the learner's (--learner-device)" if len(learner_gpus) == 1 else _processes(learner_gpus)
                 raise InvalidInputError(
-                    f"GPU {gpu} in {_flag(role + '_gpus')} is the learner's (--learner-device): a server "
+                    f"GPU {gpu} in {_flag(role + '_gpus')} is {owner}: a server "
                     f"there would take the memory the learner needs; drop it from {_flag(role + '_gpus')} "
                     "or move the learner with --learner-device"
                 )
@@ -315,7 +319,7 @@ def plan(
                     f"GPU {gpu} in {_flag(role + '_gpus')} is not on this machine (visible: "
                     f"{_numbers(visible) or 'none'}); give GPUs among those"
                 )
-    blocks = _blocks(lists, tp, replicas, visible, learner_gpu)
+    blocks = _blocks(lists, tp, replicas, visible, learner_gpus)
     servers = [(role, i, blocks[role][i]) for i in range(replicas) for role in roles]
     placements = tuple(
         Placement(
@@ -329,7 +333,7 @@ def plan(
         for role, i, gpus in servers
     )
     _check_shares(placements)
-    used = {g for p in placements for g in p.gpus} | {learner_gpu}
+    used = {g for p in placements for g in p.gpus} | set(learner_gpus)
     return Plan(placements, tuple(g for g in visible if g not in used))
 
 
@@ -396,12 +400,12 @@ def _blocks(
     tp: dict[Role, int],
     replicas: int,
     visible: tuple[int, ...],
-    learner_gpu: int | None,
+    learner_gpus: tuple[int, ...],
 ) -> dict[Role, list[tuple[int, ...]]]:
     """Each role's per-replica GPU blocks: the given lists cut up, the missing ones by the default rule."""
     blocks = {role: _cut(gpus, tp[role]) for role, gpus in lists.items() if gpus is not None}
     taken = {g for gpus in lists.values() for g in gpus or ()}
-    free = [g for g in visible if g != learner_gpu and g not in taken]
+    free = [g for g in visible if g not in learner_gpus and g not in taken]
     missing = [role for role in lists if lists[role] is None]
     if len(missing) == 2:
         own = replicas * (tp["base"] + tp["teacher"])
@@ -415,7 +419,7 @@ def _blocks(
         if len(free) >= replicas * width:
             shared = _cut(tuple(free[: replicas * width]), width)
             return {role: [block[: tp[role]] for block in shared] for role in ROLES}
-        raise InvalidInputError(_too_few(replicas, tp, free, own, replicas * width, visible, learner_gpu))
+        raise InvalidInputError(_too_few(replicas, tp, free, own, replicas * width, visible, learner_gpus))
     for role in missing:  # the other role's list is given, or there is no other role (--teacher self)
         other = next((r for r in blocks if r != role), None)
         if len(free) >= replicas * tp[role]:
@@ -428,7 +432,7 @@ def _blocks(
             raise InvalidInputError(
                 f"--replicas {replicas} x {_flag(role + '_tensor_parallel_size')} {tp[role]} needs "
                 f"{replicas * tp[role]} GPU(s) for the {role} servers, and {len(free)} are free{beside}"
-                f"{_learner_note(learner_gpu)}: lower them, or give {_flag(role + '_gpus')}"
+                f"{_learner_note(learner_gpus)}: lower them, or give {_flag(role + '_gpus')}"
             )
     return blocks
 
@@ -440,23 +444,32 @@ def _too_few(
     own: int,
     shared: int,
     visible: tuple[int, ...],
-    learner_gpu: int | None,
+    learner_gpus: tuple[int, ...],
 ) -> str:
     sizes = f"--base-tensor-parallel-size {tp['base']}" + (
         f", --teacher-tensor-parallel-size {tp['teacher']}" if "teacher" in tp else ""
     )
     fixes = "lower --replicas or the tensor-parallel sizes"
-    if learner_gpu is not None:
+    if len(learner_gpus) > 1:
+        fixes += ", start fewer learner processes (accelerate launch --num_processes)"
+    if learner_gpus:
         fixes += ", put the learner on the CPU (--learner-device cpu) or sample in process (--engine transformers)"
     return (
         f"--replicas {replicas} with {sizes} needs {own} GPUs (each server its own) or {shared} (each replica's "
         f"base and teacher sharing), and {len(free)} of the {len(visible)} visible are free"
-        f"{_learner_note(learner_gpu)}: {fixes}, or place the servers with --base-gpus and --teacher-gpus"
+        f"{_learner_note(learner_gpus)}: {fixes}, or place the servers with --base-gpus and --teacher-gpus"
     )
 
 
-def _learner_note(learner_gpu: int | None) -> str:
-    return f" (GPU {learner_gpu} is the learner's, --learner-device)" if learner_gpu is not None else ""
+def _learner_note(learner_gpus: tuple[int, ...]) -> str:
+    if len(learner_gpus) > 1:
+        return f" (GPUs {_numbers(learner_gpus)} are the learner processes')"
+    return f" (GPU {learner_gpus[0]} is the learner's, --learner-device)" if learner_gpus else ""
+
+
+def _processes(learner_gpus: tuple[int, ...]) -> str:
+    """Whose GPUs several learner processes hold, and the flag that set them."""
+    return f"one of the learner processes' (GPUs {_numbers(learner_gpus)}: accelerate launch --num_processes)"
 
 
 def _share(options: ServerOptions, role: Role, gpus: tuple[int, ...], others: list[tuple[int, ...]]) -> float:

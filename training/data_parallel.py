@@ -115,17 +115,22 @@ class Ranks:
         wanted = learner_device(spec)  # a GPU that is not there is refused, naming the flag
         if wanted.type != "cuda":
             return wanted
-        if spec is not None and device_of(spec).index is not None:
-            raise InvalidInputError(
-                f"--learner-device {spec} with {self.world_size} learner processes: each process trains on "
-                "cuda:LOCAL_RANK (GPUs 0 to N-1 of CUDA_VISIBLE_DEVICES); give --learner-device cuda, or none"
-            )
+        refuse_numbered_gpu(spec, self.world_size)
         if self.local_rank >= torch.cuda.device_count():
             raise InvalidInputError(
                 f"learner process {self.rank} has local rank {self.local_rank} and torch sees "
                 f"{torch.cuda.device_count()} GPU(s): start at most that many processes per node"
             )
         return torch.device("cuda", self.local_rank)
+
+
+def refuse_numbered_gpu(spec: str | None, world_size: int) -> None:
+    """Several learner processes take a GPU each, cuda:LOCAL_RANK: a `--learner-device cuda:N` is refused."""
+    if spec is not None and device_of(spec).type == "cuda" and device_of(spec).index is not None:
+        raise InvalidInputError(
+            f"--learner-device {spec} with {world_size} learner processes: each process trains on "
+            "cuda:LOCAL_RANK (GPUs 0 to N-1 of CUDA_VISIBLE_DEVICES); give --learner-device cuda, or none"
+        )
 
 
 class DataParallel:

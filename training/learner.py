@@ -345,7 +345,8 @@ class Learner:
         they come from a first pass without gradients. The metrics are computed afterwards
         on the whole batch's values, as `loss` computes them. Equal to
         `loss(batch)[0].backward()` up to float round-off (times the loss scale under float16
-        autocast: `train_step` unscales).
+        autocast: `train_step` unscales). With `data_parallel`, only this rank's share of the
+        micro-batches: `train_step` sums the ranks' gradients.
         """
         # Denormals cost only on the CPU's float units, and the flag is the CPU's.
         with denormals_flushed() if self.device.type == "cpu" else contextlib.nullcontext():

@@ -141,25 +141,49 @@ def _pushes_over_nccl(config: TaskConfig, plan: placement.Plan, plan_gpus: int |
 
 def run_plan(config: TaskConfig, *, plan_gpus: int | None = None) -> placement.Plan:
     """Where the run's servers go (engines/placement.py): on this machine's GPUs (none on the CPU
-    build), or on `plan_gpus` GPUs numbered 0..N-1 for a dry run; a training run's learner GPU is
+    build), or on `plan_gpus` GPUs numbered 0..N-1 for a dry run; a training run's learner GPUs are
     kept for the learner."""
     visible = tuple(range(plan_gpus)) if plan_gpus is not None else visible_gpus()
-    learner = learner_gpu(config, plan_gpus=plan_gpus) if visible is not None else None
+    learner = learner_gpus(config, plan_gpus=plan_gpus) if visible is not None else ()
     return placement.plan(
-        config, replicas=config.replicas, visible=visible, learner_gpu=learner, teacher=config.teacher != "self"
+        config, replicas=config.replicas, visible=visible, learner_gpus=learner, teacher=config.teacher != "self"
     )
 
 
-def learner_gpu(config: TaskConfig, *, plan_gpus: int | None = None) -> int | None:
-    """The host number of a training run's learner GPU (None: no learner, or not on a GPU).
+def learner_gpus(config: TaskConfig, *, plan_gpus: int | None = None) -> tuple[int, ...]:
+    """The host numbers of a training run's learner GPUs, one per learner process (none: no learner,
+    or not on a GPU).
 
     torch numbers the GPUs it sees from 0; under CUDA_VISIBLE_DEVICES, cuda:N is its N-th entry.
     With `plan_gpus` (a dry run for another machine) the plan's GPUs are numbered 0..N-1."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    indices = [d.index or 0 for d in _learner_devices(config, plan_gpus) if d.type == "cuda"]
+    hosts = indices if plan_gpus is not None else [placement.host_gpu(i, visible) for i in indices]
+    return tuple(h for h in hosts if h is not None)  # None: a GPU named by UUID, whose number is unknown
+
+
+def _learner_devices(config: TaskConfig, plan_gpus: int | None) -> tuple[torch.device, ...]:
+    """A training run's learner device, or under `accelerate launch --num_processes N` (training/data_parallel.py)
+    each of this node's learner processes' devices: cuda:0..N-1 (on the CPU, the CPU N times)."""
+    import torch
+
+    from dualvllm.training.config import TrainConfig
+    from dualvllm.training.data_parallel import Ranks, refuse_numbered_gpu
+
     device = _learner(config, plan_gpus)
-    if device is None or device.type != "cuda":
-        return None
-    index = device.index or 0
-    return index if plan_gpus is not None else placement.host_gpu(index, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    ranks = Ranks.from_environment()
+    if device is None or ranks is None:
+        return () if device is None else (device,)
+    if device.type != "cuda":
+        return (device,) * ranks.local_world_size
+    assert isinstance(config, TrainConfig), "a learner is a training run's"
+    refuse_numbered_gpu(config.learner_device, ranks.world_size)
+    if plan_gpus is not None and ranks.local_world_size > plan_gpus:
+        raise InvalidInputError(
+            f"{ranks.local_world_size} learner processes on this node need as many GPUs, and the plan has "
+            f"{plan_gpus} (--plan-gpus)"
+        )
+    return tuple(torch.device("cuda", rank) for rank in range(ranks.local_world_size))
 
 
 def _learner(config: TaskConfig, plan_gpus: int | None) -> torch.device | None:
@@ -220,6 +244,11 @@ def _learner_line(config: TrainConfig, plan_gpus: int | None) -> str:
         dtype = autocast_dtype(device, config.mixed_precision)
         computed = "float32" if dtype is None else f"{str(dtype).removeprefix('torch.')} autocast over float32 weights"
         precision += f" ({computed})"
-    host = learner_gpu(config, plan_gpus=plan_gpus)
-    where = f" (GPU {host} of the host)" if host is not None else ""
-    return f"learner: {device}{where}, mixed precision {precision}"
+    hosts = learner_gpus(config, plan_gpus=plan_gpus)
+    devices = _learner_devices(config, plan_gpus)
+    if len(devices) == 1:
+        where = f" (GPU {hosts[0]} of the host)" if hosts else ""
+        return f"learner: {device}{where}, mixed precision {precision}"
+    where = f" (GPUs {','.join(map(str, hosts))} of the host)" if hosts else ""
+    named = ", ".join(dict.fromkeys(str(d) for d in devices))
+    return f"learner: {len(devices)} processes on {named}{where}, mixed precision {precision}"

@@ -26,7 +26,7 @@ def layout(p) -> list[tuple[str, tuple[int, ...], float | None]]:
     (8, 4, None, [(f"{r}-{i}", (2 * i + j,), 0.9) for i in range(4) for j, r in enumerate(("theta", "t"))], ()),
 ])
 def test_default_plan(gpus, replicas, learner, expected, idle):
-    p = plan(ServerOptions(), replicas=replicas, visible=range(gpus), learner_gpu=learner)
+    p = plan(ServerOptions(), replicas=replicas, visible=range(gpus), learner_gpus=() if learner is None else (learner,))
     assert layout(p) == expected
     assert p.idle == idle
 
@@ -37,16 +37,16 @@ def test_default_plan_with_tensor_parallelism_on_eight_gpus():
     assert [s.gpus for s in own.servers] == [(0, 1), (2, 3), (4, 5), (6, 7)]
     assert {s.tensor_parallel_size for s in own.servers} == {2}
     # The learner takes GPU 0: 7 left, 8 needed apart, so each replica's pair shares a block.
-    shared = plan(options, replicas=2, visible=range(8), learner_gpu=0)
+    shared = plan(options, replicas=2, visible=range(8), learner_gpus=(0,))
     assert layout(shared) == [("theta-0", (1, 2), 0.45), ("t-0", (1, 2), 0.45),
                               ("theta-1", (3, 4), 0.45), ("t-1", (3, 4), 0.45)]
-    mixed = plan(ServerOptions(base_tensor_parallel_size=2), replicas=1, visible=range(4), learner_gpu=0)
+    mixed = plan(ServerOptions(base_tensor_parallel_size=2), replicas=1, visible=range(4), learner_gpus=(0,))
     assert layout(mixed) == [("theta-0", (1, 2), 0.9), ("t-0", (3,), 0.9)]
 
 
 def test_default_plan_that_does_not_fit_is_refused_with_the_flags_to_set():
     with pytest.raises(InvalidInputError, match=r"learner's.*--learner-device cpu.*--engine transformers"):
-        plan(ServerOptions(), replicas=1, visible=range(1), learner_gpu=0)
+        plan(ServerOptions(), replicas=1, visible=range(1), learner_gpus=(0,))
     with pytest.raises(InvalidInputError, match=r"--replicas 3 .*needs 6 GPUs .* or 3 .* 2 of the 2 visible.*--base-gpus"):
         plan(ServerOptions(), replicas=3, visible=range(2))
 
@@ -60,9 +60,9 @@ def test_given_lists_are_cut_into_one_block_per_replica():
 
 
 def test_one_role_given_the_other_takes_what_is_left_or_shares():
-    left = plan(ServerOptions(base_gpus="2"), replicas=1, visible=range(4), learner_gpu=0)
+    left = plan(ServerOptions(base_gpus="2"), replicas=1, visible=range(4), learner_gpus=(0,))
     assert layout(left) == [("theta-0", (2,), 0.9), ("t-0", (1,), 0.9)]
-    shares = plan(ServerOptions(base_gpus="1"), replicas=1, visible=range(2), learner_gpu=0)
+    shares = plan(ServerOptions(base_gpus="1"), replicas=1, visible=range(2), learner_gpus=(0,))
     assert layout(shares) == [("theta-0", (1,), 0.45), ("t-0", (1,), 0.45)]
 
 
@@ -85,7 +85,20 @@ def test_a_gpu_twice_in_one_role_is_refused_naming_the_flag():
 
 def test_the_learners_gpu_is_never_given_to_a_server():
     with pytest.raises(InvalidInputError, match=r"GPU 0 in --teacher-gpus is the learner's \(--learner-device\)"):
-        plan(ServerOptions(base_gpus="1", teacher_gpus="0"), replicas=1, visible=range(2), learner_gpu=0)
+        plan(ServerOptions(base_gpus="1", teacher_gpus="0"), replicas=1, visible=range(2), learner_gpus=(0,))
+
+
+def test_several_learner_processes_keep_all_their_gpus():
+    # accelerate launch --num_processes 2: the learner holds GPUs 0 and 1 (training/data_parallel.py).
+    p = plan(ServerOptions(), replicas=1, visible=range(4), learner_gpus=(0, 1))
+    assert layout(p) == [("theta-0", (2,), 0.9), ("t-0", (3,), 0.9)] and p.idle == ()
+    shared = plan(ServerOptions(), replicas=1, visible=range(3), learner_gpus=(0, 1))
+    assert layout(shared) == [("theta-0", (2,), 0.45), ("t-0", (2,), 0.45)]
+    with pytest.raises(InvalidInputError, match=r"GPU 1 in --base-gpus is one of the learner processes' \(GPUs 0,1: "
+                       r"accelerate launch --num_processes\)"):
+        plan(ServerOptions(base_gpus="1", teacher_gpus="2"), replicas=1, visible=range(4), learner_gpus=(0, 1))
+    with pytest.raises(InvalidInputError, match=r"0 of the 2 visible are free \(GPUs 0,1 are the learner processes'\): .*fewer learner processes"):
+        plan(ServerOptions(), replicas=1, visible=range(2), learner_gpus=(0, 1))
 
 
 def test_a_gpu_the_machine_lacks_is_refused():

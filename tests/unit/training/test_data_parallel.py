@@ -8,10 +8,15 @@ The ranks are real processes (spawned, rendezvous over TCP on localhost, as `acc
 from __future__ import annotations
 
 import functools
+import json
+import math
 import multiprocessing
 import os
 import pickle
+import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -231,3 +236,55 @@ def test_shares_are_contiguous_blocks_with_the_extra_ones_first():
     assert dp.shares(7) == [range(0, 3), range(3, 5), range(5, 7)]
     assert dp.shares(2) == [range(0, 1), range(1, 2), range(2, 2)]
     assert Stop().error is None
+
+
+def test_a_dry_run_under_the_launcher_keeps_every_learner_processs_gpu(monkeypatch, tmp_path):
+    from dualvllm.training import serving
+    from dualvllm.training.config import TrainConfig
+    from tests.recipes import TINY_ARITH
+
+    for name, value in _environment(0, 29500).items():
+        monkeypatch.setenv(name, value)
+    config = TrainConfig.parse(config_file=TINY_ARITH, output_dir=tmp_path)
+    plan = serving.run_plan(config, plan_gpus=4)
+    assert [(s.name, s.gpus) for s in plan.servers] == [("theta-0", (2,)), ("t-0", (3,))]
+    described = serving.describe_run(config, plan_gpus=4)
+    assert "learner: 2 processes on cuda:0, cuda:1 (GPUs 0,1 of the host), mixed precision auto" in described
+    with pytest.raises(InvalidInputError, match="--learner-device cuda:1 with 2 learner processes"):
+        serving.run_plan(
+            TrainConfig.parse(config_file=TINY_ARITH, output_dir=tmp_path, learner_device="cuda:1"), plan_gpus=4
+        )
+    cpu = TrainConfig.parse(config_file=TINY_ARITH, output_dir=tmp_path, learner_device="cpu", engine="transformers")
+    assert "learner: 2 processes on cpu, mixed precision auto" in serving.describe_run(cpu, plan_gpus=4)
+
+
+def test_accelerate_launch_trains_two_steps_with_two_learner_processes(tmp_path):
+    """The command docs/training.md gives, on the bundled models in process (no server): rank 0 runs
+    the recipe, rank 1 follows its two updates and ends with rank 0's report."""
+    from tests.recipes import TINY_ARITH
+
+    accelerate = Path(sys.executable).with_name("accelerate")
+    if not accelerate.exists():
+        pytest.skip("accelerate's launcher is not installed beside this Python")
+    command = [
+        str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+        "--main_process_port", str(_free_port()), "--mixed_precision", "no", "--dynamo_backend", "no",
+        "-m", "dualvllm", "train", "--config", str(TINY_ARITH), "--steps", "2", "--engine", "transformers",
+        "--output-dir", str(tmp_path / "run"),
+    ]  # fmt: skip
+    # 46 s on 2 cores here (the two ranks share them); the bound is for a hang.
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)  # fmt: skip
+    try:
+        out, _ = process.communicate(timeout=4 * JOIN_S)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(5.0)
+    assert process.returncode == 0, out[-3000:]
+    assert "learner process 0 of 2 on cpu" in out and "learner process 1 of 2 on cpu" in out
+    reports = [line for line in out.splitlines() if line.startswith("2 steps; held-out greedy accuracy")]
+    assert len(reports) == 2 and reports[0] == reports[1], out[-3000:]  # rank 1 prints rank 0's report
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2, 2]  # written once, by rank 0
+    assert all(math.isfinite(r["loss"]) for r in records[1:3])
