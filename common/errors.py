@@ -12,6 +12,7 @@
     ├── GenerationFailedError                 a caller needed every sequence, and some failed
     ├── WeightSyncError                       a weight push did not take: the server serves other weights
     ├── NoTrainingSignalError                 sampled data holds nothing to learn from (e.g. no DPO pair)
+    ├── RankStoppedError                      a learner process's rank 0 ended the run with an error
     ├── ServiceBusyError                      the q* service's queue is full (HTTP 429, Retry-After)
     ├── ShutdownTimeoutError                  something being stopped did not stop within its bound
     └── ServerError                           a request to a running server failed
@@ -89,6 +90,11 @@ class WeightSyncError(DualVLLMError):
 class NoTrainingSignalError(DualVLLMError):
     """A training run sampled data that holds nothing to learn from, such as no preference
     pair because every prompt's rollouts were all right or all wrong."""
+
+
+class RankStoppedError(DualVLLMError):
+    """Rank 0 of several learner processes ended the run with an error, so this rank stops too
+    (rank 0's log names the cause; dualvllm.training.data_parallel)."""
 
 
 class ServiceBusyError(DualVLLMError):

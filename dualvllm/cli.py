@@ -243,13 +243,23 @@ async def _train(args: argparse.Namespace) -> int:
             f"--engine transformers samples in this process and starts no server; {', '.join(servers)} "
             "set the servers: drop them or use --engine vllm"
         )
+    from dualvllm.training.data_parallel import Ranks
+
+    ranks = Ranks.from_environment()  # several learner processes (accelerate launch), or None
+    main_rank = ranks is None or ranks.main  # prints what the run prints, once
     if args.dry_run:
-        print(describe_run(config, plan_gpus=_plan_gpus(args)))
+        if main_rank:
+            print(describe_run(config, plan_gpus=_plan_gpus(args)))
         return 0
     _plan_gpus(args)
     if config.engine == "vllm" and not config.theta_urls:
         run_plan(config)  # servers that cannot be placed are refused before any model loads
     if config.method == "dpo":
+        if ranks is not None:
+            raise InvalidInputError(
+                "--method dpo trains with TRL's DPOTrainer in one process: start it without accelerate launch "
+                "(several learner processes are for the streaming methods)"
+            )
         if args.resume:
             raise InvalidInputError("--resume applies to grpo runs; a dpo run is short, start it again")
         from dualvllm.training.dpo import train_dpo
@@ -263,6 +273,8 @@ async def _train(args: argparse.Namespace) -> int:
     from dualvllm.training.grpo import train_grpo
 
     report = await train_grpo(config, resume=args.resume)
+    if not main_rank:  # every rank ends with rank 0's report
+        return 0
     print(
         f"{report.steps_done} steps; held-out greedy accuracy of the base {report.accuracy_before:.1%} -> "
         f"{report.accuracy_after:.1%}; {report.dropped_stale_batches} stale batches dropped; "

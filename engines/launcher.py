@@ -43,6 +43,23 @@ from dualvllm.engines.vllm_plugin import spin
 from dualvllm.engines.vllm_plugin.net import is_loopback
 
 HEALTH_POLL_INTERVAL_S = 0.5
+# What torchrun (under `accelerate launch`) sets for each learner process: a vLLM server started by
+# rank 0 is no rank of that group, and vLLM's own workers set up their own torch.distributed.
+RANK_VARIABLES = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "ROLE_RANK",
+        "ROLE_WORLD_SIZE",
+        "ROLE_NAME",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    }
+)
 # vLLM stops its engine core on SIGTERM within a few seconds; past this we SIGKILL.
 STOP_GRACE_S = 20.0
 LOG_TAIL_LINES = 40
@@ -328,8 +345,13 @@ class VLLMServer:
         return cmd + list(c.extra_args)
 
     def environment(self) -> dict[str, str]:
-        """The server's whole environment: this process's, with `launcher_environment()` over it."""
-        return {**os.environ, **self.launcher_environment()}
+        """The server's whole environment: this process's, without the variables of the launcher that
+        started this process as one of several learner ranks (accelerate launch / torchrun), with
+        `launcher_environment()` over it."""
+        inherited = {
+            k: v for k, v in os.environ.items() if k not in RANK_VARIABLES and not k.startswith("TORCHELASTIC_")
+        }
+        return {**inherited, **self.launcher_environment()}
 
     def launcher_environment(self) -> dict[str, str]:
         """The variables the launcher sets for this server (a dry run prints them)."""

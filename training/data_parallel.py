@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from dualvllm.common.errors import DualVLLMError, InvalidInputError
+from dualvllm.common.errors import InvalidInputError, RankStoppedError
 from dualvllm.training.device import device_of, learner_device
 from dualvllm.training.rollouts import ScoredBatch
 
@@ -54,10 +54,6 @@ STEP_TIMEOUT_S = 3600.0
 # Followers wait for rank 0's next update through the servers' start (minutes for large models),
 # the first evaluation and the sampling of a batch; this bounds a rank 0 that is alive but stuck.
 CONTROL_TIMEOUT_S = 2 * 3600.0
-
-
-class RankStoppedError(DualVLLMError):
-    """Rank 0 ended the run with an error: a follower stops too (rank 0's log names the cause)."""
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,18 @@ def test_cpu_environment_binds_cores_and_caps_the_kv_cache():
     assert plain["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and "VLLM_SERVER_DEV_MODE" not in plain
 
 
+def test_a_server_started_by_a_learner_rank_inherits_none_of_the_rank_variables(monkeypatch):
+    """Under `accelerate launch`, rank 0 starts the servers: torchrun's variables are its, not theirs."""
+    launched = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "2"}
+    for name, value in launched.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("HF_HOME", "/models")
+    env = VLLMServer(ServerConfig(model="m", port=1, device="gpu", gpus=(1,))).environment()
+    assert not set(launched) & set(env)
+    assert env["HF_HOME"] == "/models" and env["CUDA_VISIBLE_DEVICES"] == "1"
+
+
 def test_uni_executor_keeps_the_model_in_the_engine_core_and_binds_it_there(monkeypatch):
     for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "GOMP_CPU_AFFINITY"):
         monkeypatch.delenv(name, raising=False)

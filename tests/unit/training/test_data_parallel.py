@@ -275,9 +275,22 @@ def test_a_dry_run_under_the_launcher_keeps_every_learner_processs_gpu(monkeypat
     assert "learner: 2 processes on cpu, mixed precision auto" in serving.describe_run(cpu, plan_gpus=4)
 
 
+def test_dpo_under_the_launcher_is_refused_before_anything_starts(monkeypatch, tmp_path, capsys):
+    """DPO is TRL's trainer in one process: each rank would run the whole recipe and start its own servers."""
+    from dualvllm import cli
+    from tests.recipes import TINY_ARITH
+
+    for name, value in _environment(1, 29500).items():
+        monkeypatch.setenv(name, value)
+    code = cli.main(["train", "--config", str(TINY_ARITH), "--method", "dpo", "--output-dir", str(tmp_path / "run")])
+    assert code == 2
+    assert "--method dpo trains with TRL's DPOTrainer in one process" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
 def test_accelerate_launch_trains_two_steps_with_two_learner_processes(tmp_path):
     """The command docs/training.md gives, on the bundled models in process (no server): rank 0 runs
-    the recipe, rank 1 follows its two updates and ends with rank 0's report."""
+    the recipe and prints its report, rank 1 follows its two updates and ends with it."""
     from tests.recipes import TINY_ARITH
 
     accelerate = Path(sys.executable).with_name("accelerate")
@@ -301,7 +314,7 @@ def test_accelerate_launch_trains_two_steps_with_two_learner_processes(tmp_path)
     assert process.returncode == 0, out[-3000:]
     assert "learner process 0 of 2 on cpu" in out and "learner process 1 of 2 on cpu" in out
     reports = [line for line in out.splitlines() if line.startswith("2 steps; held-out greedy accuracy")]
-    assert len(reports) == 2 and reports[0] == reports[1], out[-3000:]  # rank 1 prints rank 0's report
+    assert len(reports) == 1, out[-3000:]  # rank 0 prints the run's report; rank 1 ends with it, silent
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2, 2]  # written once, by rank 0
     assert all(math.isfinite(r["loss"]) for r in records[1:3])
