@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import pytest_asyncio
 
@@ -30,17 +32,31 @@ def end_started_processes():
     processes.end_started()
 
 
+@contextlib.asynccontextmanager
+async def fake_server(seed: int, name: str):
+    """A started FakeVLLM over FakeModel(seed), closed on the way out."""
+    server = FakeVLLM(FakeModel(seed=seed), name=name)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.close()
+
+
 @pytest_asyncio.fixture
 async def fake_theta():
-    server = FakeVLLM(FakeModel(seed=1), name="fake-base")
-    await server.start()
-    yield server
-    await server.close()
+    async with fake_server(1, "fake-base") as server:
+        yield server
+
+
+@pytest_asyncio.fixture
+async def second_theta():
+    """A second base replica beside fake_theta: the same weights."""
+    async with fake_server(1, "fake-base") as server:
+        yield server
 
 
 @pytest_asyncio.fixture
 async def fake_t():
-    server = FakeVLLM(FakeModel(seed=2), name="fake-teacher")
-    await server.start()
-    yield server
-    await server.close()
+    async with fake_server(2, "fake-teacher") as server:
+        yield server

@@ -255,10 +255,14 @@ def test_the_known_engines_are_vllms_own():
 
 async def test_servers_sharing_a_gpu_start_one_after_another(monkeypatch):
     events: list[tuple[str, str]] = []
+    others_started = asyncio.Event()  # theta-1 and t-1, on GPUs of their own, started
 
     async def start(self):
         events.append((self.name, "start"))
-        await asyncio.sleep(0.05)
+        if {("theta-1", "start"), ("t-1", "start")} <= set(events):
+            others_started.set()
+        if self.name == "theta-0":  # healthy only once the servers on other GPUs have started beside it
+            await asyncio.wait_for(others_started.wait(), timeout=10)
         events.append((self.name, "healthy"))
 
     monkeypatch.setattr(VLLMServer, "start", start)

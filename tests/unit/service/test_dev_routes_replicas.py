@@ -7,23 +7,13 @@ from __future__ import annotations
 import json
 
 import aiohttp
-import pytest
 
 from dualvllm.service.dev_routes import ties_embeddings
 from dualvllm.training.untie import UNTIE_COMMAND
-from tests.fake_vllm import FakeModel, FakeVLLM
 from tests.unit.service.test_service import post, running
 
 NCCL_INIT = {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 6,
              "packed": True}
-
-
-@pytest.fixture
-async def second_theta():
-    server = FakeVLLM(FakeModel(seed=1), name="fake-base")
-    await server.start()
-    yield server
-    await server.close()
 
 
 async def world_size(url: str) -> int:
