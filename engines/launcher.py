@@ -41,6 +41,7 @@ from dualvllm.common.validation import RaisesInvalidInput
 from dualvllm.engines import placement, weight_transfer
 from dualvllm.engines.vllm_plugin import spin
 from dualvllm.engines.vllm_plugin.net import is_loopback
+from dualvllm.engines.vllm_plugin.worker_extension import WORKER_EXTENSION
 
 HEALTH_POLL_INTERVAL_S = 0.5
 # What torchrun (under `accelerate launch`) sets for each learner process: a vLLM server started by
@@ -329,6 +330,9 @@ class VLLMServer:
             cmd += ["--max-model-len", str(c.max_model_len)]
         if c.dev_mode and c.weight_transfer:
             cmd += ["--weight-transfer-config", json.dumps({"backend": c.weight_transfer})]
+            if "--worker-extension-cls" not in c.extra_args:  # the user's own extension wins; pushes then probe
+                # Lets a trainer ask for the digest of the weights the server took (engines/weight_digest.py).
+                cmd += ["--worker-extension-cls", WORKER_EXTENSION]
         if c.lockstep:
             # Chunked prefill would show the plugin rows of half-computed prompts as steps.
             processor = LOCKSTEP_PROCESSOR_V2 if self._model_runner_v2() else LOCKSTEP_PROCESSOR

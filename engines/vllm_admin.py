@@ -11,14 +11,16 @@ routers.py: the dev and rl routers). Such a server must listen on a loopback hos
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import aiohttp
 
-from dualvllm.common.errors import ServerRejectedError, WeightSyncError
+from dualvllm.common.errors import ServerRejectedError, ServerStatusError, WeightSyncError
 from dualvllm.engines.http import expect
+from dualvllm.engines.vllm_plugin.worker_extension import DIGEST_METHOD, WORKER_EXTENSION
 from dualvllm.engines.weights_dir import checked_weights_dir
 
 if TYPE_CHECKING:
@@ -34,6 +36,8 @@ SERVED_DTYPES = frozenset({"bfloat16", "float16", "float32"})
 # What /pause does with requests in flight (vLLM 0.32's `mode`): wait for them to finish,
 # abort them, or keep them queued until /resume.
 PauseMode = Literal["wait", "abort", "keep"]
+# What vLLM 0.32 answers (HTTP 500) for a collective_rpc method its worker lacks (v1/serial_utils.py run_method).
+NOT_IMPLEMENTED = "is not implemented"
 # vLLM's dense NCCL weight-transfer engine (--weight-transfer-config '{"backend": "nccl"}').
 NCCL_BACKEND = "nccl"
 
@@ -61,6 +65,14 @@ def replica_init_infos(init_info: dict[str, Any], world_sizes: Sequence[int]) ->
             "GET /get_world_size gives that sum"
         )
     return [{**init_info, "rank_offset": offset} for offset in offsets]
+
+
+@dataclass(frozen=True)
+class ServedDigest:
+    """A server's answer to `VLLMAdmin.weight_digest`: the digest, or why it has none."""
+
+    digest: str | None
+    missing: str | None = None  # why there is no digest (None when there is one)
 
 
 class VLLMAdmin:
@@ -257,6 +269,44 @@ class VLLMAdmin:
         """The version the last finished update was tagged with (GET /weight_info)."""
         body = await self._client.call("GET", "/weight_info")
         return body.get("weight_version") if isinstance(body, dict) else None
+
+    async def weight_digest(self) -> ServedDigest:
+        """The digest of the weights the server took at its last finished update
+        (dualvllm.engines.weight_digest), from every rank through the dev-mode worker extension
+        (`POST /collective_rpc {"method": DIGEST_METHOD}`); or why it gives none.
+
+        Not resent after a 5xx: vLLM answers a method its worker lacks (a server started without
+        the extension) with a 500, and asking again cannot change that. Ranks that disagree
+        (tensor parallelism: each digests what it loaded) raise WeightSyncError.
+        """
+        try:
+            body = await self._client.call("POST", "/collective_rpc", {"method": DIGEST_METHOD}, idempotent=False)
+        except ServerStatusError as err:
+            if err.status == 404:
+                return ServedDigest(None, "it has no /collective_rpc (not in dev mode)")
+            if NOT_IMPLEMENTED in err.body:
+                return ServedDigest(
+                    None,
+                    f"it was started without dualvllm's worker extension: add --worker-extension-cls {WORKER_EXTENSION} "
+                    "(the servers dualvllm starts have it)",
+                )
+            raise
+        results = body.get("results") if isinstance(body, dict) else None
+        expect(
+            isinstance(results, list) and bool(results) and all(r is None or isinstance(r, str) for r in results),
+            self._client.name,
+            self._client.url,
+            f"/collective_rpc {DIGEST_METHOD} answered {body!r}, not {{'results': [digest or null, one per rank]}}",
+        )
+        assert isinstance(results, list)  # for mypy: expect() raised otherwise
+        if len(set(results)) > 1:
+            raise WeightSyncError(
+                f"{self._client.name} server at {self._client.url}: its ranks took different weights (digests by rank: "
+                f"{', '.join(str(r)[:12] for r in results)}); restart it and push again"
+            )
+        if results[0] is None:
+            return ServedDigest(None, "it reports no digest: its weight-transfer engine does not digest what it loads")
+        return ServedDigest(results[0])
 
     async def _transfer_phase(self, path: str, payload: Any, timeout_s: float) -> None:
         timeout = aiohttp.ClientTimeout(total=timeout_s, connect=self._client.connect_timeout_s)

@@ -13,6 +13,10 @@ Each phase, run by vLLM's worker:
   view);
 - finish: `finalize_layerwise_reload`, which puts back the old tensors of any layer that
   received nothing.
+Every tensor handed to `load_weights` is digested from the segment's bytes on the way
+(dualvllm.engines.weight_digest, reset at start); the digest of the last finished update is
+`last_digest`, which the worker extension (worker_extension.py) reports to the trainer. A
+failed update leaves no digest: the server then holds a mix of old and new layers.
 A chunk that fails to load finalizes the reload before it raises: vLLM's worker drops the
 session on an error without finalizing it, which would leave layers on the meta device and
 kill the engine at its next forward pass.
@@ -23,9 +27,10 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
+from dualvllm.engines.weight_digest import PushDigest
 from dualvllm.engines.weight_transfer import BACKEND, ShmInitInfo, ShmUpdateInfo, segment_path
 
 if TYPE_CHECKING:
@@ -67,6 +72,8 @@ def _engine_class() -> type:
             super().__init__(*args, **kwargs)
             self._ready = False  # the trainer proved it shares this machine's /dev/shm
             self._active = False
+            self._digest = PushDigest()  # of the update in progress
+            self.last_digest: str | None = None  # of the last finished update; None: none finished
 
         def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
             path = segment_path(init_info.segment)
@@ -91,6 +98,8 @@ def _engine_class() -> type:
         def start_weight_update(self) -> None:
             initialize_layerwise_reload(self.model)
             self._active = True
+            self._digest = PushDigest()
+            self.last_digest = None  # until this update finishes, the model is neither the old step nor the new
 
         def update_weights(self, update_info: dict[str, Any]) -> None:
             # vLLM's base class synchronizes an accelerator here; on CPU the copies are done on return.
@@ -117,7 +126,7 @@ def _engine_class() -> type:
             # close (a copy from an unmapped view segfaults). Each view holds the mapping; it is
             # unmapped when the last one goes. The trainer writes every chunk to a new segment, so
             # nothing overwrites what they see.
-            cast(_LoadsWeights, self.model).load_weights(_views(buffer, info))
+            cast(_LoadsWeights, self.model).load_weights(_views(buffer, info, self._digest))
 
         def _abandon(self) -> None:
             """Put the model back together after a failed chunk: layers that got nothing keep their
@@ -132,18 +141,21 @@ def _engine_class() -> type:
         def finish_weight_update(self) -> None:
             self._active = False
             finalize_layerwise_reload(self.model, self.model_config)
+            self.last_digest = self._digest.hexdigest()
 
         def shutdown(self) -> None:
             self._ready = False
 
-    def _views(buffer: mmap.mmap, info: ShmUpdateInfo) -> list[tuple[str, torch.Tensor]]:
-        """The chunk's tensors as views into the mapped segment, without a copy."""
-        views = []
+    def _views(buffer: mmap.mmap, info: ShmUpdateInfo, digest: PushDigest) -> Iterator[tuple[str, torch.Tensor]]:
+        """The chunk's tensors as views into the mapped segment, without a copy, each digested from
+        the segment's bytes as it is handed on (the bytes load_weights copies into the model)."""
+        raw = memoryview(buffer)
         for name, dtype_name, shape, offset in zip(info.names, info.dtype_names, info.shapes, info.offsets):
+            dtype = getattr(torch, dtype_name)
             count = int(torch.Size(shape).numel())
-            flat = torch.frombuffer(buffer, dtype=getattr(torch, dtype_name), count=count, offset=offset)
-            views.append((name, flat.view(shape)))
-        return views
+            digest.add(name, dtype_name, shape, raw[offset : offset + count * dtype.itemsize])
+            flat = torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset)
+            yield name, flat.view(shape)
 
     return SharedMemoryWeightTransferEngine
 
