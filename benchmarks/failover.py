@@ -68,9 +68,14 @@ class Run:
     ended: float | None = None  # seconds into the run when its stderr closed (it exited)
 
     def __post_init__(self) -> None:
-        self.process = subprocess.Popen([sys.executable, "-m", "dualvllm", *self.args], cwd=REPO, text=True,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "dualvllm", *self.args],
+            cwd=REPO,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -87,8 +92,10 @@ class Run:
         assert self.ended is not None
         seconds = self.ended  # not now: the caller may have waited on something else first
         if self.process.returncode != 0:
-            raise RuntimeError(f"dualvllm {self.args[0]} exited {self.process.returncode}:\n"
-                               + "\n".join(line for _, line in self.lines[-30:]))
+            raise RuntimeError(
+                f"dualvllm {self.args[0]} exited {self.process.returncode}:\n"
+                + "\n".join(line for _, line in self.lines[-30:])
+            )
         return seconds, stdout
 
     def first(self, pattern: re.Pattern[str]) -> float | None:
@@ -117,12 +124,19 @@ class Servers:
         victim.stop()  # reaps it
         await asyncio.sleep(delay_s)
         self.restarts += 1
-        restarted = VLLMServer(victim.config.model_copy(update={
-            "port": victim.port, "log_path": self.log_dir / f"theta-1-restart-{self.restarts}.log"}), name=victim.name)
+        restarted = VLLMServer(
+            victim.config.model_copy(
+                update={"port": victim.port, "log_path": self.log_dir / f"theta-1-restart-{self.restarts}.log"}
+            ),
+            name=victim.name,
+        )
         await restarted.start()
         self.all[2] = restarted
-        return {"killed_at": killed, "healthy_again_s": time.monotonic() - killed,
-                "restart_cpu_s": harness.ServerCPU(restarted.url).seconds()}
+        return {
+            "killed_at": killed,
+            "healthy_again_s": time.monotonic() - killed,
+            "restart_cpu_s": harness.ServerCPU(restarted.url).seconds(),
+        }
 
 
 def jsonl(path: Path) -> list[dict[str, Any]]:
@@ -131,11 +145,28 @@ def jsonl(path: Path) -> list[dict[str, Any]]:
 
 async def part_generate(args: Any, servers: Servers, work: Path) -> dict[str, Any]:
     inputs = work / "prompts.jsonl"
-    inputs.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n"
-                              for i, p in enumerate(harness.prompts_for(args.prompts, seed=21))))
-    command = ["generate", "--input", str(inputs), "--max-tokens", str(args.max_tokens), "--seed", str(args.seed),
-               "--max-batch-size", str(args.batch), "--mode", args.mode, "--replica-probe-interval", "1",
-               "--quiet", *servers.pool_flags()]
+    inputs.write_text(
+        "".join(
+            json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(harness.prompts_for(args.prompts, seed=21))
+        )
+    )
+    command = [
+        "generate",
+        "--input",
+        str(inputs),
+        "--max-tokens",
+        str(args.max_tokens),
+        "--seed",
+        str(args.seed),
+        "--max-batch-size",
+        str(args.batch),
+        "--mode",
+        args.mode,
+        "--replica-probe-interval",
+        "1",
+        "--quiet",
+        *servers.pool_flags(),
+    ]
     reference_seconds, _ = await Run([*command, "--output", str(work / "uninterrupted.jsonl")]).finish()
     print(f"generate: uninterrupted run {reference_seconds:.1f} s", flush=True)
 
@@ -154,18 +185,30 @@ async def part_generate(args: Any, servers: Servers, work: Path) -> dict[str, An
     # log q* of the same tokens: equal, or off in the last bits. The step math's float64
     # rounding depends on which rows are decided together (its arrays are as wide as the
     # batch's widest merged row), and in lockstep mode that depends on the servers' timing.
-    gaps = [max((abs(a - b) for a, b in zip(r["logprobs_q"], reference[r["id"]]["logprobs_q"])), default=0.0)
-            for r in written if r["generated_tokens"] == reference[r["id"]]["generated_tokens"]]
+    gaps = [
+        max((abs(a - b) for a, b in zip(r["logprobs_q"], reference[r["id"]]["logprobs_q"])), default=0.0)
+        for r in written
+        if r["generated_tokens"] == reference[r["id"]]["generated_tokens"]
+    ]
     failed = int(re.search(r"(\d+) failed of", stdout).group(1))  # type: ignore[union-attr]
     down, rejoin = run.first(DOWN), run.first(REJOIN)
     result = {
-        "prompts": args.prompts, "max_tokens": args.max_tokens, "records_written": len(written),
-        "records_lost": len(set(map(str, range(args.prompts))) - set(ids)), "records_duplicated": len(ids) - len(set(ids)),
-        "records_failed": failed, "records_with_other_tokens": differ,
-        "records_with_other_logprobs_q": sum(1 for gap in gaps if gap > 0), "max_logprob_q_gap": max(gaps, default=0.0),
-        "uninterrupted_s": reference_seconds, "with_kill_s": seconds, "kill_cost_s": seconds - reference_seconds,
-        "killed_at_s": kill_s, "marked_down_after_kill_s": down - kill_s if down is not None else None,
-        "restarted_healthy_after_kill_s": restart["healthy_again_s"], "restart_cpu_s": restart["restart_cpu_s"],
+        "prompts": args.prompts,
+        "max_tokens": args.max_tokens,
+        "records_written": len(written),
+        "records_lost": len(set(map(str, range(args.prompts))) - set(ids)),
+        "records_duplicated": len(ids) - len(set(ids)),
+        "records_failed": failed,
+        "records_with_other_tokens": differ,
+        "records_with_other_logprobs_q": sum(1 for gap in gaps if gap > 0),
+        "max_logprob_q_gap": max(gaps, default=0.0),
+        "uninterrupted_s": reference_seconds,
+        "with_kill_s": seconds,
+        "kill_cost_s": seconds - reference_seconds,
+        "killed_at_s": kill_s,
+        "marked_down_after_kill_s": down - kill_s if down is not None else None,
+        "restarted_healthy_after_kill_s": restart["healthy_again_s"],
+        "restart_cpu_s": restart["restart_cpu_s"],
         "rejoined_after_kill_s": rejoin - kill_s if rejoin is not None else None,
     }
     print("generate:", json.dumps(result), flush=True)
@@ -174,10 +217,30 @@ async def part_generate(args: Any, servers: Servers, work: Path) -> dict[str, An
 
 async def part_train(args: Any, servers: Servers, work: Path) -> dict[str, Any]:
     out = work / "train"
-    run = Run(["train", "--config", str(REPO / "recipes" / "tiny-arith.yaml"), "--output-dir", str(out),
-               *servers.pool_flags(), "--steps", str(args.train_steps),
-               "--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "6", "--eval-prompts", "16",
-               "--eval-every", str(args.train_steps), "--seed", str(args.seed)])
+    run = Run(
+        [
+            "train",
+            "--config",
+            str(REPO / "recipes" / "tiny-arith.yaml"),
+            "--output-dir",
+            str(out),
+            *servers.pool_flags(),
+            "--steps",
+            str(args.train_steps),
+            "--prompts-per-step",
+            "4",
+            "--group-size",
+            "4",
+            "--max-tokens",
+            "6",
+            "--eval-prompts",
+            "16",
+            "--eval-every",
+            str(args.train_steps),
+            "--seed",
+            str(args.seed),
+        ]
+    )
     while not any(r.get("step") == 2 and "event" not in r for r in jsonl(out / "metrics.jsonl")):
         assert run.process.poll() is None, "the run ended before the kill:\n" + "\n".join(l for _, l in run.lines[-20:])
         await asyncio.sleep(0.2)
@@ -187,9 +250,13 @@ async def part_train(args: Any, servers: Servers, work: Path) -> dict[str, Any]:
     steps = [r for r in jsonl(out / "metrics.jsonl") if "event" not in r]
     rejoin = run.first(REJOIN)
     result = {
-        "steps": len(steps), "wall_s": seconds, "killed_after_step": 2,
+        "steps": len(steps),
+        "wall_s": seconds,
+        "killed_after_step": 2,
         "push_replicas_per_step": [r["push_replicas"] for r in steps],
-        "push_max_abs_diff_max": max(r["push_max_abs_diff"] for r in steps),
+        "push_max_abs_diff_max": max(
+            (r["push_max_abs_diff"] for r in steps if r["push_max_abs_diff"] is not None), default=None
+        ),
         "marked_down_after_kill_s": (run.first(DOWN) or kill_s) - kill_s,
         "restarted_healthy_after_kill_s": restart["healthy_again_s"],
         "rejoined_after_kill_s": rejoin - kill_s if rejoin is not None else None,
@@ -211,15 +278,21 @@ async def part_throughput(args: Any, servers: Servers) -> list[dict[str, Any]]:
             for key in results[0]:
                 row[f"{pairs}_pair_{key}"] = statistics.median(r[key] for r in results)
         row["tokens_per_s_2_over_1"] = statistics.median(
-            b["tokens_per_s"] / a["tokens_per_s"] for a, b in zip(runs[1], runs[2]))
+            b["tokens_per_s"] / a["tokens_per_s"] for a, b in zip(runs[1], runs[2])
+        )
         print("throughput:", json.dumps(row), flush=True)
         rows.append(row)
     return rows
 
 
 async def _timed(servers: Servers, pairs: int, prompts: list[str], args: Any) -> dict[str, float]:
-    config = CoordinatorConfig(theta_urls=servers.urls(0, pairs), t_urls=servers.urls(1, pairs), mode=args.mode,
-                               max_batch_size=len(prompts), top_k=args.top_k)
+    config = CoordinatorConfig(
+        theta_urls=servers.urls(0, pairs),
+        t_urls=servers.urls(1, pairs),
+        mode=args.mode,
+        max_batch_size=len(prompts),
+        top_k=args.top_k,
+    )
     cpus = [harness.ServerCPU(s.url) for s in servers.all]
     async with DualVLLMCoordinator(config) as c:
         before = (time.process_time(), sum(cpu.seconds() for cpu in cpus))
@@ -228,8 +301,11 @@ async def _timed(servers: Servers, pairs: int, prompts: list[str], args: Any) ->
         seconds = time.perf_counter() - started
         after = (time.process_time(), sum(cpu.seconds() for cpu in cpus))
     tokens = sum(len(o.generated_tokens) for o in outputs)
-    return {"tokens_per_s": tokens / seconds, "coordinator_cpu_s_per_1k_tokens": (after[0] - before[0]) / tokens * 1e3,
-            "servers_cpu_s_per_1k_tokens": (after[1] - before[1]) / tokens * 1e3}
+    return {
+        "tokens_per_s": tokens / seconds,
+        "coordinator_cpu_s_per_1k_tokens": (after[0] - before[0]) / tokens * 1e3,
+        "servers_cpu_s_per_1k_tokens": (after[1] - before[1]) / tokens * 1e3,
+    }
 
 
 async def run(args: Any) -> dict[str, Any]:
@@ -238,10 +314,15 @@ async def run(args: Any) -> dict[str, Any]:
         raise SystemExit(f"--work-dir {work} is not empty: generate would resume from its outputs; give a new one")
     work.mkdir(parents=True, exist_ok=True)
     print(f"inputs, outputs and server logs: {work}", flush=True)
-    report: dict[str, Any] = {"machine": harness.machine(), "command": " ".join(["python", *sys.argv]),
-                              "restart_after_s": args.restart_after, "mode": args.mode}
-    pairs = replica_configs(replicas=2, log_dir=work / "logs", dev_mode=True, max_logprobs=args.top_k,
-                            lockstep=args.mode == "lockstep")
+    report: dict[str, Any] = {
+        "machine": harness.machine(),
+        "command": " ".join(["python", *sys.argv]),
+        "restart_after_s": args.restart_after,
+        "mode": args.mode,
+    }
+    pairs = replica_configs(
+        replicas=2, log_dir=work / "logs", dev_mode=True, max_logprobs=args.top_k, lockstep=args.mode == "lockstep"
+    )
     async with launch_replicas(pairs) as launched:
         servers = Servers([s for pair in launched for s in pair], work / "logs")
         try:
@@ -263,19 +344,33 @@ def plot(report: dict, path: Path) -> None:
         return
     plt = harness.pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    harness.plot_tokens_per_s(ax, rows, {"1 pair": "1_pair_tokens_per_s", "2 pairs": "2_pair_tokens_per_s"},
-                              f"{report.get('mode', 'per_token')} mode, 1 pair vs 2 (2 cores)")
+    harness.plot_tokens_per_s(
+        ax,
+        rows,
+        {"1 pair": "1_pair_tokens_per_s", "2 pairs": "2_pair_tokens_per_s"},
+        f"{report.get('mode', 'per_token')} mode, 1 pair vs 2 (2 cores)",
+    )
     harness.save_figure(fig, path)
 
 
 def main() -> None:
     parser = harness.argument_parser(__doc__, live_servers=False)
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
-    parser.add_argument("--mode", choices=("per_token", "lockstep"), default="per_token",
-                        help="how the coordinator decodes; lockstep starts the servers with the plugin")
-    parser.add_argument("--prompts", type=int, default=12288,
-                        help="generate: prompts in the input file (enough that the restarted replica rejoins mid-run)")
-    parser.add_argument("--kill-at", type=float, default=0.1, help="generate: kill once this share of records is written")
+    parser.add_argument(
+        "--mode",
+        choices=("per_token", "lockstep"),
+        default="per_token",
+        help="how the coordinator decodes; lockstep starts the servers with the plugin",
+    )
+    parser.add_argument(
+        "--prompts",
+        type=int,
+        default=12288,
+        help="generate: prompts in the input file (enough that the restarted replica rejoins mid-run)",
+    )
+    parser.add_argument(
+        "--kill-at", type=float, default=0.1, help="generate: kill once this share of records is written"
+    )
     parser.add_argument("--max-tokens", type=int, default=32, help="generate and throughput: tokens per prompt")
     parser.add_argument("--batch", type=int, default=64, help="generate: the coordinator's --max-batch-size")
     parser.add_argument("--restart-after", type=float, default=20.0, help="seconds between the kill and the restart")
@@ -284,7 +379,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--top-k", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--work-dir", help="an empty directory for inputs, outputs and server logs; default: a new temp dir")
+    parser.add_argument(
+        "--work-dir", help="an empty directory for inputs, outputs and server logs; default: a new temp dir"
+    )
     parser.add_argument("--output", type=Path, default=harness.RESULTS_DIR / "failover.json")
     args = parser.parse_args()
     harness.finish(loop.run(run(args)), args.output, plot)

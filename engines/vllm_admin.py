@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import aiohttp
 
-from dualvllm.common.errors import ServerRejectedError, ServerStatusError, WeightSyncError
+from dualvllm.common.errors import ServerRejectedError, ServerStatusError, ServerUnavailableError, WeightSyncError
 from dualvllm.engines.http import expect
 from dualvllm.engines.vllm_plugin.worker_extension import DIGEST_METHOD, WORKER_EXTENSION
 from dualvllm.engines.weights_dir import checked_weights_dir
@@ -276,11 +276,17 @@ class VLLMAdmin:
         (`POST /collective_rpc {"method": DIGEST_METHOD}`); or why it gives none.
 
         Not resent after a 5xx: vLLM answers a method its worker lacks (a server started without
-        the extension) with a 500, and asking again cannot change that. Ranks that disagree
+        the extension) with a 500, and asking again cannot change that; resent once after a reset
+        connection. Ranks that disagree
         (tensor parallelism: each digests what it loaded) raise WeightSyncError.
         """
         try:
-            body = await self._client.call("POST", "/collective_rpc", {"method": DIGEST_METHOD}, idempotent=False)
+            try:
+                body = await self._client.call("POST", "/collective_rpc", {"method": DIGEST_METHOD}, idempotent=False)
+            except ServerUnavailableError:
+                # uvicorn closes a connection after a 500 (a call's unhandled error, this one's included), and
+                # the next request on it is reset: this one is a read, so it is sent once more.
+                body = await self._client.call("POST", "/collective_rpc", {"method": DIGEST_METHOD}, idempotent=False)
         except ServerStatusError as err:
             if err.status == 404:
                 return ServedDigest(None, "it has no /collective_rpc (not in dev mode)")

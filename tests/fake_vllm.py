@@ -127,6 +127,10 @@ class FakeVLLM:
     scale_out: bool = True  # /inference/v1/generate answers (vLLM's --enable-scale-out); False: a 403, as vLLM's
     world_size: int = 1  # what dev-mode /get_world_size answers (TP x PP x DP)
     weight_transfer_backend: str | None = "dualvllm_shm"  # /server_info's weight_transfer_config backend (None: none)
+    # What collective_rpc dualvllm_weight_digest answers, on every rank (engines/vllm_plugin/worker_extension.py);
+    # digest_extension False: the server was started without the extension (vLLM's "not implemented" 500).
+    weight_digest: str | None = None
+    digest_extension: bool = True
     failures: dict[str, deque[Failure]] = field(default_factory=lambda: defaultdict(deque))
     calls: dict[str, list[dict]] = field(default_factory=lambda: defaultdict(list))
     order: list[str] = field(default_factory=list)  # the path of every request, in arrival order
@@ -264,10 +268,15 @@ class FakeVLLM:
         return web.json_response({"message": f"{request.path} done"})
 
     async def _collective_rpc(self, request: web.Request) -> web.Response:
-        """reload_weights only: the model becomes the one write_fake_weights put in weights_path."""
+        """reload_weights: the model becomes the one write_fake_weights put in weights_path; and the digest
+        extension's method."""
         body = await request.json()
-        if body.get("method") != "reload_weights":
-            return web.Response(status=400, text=f"the fake supports only reload_weights, not {body.get('method')!r}")
+        if body.get("method") == "dualvllm_weight_digest" and self.digest_extension:
+            return web.json_response({"results": [self.weight_digest] * self.world_size})
+        if body.get("method") != "reload_weights":  # vLLM's answer for a method its worker lacks
+            return web.json_response({"error": {"message": "Call to collective_rpc method failed: Method "
+                                                           f"{body.get('method')!r} is not implemented.",
+                                                "type": "InternalServerError", "code": 500}}, status=500)
         try:
             weights = json.loads((Path(body["kwargs"]["weights_path"]) / FAKE_WEIGHTS_FILE).read_text())
         except (KeyError, OSError) as err:

@@ -335,6 +335,13 @@ class StreamingTrainConfig(TrainConfig):
     max_staleness: int = Field(1, ge=0, description="Drop rollouts sampled more than this many policy versions ago.")
     queue_size: int = Field(2, ge=1, description="Scored batches the sampler may run ahead of the learner.")
     push_every: int = Field(1, ge=1, description="Push weights to the base server every N updates.")
+    push_probe_every: int = Field(
+        50,
+        ge=0,
+        description="In-memory pushes are proved by digest (the exact bytes the servers took); a logprob probe "
+        "(a forward pass on each side) also checks the first push, every Nth push after it, and every push "
+        "a digest cannot prove. 0: the first push only.",
+    )
     keep_checkpoints: int = Field(
         3, ge=1, description="Checkpoints kept on disk (newest first); older ones are deleted."
     )

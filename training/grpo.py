@@ -208,7 +208,9 @@ class GRPORecipe:
             serving(config, start_dir, log_dir=self.out, dev_mode=True, batch_size=batch_size)
         )
         probes = [list(t.prompt_ids) for t in self.problems.held_out[:PUSH_PROBES]]
-        self.pusher = BasePusher(self.coordinator.base_engine, probes, via=config.weights_via)
+        self.pusher = BasePusher(
+            self.coordinator.base_engine, probes, via=config.weights_via, probe_every=config.push_probe_every
+        )
         self._stack.push_async_callback(self.pusher.close)  # the run's NCCL group ends before its servers
         if config.theta_urls:  # servers started elsewhere serve whatever they were given: make it ours
             await self.pusher.push(self.learner.model, self.tokenizer, new_push_dir(self.out, self.state.step))
@@ -381,7 +383,8 @@ class GRPORecipe:
                 push = await self.pusher.push(self.learner.model, self.tokenizer, new_push_dir(self.out, step))
             version += 1
             metrics.update(
-                push_max_abs_diff=push.max_abs_diff,
+                # Only where a probe ran: a push its digests prove compares no logprobs.
+                **({} if push.max_abs_diff is None else {"push_max_abs_diff": push.max_abs_diff}),
                 push_replicas=push.replicas,
                 push_replicas_dropped=len(push.dropped),
                 **push_metrics(push),

@@ -103,7 +103,8 @@ class QStarWeightSync(TrainerCallback):
             # GRPOTrainer averages its metric buffer into the next log line (Trainer.log would flush it early).
             metrics = getattr(self.trainer, "_metrics", {}).get("train")
             if metrics is not None:
-                metrics["push/max_abs_diff"].append(report.max_abs_diff)
+                if report.max_abs_diff is not None:  # None: proved by digest, no probe ran
+                    metrics["push/max_abs_diff"].append(report.max_abs_diff)
                 metrics["push/replicas"].append(float(report.replicas))
                 metrics["push/replicas_dropped"].append(float(len(report.dropped)))
                 for key, value in push_metrics(report).items():

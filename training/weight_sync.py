@@ -40,6 +40,7 @@ a push killed is reported as dead, and a pool takes that replica out (BasePusher
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import shutil
@@ -47,7 +48,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -58,6 +59,7 @@ from dualvllm.engines.vllm_admin import NCCL_BACKEND
 from dualvllm.engines.vllm_client import VLLMClient
 from dualvllm.engines.weight_transfer import BACKEND as SHM_BACKEND
 from dualvllm.engines.weights_dir import checked_weights_dir
+from dualvllm.training.push_check import SharedResult, probe_scheduled
 
 if TYPE_CHECKING:
     from dualvllm.training.nccl_push import NcclGroup
@@ -105,14 +107,19 @@ MEDIAN_SHARE = 0.1
 @dataclass(frozen=True)
 class PushReport:
     path: Path | None  # the checkpoint reloaded from disk; None for a push in memory
-    max_abs_diff: float  # largest |server - learner| logprob over the probe tokens (and replicas)
-    probes: int
+    max_abs_diff: (
+        float | None
+    )  # largest |server - learner| logprob over the probe tokens (and replicas); None: no probe ran
+    probes: int  # probe contexts compared (0: proved by digest alone)
     reload_sends: int  # 2 when the first send failed without a clear answer and did not take
     replicas: int = 1  # base replicas that serve the pushed weights, verified
     dropped: tuple[str, ...] = ()  # URLs of replicas the push failed on, taken out of the pool
     via: str = "disk"  # "memory": shared memory (weight_transfer); "nccl": nccl_push; "disk": a reload
     bytes_moved: int = 0  # in memory: bytes sent to each replica
     seconds: dict[str, float] = field(default_factory=dict)  # by phase (the slowest replica's), and "total"
+    digest: str | None = None  # the pushed weights' digest, as the servers report it (dualvllm.engines.weight_digest)
+    verified_by: str = "probe"  # "digest", "probe" or "digest+probe" (dualvllm.training.push_check); a pool's weakest
+    no_digest: str | None = None  # why a server gave no digest, where one was asked for (then the probe decided)
 
 
 @dataclass(frozen=True)
@@ -306,6 +313,8 @@ def push_metrics(report: PushReport) -> dict[str, Any]:
     return {
         "push_via": report.via,
         "push_bytes": report.bytes_moved,
+        "push_verified_by": report.verified_by,
+        "push_digest": report.digest,
         **{f"push_seconds/{phase}": round(seconds, 4) for phase, seconds in report.seconds.items()},
     }
 
@@ -320,7 +329,10 @@ class BasePusher:
     the first push and kept for the run; `close()` ends it). Else, or with `via="disk"`, through a
     checkpoint each server reloads. `via="memory"` refuses the disk, with the reason.
 
-    Each replica is pushed to and verified on its own, all at once. A replica whose push
+    Each replica is pushed to and verified on its own, all at once: in memory by the digest each
+    replica reports of the bytes it took, with a logprob probe at the first push, every
+    `probe_every`-th (0: the first only) and whenever a digest cannot prove the push
+    (dualvllm.training.push_check); through the disk and over NCCL by the probe. A replica whose push
     fails (it died, or serves other weights after its reload) is taken out of the pool and
     the run goes on with the others; WeightSyncError only when no replica took the push.
     The newest pushed weights stay at hand: a replica that comes back gets them, verified,
@@ -336,6 +348,7 @@ class BasePusher:
         top_k: int = 20,
         tolerance: float | None = None,
         via: WeightsVia = "auto",
+        probe_every: int = 0,
     ) -> None:
         pool = as_pool(base)
         self._members = None if pool is None else pool.membership  # who is up, when there are replicas
@@ -348,7 +361,13 @@ class BasePusher:
         self._group: NcclGroup | None = None  # the run's NCCL group, opened at the first NCCL push
         self._dtype: str | None = None  # the base servers', asked once
         # The newest push: how to send it to one more replica, and what that replica must answer.
-        self._newest: tuple[Callable[[VLLMClient], Awaitable[PushReport]], np.ndarray] | None = None
+        self._newest: tuple[Callable[[VLLMClient], Awaitable[PushReport]], np.ndarray | SharedResult] | None = None
+        self._newest_digest: str | None = None  # its digest, as the replicas reported it
+        # In-memory pushes are proved by digest; a logprob probe also runs at the first, every
+        # `probe_every`-th after it (0: the first only), and on every push a digest cannot prove.
+        self._probe_every, self._pushes = probe_every, 0
+        self._digests: bool | None = None  # whether every replica reported a digest at the last push
+        self._told_no_digest: set[str] = set()  # replicas whose missing digest was logged
         if self._members is not None:
             self._members.add_rejoin_check(self._catch_up)
 
@@ -420,37 +439,65 @@ class BasePusher:
             )
         from dualvllm.training import lora, weight_transfer  # imports vLLM's trainer-side classes
 
-        # Computed before the pause, not beside the transfer or the verification: on CPU cores the
-        # server shares, either overlap stretched the sampling stall from 3.5 s to 7-9 s at Qwen3-0.6B's
-        # shape for at most 1.3 s of push time (benchmarks/README.md, "weight_push.py").
-        expected = await asyncio.to_thread(weight_transfer.expected_logprobs, model, self._probes, dtype)
+        probe = probe_scheduled(self._pushes, self._probe_every)
+        self._pushes += 1
+        compute = functools.partial(weight_transfer.expected_logprobs, model, self._probes, dtype)
+        if probe or self._backend == NCCL_BACKEND or self._digests is False:  # a probe will run
+            # Computed before the pause, not beside the transfer or the verification: on CPU cores the
+            # server shares, either overlap stretched the sampling stall from 3.5 s to 7-9 s at Qwen3-0.6B's
+            # shape for at most 1.3 s of push time (benchmarks/README.md, "weight_push.py").
+            wanted = SharedResult(await asyncio.to_thread(compute))
+        else:  # computed only if a replica's digest does not prove the push
+            wanted = SharedResult(compute)
         previous = None if self._newest is None else self._newest[1]
+        previous_digest = self._newest_digest
         # LoRA changes only the decoder layers it adapts: the servers keep the rest from their start
         # (a restarted replica too, from the same base checkpoint).
         only = lora.adapted_names(model) if lora.is_lora(model) else None
         if self._backend == NCCL_BACKEND:
-            return await self._push_nccl(model, expected, dtype, only, out_dir.name)
+            return await self._push_nccl(model, await wanted.get(), dtype, only, out_dir.name)
 
-        async def send(client: VLLMClient, previous: np.ndarray | None = previous) -> PushReport:
-            return await weight_transfer.transfer_and_verify(
+        async def send(client: VLLMClient, catching_up: bool = False) -> PushReport:
+            report = await weight_transfer.transfer_and_verify(
                 client,
                 model,
                 self._probes,
-                expected,
+                wanted,
                 dtype=dtype,
                 top_k=self._top_k,
                 tolerance=self._tolerance,
-                previous=previous,
+                previous=None if catching_up else previous,
                 weight_version=out_dir.name,
                 only=only,
+                probe=probe and not catching_up,
+                previous_digest=None if catching_up else previous_digest,
+                # A replica that rejoins must hold the newest push's step, not the learner's current one.
+                expected_digest=self._newest_digest if catching_up else None,
             )
+            self._tell_no_digest(client, report)
+            return report
 
-        return await self._push_each(
+        report = await self._push_each(
             lambda client, wait_s: send(client),
-            expected,
+            wanted,
             f"the in-memory push {out_dir.name}",
-            catch_up=lambda client: send(client, None),
+            catch_up=lambda client: send(client, catching_up=True),
         )
+        self._newest_digest = report.digest
+        self._digests = report.digest is not None and report.no_digest is None
+        return report
+
+    def _tell_no_digest(self, client: VLLMClient, report: PushReport) -> None:
+        """Log once per replica that its pushes are verified by a probe, and why."""
+        if report.no_digest is not None and client.url not in self._told_no_digest:
+            self._told_no_digest.add(client.url)
+            log.warning(
+                "%s server at %s gives no digest of the weights it took (%s): every push to it is verified by a "
+                "logprob probe, which cannot tell one step from the next in bf16",
+                client.name,
+                client.url,
+                report.no_digest,
+            )
 
     async def _push_nccl(
         self, model: Any, expected: np.ndarray, dtype: str, only: set[str] | None, version: str
@@ -496,7 +543,8 @@ class BasePusher:
         """Reload the checkpoint in `out_dir` (written in `served_dtype()`, see `write_push`) into
         every base replica; `expected` is what they must answer on the probes [len(probes), vocab]."""
         await self.served_dtype()
-        previous = None if self._newest is None else self._newest[1]
+        newest = None if self._newest is None else self._newest[1]
+        previous = newest.peek() if isinstance(newest, SharedResult) else newest
         started = time.perf_counter()
 
         def reload(client: VLLMClient, wait_s: float, previous: np.ndarray | None = previous) -> Awaitable[PushReport]:
@@ -522,7 +570,7 @@ class BasePusher:
     async def _push_each(
         self,
         push: Callable[[VLLMClient, float], Awaitable[PushReport]],
-        expected: np.ndarray,
+        expected: np.ndarray | SharedResult,
         label: str,
         *,
         catch_up: Callable[[VLLMClient], Awaitable[PushReport]],
@@ -556,13 +604,17 @@ class BasePusher:
             await self._members.refresh_reference()
         phases = {phase for r in reports for phase in r.seconds}
         seconds = {phase: max(r.seconds.get(phase, 0.0) for r in reports) for phase in phases}  # the slowest replica's
+        diffs = [r.max_abs_diff for r in reports if r.max_abs_diff is not None]
         return replace(
             reports[0],
-            max_abs_diff=max(r.max_abs_diff for r in reports),
+            max_abs_diff=max(diffs) if diffs else None,
+            probes=max(r.probes for r in reports),
             reload_sends=max(r.reload_sends for r in reports),
             replicas=len(reports),
             dropped=tuple(dropped),
             seconds=seconds,
+            verified_by=weakest(r.verified_by for r in reports),
+            no_digest=next((r.no_digest for r in reports if r.no_digest is not None), None),
         )
 
     async def _catch_up(self, replica: Engine) -> None:
@@ -571,6 +623,12 @@ class BasePusher:
         replica waits for the next push)."""
         if self._newest is not None:
             await self._newest[0](_vllm(replica))
+
+
+def weakest(ways: Iterable[str]) -> str:
+    """How a pool's push was proved, by the replica proved least: a probe alone cannot tell steps apart."""
+    ways = set(ways)
+    return "probe" if "probe" in ways else "digest" if "digest" in ways else "digest+probe"
 
 
 def _vllm(engine: Engine) -> VLLMClient:

@@ -29,7 +29,7 @@ import os
 import secrets
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -42,10 +42,13 @@ from vllm.distributed.weight_transfer import (
 from vllm.distributed.weight_transfer.base import TrainerInitInfo
 
 from dualvllm.common.errors import ServerError, ServerRejectedError, ServerUnavailableError, WeightSyncError
+from dualvllm.engines.vllm_admin import ServedDigest
 from dualvllm.engines.vllm_client import VLLMClient
+from dualvllm.engines.weight_digest import PushDigest, short
 from dualvllm.engines.weight_transfer import BACKEND, SEGMENT_PREFIX, ShmInitInfo, ShmUpdateInfo, aligned, segment_path
 from dualvllm.training import lora
 from dualvllm.training.learner_source import LearnerSource
+from dualvllm.training.push_check import SharedResult, digest_failure, digest_verdict, verified_by
 from dualvllm.training.weight_sync import (
     PushReport,
     compare_logprobs,
@@ -76,6 +79,7 @@ class TransferStats:
     chunks: int = 0
     tensors: int = 0
     seconds: dict[str, float] = field(default_factory=dict)  # init, start, send (write + load), finish
+    digest: str | None = None  # of the bytes sent (dualvllm.engines.weight_digest); None: not digested
 
 
 @dataclass
@@ -112,6 +116,7 @@ class SharedMemoryTrainerEngine(TrainerWeightTransferEngine[ShmTrainerInitInfo])
         self.chunk_bytes, self.weight_version = chunk_bytes, weight_version
         self.stats = TransferStats()
         self._dtype: dict[str, torch.dtype] = {}  # the wire dtype of each name, from the source's metadata
+        self._digest = PushDigest()  # of every tensor written, as the server digests what it loads
 
     @classmethod
     def trainer_init(
@@ -155,6 +160,7 @@ class SharedMemoryTrainerEngine(TrainerWeightTransferEngine[ShmTrainerInitInfo])
                 self.client.finish_weight_update(None)
             raise
         seconds["send"] = time.perf_counter() - started
+        self.stats.digest = self._digest.hexdigest()
         started = time.perf_counter()
         self.client.finish_weight_update(self.weight_version)
         seconds["finish"] = time.perf_counter() - started
@@ -203,15 +209,22 @@ class SharedMemoryTrainerEngine(TrainerWeightTransferEngine[ShmTrainerInitInfo])
         for name, tensor in chunk:
             offsets.append(end)
             end = aligned(end + tensor.numel() * dtype[name].itemsize)
+        dtype_names = [str(dtype[n]).removeprefix("torch.") for n, _ in chunk]
         with _segment(end) as (segment, buffer):
-            for (name, tensor), offset in zip(chunk, offsets):
+            for (name, tensor), offset, dtype_name in zip(chunk, offsets, dtype_names):
                 view = torch.frombuffer(buffer, dtype=dtype[name], count=tensor.numel(), offset=offset)
                 view.view(tensor.shape).copy_(tensor)  # casts to the server's dtype on the way
                 del view
+                # The bytes as written, which the server digests as it loads them; hashed while they are
+                # still in cache, ~12 GB/s.
+                with memoryview(buffer) as raw:
+                    self._digest.add(
+                        name, dtype_name, tensor.shape, raw[offset : offset + tensor.numel() * dtype[name].itemsize]
+                    )
             info = ShmUpdateInfo(
                 segment=segment,
                 names=[n for n, _ in chunk],
-                dtype_names=[str(dtype[n]).removeprefix("torch.") for n, _ in chunk],
+                dtype_names=dtype_names,
                 shapes=[list(t.shape) for _, t in chunk],
                 offsets=offsets,
             )
@@ -363,18 +376,22 @@ async def transfer_and_verify(
     client: VLLMClient,
     model: Any,
     probes: Sequence[Sequence[int]],
-    expected: np.ndarray,
+    expected: np.ndarray | SharedResult,
     *,
     dtype: str,
     top_k: int,
     tolerance: float,
-    previous: np.ndarray | None = None,
+    previous: np.ndarray | SharedResult | None = None,
     weight_version: str | None = None,
     only: set[str] | None = None,
     chunk_bytes: int = CHUNK_BYTES,
+    probe: bool = True,
+    previous_digest: str | None = None,
+    expected_digest: str | None = None,
 ) -> PushReport:
-    """Push `model`'s weights into the server's memory, fenced by pause(mode="keep"), then check
-    on the probes that it serves them (`expected`: `expected_logprobs`)."""
+    """Push `model`'s weights into the server's memory, fenced by pause(mode="keep"), then prove
+    that it serves them (`verify_transfer`: by digest, and by a probe when `probe` or the digest
+    cannot prove it; `expected`: `expected_logprobs`, computed only if a probe runs)."""
     started = time.perf_counter()
     fenced = await client.admin.pause(mode="keep")
     if not fenced:
@@ -395,7 +412,18 @@ async def transfer_and_verify(
     if fenced:
         await client.admin.resume()
     return await verify_transfer(
-        client, model, probes, expected, stats, top_k=top_k, tolerance=tolerance, previous=previous, started=started
+        client,
+        model,
+        probes,
+        expected,
+        stats,
+        top_k=top_k,
+        tolerance=tolerance,
+        previous=previous,
+        started=started,
+        probe=probe,
+        previous_digest=previous_digest,
+        expected_digest=expected_digest,
     )
 
 
@@ -403,49 +431,84 @@ async def verify_transfer(
     client: VLLMClient,
     model: Any,
     probes: Sequence[Sequence[int]],
-    expected: np.ndarray,
+    expected: np.ndarray | SharedResult,
     stats: TransferStats,
     *,
     top_k: int,
     tolerance: float,
-    previous: np.ndarray | None,
+    previous: np.ndarray | SharedResult | None,
     started: float,
     via: str = "memory",
+    probe: bool = True,
+    previous_digest: str | None = None,
+    expected_digest: str | None = None,
 ) -> PushReport:
-    """Check, after an in-memory push that `stats` describes (begun at `started`, perf_counter),
-    that the server serves `model`'s weights on the probes; WeightSyncError says what it serves instead."""
-    stats = TransferStats(stats.bytes, stats.chunks, stats.tensors, dict(stats.seconds))  # this server's own times
+    """Prove, after an in-memory push that `stats` describes (begun at `started`, perf_counter),
+    that the server serves `model`'s weights; WeightSyncError says what it serves instead.
+
+    The server's digest must equal `expected_digest` (default: the digest of what this push sent;
+    a replica catching up compares with the newest push's) and proves the exact step. The
+    logprob probe runs when `probe` asks, and whenever the digest does not prove the push
+    (dualvllm.training.push_check says when and why); a digest that differs fails the push with
+    what the probe found. `previous_digest` / `previous`: the push before's digest / expected
+    logprobs, which tell a server that still holds the old step.
+    """
+    stats = replace(stats, seconds=dict(stats.seconds))  # this server's own times
     verify = time.perf_counter()
-    diff = compare_logprobs(await client.next_token_topk(probes, top_k), expected)
+    sent = expected_digest or stats.digest
+    served = await client.admin.weight_digest() if sent is not None else ServedDigest(None, "the push was not digested")
+    verdict = digest_verdict(sent, served.digest, previous_digest)
+    diff = None
+    if probe or verdict != "equal":
+        wanted = expected if isinstance(expected, SharedResult) else SharedResult(expected)
+        diff = compare_logprobs(await client.next_token_topk(probes, top_k), await wanted.get())
     stats.seconds["verify"] = time.perf_counter() - verify
-    if not diff.within(tolerance):
-        stale = previous is not None and compare_logprobs(await client.next_token_topk(probes, top_k), previous).within(
-            tolerance
+    if verdict in ("stale", "differs"):
+        assert diff is not None
+        found = (
+            f"logprobs within tolerance (max |diff| {diff.max_abs_diff:.2e}), as a small step's stay in bf16"
+            if diff.within(tolerance)
+            else mismatch_message(client, diff, tolerance, [], tied=_ties(model))
         )
         raise WeightSyncError(
-            "after an in-memory push whose four phases all answered, "
+            f"{client.name} server at {client.url}, after an in-memory push whose four phases all answered: "
+            + digest_failure(verdict, sent, served.digest, found)
+        )
+    if diff is not None and not diff.within(tolerance):
+        earlier = previous.peek() if isinstance(previous, SharedResult) else previous
+        stale = earlier is not None and compare_logprobs(await client.next_token_topk(probes, top_k), earlier).within(
+            tolerance
+        )
+        took = " and whose digests agree (the server loaded exactly the bytes sent)" if verdict == "equal" else ""
+        raise WeightSyncError(
+            f"after an in-memory push whose four phases all answered{took}, "
             + mismatch_message(client, diff, tolerance, [], stale=stale, tied=_ties(model))
         )
     stats.seconds["total"] = time.perf_counter() - started
+    how = verified_by(verdict, diff is not None)
     log.info(
-        "pushed %.1f MB in %d chunks to %s in memory (%s) in %.2f s (%s); max |logprob diff| %.2e on %d probes",
+        "pushed %.1f MB in %d chunks to %s in memory (%s) in %.2f s (%s); verified by %s%s%s",
         stats.bytes / 1e6,
         stats.chunks,
         client.url,
         via,
         stats.seconds["total"],
         ", ".join(f"{k} {v:.2f} s" for k, v in stats.seconds.items() if k != "total"),
-        diff.max_abs_diff,
-        len(probes),
+        how,
+        "" if served.digest is None else f" (digest {short(served.digest)})",
+        "" if diff is None else f", max |logprob diff| {diff.max_abs_diff:.2e} on {len(probes)} probes",
     )
     return PushReport(
         path=None,
-        max_abs_diff=diff.max_abs_diff,
-        probes=len(probes),
+        max_abs_diff=None if diff is None else diff.max_abs_diff,
+        probes=0 if diff is None else len(probes),
         reload_sends=1,
         via=via,
         bytes_moved=stats.bytes,
         seconds=dict(stats.seconds),
+        digest=served.digest,
+        verified_by=how,
+        no_digest=served.missing if sent is not None else None,
     )
 
 

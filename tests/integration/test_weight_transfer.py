@@ -14,11 +14,12 @@ import signal
 import pytest
 
 from dualvllm import tinymodels
-from dualvllm.common.errors import WeightSyncError
+from dualvllm.common.errors import ServerError, WeightSyncError
 from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator
 from dualvllm.engines.launcher import ServerConfig, VLLMServer, pair_configs
 from dualvllm.engines.vllm_admin import VLLMAdmin
 from dualvllm.engines.vllm_client import VLLMClient
+from dualvllm.engines.weight_digest import PushDigest
 from dualvllm.engines.weight_transfer import SEGMENT_PREFIX, SHM_DIR
 from tests.integration.pairs import running_pair
 from tests.waiting import eventually
@@ -74,9 +75,43 @@ async def test_a_push_goes_through_memory_and_is_served(transfer_pair, tmp_path,
         with torch.no_grad():
             learner.lm_head.weight.mul_(1.1)
         report = await pusher.push(learner, tokenizer, tmp_path / "step-000002")
-        assert report.max_abs_diff < 1e-3
+        assert report.verified_by == "digest"  # proved by its digest: no probe after the first push
         # and back to the base, so the other tests of this module start from it
         await pusher.push(base_model(), tokenizer, tmp_path / "step-000003")
+
+
+def independent_digest(model) -> str:
+    """The push digest of `model`'s weights in float32 (the servers'), by the definition, from the tensors."""
+    digest = PushDigest()
+    for name, tensor in weight_transfer.LearnerSource(model, torch.float32):
+        digest.add(name, "float32", list(tensor.shape), tensor.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+async def test_the_server_digests_the_weights_it_took_as_the_trainer_does_and_each_step_apart(transfer_pair,
+                                                                                              tmp_path):
+    theta, _ = transfer_pair
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tinymodels.BASE_DIR)
+    learner = teacher_model()
+    async with VLLMClient(theta.url, name="theta") as client:
+        pusher = BasePusher(client, probes(tokenizer), probe_every=2)
+        first = await pusher.push(learner, tokenizer, tmp_path / "step-000001")
+        served = await client.admin.weight_digest()
+        assert first.verified_by == "digest+probe" and first.max_abs_diff < 1e-3  # the first push is probed too
+        assert served.digest == first.digest == independent_digest(learner) and served.missing is None
+        with torch.no_grad():
+            learner.lm_head.weight.mul_(1.01)
+        second = await pusher.push(learner, tokenizer, tmp_path / "step-000002")
+        assert (second.verified_by, second.probes, second.max_abs_diff) == ("digest", 0, None)
+        assert second.digest == independent_digest(learner) != first.digest
+        assert (await client.admin.weight_digest()).digest == second.digest
+        third = await pusher.push(base_model(), tokenizer, tmp_path / "step-000003")  # back to the base
+        assert third.verified_by == "digest+probe" and third.max_abs_diff < 1e-3  # every 2nd push is probed
+        assert third.digest == independent_digest(base_model())
+        # A method the worker lacks is answered as a server without the extension answers ours.
+        with pytest.raises(ServerError, match="is not implemented"):
+            await client.call("POST", "/collective_rpc", {"method": "dualvllm_no_such_method"}, idempotent=False)
+        assert await client.admin.weight_digest() == served.__class__(third.digest)  # and the server is unharmed
 
 
 async def test_a_push_after_a_trainer_died_mid_update_finishes_that_update_first(transfer_pair, tmp_path, caplog):

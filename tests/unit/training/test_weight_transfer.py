@@ -18,6 +18,7 @@ pytest.importorskip("vllm")
 
 from vllm.distributed.weight_transfer.base import layerwise_groups  # noqa: E402
 
+from dualvllm.engines.weight_digest import PushDigest  # noqa: E402
 from dualvllm.engines.weight_transfer import SEGMENT_PREFIX, SHM_DIR, ShmInitInfo, ShmUpdateInfo, segment_path  # noqa: E402
 from dualvllm.training import lora  # noqa: E402
 from dualvllm.training.weight_transfer import (  # noqa: E402
@@ -45,6 +46,7 @@ class Receiver:
         self.received: dict[str, torch.Tensor] = {}
         self.chunks: list[list[str]] = []
         self.version: str | None = None
+        self.digest = PushDigest()
         self._fail_on_chunk = fail_on_chunk
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
@@ -67,6 +69,8 @@ class Receiver:
                 view = torch.frombuffer(buffer, dtype=getattr(torch, dtype), count=count, offset=offset)
                 self.received[name] = view.view(shape).clone()
                 del view
+                # As the server's engine digests each tensor it hands to load_weights.
+                self.digest.add(name, dtype, shape, memoryview(buffer)[offset:offset + count * getattr(torch, dtype).itemsize])
         os.close(fd)
         self.chunks.append(info.names)
 
@@ -117,6 +121,27 @@ def test_a_float32_push_is_bit_exact():
     push(model, receiver, dtype=torch.float32)
     for name, tensor in model.state_dict().items():
         assert torch.equal(receiver.received[name], tensor), name
+
+
+def independent_digest(model, dtype, only=None) -> str:
+    """The push digest of `model`'s weights in `dtype`, by the definition, from the tensors themselves."""
+    digest = PushDigest()
+    for name, tensor in LearnerSource(model, dtype, only=only):
+        raw = tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        digest.add(name, str(dtype).removeprefix("torch."), list(tensor.shape), raw)
+    return digest.hexdigest()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_the_trainer_digests_what_it_sends_as_the_server_digests_what_it_loads(dtype):
+    model = small_model()
+    receiver = Receiver()
+    stats = push(model, receiver, dtype=dtype, chunk_bytes=150_000)
+    assert stats.digest == receiver.digest.hexdigest() == independent_digest(model, dtype)
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] += 1.0  # one weight of one tensor
+    changed = push(model, Receiver(), dtype=dtype, chunk_bytes=1 << 20)  # other chunks: the same digest rules
+    assert changed.digest != stats.digest and changed.digest == independent_digest(model, dtype)
 
 
 def test_a_chunk_the_server_fails_still_finishes_the_update_and_leaves_no_segment():
