@@ -83,6 +83,7 @@ def client_main(requests: multiprocessing.connection.Connection, finishes: multi
     ids = ids.astype(np.int32)
     links: dict[str, CoordinatorLink] = {}
     running: dict[int, list] = {}  # id -> [address, position, max_position]
+    round_trips: list[tuple[float, float, int]] = []  # (sent at, seconds to the reply, rows), per report
     # A thread drains the control pipe as requests come: the coordinator's sends must never
     # wait for this process, which may be waiting for the coordinator's reply.
     incoming: queue.Queue[dict] = queue.Queue()
@@ -92,6 +93,7 @@ def client_main(requests: multiprocessing.connection.Connection, finishes: multi
         while not running or not incoming.empty():  # idle: block for work
             message = incoming.get()
             if message.get("quit"):
+                finishes.send({"round_trips": round_trips})
                 return
             _start(running, message)
         by_address: dict[str, list[int]] = {}
@@ -104,9 +106,13 @@ def client_main(requests: multiprocessing.connection.Connection, finishes: multi
             positions = np.array([running[m][1] for m in members], dtype=np.int64)
             rows = (member_ids + positions) % TABLE_ROWS
             deadline = time.monotonic() + 60
-            link.send(wire.encode_report(link.step, 0, 1 << 20, member_ids, positions, ids[rows], logprobs[rows]),
-                      deadline)
+            message = wire.encode_report(link.step, 0, 1 << 20, member_ids, positions, ids[rows], logprobs[rows])
+            # The round trip: from the report leaving this process to its tokens arriving, as a
+            # plugin inside vLLM would see it (clock: CLOCK_MONOTONIC, shared by every process).
+            sent = time.perf_counter()
+            link.send(message, deadline)
             reply = link.receive(deadline)
+            round_trips.append((sent, time.perf_counter() - sent, len(members)))
             if reply is None:
                 raise RuntimeError(f"the coordinator {link.problem}")
             ended = []
@@ -150,6 +156,7 @@ class RemoteClient:
         self._requests, self._finishes = requests, finishes
         self._waiting: dict[int, asyncio.Future[str]] = {}
         self._watched = False
+        self.round_trips: list[tuple[float, float, int]] = []  # the client's, sent when it quits
 
     async def forced_generation(self, prompt_ids: Sequence[int], *, max_tokens: int, stop_token: int,
                                 lockstep_args: dict[str, int | str],
@@ -167,6 +174,9 @@ class RemoteClient:
         # A finish is one write of less than PIPE_BUF bytes, so a readable pipe holds whole messages.
         while self._finishes.poll(0):
             message = self._finishes.recv()
+            if "round_trips" in message:
+                self.round_trips = message["round_trips"]
+                continue
             future = self._waiting.pop(message["id"], None)
             if future is not None and not future.done():
                 future.set_result(message["finish"])
@@ -182,6 +192,9 @@ class RemoteClient:
             asyncio.get_running_loop().remove_reader(self._finishes.fileno())
         self._requests.send({"quit": True})
         self._requests.close()
+        if self._finishes.poll(30):  # its round trips come last
+            message = self._finishes.recv()
+            self.round_trips = message.get("round_trips", self.round_trips)
         self._finishes.close()
 
 
@@ -236,6 +249,7 @@ async def measure(batch: int, tokens: int, top_k: int, rounds: int, freeze: bool
                 raise RuntimeError("a synthetic client did not start within 60 s")
         params = SamplingParams(tokens, ignore_eos=True)
         results = []
+        windows = []  # (start, end) of the measured rounds, perf_counter
         for round_index in range(rounds + 1):  # round 0 warms up (imports, sockets, caches)
             sink: asyncio.Queue = asyncio.Queue()
             sequences = [SequenceState(index=i, prompt="", theta_prompt_ids=[1 + i % 7] * PROMPT_LEN,
@@ -252,6 +266,7 @@ async def measure(batch: int, tokens: int, top_k: int, rounds: int, freeze: bool
             if failed:
                 raise RuntimeError(f"{len(failed)} sequences failed, e.g. {failed[0]}")
             if round_index:
+                windows.append((time.perf_counter() - wall, time.perf_counter()))
                 made = stats.tokens - tokens_before
                 # A step: one report of each server, paired and replied to.
                 results.append((made, (scheduler.counters.replies - steps_before) / 2, wall, cpu))
@@ -268,7 +283,18 @@ async def measure(batch: int, tokens: int, top_k: int, rounds: int, freeze: bool
         if freeze:
             heap.thaw()
     made, steps, wall, cpu = (sum(r[i] for r in results) for i in range(4))
+    # Round trips of full reports (every sequence of the batch running) in the measured rounds.
+    trips = np.array([seconds for client in clients for sent, seconds, rows in client.round_trips
+                      if rows == batch and any(start <= sent <= end for start, end in windows)])
+    if not trips.size:
+        raise RuntimeError("the synthetic clients reported no round trip inside the measured rounds")
+    # The coordinator's part of a round trip: one decision (merge, alpha*, sample, records), per full step.
+    decisions = [1e6 * (t.total_s - t.servers_s) for t in stats.step_timings if t.batch == batch]
     return {"batch": batch, "tokens": made, "steps": steps, "tokens_per_s": made / wall,
+            "tokens_per_cpu_s": made / cpu,
+            "round_trip_us": {"median": 1e6 * float(np.median(trips)), "p90": 1e6 * float(np.quantile(trips, 0.9)),
+                              "p99": 1e6 * float(np.quantile(trips, 0.99)), "count": int(trips.size)},
+            "decision_us_median": float(np.median(decisions)) if decisions else float("nan"),
             "coordinator_cpu_us_per_token": 1e6 * cpu / made, "coordinator_cpu_us_per_step": 1e6 * cpu / max(steps, 1),
             "frozen_heap": freeze, "collections": collections.collections, "collection_cpu_s": collections.seconds,
             "collection_share": sum(collections.seconds) / cpu}
@@ -399,6 +425,11 @@ def main() -> None:
               f"({row['tokens']:,} tokens, {row['steps']:,} steps); garbage collection "
               f"{100 * row['collection_share']:.1f}% of it ({'/'.join(map(str, row['collections']))} collections "
               f"of generations 0/1/2, heap {'frozen' if row['frozen_heap'] else 'not frozen'})", flush=True)
+        trip = row["round_trip_us"]
+        print(f"             capacity {row['tokens_per_cpu_s']:>9,.0f} tokens per coordinator CPU-second; round trip "
+              f"(a report out of a client to its tokens back) median {trip['median']:,.0f} µs, p90 {trip['p90']:,.0f}, "
+              f"p99 {trip['p99']:,.0f} over {trip['count']:,} full reports; the decision in it: median "
+              f"{row['decision_us_median']:,.0f} µs", flush=True)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "event_loop": loop.chosen(),
                                        "floor": floors, "rows": rows}, indent=2))

@@ -62,6 +62,12 @@ class CoordinatorConfig(RaisesInvalidInput, BaseSettings):
     )
     alpha_tol: float = Field(1e-6, gt=0, lt=0.1, description="Tolerance of the alpha* root search.")
     alpha_max_iter: int = Field(20, ge=1, le=200, description="Iteration cap of the alpha* root search.")
+    step_threads: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="Threads each step's merge, alpha* and sampling run on (numba's pool; rows are split among them, results bit-identical): on a GPU node with spare cores, 4-8 shorten every lockstep step's round trip at batch 64 and more; a step of fewer than 32 rows per thread uses fewer.",
+    )
     max_retries: int = Field(
         MAX_RETRIES,
         ge=0,

@@ -68,7 +68,7 @@ class DualVLLMCoordinator:
         # The compiled step loads from numba's cache (or compiles, on a fresh machine) at its
         # first call: done here in a thread, beside the servers' checks, so that the first
         # request does not wait for it (0.5-0.6 s from the cache on these machines, 5 s to compile).
-        warming = asyncio.ensure_future(asyncio.to_thread(kernel.warm_up))
+        warming = asyncio.ensure_future(asyncio.to_thread(kernel.warm_up, self.config.step_threads))
         try:
             self._session = await open_session(self.config, self._given_engines, self._stack, self._stats)
             await warming

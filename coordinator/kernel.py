@@ -30,6 +30,9 @@ from dualvllm.theory.merge import DEFAULT_FLOOR, FILL_RULES, FillRule, MergedTop
 FILL_CODES = {"min": 0, "floor": 1, "spread": 2}
 PAD = -1  # padding id of a top-k row (dualvllm.engines.protocol.PAD_TOKEN_ID, dualvllm.theory.merge.PAD_ID)
 IDENTICAL_ATOL = 1e-12  # dualvllm.theory.alpha.IDENTICAL_ATOL: rows closer than this are one distribution
+# Rows per thread below which a step runs on one thread: a row costs 2-4 µs here, waking
+# numba's pool tens of µs.
+THREADED_MIN_ROWS = 32
 
 # error_model="numpy": a zero derivative gives inf/nan (then a bisection step), as in the
 # reference, instead of raising ZeroDivisionError. cache=True: compiled once per machine.
@@ -53,17 +56,19 @@ def merge_rows(
     counts,
     cov_theta,
     cov_t,
+    lo,
+    hi,
 ):
-    """dualvllm.theory.merge.merge_topk row by row. Inputs [B, w1] / [B, w2] (PAD padding); outputs
-    [B, w1 + w2], candidates sorted by id in the first counts[b] slots of each row;
-    `vocab_size` < 0: unknown."""
-    batch, w1 = ids_theta.shape
+    """dualvllm.theory.merge.merge_topk row by row, rows lo to hi. Inputs [B, w1] / [B, w2] (PAD
+    padding); outputs [B, w1 + w2], candidates sorted by id in the first counts[b] slots of each
+    row; `vocab_size` < 0: unknown."""
+    w1 = ids_theta.shape[1]
     w2 = ids_t.shape[1]
     # Each model's entries sorted by id, then one pass pairs them: two sorts of k entries
     # cost about half of one sort of 2k (insertion sort's work grows with the square).
     keys_theta, vals_theta = np.empty(w1, np.int64), np.empty(w1, np.float64)
     keys_t, vals_t = np.empty(w2, np.int64), np.empty(w2, np.float64)
-    for b in range(batch):
+    for b in range(lo, hi):
         m1, mass_theta, smallest_theta = _sorted_entries(ids_theta[b], lp_theta[b], keys_theta, vals_theta)
         m2, mass_t, smallest_t = _sorted_entries(ids_t[b], lp_t[b], keys_t, vals_t)
         n, i, j = 0, 0, 0
@@ -159,14 +164,14 @@ def _log_normalize(values, n, temperature, out):
 
 @_jit
 def target_rows(
-    raw_theta, raw_t, counts, temperature, fixed_alpha, max_alpha, tol, max_iter, lp_theta, lp_t, alpha, logq
+    raw_theta, raw_t, counts, temperature, fixed_alpha, max_alpha, tol, max_iter, lp_theta, lp_t, alpha, logq, lo, hi
 ):
-    """dualvllm.coordinator.step.solve_target row by row: temperature (0 = greedy rows use 1), alpha*
-    where fixed_alpha is NaN (capped at max_alpha), and log q* over the candidates."""
+    """dualvllm.coordinator.step.solve_target row by row, rows lo to hi: temperature (0 = greedy rows
+    use 1), alpha* where fixed_alpha is NaN (capped at max_alpha), and log q* over the candidates."""
     mixed = np.empty(raw_theta.shape[1], np.float64)
     # The alpha* search's scratch, allocated once per call instead of twice per row.
     diff, weights = np.empty(raw_theta.shape[1], np.float64), np.empty(raw_theta.shape[1], np.float64)
-    for b in range(raw_theta.shape[0]):
+    for b in range(lo, hi):
         n = counts[b]
         temp = 1.0 if temperature[b] == 0.0 else temperature[b]
         _log_normalize(raw_theta[b], n, temp, lp_theta[b])
@@ -224,11 +229,11 @@ def _solve_alpha(lp, lt, n, tol, max_iter, l, q):
 
 
 @_jit
-def sample_rows(logq, counts, uniforms, greedy, index):
+def sample_rows(logq, counts, uniforms, greedy, index, lo, hi):
     """dualvllm.theory.mixture.sample_indices (inverse CDF: the first j with cdf[j] > u * total) and, on
-    greedy rows, greedy_indices (the first most likely candidate)."""
+    greedy rows, greedy_indices (the first most likely candidate); rows lo to hi."""
     cdf = np.empty(logq.shape[1], np.float64)
-    for b in range(logq.shape[0]):
+    for b in range(lo, hi):
         n = counts[b]
         if greedy[b]:
             best = 0
@@ -278,9 +283,12 @@ def step_rows(
     logq,
     index,
     chosen,
+    lo,
+    hi,
 ):
     """The three phases in one call (one dispatch instead of three: at batch 1 the calls cost more
-    than the math), and the chosen candidate's token id, log q*, raw logprobs -> chosen [4, B]."""
+    than the math), and the chosen candidate's token id, log q*, raw logprobs -> chosen [4, B];
+    rows lo to hi -> whether every row had a candidate."""
     merge_rows(
         ids_theta,
         lp_theta,
@@ -297,8 +305,10 @@ def step_rows(
         counts,
         cov_theta,
         cov_t,
+        lo,
+        hi,
     )
-    for b in range(counts.shape[0]):
+    for b in range(lo, hi):
         if counts[b] == 0:
             return False
     target_rows(
@@ -314,13 +324,93 @@ def step_rows(
         lp_tempered_t,
         alpha,
         logq,
+        lo,
+        hi,
     )
-    sample_rows(logq, counts, uniforms, greedy, index)
-    for b in range(counts.shape[0]):
+    sample_rows(logq, counts, uniforms, greedy, index, lo, hi)
+    for b in range(lo, hi):
         j = index[b]
         chosen[0, b], chosen[1, b] = token_ids[b, j], logq[b, j]
         chosen[2, b], chosen[3, b] = raw_theta[b, j], raw_t[b, j]
     return True
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy", parallel=True)
+def step_rows_threaded(
+    ids_theta,
+    lp_theta,
+    ids_t,
+    lp_t,
+    fill,
+    floor,
+    vocab_size,
+    temperature,
+    fixed_alpha,
+    max_alpha,
+    uniforms,
+    greedy,
+    tol,
+    max_iter,
+    token_ids,
+    raw_theta,
+    raw_t,
+    rep_theta,
+    rep_t,
+    counts,
+    cov_theta,
+    cov_t,
+    lp_tempered_theta,
+    lp_tempered_t,
+    alpha,
+    logq,
+    index,
+    chosen,
+    chunks,
+):
+    """step_rows over `chunks` blocks of rows on numba's threads (rows are independent: the same
+    result as one call over all of them, bit for bit) -> whether every row had a candidate."""
+    batch = ids_theta.shape[0]
+    complete = np.ones(chunks, np.bool_)
+    for c in numba.prange(chunks):
+        complete[c] = step_rows(
+            ids_theta,
+            lp_theta,
+            ids_t,
+            lp_t,
+            fill,
+            floor,
+            vocab_size,
+            temperature,
+            fixed_alpha,
+            max_alpha,
+            uniforms,
+            greedy,
+            tol,
+            max_iter,
+            token_ids,
+            raw_theta,
+            raw_t,
+            rep_theta,
+            rep_t,
+            counts,
+            cov_theta,
+            cov_t,
+            lp_tempered_theta,
+            lp_tempered_t,
+            alpha,
+            logq,
+            index,
+            chosen,
+            c * batch // chunks,
+            (c + 1) * batch // chunks,
+        )
+    return complete.all()
+
+
+def usable_threads(threads: int, batch: int) -> int:
+    """Threads a step of `batch` rows runs on: at most `threads` and numba's pool, and one below
+    THREADED_MIN_ROWS rows a thread (there waking the pool costs more than the rows)."""
+    return max(1, min(threads, numba.config.NUMBA_NUM_THREADS, batch // THREADED_MIN_ROWS))
 
 
 # -- the array-level calls (allocate the outputs, check the inputs) ---------------------------
@@ -369,6 +459,8 @@ def merge(
         counts,
         coverage_theta,
         coverage_t,
+        0,
+        batch,
     )
     n = max(int(counts.max(initial=0)), 1)
     mask = np.arange(n) < counts[:, None]  # [B, n]
@@ -414,6 +506,8 @@ def target(
         lp_t,
         alpha,
         logq,
+        0,
+        shape[0],
     )
     return lp_theta, lp_t, alpha, logq
 
@@ -427,6 +521,8 @@ def sample(logq: np.ndarray, mask: np.ndarray, uniforms: np.ndarray, greedy: np.
         np.ascontiguousarray(uniforms, np.float64),
         np.ascontiguousarray(greedy, np.bool_),
         index,
+        0,
+        logq.shape[0],
     )
     return index
 
@@ -458,8 +554,10 @@ def step(
     tol: float,
     max_iter: int,
     floor: float = DEFAULT_FLOOR,
+    threads: int = 1,
 ) -> Step:
-    """merge, target and sample in one compiled call: what they return, for a step's records."""
+    """merge, target and sample in one compiled call: what they return, for a step's records;
+    on up to `threads` of numba's threads (usable_threads)."""
     if fill not in FILL_RULES:
         raise ValueError(f"unknown fill rule {fill!r}; choose one of {FILL_RULES}")
     ids_theta, ids_t = np.ascontiguousarray(ids_theta, np.int64), np.ascontiguousarray(ids_t, np.int64)
@@ -477,7 +575,12 @@ def step(
     counts, index = np.empty(batch, np.int64), np.empty(batch, np.int64)
     coverage_theta, coverage_t, alpha = np.empty(batch), np.empty(batch), np.empty(batch)
     chosen = np.empty((4, batch))
-    complete = step_rows(
+    threads = usable_threads(threads, batch)
+    call = step_rows if threads == 1 else step_rows_threaded
+    extra = (0, batch) if threads == 1 else (threads,)
+    if threads > 1:
+        numba.set_num_threads(threads)
+    complete = call(
         ids_theta,
         logp_theta,
         ids_t,
@@ -506,6 +609,7 @@ def step(
         logq,
         index,
         chosen,
+        *extra,
     )
     if not complete:
         raise ValueError("a row has no candidates: both servers reported an empty top-k")
@@ -523,21 +627,25 @@ def step(
     )
 
 
-def warm_up() -> None:
+def warm_up(threads: int = 1) -> None:
     """Load the compiled step now (from numba's cache, or by compiling it), with the argument
-    types every scheduler passes, so that no request waits for it."""
-    ids, logprobs = np.array([[1, 2]], np.int64), np.log(np.array([[0.6, 0.3]]))
-    step(
-        ids,
-        logprobs,
-        ids,
-        logprobs,
-        temperature=np.ones(1),
-        fixed_alpha=np.full(1, np.nan),
-        max_alpha=None,
-        uniforms=np.full(1, 0.5),
-        fill="min",
-        vocab_size=None,
-        tol=1e-6,
-        max_iter=20,
-    )
+    types every scheduler passes, so that no request waits for it; with `threads` > 1 the
+    threaded step too, and numba's thread pool."""
+    for rows, chosen in {(1, 1), (2 * THREADED_MIN_ROWS, threads)}:
+        ids = np.tile(np.array([[1, 2]], np.int64), (rows, 1))
+        logprobs = np.tile(np.log(np.array([[0.6, 0.3]])), (rows, 1))
+        step(
+            ids,
+            logprobs,
+            ids,
+            logprobs,
+            temperature=np.ones(rows),
+            fixed_alpha=np.full(rows, np.nan),
+            max_alpha=None,
+            uniforms=np.full(rows, 0.5),
+            fill="min",
+            vocab_size=None,
+            tol=1e-6,
+            max_iter=20,
+            threads=chosen,
+        )

@@ -81,6 +81,7 @@ def mix_and_sample(
     vocab_size: int | None = None,
     with_diagnostics: bool = False,
     max_alpha: np.ndarray | None = None,  # float64 [B]: cap on alpha* (1 = none); None = no cap anywhere
+    threads: int = 1,  # numba threads for the compiled step (CoordinatorConfig.step_threads)
 ) -> StepResult:
     started = time.perf_counter()
     if not with_diagnostics:  # the usual case: one compiled call (coordinator/kernel.py)
@@ -97,6 +98,7 @@ def mix_and_sample(
             vocab_size=vocab_size,
             tol=alpha_tol,
             max_iter=alpha_max_iter,
+            threads=threads,
         )
         return StepResult(
             token_ids=out.token_ids,

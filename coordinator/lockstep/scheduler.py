@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import operator
 import time
 from typing import Any
 from collections.abc import AsyncIterator, Coroutine
@@ -36,7 +37,7 @@ from dualvllm.coordinator.lockstep.probe import probe_plugin
 from dualvllm.coordinator.lockstep.recovery import Recovery
 from dualvllm.coordinator.lockstep.requests import Requests
 from dualvllm.coordinator.lockstep import waits
-from dualvllm.coordinator.lockstep.table import THETA, T, Live, LockstepTable, gather
+from dualvllm.coordinator.lockstep.table import THETA, T, Live, LockstepTable
 from dualvllm.coordinator.scheduler import record_rows, sample_rows
 from dualvllm.coordinator.sequence import SamplingParams, SequenceState
 from dualvllm.coordinator.stats import Statistics, StepTiming
@@ -47,6 +48,8 @@ from dualvllm.engines.vllm_plugin import wire
 
 log = logging.getLogger("dualvllm.coordinator")
 
+_SEQ = operator.attrgetter("seq")
+_STOPS = operator.attrgetter("seq.params.stop")
 # After close, reports are answered END for this long, so that no server waits out its
 # plugin timeout on a coordinator that has gone.
 DRAIN_S = 5.0
@@ -264,9 +267,7 @@ class LockstepScheduler:
                 self.gate.observe(blocked.server, set(report.ids.tolist()))
         if len(received) > 1:  # a later report may have failed one, or replaced a report whose
             # row it held (a plugin that gave up waiting and reported again)
-            ready = [
-                live for live in ready if not live.done and live.rows[THETA] is not None and live.rows[T] is not None
-            ]
+            ready = self._table.still_ready(ready)
         if ready:
             self._decide(ready)
 
@@ -282,12 +283,12 @@ class LockstepScheduler:
     def _decide(self, ready: list[Live]) -> None:
         """Sample the next token of every sequence whose two rows are in, and answer both rows."""
         started = time.perf_counter()
-        theta, t = gather(ready, THETA), gather(ready, T)
-        sequences = [live.seq for live in ready]
+        theta, t = self._table.gather(ready, THETA), self._table.gather(ready, T)
+        sequences = list(map(_SEQ, ready))
         step = sample_rows(sequences, theta, t, self._config, self._vocab_size)
         record_rows(sequences, step, self._eos_ids, self._max_len, theta, t)
-        self._table.decided(ready, step.token_ids.tolist())
-        checking = [live for live in ready if live.seq.params.stop and not live.done]
+        self._table.decided(ready, step.token_ids)
+        checking = [live for live in ready if live.seq.params.stop and not live.done] if any(map(_STOPS, ready)) else []
         if checking:  # most checks are settled here, from the tokens' own texts (coordinator/stop_filter.py)
             unsettled = self._delivery.unsettled([live.seq for live in checking])
             checking = [live for live, needs_check in zip(checking, unsettled) if needs_check]

@@ -18,14 +18,24 @@ The rules, per plugin report (one per server decode step):
 - a *parked* report has its undecided rows answered END and their sequences resent from
   their agreed tokens: how a deadlock or a stall is broken (coordinator/lockstep/waits.py
   finds them, `park` carries it out).
+
+How it is stored: every placed sequence holds a *slot*, and the per-step state lives in
+arrays indexed by slot (the report and row each role's waiting row is in, the agreed length,
+whether a stop-string check holds it), beside a sorted index of the active stream ids. A
+report whose rows are all regular (known active streams of one role, each at its sequence's
+next position, its role's slot free: every row of a steady batch) is taken in by a few
+vectorized operations, whatever its size (`_report_regular`); any other report goes through
+the rules row by row (`_report_rows`), which read and write the same arrays. At batch 256
+the row-by-row pass cost ~4 µs of coordinator CPU per token (py-spy, benchmarks/README.md).
 """
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -36,6 +46,8 @@ from dualvllm.engines.vllm_plugin import wire
 UNSET = -2  # a report row not decided yet
 THETA, T = 0, 1
 ROLES = (THETA, T)
+NO_ROW = -1  # a slot's role has no waiting row
+FIRST_SLOTS = 64  # slot arrays start this long and double when full
 
 
 @dataclass(eq=False)
@@ -53,6 +65,7 @@ class Blocked:
     # The servers its rows' other halves run on, taken as the rows arrived: a superset of what
     # its undecided rows wait on, enough to rule a deadlock out without a pass over the rows.
     needs: set[str] = field(default_factory=set)
+    number: int = -1  # how the table's row arrays refer to it
 
     def undecided(self) -> np.ndarray:
         return np.flatnonzero(self.answers == UNSET)
@@ -66,13 +79,21 @@ class Live:
     # The server of each role it runs on (the shell's client: anything with a `.url`).
     engines: list[Any] = field(default_factory=lambda: [None, None])
     streams: list[Stream | None] = field(default_factory=lambda: [None, None])
-    rows: list[tuple[Blocked, int] | None] = field(default_factory=lambda: [None, None])
     resubmissions: int = 0  # requests the servers ended on their own (parks are not counted)
     request_failures: int = 0  # requests that broke and were resent
     done: bool = False  # finished, failed or cancelled, and handed to the caller
     # Its last token's stop strings are being checked (a detokenization): its next pair waits.
     checking: bool = False
     placed: bool = False  # counted in the table's loads (on its servers, not suspended)
+    slot: int = -1  # its index in the table's arrays while placed
+    table: LockstepTable | None = None
+
+    @property
+    def rows(self) -> tuple[tuple[Blocked, int] | None, tuple[Blocked, int] | None]:
+        """Its waiting row of each role: (the report, the row's index in it), or None."""
+        if self.table is None or self.slot < 0:
+            return None, None
+        return self.table.row(self, THETA), self.table.row(self, T)
 
 
 @dataclass(eq=False)
@@ -96,6 +117,7 @@ class LockstepCounters:
     suspensions: int = 0  # sequences taken off both servers (a broken request, a pause) and restarted
     wait_s: float = 0.0  # summed time reports waited here for their reply
     replies: int = 0
+    regular_reports: int = 0  # reports taken in whole by the vectorized path
 
     def summary(self, tokens: int) -> dict[str, float]:
         per_1k = 1000.0 / tokens if tokens else float("nan")
@@ -106,6 +128,7 @@ class LockstepCounters:
             "lockstep_resubmissions_per_1k_tokens": self.resubmissions * per_1k,
             "lockstep_split_report_share": self.split_reports / self.replies if self.replies else float("nan"),
             "lockstep_server_wait_ms_mean": 1e3 * self.wait_s / self.replies if self.replies else float("nan"),
+            "lockstep_regular_report_share": self.regular_reports / self.reports if self.reports else float("nan"),
         }
 
 
@@ -116,6 +139,12 @@ class Outbox:
     finished: list[SequenceState] = field(default_factory=list)  # over (a finish reason set): to the caller
     resubmit: list[tuple[Live, int]] = field(default_factory=list)  # (sequence, role) to resend from its agreed tokens
     unknown: list[tuple[int, wire.Report]] = field(default_factory=list)  # rows of ids not in the table (probes)
+
+
+_CANCELLED = operator.attrgetter("seq.cancelled")
+_TOKENS = operator.attrgetter("seq.tokens")
+_FINISH = operator.attrgetter("seq.finish_reason")
+_SLOT = operator.attrgetter("slot")
 
 
 class LockstepTable:
@@ -129,6 +158,23 @@ class LockstepTable:
         self.counters = LockstepCounters()
         self.out = Outbox()
         self.closing = False  # every row gets END from now on
+        # Slot arrays (see the module docstring).
+        self._at_slot: list[Live | None] = [None] * FIRST_SLOTS
+        self._free = list(range(FIRST_SLOTS - 1, -1, -1))  # popped from the end: lowest first
+        self._row_report = np.full((2, FIRST_SLOTS), NO_ROW, dtype=np.int64)  # Blocked.number
+        self._row_index = np.zeros((2, FIRST_SLOTS), dtype=np.int64)
+        self._agreed = np.zeros(FIRST_SLOTS, dtype=np.int64)  # len(seq.tokens)
+        self._checking = np.zeros(FIRST_SLOTS, dtype=np.bool_)
+        self._server = np.full((2, FIRST_SLOTS), -1, dtype=np.int64)  # each role's server, as a code
+        self._codes: dict[str, int] = {}
+        self._urls: list[str] = []
+        self._reports: dict[int, Blocked] = {}  # by number: every report in `blocked`
+        self._numbers = itertools.count()
+        # The active streams, sorted by id, for the vectorized path; rebuilt after any change.
+        self._index_stale = True
+        self._ids = np.empty(0, dtype=np.int64)
+        self._id_slot = np.empty(0, dtype=np.int64)
+        self._id_role = np.empty(0, dtype=np.int64)
 
     @property
     def live(self) -> list[Live]:
@@ -145,17 +191,30 @@ class LockstepTable:
         self._live[live] = None
         live.placed = True
         self.loads.update(engine.url for engine in live.engines)
+        if not self._free:
+            self._grow()
+        slot = live.slot = self._free.pop()
+        live.table = self
+        self._at_slot[slot] = live
+        self._row_report[:, slot] = NO_ROW
+        self._agreed[slot] = len(live.seq.tokens)
+        self._checking[slot] = live.checking
+        for role in ROLES:
+            self._server[role, slot] = self._code(live.engines[role].url)
+        self._index_stale = True
 
     def open_stream(self, live: Live, role: int, stream_id: int, offset: int) -> Stream:
         stream = Stream(id=stream_id, live=live, role=role, engine=live.engines[role], offset=offset)
         live.streams[role] = stream
         self.streams[stream_id] = stream
+        self._index_stale = True
         return stream
 
     def stream_ended(self, stream: Stream) -> bool:
         """The server request of `stream` ended. True when that was unexpected and its sequence
         must go on (the shell resends, suspends or fails it); False when it was retired."""
         self.streams.pop(stream.id, None)
+        self._index_stale = True
         if stream.retired or self.closing:
             return False
         stream.retired = True
@@ -163,14 +222,11 @@ class LockstepTable:
         live.streams[stream.role] = None
         if live.done:
             return False
-        row = live.rows[stream.role]
-        if row is not None:
-            # A row of this stream still waits here although its request ended: the plugin
-            # gave up waiting (its timeout ended the row there, and its next report comes
-            # from a new socket, so `_forget` never sees it). Drop the row, or the resent
-            # stream's first report would be taken for a divergence.
-            row[0].answers[row[1]] = wire.END
-            live.rows[stream.role] = None
+        # A row of this stream still waits here although its request ended: the plugin gave up
+        # waiting (its timeout ended the row there, and its next report comes from a new
+        # socket, so `_forget` never sees it). Drop the row, or the resent stream's first
+        # report would be taken for a divergence.
+        self._end_row(live, stream.role)
         return True
 
     def finish(self, live: Live) -> None:
@@ -202,17 +258,48 @@ class LockstepTable:
         return retired
 
     def _release(self, live: Live) -> None:
-        for row in live.rows:
-            if row is not None:
-                row[0].answers[row[1]] = wire.END
+        for role in ROLES:
+            self._end_row(live, role)
         for stream in live.streams:
             if stream is not None:
                 stream.retired = True
-        live.rows, live.streams = [None, None], [None, None]
+        live.streams = [None, None]
+        self._index_stale = True
         if live.placed:
             live.placed = False
             self.loads.subtract(engine.url for engine in live.engines)
             self._live.pop(live, None)
+            self._at_slot[live.slot] = None
+            self._free.append(live.slot)
+            live.slot = -1
+
+    # -- rows ----------------------------------------------------------------------------
+
+    def row(self, live: Live, role: int) -> tuple[Blocked, int] | None:
+        """`live`'s waiting row of `role`: (its report, its index there), or None."""
+        if live.slot < 0 or self._row_report[role, live.slot] == NO_ROW:
+            return None
+        return self._reports[int(self._row_report[role, live.slot])], int(self._row_index[role, live.slot])
+
+    def paired(self, live: Live) -> bool:
+        """Both of `live`'s rows wait here."""
+        return live.slot >= 0 and bool((self._row_report[:, live.slot] != NO_ROW).all())
+
+    def still_ready(self, ready: list[Live]) -> list[Live]:
+        """Those of `ready` that are placed with both rows waiting still (a later report of the
+        same batch may have failed one, or replaced the report whose row it held)."""
+        slots = np.fromiter(map(_SLOT, ready), np.int64, len(ready))
+        placed = slots >= 0  # a finished or failed sequence left its slot
+        keep = placed.copy()
+        keep[placed] = (self._row_report[:, slots[placed]] != NO_ROW).all(axis=0)
+        return list(itertools.compress(ready, keep.tolist()))
+
+    def _end_row(self, live: Live, role: int) -> None:
+        """Answer `live`'s waiting row of `role` END and forget it."""
+        row = self.row(live, role)
+        if row is not None:
+            row[0].answers[row[1]] = wire.END
+            self._row_report[role, live.slot] = NO_ROW
 
     # -- reports -------------------------------------------------------------------------
 
@@ -221,21 +308,68 @@ class LockstepTable:
         self.counters.reports += 1
         n = len(report.ids)
         blocked = Blocked(identity, report, np.full(n, UNSET, dtype=np.int64), now, server=None)
+        blocked.number = next(self._numbers)
         stale = self.blocked.pop(identity, None)
         if stale is not None:  # the plugin gave up on it (timeout): its rows were ended there
             self._forget(stale)
         self.blocked[identity] = blocked
+        self._reports[blocked.number] = blocked
         if self.closing:
             blocked.answers[:] = wire.END
             return blocked, []
-        # Once per row of every step: plain locals, the streams looked up in one C loop (map),
-        # and the usual case first (a row at its sequence's next position, its role's slot
-        # free), the rules' order kept for the rest.
+        ready = self._report_regular(blocked)
+        if ready is not None:
+            self.counters.regular_reports += 1
+            return blocked, ready
+        return blocked, self._report_rows(blocked)
+
+    def _report_regular(self, blocked: Blocked) -> list[Live] | None:
+        """Take every row of `blocked` in at once if each is a known active stream's row at its
+        sequence's next position, its role's slot free, all of one role -> the sequences now
+        ready; None (nothing changed) if any row is not, for the row-by-row rules."""
+        ids, positions = blocked.report.ids, blocked.report.positions
+        n = len(ids)
+        if self._index_stale:
+            self._rebuild_index()
+        if not n or not len(self._ids):
+            return None
+        at = np.minimum(np.searchsorted(self._ids, ids), len(self._ids) - 1)
+        if not (self._ids[at] == ids).all():
+            return None
+        roles = self._id_role[at]
+        role = int(roles[0])
+        slots = self._id_slot[at]
+        if not ((roles == role).all() and (positions == self._agreed[slots]).all()):
+            return None
+        if (self._row_report[role, slots] != NO_ROW).any():
+            return None
+        # Every slot here is placed: the index holds only placed sequences' streams.
+        lives = cast(list[Live], list(map(self._at_slot.__getitem__, slots.tolist())))
+        if any(map(_CANCELLED, lives)):
+            return None
+        rows = np.arange(n, dtype=np.int64)
+        self._row_index[role, slots] = rows
+        if not (self._row_index[role, slots] == rows).all():  # a stream twice in one report
+            self._row_report[role, slots] = NO_ROW
+            return None
+        self._row_report[role, slots] = blocked.number
+        blocked.server = self._urls[self._server[role, slots[0]]]
+        other = self._row_report[1 - role, slots] != NO_ROW
+        ready = other & ~self._checking[slots]
+        waiting = np.unique(self._server[1 - role, slots[~ready]])
+        blocked.needs.update(map(self._urls.__getitem__, waiting.tolist()))
+        return list(itertools.compress(lives, ready.tolist()))
+
+    def _report_rows(self, blocked: Blocked) -> list[Live]:
+        """The rules, row by row (see the module docstring)."""
+        report = blocked.report
+        n = len(report.ids)
         ready: list[Live] = []
         ended: list[int] = []  # rows answered END
         failed = False  # a sequence failed here, which may have been counted ready before
         needs = blocked.needs
         last = None
+        row_report, row_index = self._row_report, self._row_index
         for i, stream, position in zip(range(n), map(self.streams.get, report.ids.tolist()), report.positions.tolist()):
             if stream is None:
                 self.out.unknown.append((int(report.ids[i]), report))
@@ -245,11 +379,11 @@ class LockstepTable:
             if stream.retired or live.done:
                 ended.append(i)
                 continue
-            last, role, rows, seq = stream, stream.role, live.rows, live.seq
+            last, role, seq, slot = stream, stream.role, live.seq, live.slot
             agreed = len(seq.tokens)
-            if position == agreed and rows[role] is None and not seq.cancelled:
-                rows[role] = (blocked, i)
-                if rows[1 - role] is not None and not live.checking:
+            if position == agreed and row_report[role, slot] == NO_ROW and not seq.cancelled:
+                row_report[role, slot], row_index[role, slot] = blocked.number, i
+                if row_report[1 - role, slot] != NO_ROW and not live.checking:
                     ready.append(live)
                 else:
                     needs.add(live.engines[1 - role].url)
@@ -271,51 +405,60 @@ class LockstepTable:
             blocked.answers[ended] = wire.END
         if last is not None:  # a report's rows all come from one server
             blocked.server = last.engine.url
-        return blocked, [live for live in ready if not live.done] if failed else ready
+        return [live for live in ready if not live.done] if failed else ready
 
-    def decided(self, ready: list[Live], tokens: list[int]) -> None:
+    def decided(self, ready: list[Live], tokens: list[int] | np.ndarray) -> None:
         """Answer both rows of each ready sequence with its token (END if the token finished it):
-        one vectorized write per pair of reports the rows came in (usually one pair)."""
-        finished: list[Live] = []
-        group: tuple[Blocked, Blocked] | None = None  # the reports of the rows being gathered
-        theta_rows: list[int] = []
-        t_rows: list[int] = []
-        answers: list[int] = []
-        for live, token in zip(ready, tokens):
-            rows = live.rows
-            (theta_blocked, theta_row), (t_blocked, t_row) = rows  # type: ignore[misc]
-            if group is None or group[0] is not theta_blocked or group[1] is not t_blocked:
-                if group is not None:
-                    _answer(group, theta_rows, t_rows, answers)
-                    theta_rows, t_rows, answers = [], [], []
-                group = theta_blocked, t_blocked
-            if live.seq.finish_reason is not None:
-                token = wire.END
-                finished.append(live)
-            theta_rows.append(theta_row)
-            t_rows.append(t_row)
-            answers.append(token)
-            rows[THETA] = rows[T] = None
-        if group is not None:
-            _answer(group, theta_rows, t_rows, answers)
-        for live in finished:
-            self.finish(live)
+        one vectorized write per pair of reports the rows came in (usually one pair). The
+        tokens are recorded in the sequences already."""
+        if not ready:
+            return
+        n = len(ready)
+        slots = np.fromiter(map(_SLOT, ready), np.int64, n)
+        finished = np.fromiter((reason is not None for reason in map(_FINISH, ready)), np.bool_, n)
+        answers = np.where(finished, wire.END, np.asarray(tokens, dtype=np.int64))
+        theta_numbers, t_numbers = self._row_report[THETA, slots], self._row_report[T, slots]
+        if (theta_numbers == theta_numbers[0]).all() and (t_numbers == t_numbers[0]).all():
+            self._answer(int(theta_numbers[0]), int(t_numbers[0]), slots, answers)
+        else:  # rows of several pairs of reports (replicas, or one server ran ahead)
+            pairs = np.stack((theta_numbers, t_numbers), axis=1)
+            unique, codes = np.unique(pairs, axis=0, return_inverse=True)
+            for k, (theta_number, t_number) in enumerate(unique.tolist()):
+                group = np.flatnonzero(codes.reshape(-1) == k)
+                self._answer(theta_number, t_number, slots[group], answers[group])
+        self._row_report[:, slots] = NO_ROW
+        self._agreed[slots] = np.fromiter(map(len, map(_TOKENS, ready)), np.int64, n)
+        if finished.any():
+            for live in itertools.compress(ready, finished.tolist()):
+                self.finish(live)
+
+    def _answer(self, theta_number: int, t_number: int, slots: np.ndarray, answers: np.ndarray) -> None:
+        """Write decided rows' answers into the pair of reports they came in, and link the two."""
+        theta_blocked, t_blocked = self._reports[theta_number], self._reports[t_number]
+        theta_blocked.answers[self._row_index[THETA, slots]] = answers
+        t_blocked.answers[self._row_index[T, slots]] = answers
+        theta_blocked.partners.add(t_blocked)
+        t_blocked.partners.add(theta_blocked)
 
     def hold(self, lives: list[Live]) -> None:
         """Their stop strings are being checked: their next pair is not ready until `release`."""
         for live in lives:
             live.checking = True
+            if live.slot >= 0:
+                self._checking[live.slot] = True
 
     def release(self, lives: list[Live]) -> list[Live]:
         """Their stop strings were checked: finish those that stopped -> those now ready."""
         ready = []
         for live in lives:
             live.checking = False
+            if live.slot >= 0:
+                self._checking[live.slot] = False
             if live.done:
                 continue
             if live.seq.finish_reason is not None:
                 self.finish(live)
-            elif live.rows[THETA] is not None and live.rows[T] is not None:
+            elif self.paired(live):
                 ready.append(live)
         return ready
 
@@ -323,6 +466,7 @@ class LockstepTable:
         """END every undecided row (after an internal error, so no server waits on it)."""
         for blocked in self.blocked.values():
             blocked.answers[blocked.answers == UNSET] = wire.END
+        self._row_report[:] = NO_ROW
 
     def replies(self, now: float) -> list[tuple[bytes, int, np.ndarray]]:
         """(identity, step, answers) of every report whose rows are all decided; they leave the table."""
@@ -331,6 +475,7 @@ class LockstepTable:
             if (blocked.answers == UNSET).any():
                 continue
             del self.blocked[identity]
+            del self._reports[blocked.number]
             self.counters.replies += 1
             self.counters.split_reports += len(blocked.partners) > 1
             self.counters.wait_s += now - blocked.arrived
@@ -338,11 +483,8 @@ class LockstepTable:
         return out
 
     def _forget(self, blocked: Blocked) -> None:
-        for live in self._live:
-            for role in ROLES:
-                row = live.rows[role]
-                if row is not None and row[0] is blocked:
-                    live.rows[role] = None
+        self._row_report[self._row_report == blocked.number] = NO_ROW
+        del self._reports[blocked.number]
 
     # -- parks (coordinator/lockstep/waits.py finds what to park) -------------------------
 
@@ -354,57 +496,74 @@ class LockstepTable:
             if stream is None:
                 continue
             stream.retired = True
+            self._index_stale = True
             live = stream.live
-            live.rows[stream.role] = None
+            if live.slot >= 0:
+                self._row_report[stream.role, live.slot] = NO_ROW
             self.counters.parks += 1
             if not live.done:
                 self.out.resubmit.append((live, stream.role))
 
+    # -- the steps' arrays ---------------------------------------------------------------
 
-def _answer(reports: tuple[Blocked, Blocked], theta_rows: list[int], t_rows: list[int], answers: list[int]) -> None:
-    """Write a run of decided rows' answers into the pair of reports they came in, and link the two."""
-    theta_blocked, t_blocked = reports
-    theta_blocked.answers[theta_rows] = answers
-    t_blocked.answers[t_rows] = answers
-    theta_blocked.partners.add(t_blocked)
-    t_blocked.partners.add(theta_blocked)
+    def gather(self, ready: list[Live], role: int) -> TopKBatch:
+        """The waiting rows of `role` of the ready sequences, in their order: one gather per report
+        they came in (usually one, and often every row of it in order: no gather)."""
+        slots = np.fromiter(map(_SLOT, ready), np.int64, len(ready))
+        numbers, rows = self._row_report[role, slots], self._row_index[role, slots]
+        if (numbers == numbers[0]).all():
+            report = self._reports[int(numbers[0])].report
+            if len(rows) == len(report.ids) and (rows == np.arange(len(rows))).all():
+                return TopKBatch(
+                    token_ids=report.token_ids.astype(np.int64), logprobs=report.logprobs.astype(np.float64)
+                )
+            return TopKBatch(
+                token_ids=report.token_ids[rows].astype(np.int64), logprobs=report.logprobs[rows].astype(np.float64)
+            )
+        # Rows from several reports (one server ran ahead on some sequences, or replicas).
+        reports = {number: self._reports[number].report for number in np.unique(numbers).tolist()}
+        width = max(report.token_ids.shape[1] for report in reports.values())
+        ids = np.full((len(ready), width), PAD_TOKEN_ID, dtype=np.int64)
+        logprobs = np.full((len(ready), width), -np.inf)
+        for number, report in reports.items():
+            places = np.flatnonzero(numbers == number)
+            width_k = report.token_ids.shape[1]
+            ids[places, :width_k] = report.token_ids[rows[places]]
+            logprobs[places, :width_k] = report.logprobs[rows[places]]
+        return TopKBatch(token_ids=ids, logprobs=logprobs)
 
+    # -- slots and the stream index --------------------------------------------------------
 
-_first, _second = operator.itemgetter(0), operator.itemgetter(1)
+    def _code(self, url: str) -> int:
+        code = self._codes.get(url)
+        if code is None:
+            code = self._codes[url] = len(self._urls)
+            self._urls.append(url)
+        return code
+
+    def _grow(self) -> None:
+        size = len(self._at_slot)
+        self._at_slot += [None] * size
+        self._free = list(range(2 * size - 1, size - 1, -1))
+        self._row_report = np.concatenate((self._row_report, np.full((2, size), NO_ROW, dtype=np.int64)), axis=1)
+        self._row_index = np.concatenate((self._row_index, np.zeros((2, size), dtype=np.int64)), axis=1)
+        self._agreed = np.concatenate((self._agreed, np.zeros(size, dtype=np.int64)))
+        self._checking = np.concatenate((self._checking, np.zeros(size, dtype=np.bool_)))
+        self._server = np.concatenate((self._server, np.full((2, size), -1, dtype=np.int64)), axis=1)
+
+    def _rebuild_index(self) -> None:
+        """The active streams (not retired, of a placed sequence), sorted by id."""
+        active = [s for s in self.streams.values() if not s.retired and s.live.slot >= 0 and not s.live.done]
+        ids = np.fromiter((s.id for s in active), np.int64, len(active))
+        order = np.argsort(ids, kind="stable")
+        self._ids = ids[order]
+        self._id_slot = np.fromiter((s.live.slot for s in active), np.int64, len(active))[order]
+        self._id_role = np.fromiter((s.role for s in active), np.int64, len(active))[order]
+        self._index_stale = False
 
 
 def gather(ready: list[Live], role: int) -> TopKBatch:
-    """The waiting rows of `role` of the ready sequences, in their order: one gather per report
-    they came in (usually one, and often every row of it in order: no gather)."""
-    # Two C loops over the rows' (report, index) pairs. Not zip(*pairs): that makes a tuple
-    # iterator per row, each a tracked object, and at batch 1,024 those were a third of what
-    # the young collections walked.
-    pairs = [live.rows[role] for live in ready]
-    # A ready sequence has both rows (LockstepTable.report): no None among them, and no check per row here.
-    reports, rows = tuple(map(_first, pairs)), tuple(map(_second, pairs))  # type: ignore[arg-type]
-    first = reports[0]
-    # Blocked compares by identity: count() is one C loop, where all() over a generator is a
-    # Python frame per row.
-    if reports.count(first) == len(reports):
-        report = first.report
-        if len(rows) == len(report.ids) and rows == tuple(range(len(rows))):
-            return TopKBatch(token_ids=report.token_ids.astype(np.int64), logprobs=report.logprobs.astype(np.float64))
-        index = list(rows)
-        return TopKBatch(
-            token_ids=report.token_ids[index].astype(np.int64), logprobs=report.logprobs[index].astype(np.float64)
-        )
-    # Rows from several reports (one server ran ahead on some sequences): each report's rows
-    # in one fancy index, the report of each row found in C loops (map over a dict).
-    order = {blocked: k for k, blocked in enumerate(dict.fromkeys(reports))}
-    codes = np.fromiter(map(order.__getitem__, reports), np.int64, len(reports))
-    rows_of = np.array(rows, dtype=np.int64)
-    width = max(blocked.report.token_ids.shape[1] for blocked in order)
-    ids = np.full((len(ready), width), PAD_TOKEN_ID, dtype=np.int64)
-    logprobs = np.full((len(ready), width), -np.inf)
-    for blocked, k in order.items():
-        places = np.flatnonzero(codes == k)
-        picked = rows_of[places]
-        width_k = blocked.report.token_ids.shape[1]
-        ids[places, :width_k] = blocked.report.token_ids[picked]
-        logprobs[places, :width_k] = blocked.report.logprobs[picked]
-    return TopKBatch(token_ids=ids, logprobs=logprobs)
+    """The waiting rows of `role` of the ready sequences (see LockstepTable.gather)."""
+    table = ready[0].table
+    assert table is not None, "a ready sequence is placed in a table"
+    return table.gather(ready, role)

@@ -270,3 +270,46 @@ def test_gather_takes_each_row_from_its_own_report_and_pads_the_narrower_ones():
     assert np.isneginf(theta.logprobs[1, 2]) and np.allclose(theta.logprobs[[0, 2]], np.log(0.1))
     teacher = gather(ready, T)  # one report, every row in order: taken whole
     assert teacher.token_ids.tolist() == [[300, 301, 302], [303, 304, 305], [306, 307, 308]]
+
+
+def run_steps(rig: Rig, steps: int, t_order: list[int]) -> list[list[int]]:
+    """`steps` decode steps of every sequence (the teacher reporting in `t_order`) -> each step's replies."""
+    n = len(rig.lives)
+    out = []
+    for position in range(steps):
+        rig.report(b"theta", THETA, [(i, position) for i in range(n)])
+        _, ready = rig.report(b"t", T, [(i, position) for i in t_order])
+        rig.decide(ready, token=5 + position)
+        out.append(sorted((identity, answers.tolist()) for identity, _, answers in rig.table.replies(1.0)))
+    return out
+
+
+def test_a_steady_batch_is_taken_in_whole_with_the_same_outcome_as_row_by_row(monkeypatch):
+    whole = Rig(6)
+    replies = run_steps(whole, 3, t_order=[5, 3, 1, 0, 2, 4])
+    assert whole.table.counters.regular_reports == whole.table.counters.reports == 6
+    monkeypatch.setattr(LockstepTable, "_report_regular", lambda self, blocked: None)
+    by_rows = Rig(6)
+    assert run_steps(by_rows, 3, t_order=[5, 3, 1, 0, 2, 4]) == replies
+    assert by_rows.table.counters.regular_reports == 0
+    for live in whole.lives:  # the arrays' agreed lengths follow the sequences
+        assert whole.table._agreed[live.slot] == len(live.seq.tokens) == 3
+
+
+def test_one_irregular_row_sends_its_report_row_by_row_and_fails_only_its_sequence():
+    rig = Rig(3)
+    rig.report(b"theta", THETA, [(0, 0), (1, 0), (2, 0)])
+    _, ready = rig.report(b"t", T, [(0, 0), (1, 5), (2, 0)])  # sequence 1's teacher is ahead: diverged
+    assert rig.table.counters.regular_reports == 1  # only the first report went in whole
+    assert ready == [rig.lives[0], rig.lives[2]]
+    assert rig.lives[1].done and "diverged" in rig.lives[1].seq.error
+    rig.decide(ready)
+    replies = {identity: answers.tolist() for identity, _, answers in rig.table.replies(1.0)}
+    assert replies == {b"theta": [5, wire.END, 5], b"t": [5, wire.END, 5]}
+
+
+def test_a_stream_twice_in_one_report_is_not_taken_in_whole():
+    rig = Rig(2)
+    _, ready = rig.report_ids(b"theta", np.array([100, 100]), np.array([0, 0]))
+    assert ready == [] and rig.table.counters.regular_reports == 0
+    assert rig.lives[0].done and "diverged" in rig.lives[0].seq.error  # the second row is a divergence

@@ -123,3 +123,24 @@ def test_the_fused_step_equals_its_three_phases(case):
                        (out.logprob_theta, merged.logp_theta[rows, index]), (out.logprob_t, merged.logp_t[rows, index]),
                        (out.coverage_theta, merged.coverage_theta), (out.coverage_t, merged.coverage_t)):
         np.testing.assert_array_equal(have, want)  # the same compiled code: bit for bit
+
+
+@settings(max_examples=50, deadline=None)
+@given(steps())
+def test_the_threaded_step_equals_the_serial_one_bit_for_bit(case):
+    """Rows split among numba's threads (CoordinatorConfig.step_threads) give what one thread gives."""
+    lists, rule, temperature, fixed, caps, uniforms = case
+    kwargs = dict(temperature=temperature, fixed_alpha=fixed, max_alpha=caps, uniforms=uniforms, fill=rule,
+                  vocab_size=1000, tol=1e-6, max_iter=20)
+    serial = kernel.step(*lists, **kwargs, threads=1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernel, "THREADED_MIN_ROWS", 1)  # every batch here is small: thread it anyway
+        threaded = kernel.step(*lists, **kwargs, threads=4)
+    for have, want in zip(threaded, serial):
+        np.testing.assert_array_equal(have, want)
+
+
+def test_a_small_step_stays_on_one_thread():
+    assert kernel.usable_threads(8, kernel.THREADED_MIN_ROWS - 1) == 1
+    assert kernel.usable_threads(1, 4096) == 1
+    assert 1 <= kernel.usable_threads(8, 4096) <= 8
