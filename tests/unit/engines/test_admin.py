@@ -144,3 +144,32 @@ async def test_a_cache_reset_answer_without_success_is_malformed(fake_theta):
     async with client(fake_theta.url) as c:
         with pytest.raises(MalformedResponseError, match="not {'success': bool}"):
             await c.admin.reset_prefix_cache()
+
+
+# -- the digest of the weights a server took (engines/vllm_plugin/worker_extension.py) -----------
+
+async def test_weight_digest_is_every_rank_s_answer_once_they_agree(fake_theta):
+    fake_theta.world_size, fake_theta.weight_digest = 2, "ab" * 16
+    async with client(fake_theta.url) as c:
+        assert (await c.admin.weight_digest()).digest == "ab" * 16
+        fake_theta.weight_digest = None  # no update finished yet
+        none = await c.admin.weight_digest()
+    assert none.digest is None and "reports no digest" in none.missing
+    assert fake_theta.calls["/collective_rpc"][0] == {"method": "dualvllm_weight_digest"}
+
+
+async def test_ranks_that_took_different_weights_fail_the_digest(fake_theta):
+    fake_theta.fail_next("/collective_rpc", Failure(200, '{"results": ["' + "a" * 32 + '", "' + "b" * 32 + '"]}'))
+    async with client(fake_theta.url) as c:
+        with pytest.raises(WeightSyncError, match="its ranks took different weights \\(digests by rank: "
+                                                  "aaaaaaaaaaaa, bbbbbbbbbbbb\\)"):
+            await c.admin.weight_digest()
+
+
+async def test_a_server_without_the_extension_says_which_flag_is_missing_and_is_asked_once(fake_theta):
+    fake_theta.digest_extension = False
+    async with client(fake_theta.url, max_retries=3) as c:
+        answer = await c.admin.weight_digest()
+    assert answer.digest is None
+    assert "--worker-extension-cls dualvllm.engines.vllm_plugin.worker_extension.WeightDigestExtension" in answer.missing
+    assert len(fake_theta.calls["/collective_rpc"]) == 1  # "not implemented" is not asked again

@@ -311,3 +311,17 @@ def test_visible_gpus_are_cuda_visible_devices_else_nvidia_smis(monkeypatch):
     listing = "GPU 0: NVIDIA H100 (UUID: GPU-a)\nGPU 1: NVIDIA H100 (UUID: GPU-b)\n"
     monkeypatch.setattr(launcher.subprocess, "run", lambda *a, **k: sp.CompletedProcess(a, 0, stdout=listing))
     assert launcher.visible_gpus() == (0, 1)
+
+
+def test_a_server_with_a_weight_transfer_engine_reports_its_digest_unless_given_an_extension_of_its_own():
+    from dualvllm.engines.vllm_plugin.worker_extension import WORKER_EXTENSION
+
+    def command(**options) -> list[str]:
+        return VLLMServer(ServerConfig(model="m", port=1, device="cpu", **options)).command()
+
+    with_engine = command(dev_mode=True)
+    assert with_engine[with_engine.index("--worker-extension-cls") + 1] == WORKER_EXTENSION
+    assert "--worker-extension-cls" not in command(dev_mode=True, weight_transfer="none")
+    assert "--worker-extension-cls" not in command()  # no dev mode: no /collective_rpc to ask
+    own = command(dev_mode=True, extra_args=("--worker-extension-cls", "mine.Extension"))
+    assert own.count("--worker-extension-cls") == 1 and "mine.Extension" in own

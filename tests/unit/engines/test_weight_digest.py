@@ -71,3 +71,18 @@ def test_fields_cannot_run_into_each_other():
 def test_an_empty_push_has_a_digest_of_its_own_and_short_shows_twelve_digits():
     assert PushDigest().hexdigest() != digest() and len(digest()) == 32
     assert short(digest()) == digest()[:12] and short(None) == "none"
+
+
+def test_the_worker_extension_reports_its_engine_s_last_digest_or_none():
+    from types import SimpleNamespace
+
+    from dualvllm.engines.vllm_plugin.worker_extension import WeightDigestExtension
+
+    class Worker(WeightDigestExtension):  # as vLLM mixes it into its worker
+        def __init__(self, engine) -> None:
+            self.weight_transfer_engine = engine
+
+    assert Worker(SimpleNamespace(last_digest=digest())).dualvllm_weight_digest() == digest()
+    assert Worker(SimpleNamespace(last_digest=None)).dualvllm_weight_digest() is None  # no update finished
+    assert Worker(SimpleNamespace()).dualvllm_weight_digest() is None  # an engine that does not digest (nccl)
+    assert Worker(None).dualvllm_weight_digest() is None  # no weight-transfer engine
