@@ -3,6 +3,7 @@
     python benchmarks/coordinator_capacity.py                       # batch 1, 64, 256, 1024
     python benchmarks/coordinator_capacity.py --batch 256 --tokens 64 --top-k 20
     python benchmarks/coordinator_capacity.py --floor --batch 1       # also the messaging alone
+    python benchmarks/coordinator_capacity.py --batch 256 --step-threads 4   # the step on 4 threads
 
 The coordinator's side is the real one: `LockstepScheduler` (coordinator/lockstep/) with
 its TCP channel, merge, alpha* and sampling. The servers are synthetic plugin clients, one
@@ -24,7 +25,12 @@ finish reason when the sequence ends.
 
 Reported per batch size: tokens/s of the whole run (wall), the coordinator process's CPU time
 per token and per step (time.process_time over the run: the coordinator's event loop, its
-sockets, numpy), and the clients' CPU per token. `--floor` first measures the messaging alone: a
+sockets, numpy) and its inverse, the tokens one coordinator CPU-second decides (the capacity
+of a process with a core of its own); the round trip of every full report as its client saw
+it (from the report leaving the client to its tokens arriving: both reports meeting, the
+decision, the sockets), and the decision alone (merge, alpha*, sampling, records).
+The synthetic top-k rows draw their ids from the real vocabulary's range (`--vocab`, Qwen's
+151,936), the two roles sharing three quarters of each row's ids. `--floor` first measures the messaging alone: a
 client process sends reports of the batch's size, the coordinator's channel receives,
 decodes and answers each (no table, no decision); a step has two such round
 trips, so twice that figure is the least a step can cost with this transport. Before it, the
@@ -44,6 +50,7 @@ import multiprocessing
 import multiprocessing.connection
 import queue
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -51,18 +58,22 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from dualvllm.common import heap, loop
-from dualvllm.coordinator import kernel
-from dualvllm.coordinator.config import CoordinatorConfig
-from dualvllm.coordinator.sequence import SamplingParams
-from dualvllm.coordinator.lockstep import LockstepScheduler
-from dualvllm.coordinator.sequence import SequenceState
-from dualvllm.coordinator.stats import Statistics
-from dualvllm.engines.lockstep_channel import LockstepChannel
-from dualvllm.engines.vllm_plugin import wire
-from dualvllm.engines.vllm_plugin.link import CoordinatorLink
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 
-VOCAB = 4096
+from benchmarks import harness  # noqa: E402
+from dualvllm.common import heap, loop  # noqa: E402
+from dualvllm.coordinator import kernel  # noqa: E402
+from dualvllm.coordinator.config import CoordinatorConfig  # noqa: E402
+from dualvllm.coordinator.sequence import SamplingParams  # noqa: E402
+from dualvllm.coordinator.lockstep import LockstepScheduler  # noqa: E402
+from dualvllm.coordinator.sequence import SequenceState  # noqa: E402
+from dualvllm.coordinator.stats import Statistics  # noqa: E402
+from dualvllm.engines.lockstep_channel import LockstepChannel  # noqa: E402
+from dualvllm.engines.vllm_plugin import wire  # noqa: E402
+from dualvllm.engines.vllm_plugin.link import CoordinatorLink  # noqa: E402
+
+VOCAB = 151_936  # Qwen2/3's vocabulary: top-k ids spread over the real id range (--vocab)
 PROMPT_LEN = 16
 STOP_TOKEN = 0  # never in a client's top-k, so only END stops a request
 TABLE_ROWS = 997  # distinct synthetic top-k rows per client; a row is picked by (id + position)
@@ -71,12 +82,16 @@ TABLE_ROWS = 997  # distinct synthetic top-k rows per client; a row is picked by
 # -- the synthetic plugin client (its own process) ------------------------------------------
 
 def client_main(requests: multiprocessing.connection.Connection, finishes: multiprocessing.connection.Connection,
-                seed: int, top_k: int, ready: multiprocessing.synchronize.Event) -> None:
+                seed: int, top_k: int, ready: multiprocessing.synchronize.Event, vocab: int = VOCAB) -> None:
     """One synthetic server: takes requests from `requests`, reports each step to the coordinator
     address a request names, applies the reply, sends a request's finish reason to `finishes`
     when it ends."""
+    # Both roles rank the same ids (one seed), the teacher with a quarter of each row its own,
+    # as two models of one family mostly agree on their top-k: ~25 merged candidates a row.
+    shared = np.random.default_rng(0)
+    ids = np.stack([1 + shared.choice(vocab - 1, size=top_k + top_k // 4, replace=False) for _ in range(TABLE_ROWS)])
+    ids = ids[:, :top_k] if seed == 1 else np.concatenate((ids[:, : top_k - top_k // 4], ids[:, top_k:]), axis=1)
     rng = np.random.default_rng(seed)
-    ids = np.stack([rng.choice(np.arange(1, VOCAB), size=top_k, replace=False) for _ in range(TABLE_ROWS)])
     logits = np.sort(rng.normal(scale=2.0, size=(TABLE_ROWS, top_k)), axis=1)[:, ::-1]
     # Top-k of a distribution over VOCAB ids: the rest of the mass lies outside the top-k.
     logprobs = (logits - np.logaddexp.reduce(logits, axis=1, keepdims=True) - 0.05).astype(np.float32)
@@ -104,7 +119,7 @@ def client_main(requests: multiprocessing.connection.Connection, finishes: multi
             link.step += 1
             member_ids = np.array(members, dtype=np.int64)
             positions = np.array([running[m][1] for m in members], dtype=np.int64)
-            rows = (member_ids + positions) % TABLE_ROWS
+            rows = positions % TABLE_ROWS  # both roles see one row at one position
             deadline = time.monotonic() + 60
             message = wire.encode_report(link.step, 0, 1 << 20, member_ids, positions, ids[rows], logprobs[rows])
             # The round trip: from the report leaving this process to its tokens arriving, as a
@@ -219,7 +234,8 @@ class CollectionTimer:
             self.collections[info["generation"]] += 1
 
 
-async def measure(batch: int, tokens: int, top_k: int, rounds: int, freeze: bool) -> dict:
+async def measure(batch: int, tokens: int, top_k: int, rounds: int, freeze: bool, vocab: int = VOCAB,
+                  step_threads: int = 1) -> dict:
     """One coordinator, two client processes, `rounds` batches of `batch` sequences of `tokens` tokens;
     `freeze`: freeze the start-up heap as DualVLLMCoordinator does (CoordinatorConfig.freeze_gc_heap)."""
     spawn = multiprocessing.get_context("spawn")
@@ -228,18 +244,19 @@ async def measure(batch: int, tokens: int, top_k: int, rounds: int, freeze: bool
     clients = [RemoteClient(role, send, receive)
                for role, (_, send), (receive, _) in zip(("theta", "t"), requests, finishes)]
     readies = [spawn.Event() for _ in clients]
-    processes = [spawn.Process(target=client_main, args=(take, give, seed, top_k, ready), daemon=True)
+    processes = [spawn.Process(target=client_main, args=(take, give, seed, top_k, ready, vocab), daemon=True)
                  for (take, _), (_, give), seed, ready in zip(requests, finishes, (1, 2), readies)]
     for process in processes:
         process.start()
     channel = LockstepChannel()
-    config = CoordinatorConfig(top_k=top_k, max_batch_size=max(batch, 1), lockstep_stall_timeout=60.0)
+    threads = {"step_threads": step_threads} if step_threads > 1 else {}  # (runs on checkouts without it too)
+    config = CoordinatorConfig(top_k=top_k, max_batch_size=max(batch, 1), lockstep_stall_timeout=60.0, **threads)
     stats = Statistics()
     scheduler = LockstepScheduler(clients[0], clients[1], config=config, eos_ids=frozenset({STOP_TOKEN}),  # type: ignore[arg-type]
                                   max_len=PROMPT_LEN + tokens + 2, stats=stats, channel=channel,
-                                  stop_token=STOP_TOKEN, capacity=batch, vocab_size=VOCAB)
+                                  stop_token=STOP_TOKEN, capacity=batch, vocab_size=vocab)
     collections = CollectionTimer()
-    kernel.warm_up()
+    kernel.warm_up(*threads.values())
     gc.callbacks.append(collections)  # both undone in `finally`, whatever fails
     if freeze:
         heap.freeze()
@@ -395,6 +412,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256, 1024])
     parser.add_argument("--tokens", type=int, default=64, help="tokens per sequence")
     parser.add_argument("--top-k", type=int, default=20)
+    parser.add_argument("--vocab", type=int, default=VOCAB, help="the id range the synthetic top-k rows draw from")
+    parser.add_argument("--step-threads", type=int, default=1, help="CoordinatorConfig.step_threads")
     parser.add_argument("--rounds", type=int, default=3, help="measured batches per size (after one warm-up)")
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/coordinator_capacity.json"))
     parser.add_argument("--no-freeze", action="store_true",
@@ -403,7 +422,7 @@ def main() -> None:
     parser.add_argument("--floor", action="store_true",
                         help="also measure the messaging alone (a report in, its reply out, per round trip)")
     args = parser.parse_args()
-    print(f"event loop: {loop.chosen()} (DUALVLLM_EVENT_LOOP=asyncio for the standard one)", flush=True)
+    print(f"machine: {harness.machine()} (DUALVLLM_EVENT_LOOP=asyncio for the standard event loop)", flush=True)
     floors = []
     if args.floor:
         machine = measure_machine_floor()
@@ -418,7 +437,8 @@ def main() -> None:
                   f"({row['round_trips']:,} round trips; a step has two)", flush=True)
     rows = []
     for batch in args.batch:
-        row = loop.run(measure(batch, args.tokens, args.top_k, args.rounds, freeze=not args.no_freeze))
+        row = loop.run(measure(batch, args.tokens, args.top_k, args.rounds, freeze=not args.no_freeze,
+                                     vocab=args.vocab, step_threads=args.step_threads))
         rows.append(row)
         print(f"batch {batch:>5}: {row['tokens_per_s']:>9,.0f} tokens/s, coordinator CPU "
               f"{row['coordinator_cpu_us_per_token']:>7.1f} µs/token, {row['coordinator_cpu_us_per_step']:>9.1f} µs/step "
@@ -432,6 +452,7 @@ def main() -> None:
               f"{row['decision_us_median']:,.0f} µs", flush=True)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "event_loop": loop.chosen(),
+                                       "cpu": harness.machine(),
                                        "floor": floors, "rows": rows}, indent=2))
     print(f"wrote {args.output}")
 

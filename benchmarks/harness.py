@@ -22,10 +22,20 @@ from dualvllm.tinymodels.task import problems
 RESULTS_DIR = Path("benchmarks/results")
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo): timings compare only within one model (an AVX2-only
+    AMD EPYC ran native generation at 59 tokens/s where an earlier machine of these kinds ran 512)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
 def machine() -> str:
     """One line naming the machine a result was taken on."""
     memory_gb = psutil.virtual_memory().total / 2**30
-    return (f"{platform.machine()} Linux, {os.cpu_count()} cores, {memory_gb:.0f} GB RAM, no GPU; "
+    return (f"{cpu_model()}, {platform.machine()} Linux, {os.cpu_count()} cores, {memory_gb:.0f} GB RAM, no GPU; "
             f"load average at start {os.getloadavg()[0]:.1f}; event loop {loop.chosen()}")
 
 

@@ -45,8 +45,12 @@ def synthetic_rows(seed: int, top_k: int) -> tuple[np.ndarray, np.ndarray]:
     return ids.astype(np.int32), logprobs.astype(np.float32)
 
 
-def measure(batch: int, steps: int, top_k: int) -> float:
-    """Thread CPU seconds per step over `steps` steps of `batch` sequences."""
+PHASES = ("reports", "gather", "kernel", "records", "answers")
+
+
+def measure(batch: int, steps: int, top_k: int) -> dict[str, float]:
+    """Thread CPU seconds per step over `steps` steps of `batch` sequences, by phase: the reports
+    into the table, the rows gathered, the compiled step, the records, the answers and replies."""
     config = CoordinatorConfig(top_k=top_k, max_batch_size=batch)
     table = LockstepTable()
     servers = [Server("theta", "http://base"), Server("t", "http://teacher")]
@@ -60,23 +64,32 @@ def measure(batch: int, steps: int, top_k: int) -> float:
             table.open_stream(live, role, 2 * i + role, offset=0)
     rows = [synthetic_rows(1, top_k), synthetic_rows(2, top_k)]
     ids = [2 * np.arange(batch) + role for role in (THETA, T)]
-    cpu = 0.0
+    phases = dict.fromkeys(PHASES, 0.0)
     for step in range(steps):
         pick = (np.arange(batch) + step) % ROWS
         reports = [wire.Report(step=step, flags=0, capacity=batch, ids=ids[role],
                                positions=np.full(batch, step, np.int64), token_ids=rows[role][0][pick],
                                logprobs=rows[role][1][pick]) for role in (THETA, T)]
-        started = time.thread_time()
+        clock = [time.thread_time()]
+
+        def lap(phase: str) -> None:
+            clock.append(time.thread_time())
+            phases[phase] += clock[-1] - clock[-2]
+
         ready = [live for role in (THETA, T) for live in table.report(b"%d" % role, reports[role], 0.0)[1]]
+        lap("reports")
         theta, t = gather(ready, THETA), gather(ready, T)
         sequences = [live.seq for live in ready]
+        lap("gather")
         result = sample_rows(sequences, theta, t, config, VOCAB)
+        lap("kernel")
         record_rows(sequences, result, frozenset({0}), 10**6, theta, t)
+        lap("records")
         table.decided(ready, result.token_ids.tolist())
         replies = table.replies(0.0)
-        cpu += time.thread_time() - started
+        lap("answers")
         assert len(ready) == batch and len(replies) == 2, "every row is decided and both reports answered"
-    return cpu / steps
+    return {phase: seconds / steps for phase, seconds in phases.items()}
 
 
 def main() -> None:
@@ -88,8 +101,11 @@ def main() -> None:
     args = parser.parse_args()
     for batch in args.batch:
         measure(batch, 5, args.top_k)  # warm-up: the compiled kernel's load, caches
-        best = min(measure(batch, args.steps, args.top_k) for _ in range(args.repeats))
-        print(f"batch {batch:>5}: {1e6 * best:9.1f} µs per step, {1e6 * best / batch:7.2f} µs per token", flush=True)
+        best = min((measure(batch, args.steps, args.top_k) for _ in range(args.repeats)),
+                   key=lambda phases: sum(phases.values()))
+        total = sum(best.values())
+        print(f"batch {batch:>5}: {1e6 * total:9.1f} µs per step, {1e6 * total / batch:7.2f} µs per token ("
+              + ", ".join(f"{phase} {1e6 * seconds / batch:.2f}" for phase, seconds in best.items()) + ")", flush=True)
 
 
 if __name__ == "__main__":

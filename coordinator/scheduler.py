@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import operator
 import time
 from collections import deque
-from types import MappingProxyType
 from typing import AsyncContextManager, Protocol, TypeVar
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 
 import numpy as np
 
@@ -316,12 +316,13 @@ def record_rows(
             keep = sequences[row].params.record_topk
             sequences[row].topk_ids.append(ids[i, :, :keep])
             sequences[row].topk_logprobs.append(logprobs[i, :, :keep])
-    for seq in sequences:
-        if seq.listener is not None:
-            seq.publish()
+    if any(map(_LISTENER, sequences)):  # streamed calls (the service's server-sent events)
+        for seq in sequences:
+            if seq.listener is not None:
+                seq.publish()
 
 
-NO_DIAGNOSTICS: Mapping[str, float] = MappingProxyType({})
+_LISTENER = operator.attrgetter("listener")
 
 
 def _one_object(values: Sequence[object]) -> bool:

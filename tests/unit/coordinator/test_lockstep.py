@@ -683,3 +683,18 @@ async def test_a_pause_cancelled_during_its_drain_does_not_hold_generation_forev
     following = make_sequences(2, max_tokens=5)
     outputs = await generate(scheduler, following)
     assert scheduler._recovery.pauses == 0 and all(out.ok for out in outputs)
+
+
+async def test_steps_split_among_threads_give_the_per_token_steps_tokens(rig, monkeypatch):
+    """CoordinatorConfig.step_threads: every step's rows on numba's threads, the same tokens."""
+    from dualvllm.coordinator import kernel
+
+    monkeypatch.setattr(kernel, "THREADED_MIN_ROWS", 1)  # these steps are small: thread them anyway
+    theta, t = rig.servers()
+    cfg = config(step_threads=2)
+    scheduler = rig.scheduler(theta, t, cfg)
+    sequences = make_sequences(8, max_tokens=5)
+    outputs = await generate(scheduler, sequences)
+    for out in outputs:
+        assert out.ok and len(out.generated_tokens) == 5
+        assert_per_token_tokens(out, theta.model, t.model, sequences[0].params, cfg)

@@ -313,3 +313,14 @@ def test_a_stream_twice_in_one_report_is_not_taken_in_whole():
     _, ready = rig.report_ids(b"theta", np.array([100, 100]), np.array([0, 0]))
     assert ready == [] and rig.table.counters.regular_reports == 0
     assert rig.lives[0].done and "diverged" in rig.lives[0].seq.error  # the second row is a divergence
+
+
+def test_still_ready_drops_sequences_whose_row_a_later_report_of_the_batch_replaced():
+    rig = Rig(2)
+    rig.report(b"theta", THETA, [(0, 0), (1, 0)])
+    _, ready = rig.report(b"t", T, [(0, 0), (1, 0)])
+    assert ready == rig.lives
+    rig.report(b"theta", THETA, [(0, 0)])  # the plugin gave up and reported again, with sequence 0 only
+    assert rig.table.still_ready(ready) == [rig.lives[0]]
+    rig.table.fail(rig.lives[0], "gone")
+    assert rig.table.still_ready(ready) == []
