@@ -6,6 +6,7 @@ import asyncio
 import json
 import signal
 import subprocess
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -115,55 +116,96 @@ def test_demo_reports_all_three_arms(vllm_pair):
     assert accuracy["teacher (alpha=1)"] > accuracy["base (alpha=0)"]
 
 
-@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_serve_prints_both_urls_and_a_signal_stops_both(tmp_path, stop_signal):
-    import urllib.request
+def read_endpoint(run: subprocess.Popen) -> tuple[list[str], str, str]:
+    """(the servers' URLs `serve` printed, its endpoint, its model name), read from its output."""
+    urls: list[str] = []
+    endpoint = model = ""
+    assert run.stdout is not None
+    for line in run.stdout:  # serve prints the servers' URLs, then the endpoint's once it listens
+        if line.startswith("export "):
+            urls = [part.split("=", 1)[1] for part in line.split()[1:]]
+        if line.startswith("q* endpoint: "):
+            endpoint, model = line.split()[2], line.split("'")[1]
+            break
+    assert endpoint.startswith("http://127.0.0.1:") and endpoint.endswith("/v1"), run.stderr.read()
+    return urls, endpoint, model
 
-    # Started with SIGINT ignored, as a shell's background job is: Ctrl-C must still work.
-    run = dualvllm("serve", "--log-dir", str(tmp_path), "--max-logprobs", "10", "--top-k", "10",
-                   "--service-port", "0", preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+
+def assert_completes(endpoint: str, model: str) -> None:
+    request = urllib.request.Request(
+        endpoint + "/completions", headers={"Content-Type": "application/json"},
+        data=json.dumps({"model": model, "prompt": "12+34=", "max_tokens": 4, "temperature": 0}).encode())
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        assert answer.status == 200 and json.load(answer)["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def answers(url: str) -> bool:
     try:
-        urls: list[str] = []
-        endpoint = model = ""
-        assert run.stdout is not None
-        for line in run.stdout:  # serve prints the servers' URLs, then the endpoint's once it listens
-            if line.startswith("export "):
-                urls = [part.split("=", 1)[1] for part in line.split()[1:]]
-            if line.startswith("q* endpoint: "):
-                endpoint, model = line.split()[2], line.split("'")[1]
-                break
+        with urllib.request.urlopen(url + "/health", timeout=5) as answer:
+            return answer.status == 200
+    except OSError:
+        return False
+
+
+def test_serve_prints_both_urls_and_sigterm_stops_both(tmp_path):
+    run = dualvllm("serve", "--log-dir", str(tmp_path), "--max-logprobs", "10", "--top-k", "10",
+                   "--service-port", "0")
+    try:
+        urls, endpoint, model = read_endpoint(run)
         assert len(urls) == 2 and all(u.startswith("http://127.0.0.1:") for u in urls), run.stderr.read()
-        assert endpoint.startswith("http://127.0.0.1:") and endpoint.endswith("/v1"), run.stderr.read()
-        for url in urls:
-            with urllib.request.urlopen(url + "/health", timeout=10) as answer:
-                assert answer.status == 200
+        assert all(answers(url) for url in urls)
         assert_top_k_above_max_logprobs_is_refused(urls, top_k=20)
-        request = urllib.request.Request(
-            endpoint + "/completions", headers={"Content-Type": "application/json"},
-            data=json.dumps({"model": model, "prompt": "12+34=", "max_tokens": 4, "temperature": 0}).encode())
-        with urllib.request.urlopen(request, timeout=60) as answer:
-            assert answer.status == 200 and json.load(answer)["choices"][0]["finish_reason"] in ("stop", "length")
-        run.send_signal(stop_signal)
+        assert_completes(endpoint, model)
+        run.send_signal(signal.SIGTERM)
         assert run.wait(timeout=120) == 130
     finally:
         run.kill()
         run.wait()
-    for url in [*urls, endpoint.removesuffix("/v1")]:  # servers and endpoint are gone, not orphaned
-        try:
-            urllib.request.urlopen(url + "/health", timeout=5)
-        except OSError:
-            continue
-        raise AssertionError(f"{url} still answers after the signal")
+    alive = [url for url in [*urls, endpoint.removesuffix("/v1")] if answers(url)]
+    assert not alive, f"{alive} still answer after the signal: servers and endpoint must be gone, not orphaned"
     assert (tmp_path / "theta.log").stat().st_size > 0 and (tmp_path / "t.log").stat().st_size > 0
 
 
-@pytest.mark.parametrize("lora_rank, mode", [("0", "--lockstep"), ("4", "--no-lockstep")])
-def test_train_pushes_verified_weights_and_resumes_after_a_kill(tmp_path, lora_rank, mode):
-    """Full fine-tuning rolls out in lockstep (weight pushes fence the base's lockstep
-    sequences with /pause), LoRA per-token."""
-    out = tmp_path / "run"
-    args = ["train", "--config", str(TINY_ARITH), "--output-dir", str(out), "--steps", "4", "--prompts-per-step", "2",
+def test_serve_on_given_servers_stops_on_ctrl_c_and_leaves_them_serving(vllm_pair):
+    theta, t = vllm_pair
+    # Started with SIGINT ignored, as a shell's background job is: Ctrl-C must still work.
+    run = dualvllm("serve", "--theta-url", theta.url, "--t-url", t.url, "--top-k", "10", "--service-port", "0",
+                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        urls, endpoint, model = read_endpoint(run)
+        assert urls == []  # it started no server, so it prints none
+        assert_completes(endpoint, model)
+        run.send_signal(signal.SIGINT)
+        assert run.wait(timeout=120) == 130
+    finally:
+        run.kill()
+        run.wait()
+    assert not answers(endpoint.removesuffix("/v1")), "the endpoint still answers after Ctrl-C"
+    assert answers(theta.url) and answers(t.url), "serve stopped servers it did not start"
+
+
+def train_args(out: Path, lora_rank: str, mode: str) -> list[str]:
+    return ["train", "--config", str(TINY_ARITH), "--output-dir", str(out), "--steps", "4", "--prompts-per-step", "2",
             "--group-size", "4", "--eval-every", "2", "--eval-prompts", "16", "--lora-rank", lora_rank, mode]
+
+
+def assert_trained_and_pushed(out: Path, stdout: str, stderr: str, mode: str) -> None:
+    """Four steps, each once, every push in memory and verified, the last checkpoint written."""
+    assert "4 steps" in stdout
+    assert f"decoding mode: {'lockstep' if mode == '--lockstep' else 'per_token'}" in stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if "event" not in r]
+    assert steps == sorted(set(steps)) and steps[-1] == 4, steps  # nothing trained twice
+    assert all(r["push_max_abs_diff"] < 1e-3 for r in records if "push_max_abs_diff" in r)
+    assert all(r["push_via"] == "memory" for r in records if "push_via" in r)  # the servers it started can
+    assert [p.name for p in sorted((out / "checkpoints").iterdir())][-1] == "step-000004"
+
+
+def test_train_pushes_verified_weights_and_resumes_after_a_kill(tmp_path):
+    """Full fine-tuning rolls out in lockstep (weight pushes fence the base's lockstep
+    sequences with /pause); killed mid-run, resumed without training a step twice."""
+    out = tmp_path / "run"
+    args = train_args(out, "0", "--lockstep")
     first = dualvllm(*args)
     try:
         wait_for((out / "checkpoints" / "step-000002").exists, first, "checkpoint step-000002")
@@ -178,18 +220,21 @@ def test_train_pushes_verified_weights_and_resumes_after_a_kill(tmp_path, lora_r
     second = dualvllm(*args, "--resume")
     stdout, stderr = second.communicate(timeout=900)
     assert second.returncode == 0, stderr[-3000:]
-    assert "4 steps" in stdout
-    assert f"decoding mode: {'lockstep' if mode == '--lockstep' else 'per_token'}" in stderr
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [r["step"] for r in records if "event" not in r]
-    assert steps == sorted(set(steps)) and steps[-1] == 4, steps  # resumed, nothing trained twice
-    assert all(r["push_max_abs_diff"] < 1e-3 for r in records if "push_max_abs_diff" in r)
-    assert all(r["push_via"] == "memory" for r in records if "push_via" in r)  # the servers it started can
-    assert [p.name for p in sorted((out / "checkpoints").iterdir())][-1] == "step-000004"
+    assert_trained_and_pushed(out, stdout, stderr, "--lockstep")
     # A fresh run refuses to overwrite the finished one.
     third = dualvllm(*args)
     _, stderr = third.communicate(timeout=120)
     assert third.returncode == 2 and "--resume" in stderr
+
+
+def test_train_lora_per_token_pushes_verified_adapters(tmp_path):
+    """LoRA, per-token decoding, one uninterrupted run (a LoRA checkpoint's resume is
+    tests/unit/training/test_lora.py's; the kill and resume of a run, the test above)."""
+    out = tmp_path / "run"
+    run = dualvllm(*train_args(out, "4", "--no-lockstep"))
+    stdout, stderr = run.communicate(timeout=900)
+    assert run.returncode == 0, stderr[-3000:]
+    assert_trained_and_pushed(out, stdout, stderr, "--no-lockstep")
 
 
 @pytest.mark.parametrize("lora_rank", ["0", "4"])
