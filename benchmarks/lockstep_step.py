@@ -2,6 +2,7 @@
 
     python benchmarks/lockstep_step.py                   # batch 1, 64, 256; top-20 rows
     python benchmarks/lockstep_step.py --batch 256 --steps 200 --repeats 7
+    python benchmarks/lockstep_step.py --paths --batch 64 256   # the table's compiled pass against row by row
 
 Per step, as the lockstep scheduler does it: both servers' reports into the table
 (`LockstepTable.report`), the ready rows gathered (`gather`), merged, alpha* solved and sampled
@@ -92,13 +93,41 @@ def measure(batch: int, steps: int, top_k: int) -> dict[str, float]:
     return {phase: seconds / steps for phase, seconds in phases.items()}
 
 
+def compare_paths(batches: list[int], steps: int, repeats: int, top_k: int) -> None:
+    """The `reports` phase with the compiled pass and with the rules row by row, alternated run by
+    run in one process (the machines are shared: runs side by side compare, runs apart do not)."""
+    compiled = LockstepTable._report_regular
+    for batch in batches:
+        measure(batch, 5, top_k)  # warm-up
+        best: dict[str, dict[str, float]] = {}
+        for _ in range(repeats):
+            for path, regular in (("compiled pass", compiled), ("row by row", lambda self, blocked: None)):
+                LockstepTable._report_regular = regular  # type: ignore[method-assign]
+                try:
+                    phases = measure(batch, steps, top_k)
+                finally:
+                    LockstepTable._report_regular = compiled  # type: ignore[method-assign]
+                kept = best.setdefault(path, phases)
+                best[path] = {phase: min(kept[phase], phases[phase]) for phase in PHASES}
+        for path, phases in best.items():
+            print(f"batch {batch:>5}, {path:>13}: " + ", ".join(f"{phase} {1e6 * seconds / batch:.2f}"
+                                                              for phase, seconds in phases.items())
+                  + " µs per token (best of each phase)", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=5, help="runs per batch size; the best is reported")
     parser.add_argument("--top-k", type=int, default=20)
+    parser.add_argument("--paths", action="store_true",
+                        help="compare, in this one process, the table's compiled pass over a regular report with "
+                             "its rules row by row (LockstepTable._report_rows, forced), runs alternated")
     args = parser.parse_args()
+    if args.paths:
+        compare_paths(args.batch, args.steps, args.repeats, args.top_k)
+        return
     for batch in args.batch:
         measure(batch, 5, args.top_k)  # warm-up: the compiled kernel's load, caches
         best = min((measure(batch, args.steps, args.top_k) for _ in range(args.repeats)),

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import collections
-import operator
 from dataclasses import dataclass, field
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -260,63 +258,3 @@ class SequenceState:
         if not self.topk_ids:  # no token generated (an error before the first step)
             return {"topk_ids": np.zeros((0, 2, k), dtype=np.int64), "topk_logprobs": np.zeros((0, 2, k))}
         return {"topk_ids": np.stack(self.topk_ids), "topk_logprobs": np.stack(self.topk_logprobs)}
-
-
-_consume: Callable[[Iterable[Any]], None] = collections.deque(maxlen=0).extend  # runs an iterator to its end in C
-_RECORDS = tuple(
-    operator.attrgetter(name) for name in ("tokens", "alphas", "logprobs_q", "logprobs_theta", "logprobs_t")
-)
-_TOKENS, _PARAMS, _CONTEXT_START = (
-    operator.attrgetter("tokens"),
-    operator.attrgetter("params"),
-    operator.attrgetter("context_start"),
-)
-_IGNORE_EOS, _MAX_TOKENS = operator.attrgetter("ignore_eos"), operator.attrgetter("max_tokens")
-_STOP_IDS = operator.attrgetter("stop_token_ids")
-
-
-def append_rows(
-    sequences: Sequence[SequenceState],
-    tokens: np.ndarray,
-    alphas: np.ndarray,
-    logprobs_q: np.ndarray,
-    logprobs_theta: np.ndarray,
-    logprobs_t: np.ndarray,
-    eos_ids: frozenset[int],
-    max_len: int,
-) -> np.ndarray:
-    """`SequenceState.append` of one token per sequence (no diagnostics), for a whole step at
-    once -> whether each sequence finished with it. The same records and finish reasons, by
-    the same rules in the same order; the appends run in C loops and the rules as array
-    comparisons, where a call per row cost ~1 µs of a lockstep token at batch 256."""
-    n = len(sequences)
-    token_list = tokens.tolist()
-    for field_of, values in zip(
-        _RECORDS, (token_list, alphas.tolist(), logprobs_q.tolist(), logprobs_theta.tolist(), logprobs_t.tolist())
-    ):
-        _consume(map(list.append, map(field_of, sequences), values))
-    lengths = np.fromiter(map(len, map(_TOKENS, sequences)), np.int64, n)
-    params = list(map(_PARAMS, sequences))
-    ids = np.asarray(tokens, dtype=np.int64)
-    none = np.zeros(n, dtype=np.bool_)
-    eos = np.isin(ids, np.fromiter(eos_ids, np.int64, len(eos_ids))) if eos_ids else none
-    if len(set(map(id, params))) == 1:  # one call's sequences: its settings, read once
-        first = params[0]
-        eos = none if first.ignore_eos else eos
-        stop = np.isin(ids, np.fromiter(first.stop_token_ids, np.int64)) if first.stop_token_ids else none
-        at_max = lengths >= first.max_tokens
-    else:
-        eos = eos & ~np.fromiter(map(_IGNORE_EOS, params), np.bool_, n)
-        stop = (
-            np.fromiter((t in p.stop_token_ids for t, p in zip(token_list, params)), np.bool_, n)
-            if any(map(_STOP_IDS, params))
-            else none
-        )
-        at_max = lengths >= np.fromiter(map(_MAX_TOKENS, params), np.int64, n)
-    context = np.fromiter(map(_CONTEXT_START, sequences), np.int64, n) + lengths >= max_len
-    over = eos | stop | at_max | context
-    for row in np.flatnonzero(over).tolist():
-        sequences[row].finish_reason = (
-            "eos" if eos[row] else "stop_token" if stop[row] else "max_tokens" if at_max[row] else "context_limit"
-        )
-    return over
