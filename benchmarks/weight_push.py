@@ -5,6 +5,7 @@ how long sampling stalls, and how far a bf16 server's logprobs sit from the push
     python benchmarks/weight_push.py --shapes tiny small --pushes 2 --tolerance 100
     python benchmarks/weight_push.py --shapes qwen3-0.6b --variants untied --pushes 2
     python benchmarks/weight_push.py --shapes small --variants untied --replicas 1 2 --lora-rank 0   # a pool
+    python benchmarks/weight_push.py --shapes small qwen3-0.6b --variants untied --via disk memory digest --pushes 3 --lora-rank 0
 
 For each variant (tied or untied embeddings) of the realistic-shape base (dualvllm.tinymodels.shapes,
 a 151,936-token vocabulary, bf16 checkpoint), one dev-mode vLLM server is started with
@@ -15,7 +16,9 @@ N(0, 1e-3^2), then pushes with dualvllm.training.weight_sync.BasePusher, one way
 computed from it, then pause, /collective_rpc reload_weights, prefix-cache reset, resume,
 probe) and `memory` (the expected logprobs from a copy of the weights in the server's dtype,
 then pause(keep), vLLM's four weight-transfer phases through dualvllm's shared-memory
-engine, a cache reset, resume, probe), with the seconds of each phase. Meanwhile `--streams`
+engine, a cache reset, resume, probe) and `digest` (the same transfer, proved by the server's
+digest of the bytes it loaded: one pusher kept for every round, which probes its first push
+only, `push_probe_every` 0), with the seconds of each phase. Meanwhile `--streams`
 streaming requests keep the server sampling; the stall is the longest gap between two of
 their tokens that overlaps the push, and tokens/s during the push is set against tokens/s
 in the seconds before it. The |server - expected| logprobs
@@ -168,6 +171,8 @@ async def _pushes(servers: list[VLLMServer], name: str, shape: str, base_dir: Pa
               f"{before['median_nats']:.3f} nats", flush=True)
         model = (await client.model_info()).name
         previous = None
+        # One pusher for every digest push: it probes the first (the run's first push) and none after.
+        digest_pusher = BasePusher(base, contexts, via="memory", tolerance=tolerance, probe_every=0)
         stream_tokens = min(STREAM_TOKENS, (await client.model_info()).max_model_len - 9)  # the toy: 64 positions
         async with Streams(client.url, model, contexts[0][:8], streams, stream_tokens) as sampling:
             with tempfile.TemporaryDirectory() as scratch:
@@ -181,7 +186,8 @@ async def _pushes(servers: list[VLLMServer], name: str, shape: str, base_dir: Pa
                         for pname, parameter in learner.named_parameters():
                             if via != "memory-lora" or "lora_B" in pname:
                                 parameter.add_(PERTURBATION_STD * torch.randn_like(parameter))
-                    pusher = BasePusher(base, contexts, via=via.removesuffix("-lora"), tolerance=tolerance)
+                    pusher = (digest_pusher if via == "digest" else
+                              BasePusher(base, contexts, via=via.removesuffix("-lora"), tolerance=tolerance))
                     await asyncio.sleep(BEFORE_S)  # sampling undisturbed, to compare with
                     t0 = time.perf_counter()
                     report = await pusher.push(learner, tokenizer, Path(scratch) / f"push-{push}-{via}")
@@ -190,7 +196,7 @@ async def _pushes(servers: list[VLLMServer], name: str, shape: str, base_dir: Pa
                     expected = (await asyncio.to_thread(
                         checkpoint_logprobs, report.path, contexts, dtype=dtype) if report.path else
                         await asyncio.to_thread(weight_transfer.expected_logprobs, learner, contexts, dtype))
-                    row = {"push": push, "via": via, "seconds": t1 - t0,
+                    row = {"push": push, "via": via, "verified_by": report.verified_by, "seconds": t1 - t0,
                            **{f"{phase}_s": v for phase, v in report.seconds.items()},
                            "bytes_mb": (report.bytes_moved or _checkpoint_bytes(report.path)) / 1e6,
                            "reload_sends": report.reload_sends, **sampling.around(t0, t1),
@@ -203,7 +209,7 @@ async def _pushes(servers: list[VLLMServer], name: str, shape: str, base_dir: Pa
                     rows.append(row)
                     phases = ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in row.items()
                                        if k.endswith("_s") and k not in ("stall_s",))
-                    print(f"{name} push {push} via {via}: {row['seconds']:.2f} s ({phases}), "
+                    print(f"{name} push {push} via {via} ({report.verified_by}): {row['seconds']:.2f} s ({phases}), "
                           f"{row['bytes_mb']:.0f} MB; sampling stalled {row['stall_s']:.2f} s, "
                           f"{row['tokens_per_s_during']:.0f} tokens/s during vs "
                           f"{row['tokens_per_s_before']:.0f} before; |server - expected| max "
@@ -253,8 +259,9 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", choices=("tiny", *harness.SHAPE_NAMES), default=["small"],
                         help="tiny: the bundled toy base (float32, untied only); else a realistic-shape base "
                              "(bfloat16), each variant of it")
-    parser.add_argument("--via", nargs="+", choices=("disk", "memory"), default=["disk", "memory"],
-                        help="how each push goes, in this order within every round")
+    parser.add_argument("--via", nargs="+", choices=("disk", "memory", "digest"), default=["disk", "memory", "digest"],
+                        help="how each push goes, in this order within every round (memory: probed every push; "
+                             "digest: in memory, proved by digest after a probed first push)")
     parser.add_argument("--streams", type=int, default=4, help="streaming requests sampling during the pushes")
     parser.add_argument("--lora-rank", type=int, default=16,
                         help="then one in-memory push of the learner with LoRA adapters of this rank on every "
