@@ -71,9 +71,12 @@ def test_a_code_dataset_scored_in_the_sandbox(tmp_path):
     assert any(r["reward/code"] > 0 for r in steps)  # digits are valid Python: some rollouts pass 2 of 3
 
 
-def test_eval_reports_every_arm(tmp_path):
+def test_eval_reports_every_arm(vllm_pair, tmp_path):
+    """On running servers (--theta-url/--t-url): eval starts none of its own."""
+    theta, t = vllm_pair
     report = tmp_path / "eval.json"
-    stdout = run("eval", "--eval-prompts", "48", "--eval-samples", "4", "--pass-k", "1", "4", "--output", str(report))
+    stdout = run("eval", "--theta-url", theta.url, "--t-url", t.url, "--eval-prompts", "48", "--eval-samples", "4",
+                 "--pass-k", "1", "4", "--output", str(report))
     arms = {a["arm"]: a for a in json.loads(report.read_text())["arms"]}
     assert list(arms) == ["base", "q*", "teacher"] and "pass@4" in stdout
     assert arms["teacher"]["greedy_accuracy"] > arms["base"]["greedy_accuracy"]
