@@ -66,6 +66,7 @@ COORDINATOR_FLAGS = (
     "local_tokenizers",
     "mode",
     "replica_probe_interval",
+    "step_threads",
 )
 # q* endpoint fields exposed as flags of `serve`.
 SERVICE_FLAGS = (
