@@ -237,11 +237,12 @@ def test_train_lora_per_token_pushes_verified_adapters(tmp_path):
     assert_trained_and_pushed(out, stdout, stderr, "--no-lockstep")
 
 
-@pytest.mark.parametrize("lora_rank", ["0", "4"])
-def test_train_dpo_mines_pairs_and_trains(tmp_path, lora_rank):
+def test_train_dpo_mines_pairs_and_trains(tmp_path):
+    """With LoRA; full fine-tuning's DPO step is tests/unit/training/test_dpo.py's (in process:
+    a run here starts two pairs of servers, one to mine and one to evaluate the trained base)."""
     out = tmp_path / "dpo"
     run = dualvllm("train", "--config", str(TINY_ARITH), "--method", "dpo", "--output-dir", str(out), "--steps", "2",
-                   "--prompts-per-step", "8", "--group-size", "4", "--eval-prompts", "16", "--lora-rank", lora_rank)
+                   "--prompts-per-step", "8", "--group-size", "4", "--eval-prompts", "16", "--lora-rank", "4")
     stdout, stderr = run.communicate(timeout=900)
     assert run.returncode == 0, stderr[-3000:]
     pairs = [json.loads(line) for line in (out / "pairs.jsonl").read_text().splitlines()]
