@@ -48,6 +48,7 @@ import gc
 import json
 import multiprocessing
 import multiprocessing.connection
+import os
 import queue
 import socket
 import sys
@@ -207,6 +208,8 @@ class RemoteClient:
             asyncio.get_running_loop().remove_reader(self._finishes.fileno())
         self._requests.send({"quit": True})
         self._requests.close()
+        os.set_blocking(self._finishes.fileno(), True)  # the event loop made it non-blocking; the
+        # round trips are one message larger than the pipe's buffer
         if self._finishes.poll(30):  # its round trips come last
             message = self._finishes.recv()
             self.round_trips = message.get("round_trips", self.round_trips)

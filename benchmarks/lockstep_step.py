@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dualvllm.coordinator.config import CoordinatorConfig
+from dualvllm.coordinator.lockstep.rows import Rows
 from dualvllm.coordinator.lockstep.table import THETA, T, Live, LockstepTable, gather
 from dualvllm.coordinator.scheduler import record_rows, sample_rows
 from dualvllm.coordinator.sequence import SamplingParams, SequenceState
@@ -96,17 +97,17 @@ def measure(batch: int, steps: int, top_k: int) -> dict[str, float]:
 def compare_paths(batches: list[int], steps: int, repeats: int, top_k: int) -> None:
     """The `reports` phase with the compiled pass and with the rules row by row, alternated run by
     run in one process (the machines are shared: runs side by side compare, runs apart do not)."""
-    compiled = LockstepTable._report_regular
+    compiled = Rows.take_regular
     for batch in batches:
         measure(batch, 5, top_k)  # warm-up
         best: dict[str, dict[str, float]] = {}
         for _ in range(repeats):
             for path, regular in (("compiled pass", compiled), ("row by row", lambda self, blocked: None)):
-                LockstepTable._report_regular = regular  # type: ignore[method-assign]
+                Rows.take_regular = regular  # type: ignore[method-assign]
                 try:
                     phases = measure(batch, steps, top_k)
                 finally:
-                    LockstepTable._report_regular = compiled  # type: ignore[method-assign]
+                    Rows.take_regular = compiled  # type: ignore[method-assign]
                 kept = best.setdefault(path, phases)
                 best[path] = {phase: min(kept[phase], phases[phase]) for phase in PHASES}
         for path, phases in best.items():

@@ -267,7 +267,7 @@ class LockstepScheduler:
                 self.gate.observe(blocked.server, set(report.ids.tolist()))
         if len(received) > 1:  # a later report may have failed one, or replaced a report whose
             # row it held (a plugin that gave up waiting and reported again)
-            ready = self._table.still_ready(ready)
+            ready = self._table.rows.still_ready(ready)
         if ready:
             self._decide(ready)
 
@@ -283,7 +283,7 @@ class LockstepScheduler:
     def _decide(self, ready: list[Live]) -> None:
         """Sample the next token of every sequence whose two rows are in, and answer both rows."""
         started = time.perf_counter()
-        theta, t = self._table.gather(ready, THETA), self._table.gather(ready, T)
+        theta, t = self._table.rows.gather(ready, THETA), self._table.rows.gather(ready, T)
         sequences = list(map(_SEQ, ready))
         step = sample_rows(sequences, theta, t, self._config, self._vocab_size)
         record_rows(sequences, step, self._eos_ids, self._max_len, theta, t)

@@ -19,15 +19,10 @@ The rules, per plugin report (one per server decode step):
   their agreed tokens: how a deadlock or a stall is broken (coordinator/lockstep/waits.py
   finds them, `park` carries it out).
 
-How it is stored: every placed sequence holds a *slot*, and the per-step state lives in
-arrays indexed by slot (the report and row each role's waiting row is in, the agreed length,
-whether a stop-string check holds it), beside a sorted index of the active stream ids. A
-report whose rows are all regular (known active streams of one role, each at its sequence's
-next position, its role's slot free: every row of a steady batch) is taken in by one
-compiled pass (`_report_regular`, numba); any other report goes through the rules row by row
-(`_report_rows`), which read and write the same arrays. At batch 256 the compiled pass took
-0.8 µs of coordinator CPU per token where the rules row by row took 2.9
-(`python benchmarks/lockstep_step.py --paths`).
+How it is stored: in arrays indexed by a slot per placed sequence (coordinator/lockstep/rows.py).
+A report whose rows are all regular (known active streams of one role at their next
+positions: every row of a steady batch) goes in through one compiled pass; any other report
+goes through the rules row by row (`_report_rows`), which read and write the same arrays.
 """
 
 from __future__ import annotations
@@ -36,20 +31,18 @@ import itertools
 import operator
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
-import numba
 import numpy as np
 
+from dualvllm.coordinator.lockstep.rows import ROLES, THETA, T, Rows
 from dualvllm.coordinator.sequence import SequenceState
-from dualvllm.engines.protocol import PAD_TOKEN_ID, TopKBatch
+from dualvllm.engines.protocol import TopKBatch
 from dualvllm.engines.vllm_plugin import wire
 
+__all__ = ["ROLES", "THETA", "T", "UNSET", "Blocked", "Live", "LockstepTable", "Stream", "gather"]
+
 UNSET = -2  # a report row not decided yet
-THETA, T = 0, 1
-ROLES = (THETA, T)
-NO_ROW = -1  # a slot's role has no waiting row
-FIRST_SLOTS = 64  # slot arrays start this long and double when full
 
 
 @dataclass(eq=False)
@@ -95,7 +88,7 @@ class Live:
         """Its waiting row of each role: (the report, the row's index in it), or None."""
         if self.table is None or self.slot < 0:
             return None, None
-        return self.table.row(self, THETA), self.table.row(self, T)
+        return self.table.rows.row(self, THETA), self.table.rows.row(self, T)
 
 
 @dataclass(eq=False)
@@ -143,10 +136,7 @@ class Outbox:
     unknown: list[tuple[int, wire.Report]] = field(default_factory=list)  # rows of ids not in the table (probes)
 
 
-_CANCELLED = operator.attrgetter("seq.cancelled")
-_TOKENS = operator.attrgetter("seq.tokens")
 _FINISH = operator.attrgetter("seq.finish_reason")
-_SLOT = operator.attrgetter("slot")
 
 
 class LockstepTable:
@@ -160,23 +150,7 @@ class LockstepTable:
         self.counters = LockstepCounters()
         self.out = Outbox()
         self.closing = False  # every row gets END from now on
-        # Slot arrays (see the module docstring).
-        self._at_slot: list[Live | None] = [None] * FIRST_SLOTS
-        self._free = list(range(FIRST_SLOTS - 1, -1, -1))  # popped from the end: lowest first
-        self._row_report = np.full((2, FIRST_SLOTS), NO_ROW, dtype=np.int64)  # Blocked.number
-        self._row_index = np.zeros((2, FIRST_SLOTS), dtype=np.int64)
-        self._agreed = np.zeros(FIRST_SLOTS, dtype=np.int64)  # len(seq.tokens)
-        self._checking = np.zeros(FIRST_SLOTS, dtype=np.bool_)
-        self._server = np.full((2, FIRST_SLOTS), -1, dtype=np.int64)  # each role's server, as a code
-        self._codes: dict[str, int] = {}
-        self._urls: list[str] = []
-        self._reports: dict[int, Blocked] = {}  # by number: every report in `blocked`
-        self._numbers = itertools.count()
-        # The active streams, sorted by id, for the vectorized path; rebuilt after any change.
-        self._index_stale = True
-        self._ids = np.empty(0, dtype=np.int64)
-        self._id_slot = np.empty(0, dtype=np.int64)
-        self._id_role = np.empty(0, dtype=np.int64)
+        self.rows = Rows(self.streams)  # where the rows wait (coordinator/lockstep/rows.py)
 
     @property
     def live(self) -> list[Live]:
@@ -192,31 +166,22 @@ class LockstepTable:
         assert all(engine is not None for engine in live.engines), "a sequence starts only once placed"
         self._live[live] = None
         live.placed = True
-        self.loads.update(engine.url for engine in live.engines)
-        if not self._free:
-            self._grow()
-        slot = live.slot = self._free.pop()
         live.table = self
-        self._at_slot[slot] = live
-        self._row_report[:, slot] = NO_ROW
-        self._agreed[slot] = len(live.seq.tokens)
-        self._checking[slot] = live.checking
-        for role in ROLES:
-            self._server[role, slot] = self._code(live.engines[role].url)
-        self._index_stale = True
+        self.loads.update(engine.url for engine in live.engines)
+        self.rows.place(live)
 
     def open_stream(self, live: Live, role: int, stream_id: int, offset: int) -> Stream:
         stream = Stream(id=stream_id, live=live, role=role, engine=live.engines[role], offset=offset)
         live.streams[role] = stream
         self.streams[stream_id] = stream
-        self._index_stale = True
+        self.rows.index_stale = True
         return stream
 
     def stream_ended(self, stream: Stream) -> bool:
         """The server request of `stream` ended. True when that was unexpected and its sequence
         must go on (the shell resends, suspends or fails it); False when it was retired."""
         self.streams.pop(stream.id, None)
-        self._index_stale = True
+        self.rows.index_stale = True
         if stream.retired or self.closing:
             return False
         stream.retired = True
@@ -226,9 +191,9 @@ class LockstepTable:
             return False
         # A row of this stream still waits here although its request ended: the plugin gave up
         # waiting (its timeout ended the row there, and its next report comes from a new
-        # socket, so `_forget` never sees it). Drop the row, or the resent stream's first
-        # report would be taken for a divergence.
-        self._end_row(live, stream.role)
+        # socket, so the replaced report's rows are never forgotten). Drop the row, or the
+        # resent stream's first report would be taken for a divergence.
+        self.rows.end_row(live, stream.role)
         return True
 
     def finish(self, live: Live) -> None:
@@ -261,47 +226,17 @@ class LockstepTable:
 
     def _release(self, live: Live) -> None:
         for role in ROLES:
-            self._end_row(live, role)
+            self.rows.end_row(live, role)
         for stream in live.streams:
             if stream is not None:
                 stream.retired = True
         live.streams = [None, None]
-        self._index_stale = True
+        self.rows.index_stale = True
         if live.placed:
             live.placed = False
             self.loads.subtract(engine.url for engine in live.engines)
             self._live.pop(live, None)
-            self._at_slot[live.slot] = None
-            self._free.append(live.slot)
-            live.slot = -1
-
-    # -- rows ----------------------------------------------------------------------------
-
-    def row(self, live: Live, role: int) -> tuple[Blocked, int] | None:
-        """`live`'s waiting row of `role`: (its report, its index there), or None."""
-        if live.slot < 0 or self._row_report[role, live.slot] == NO_ROW:
-            return None
-        return self._reports[int(self._row_report[role, live.slot])], int(self._row_index[role, live.slot])
-
-    def paired(self, live: Live) -> bool:
-        """Both of `live`'s rows wait here."""
-        return live.slot >= 0 and bool((self._row_report[:, live.slot] != NO_ROW).all())
-
-    def still_ready(self, ready: list[Live]) -> list[Live]:
-        """Those of `ready` that are placed with both rows waiting still (a later report of the
-        same batch may have failed one, or replaced the report whose row it held)."""
-        slots = np.fromiter(map(_SLOT, ready), np.int64, len(ready))
-        placed = slots >= 0  # a finished or failed sequence left its slot
-        keep = placed.copy()
-        keep[placed] = (self._row_report[:, slots[placed]] != NO_ROW).all(axis=0)
-        return list(itertools.compress(ready, keep.tolist()))
-
-    def _end_row(self, live: Live, role: int) -> None:
-        """Answer `live`'s waiting row of `role` END and forget it."""
-        row = self.row(live, role)
-        if row is not None:
-            row[0].answers[row[1]] = wire.END
-            self._row_report[role, live.slot] = NO_ROW
+            self.rows.free(live)
 
     # -- reports -------------------------------------------------------------------------
 
@@ -310,57 +245,19 @@ class LockstepTable:
         self.counters.reports += 1
         n = len(report.ids)
         blocked = Blocked(identity, report, np.full(n, UNSET, dtype=np.int64), now, server=None)
-        blocked.number = next(self._numbers)
         stale = self.blocked.pop(identity, None)
         if stale is not None:  # the plugin gave up on it (timeout): its rows were ended there
-            self._forget(stale)
+            self.rows.drop_report(stale, forget_rows=True)
         self.blocked[identity] = blocked
-        self._reports[blocked.number] = blocked
+        self.rows.add_report(blocked)
         if self.closing:
             blocked.answers[:] = wire.END
             return blocked, []
-        ready = self._report_regular(blocked)
+        ready = self.rows.take_regular(blocked)
         if ready is not None:
             self.counters.regular_reports += 1
             return blocked, ready
         return blocked, self._report_rows(blocked)
-
-    def _report_regular(self, blocked: Blocked) -> list[Live] | None:
-        """Take every row of `blocked` in at once if each is a known active stream's row at its
-        sequence's next position, its role's slot free, all of one role -> the sequences now
-        ready; None (nothing changed) if any row is not, for the row-by-row rules."""
-        ids, positions = blocked.report.ids, blocked.report.positions
-        n = len(ids)
-        if self._index_stale:
-            self._rebuild_index()
-        slots, ready = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.bool_)
-        waiting = np.zeros(len(self._urls), dtype=np.bool_)
-        role = _take_regular(
-            np.ascontiguousarray(ids, dtype=np.int64),
-            np.ascontiguousarray(positions, dtype=np.int64),
-            self._ids,
-            self._id_slot,
-            self._id_role,
-            self._agreed,
-            self._row_report,
-            self._row_index,
-            self._checking,
-            self._server,
-            blocked.number,
-            slots,
-            ready,
-            waiting,
-        )
-        if role < 0:
-            return None
-        # Every slot here is placed: the index holds only placed sequences' streams.
-        lives = cast(list[Live], list(map(self._at_slot.__getitem__, slots.tolist())))
-        if any(map(_CANCELLED, lives)):  # the rules fail it: undo, and go row by row
-            self._row_report[role, slots] = NO_ROW
-            return None
-        blocked.server = self._urls[self._server[role, slots[0]]]
-        blocked.needs.update(map(self._urls.__getitem__, np.flatnonzero(waiting).tolist()))
-        return list(itertools.compress(lives, ready.tolist()))
 
     def _report_rows(self, blocked: Blocked) -> list[Live]:
         """The rules, row by row (see the module docstring)."""
@@ -371,7 +268,7 @@ class LockstepTable:
         failed = False  # a sequence failed here, which may have been counted ready before
         needs = blocked.needs
         last = None
-        row_report, row_index = self._row_report, self._row_index
+        rows = self.rows
         for i, stream, position in zip(range(n), map(self.streams.get, report.ids.tolist()), report.positions.tolist()):
             if stream is None:
                 self.out.unknown.append((int(report.ids[i]), report))
@@ -381,11 +278,11 @@ class LockstepTable:
             if stream.retired or live.done:
                 ended.append(i)
                 continue
-            last, role, seq, slot = stream, stream.role, live.seq, live.slot
+            last, role, seq = stream, stream.role, live.seq
             agreed = len(seq.tokens)
-            if position == agreed and row_report[role, slot] == NO_ROW and not seq.cancelled:
-                row_report[role, slot], row_index[role, slot] = blocked.number, i
-                if row_report[1 - role, slot] != NO_ROW and not live.checking:
+            if position == agreed and rows.row(live, role) is None and not seq.cancelled:
+                rows.set_row(live, role, blocked, i)
+                if rows.row(live, 1 - role) is not None and not live.checking:
                     ready.append(live)
                 else:
                     needs.add(live.engines[1 - role].url)
@@ -410,57 +307,33 @@ class LockstepTable:
         return [live for live in ready if not live.done] if failed else ready
 
     def decided(self, ready: list[Live], tokens: list[int] | np.ndarray) -> None:
-        """Answer both rows of each ready sequence with its token (END if the token finished it):
-        one vectorized write per pair of reports the rows came in (usually one pair). The
-        tokens are recorded in the sequences already."""
+        """Answer both rows of each ready sequence with its token (END if the token finished it);
+        the tokens are recorded in the sequences already."""
         if not ready:
             return
-        n = len(ready)
-        slots = np.fromiter(map(_SLOT, ready), np.int64, n)
-        finished = np.fromiter((reason is not None for reason in map(_FINISH, ready)), np.bool_, n)
-        answers = np.where(finished, wire.END, np.asarray(tokens, dtype=np.int64))
-        theta_numbers, t_numbers = self._row_report[THETA, slots], self._row_report[T, slots]
-        if (theta_numbers == theta_numbers[0]).all() and (t_numbers == t_numbers[0]).all():
-            self._answer(int(theta_numbers[0]), int(t_numbers[0]), slots, answers)
-        else:  # rows of several pairs of reports (replicas, or one server ran ahead)
-            pairs = np.stack((theta_numbers, t_numbers), axis=1)
-            unique, codes = np.unique(pairs, axis=0, return_inverse=True)
-            for k, (theta_number, t_number) in enumerate(unique.tolist()):
-                group = np.flatnonzero(codes.reshape(-1) == k)
-                self._answer(theta_number, t_number, slots[group], answers[group])
-        self._row_report[:, slots] = NO_ROW
-        self._agreed[slots] = np.fromiter(map(len, map(_TOKENS, ready)), np.int64, n)
+        finished = np.fromiter((reason is not None for reason in map(_FINISH, ready)), np.bool_, len(ready))
+        self.rows.answer(ready, np.where(finished, wire.END, np.asarray(tokens, dtype=np.int64)))
         if finished.any():
             for live in itertools.compress(ready, finished.tolist()):
                 self.finish(live)
-
-    def _answer(self, theta_number: int, t_number: int, slots: np.ndarray, answers: np.ndarray) -> None:
-        """Write decided rows' answers into the pair of reports they came in, and link the two."""
-        theta_blocked, t_blocked = self._reports[theta_number], self._reports[t_number]
-        theta_blocked.answers[self._row_index[THETA, slots]] = answers
-        t_blocked.answers[self._row_index[T, slots]] = answers
-        theta_blocked.partners.add(t_blocked)
-        t_blocked.partners.add(theta_blocked)
 
     def hold(self, lives: list[Live]) -> None:
         """Their stop strings are being checked: their next pair is not ready until `release`."""
         for live in lives:
             live.checking = True
-            if live.slot >= 0:
-                self._checking[live.slot] = True
+            self.rows.hold(live, True)
 
     def release(self, lives: list[Live]) -> list[Live]:
         """Their stop strings were checked: finish those that stopped -> those now ready."""
         ready = []
         for live in lives:
             live.checking = False
-            if live.slot >= 0:
-                self._checking[live.slot] = False
+            self.rows.hold(live, False)
             if live.done:
                 continue
             if live.seq.finish_reason is not None:
                 self.finish(live)
-            elif self.paired(live):
+            elif self.rows.paired(live):
                 ready.append(live)
         return ready
 
@@ -468,7 +341,7 @@ class LockstepTable:
         """END every undecided row (after an internal error, so no server waits on it)."""
         for blocked in self.blocked.values():
             blocked.answers[blocked.answers == UNSET] = wire.END
-        self._row_report[:] = NO_ROW
+        self.rows.end_all()
 
     def replies(self, now: float) -> list[tuple[bytes, int, np.ndarray]]:
         """(identity, step, answers) of every report whose rows are all decided; they leave the table."""
@@ -477,16 +350,12 @@ class LockstepTable:
             if (blocked.answers == UNSET).any():
                 continue
             del self.blocked[identity]
-            del self._reports[blocked.number]
+            self.rows.drop_report(blocked)
             self.counters.replies += 1
             self.counters.split_reports += len(blocked.partners) > 1
             self.counters.wait_s += now - blocked.arrived
             out.append((identity, blocked.report.step, blocked.answers))
         return out
-
-    def _forget(self, blocked: Blocked) -> None:
-        self._row_report[self._row_report == blocked.number] = NO_ROW
-        del self._reports[blocked.number]
 
     # -- parks (coordinator/lockstep/waits.py finds what to park) -------------------------
 
@@ -498,134 +367,16 @@ class LockstepTable:
             if stream is None:
                 continue
             stream.retired = True
-            self._index_stale = True
+            self.rows.index_stale = True
             live = stream.live
-            if live.slot >= 0:
-                self._row_report[stream.role, live.slot] = NO_ROW
+            self.rows.set_row(live, stream.role, None)
             self.counters.parks += 1
             if not live.done:
                 self.out.resubmit.append((live, stream.role))
 
-    # -- the steps' arrays ---------------------------------------------------------------
-
-    def gather(self, ready: list[Live], role: int) -> TopKBatch:
-        """The waiting rows of `role` of the ready sequences, in their order: one gather per report
-        they came in (usually one, and often every row of it in order: no gather)."""
-        slots = np.fromiter(map(_SLOT, ready), np.int64, len(ready))
-        numbers, rows = self._row_report[role, slots], self._row_index[role, slots]
-        if (numbers == numbers[0]).all():
-            report = self._reports[int(numbers[0])].report
-            if len(rows) == len(report.ids) and (rows == np.arange(len(rows))).all():
-                return TopKBatch(
-                    token_ids=report.token_ids.astype(np.int64), logprobs=report.logprobs.astype(np.float64)
-                )
-            return TopKBatch(
-                token_ids=report.token_ids[rows].astype(np.int64), logprobs=report.logprobs[rows].astype(np.float64)
-            )
-        # Rows from several reports (one server ran ahead on some sequences, or replicas).
-        reports = {number: self._reports[number].report for number in np.unique(numbers).tolist()}
-        width = max(report.token_ids.shape[1] for report in reports.values())
-        ids = np.full((len(ready), width), PAD_TOKEN_ID, dtype=np.int64)
-        logprobs = np.full((len(ready), width), -np.inf)
-        for number, report in reports.items():
-            places = np.flatnonzero(numbers == number)
-            width_k = report.token_ids.shape[1]
-            ids[places, :width_k] = report.token_ids[rows[places]]
-            logprobs[places, :width_k] = report.logprobs[rows[places]]
-        return TopKBatch(token_ids=ids, logprobs=logprobs)
-
-    # -- slots and the stream index --------------------------------------------------------
-
-    def _code(self, url: str) -> int:
-        code = self._codes.get(url)
-        if code is None:
-            code = self._codes[url] = len(self._urls)
-            self._urls.append(url)
-        return code
-
-    def _grow(self) -> None:
-        size = len(self._at_slot)
-        self._at_slot += [None] * size
-        self._free = list(range(2 * size - 1, size - 1, -1))
-        self._row_report = np.concatenate((self._row_report, np.full((2, size), NO_ROW, dtype=np.int64)), axis=1)
-        self._row_index = np.concatenate((self._row_index, np.zeros((2, size), dtype=np.int64)), axis=1)
-        self._agreed = np.concatenate((self._agreed, np.zeros(size, dtype=np.int64)))
-        self._checking = np.concatenate((self._checking, np.zeros(size, dtype=np.bool_)))
-        self._server = np.concatenate((self._server, np.full((2, size), -1, dtype=np.int64)), axis=1)
-
-    def _rebuild_index(self) -> None:
-        """The active streams (not retired, of a placed sequence), sorted by id."""
-        active = [s for s in self.streams.values() if not s.retired and s.live.slot >= 0 and not s.live.done]
-        ids = np.fromiter((s.id for s in active), np.int64, len(active))
-        order = np.argsort(ids, kind="stable")
-        self._ids = ids[order]
-        self._id_slot = np.fromiter((s.live.slot for s in active), np.int64, len(active))[order]
-        self._id_role = np.fromiter((s.role for s in active), np.int64, len(active))[order]
-        self._index_stale = False
-
-
-@numba.njit(cache=True, nogil=True)
-def _take_regular(
-    ids,
-    positions,
-    index_ids,
-    index_slot,
-    index_role,
-    agreed,
-    row_report,
-    row_index,
-    checking,
-    server,
-    number,
-    slots,
-    ready,
-    waiting,
-):  # pragma: no cover - compiled; tested through LockstepTable.report
-    """LockstepTable._report_regular's pass over the rows, compiled (a numpy call per rule cost as
-    much as the row-by-row rules at batch 256): each row's stream found in the sorted index
-    (binary search), checked regular, then recorded as waiting in `row_report`/`row_index` ->
-    the report's role, or -1 with nothing changed when any row is not regular. Fills `slots`
-    (each row's slot), `ready` (its pair complete and no check held) and `waiting` (by server
-    code: the servers a row not ready waits on)."""
-    n, m = ids.shape[0], index_ids.shape[0]
-    if n == 0 or m == 0:
-        return -1
-    role = -1
-    for i in range(n):
-        lo, hi = 0, m
-        while lo < hi:
-            mid = (lo + hi) >> 1
-            if index_ids[mid] < ids[i]:
-                lo = mid + 1
-            else:
-                hi = mid
-        if lo == m or index_ids[lo] != ids[i]:
-            return -1
-        if role < 0:
-            role = index_role[lo]
-        elif index_role[lo] != role:
-            return -1
-        slot = index_slot[lo]
-        if positions[i] != agreed[slot] or row_report[role, slot] != NO_ROW:
-            return -1
-        slots[i] = slot
-    for i in range(n):
-        if row_report[role, slots[i]] == number:  # a stream twice in one report: undo, row by row
-            for j in range(i):
-                row_report[role, slots[j]] = NO_ROW
-            return -1
-        row_report[role, slots[i]] = number
-    for i in range(n):
-        slot = slots[i]
-        row_index[role, slot] = i
-        ready[i] = row_report[1 - role, slot] != NO_ROW and not checking[slot]
-        if not ready[i]:
-            waiting[server[1 - role, slot]] = True
-    return role
-
 
 def gather(ready: list[Live], role: int) -> TopKBatch:
-    """The waiting rows of `role` of the ready sequences (see LockstepTable.gather)."""
+    """The waiting rows of `role` of the ready sequences (see Rows.gather)."""
     table = ready[0].table
     assert table is not None, "a ready sequence is placed in a table"
-    return table.gather(ready, role)
+    return table.rows.gather(ready, role)

@@ -9,6 +9,7 @@ import numpy as np
 
 from dualvllm.coordinator.sequence import SamplingParams
 from dualvllm.coordinator.lockstep import waits
+from dualvllm.coordinator.lockstep.rows import Rows
 from dualvllm.coordinator.lockstep.table import THETA, T, UNSET, Live, LockstepTable, gather
 from dualvllm.coordinator.sequence import SequenceState
 from dualvllm.engines.protocol import PAD_TOKEN_ID
@@ -288,12 +289,12 @@ def test_a_steady_batch_is_taken_in_whole_with_the_same_outcome_as_row_by_row(mo
     whole = Rig(6)
     replies = run_steps(whole, 3, t_order=[5, 3, 1, 0, 2, 4])
     assert whole.table.counters.regular_reports == whole.table.counters.reports == 6
-    monkeypatch.setattr(LockstepTable, "_report_regular", lambda self, blocked: None)
+    monkeypatch.setattr(Rows, "take_regular", lambda self, blocked: None)
     by_rows = Rig(6)
     assert run_steps(by_rows, 3, t_order=[5, 3, 1, 0, 2, 4]) == replies
     assert by_rows.table.counters.regular_reports == 0
     for live in whole.lives:  # the arrays' agreed lengths follow the sequences
-        assert whole.table._agreed[live.slot] == len(live.seq.tokens) == 3
+        assert whole.table.rows._agreed[live.slot] == len(live.seq.tokens) == 3
 
 
 def test_one_irregular_row_sends_its_report_row_by_row_and_fails_only_its_sequence():
@@ -321,6 +322,6 @@ def test_still_ready_drops_sequences_whose_row_a_later_report_of_the_batch_repla
     _, ready = rig.report(b"t", T, [(0, 0), (1, 0)])
     assert ready == rig.lives
     rig.report(b"theta", THETA, [(0, 0)])  # the plugin gave up and reported again, with sequence 0 only
-    assert rig.table.still_ready(ready) == [rig.lives[0]]
+    assert rig.table.rows.still_ready(ready) == [rig.lives[0]]
     rig.table.fail(rig.lives[0], "gone")
-    assert rig.table.still_ready(ready) == []
+    assert rig.table.rows.still_ready(ready) == []
