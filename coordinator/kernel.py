@@ -336,74 +336,14 @@ def step_rows(
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy", parallel=True)
-def step_rows_threaded(
-    ids_theta,
-    lp_theta,
-    ids_t,
-    lp_t,
-    fill,
-    floor,
-    vocab_size,
-    temperature,
-    fixed_alpha,
-    max_alpha,
-    uniforms,
-    greedy,
-    tol,
-    max_iter,
-    token_ids,
-    raw_theta,
-    raw_t,
-    rep_theta,
-    rep_t,
-    counts,
-    cov_theta,
-    cov_t,
-    lp_tempered_theta,
-    lp_tempered_t,
-    alpha,
-    logq,
-    index,
-    chosen,
-    chunks,
-):
+def step_rows_threaded(chunks, *arrays):
     """step_rows over `chunks` blocks of rows on numba's threads (rows are independent: the same
-    result as one call over all of them, bit for bit) -> whether every row had a candidate."""
-    batch = ids_theta.shape[0]
+    result as one call over all of them, bit for bit) -> whether every row had a candidate.
+    `arrays`: step_rows' arguments but its row range."""
+    batch = arrays[0].shape[0]
     complete = np.ones(chunks, np.bool_)
     for c in numba.prange(chunks):
-        complete[c] = step_rows(
-            ids_theta,
-            lp_theta,
-            ids_t,
-            lp_t,
-            fill,
-            floor,
-            vocab_size,
-            temperature,
-            fixed_alpha,
-            max_alpha,
-            uniforms,
-            greedy,
-            tol,
-            max_iter,
-            token_ids,
-            raw_theta,
-            raw_t,
-            rep_theta,
-            rep_t,
-            counts,
-            cov_theta,
-            cov_t,
-            lp_tempered_theta,
-            lp_tempered_t,
-            alpha,
-            logq,
-            index,
-            chosen,
-            c * batch // chunks,
-            (c + 1) * batch // chunks,
-        )
+        complete[c] = step_rows(*arrays, c * batch // chunks, (c + 1) * batch // chunks)
     return complete.all()
 
 
@@ -576,11 +516,7 @@ def step(
     coverage_theta, coverage_t, alpha = np.empty(batch), np.empty(batch), np.empty(batch)
     chosen = np.empty((4, batch))
     threads = usable_threads(threads, batch)
-    call = step_rows if threads == 1 else step_rows_threaded
-    extra = (0, batch) if threads == 1 else (threads,)
-    if threads > 1:
-        numba.set_num_threads(threads)
-    complete = call(
+    arrays = (
         ids_theta,
         logp_theta,
         ids_t,
@@ -609,8 +545,12 @@ def step(
         logq,
         index,
         chosen,
-        *extra,
     )
+    if threads == 1:
+        complete = step_rows(*arrays, 0, batch)
+    else:
+        numba.set_num_threads(threads)
+        complete = step_rows_threaded(threads, *arrays)
     if not complete:
         raise ValueError("a row has no candidates: both servers reported an empty top-k")
     n = max(int(counts.max(initial=0)), 1)
