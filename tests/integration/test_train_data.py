@@ -58,13 +58,17 @@ def test_gsm8k_format_with_a_chat_template_a_user_reward_and_the_base_as_its_own
 
 
 def test_a_code_dataset_scored_in_the_sandbox(tmp_path):
+    """On the in-process engine (--engine transformers): the data and the sandbox's scores are
+    what this checks, and it starts no server."""
     data = tmp_path / "code.jsonl"
     # A completion that is valid Python passes the first two tests and fails the third: reward 2/3.
     tests = ["assert True", "assert 1 + 1 == 2", "assert solve(1) == 2"]
     data.write_text("".join(json.dumps({"prompt": p.prompt, "tests": tests}) + "\n" for p in problems("train", n=30)))
     out = tmp_path / "run"
     run("train", "--output-dir", str(out), "--dataset", str(data), "--reward", "code", "--steps", "2",
-        "--prompts-per-step", "2", "--group-size", "4", "--eval-prompts", "6", "--max-tokens", "4")
+        "--prompts-per-step", "2", "--group-size", "4", "--eval-prompts", "6", "--max-tokens", "4",
+        "--engine", "transformers")
+    assert not list(out.glob("*.log"))  # no server was started (their logs go there)
     steps = [r for r in records(out / "metrics.jsonl") if "event" not in r]
     assert len(steps) == 2
     assert all(r["reward/code"] in {0.0, 2 / 3} or 0.0 < r["reward/code"] < 2 / 3 + 1e-9 for r in steps)
