@@ -18,7 +18,8 @@ accelerator.get_state_dict).
 
 Each process writes OUTPUT/rank-<i>.json: the prompts it sampled, how many rollouts and
 the reports of the pushes it made; the main process adds the trainer's log history
-(reward, loss, push/max_abs_diff per step).
+(reward, loss and the push's metrics per step: push/digest_verified, and push/max_abs_diff where
+a probe ran).
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def main() -> None:
                                "mode": mode, "rollouts": len(sampled), "prompts_sampled": sorted(set(sampled)),
                                # the pushes this process made: the main process's only
                                "pushes": [{"path": str(r.path), "max_abs_diff": r.max_abs_diff,
+                                           "verified_by": r.verified_by, "digest": r.digest,
                                            "replicas": r.replicas} for r in sync.reports]}
     if accelerator.is_main_process:
         summary["log_history"] = trainer.state.log_history

@@ -53,7 +53,9 @@ class QStarWeightSync(TrainerCallback):
     `probes` are prompt token ids to verify pushes on (default: the first `PROBES` prompts of the
     trainer's train_dataset, rendered as the rollouts render them). `reports` holds each push's
     PushReport (main process only). Pushed directories go under `push_dir` (default
-    `<output_dir>/pushed`); the newest is kept.
+    `<output_dir>/pushed`); the newest is kept. A push in memory is proved by the servers'
+    digest; a logprob probe also runs at the first push and every `probe_every`-th (0: the
+    first only), as `dualvllm train --push-probe-every` does.
     """
 
     def __init__(
@@ -68,13 +70,14 @@ class QStarWeightSync(TrainerCallback):
         push_timeout_s: float = PUSH_TIMEOUT_S,
         sync_at_start: bool = True,
         weights_via: WeightsVia = "auto",
+        probe_every: int = 0,
     ) -> None:
         if sync_every < 1:
             raise InvalidInputError(f"sync_every={sync_every}; push every N >= 1 optimizer steps")
         self.trainer, self.rollouts = trainer, rollouts
         self.sync_every, self.tolerance = sync_every, tolerance
         self.push_timeout_s, self.sync_at_start = push_timeout_s, sync_at_start
-        self.weights_via = weights_via
+        self.weights_via, self.probe_every = weights_via, probe_every
         self.out = Path(push_dir) if push_dir is not None else Path(trainer.args.output_dir)
         self._probes = [list(p) for p in probes] if probes is not None else None
         self._pusher: BasePusher | None = None
@@ -105,6 +108,8 @@ class QStarWeightSync(TrainerCallback):
             if metrics is not None:
                 if report.max_abs_diff is not None:  # None: proved by digest, no probe ran
                     metrics["push/max_abs_diff"].append(report.max_abs_diff)
+                # 1: the servers' digest matched the trainer's (a logged number, where verified_by is a word)
+                metrics["push/digest_verified"].append(float("digest" in report.verified_by))
                 metrics["push/replicas"].append(float(report.replicas))
                 metrics["push/replicas_dropped"].append(float(len(report.dropped)))
                 for key, value in push_metrics(report).items():
@@ -130,7 +135,10 @@ class QStarWeightSync(TrainerCallback):
                     "weights_via='memory' needs the whole model in this process; under FSDP or "
                     "ZeRO-3 each rank holds a shard: push via the disk"
                 )
-            self._pusher = BasePusher(self.rollouts.coordinator.base_engine, probes, tolerance=self.tolerance, via=via)
+            self._pusher = BasePusher(
+                self.rollouts.coordinator.base_engine, probes, tolerance=self.tolerance, via=via,
+                probe_every=self.probe_every,
+            )
         if state_dict is None:  # in memory when the servers can take it (BasePusher.push)
             report = self.rollouts.run(
                 self._push_live(model, out_dir),

@@ -52,7 +52,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 import numpy as np
 
-from dualvllm.common.errors import ServerConnectError, ServerError, WeightSyncError
+from dualvllm.common.errors import InvalidInputError, ServerConnectError, ServerError, WeightSyncError
 from dualvllm.engines.pool import as_pool, live_members, vllm_members
 from dualvllm.engines.protocol import Engine, TopKBatch
 from dualvllm.engines.vllm_admin import NCCL_BACKEND
@@ -350,6 +350,8 @@ class BasePusher:
         via: WeightsVia = "auto",
         probe_every: int = 0,
     ) -> None:
+        if probe_every < 0:
+            raise InvalidInputError(f"probe_every={probe_every}; probe every N >= 1 pushes, or 0 for the first only")
         pool = as_pool(base)
         self._members = None if pool is None else pool.membership  # who is up, when there are replicas
         self._single = base

@@ -43,6 +43,17 @@ def exact(prompts, completions, answer, **_):
     return [float(c.strip() == a) for c, a in zip(completions, answer)]
 
 
+def assert_verified(pushes: list[dict]) -> None:
+    """Every push reached the one replica and was proved: the first by digest and a logprob probe
+    (its difference within float32 round-off), the others by the digest the server reported,
+    the same on both sides (dualvllm.training.push_check)."""
+    first, *later = pushes
+    assert all(p["replicas"] == 1 and p["digest"] for p in pushes), pushes
+    assert first["verified_by"] == "digest+probe" and first["max_abs_diff"] <= 1e-3, first
+    assert all(p["verified_by"] == "digest" and p["max_abs_diff"] is None for p in later), later
+    assert len({p["digest"] for p in pushes}) == len(pushes), pushes  # training changed the weights each step
+
+
 def test_trl_trains_on_qstar_rollouts_and_pushes_every_step(dev_pair, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -65,9 +76,11 @@ def test_trl_trains_on_qstar_rollouts_and_pushes_every_step(dev_pair, tmp_path):
         trainer.train()
         assert rollouts.coordinator.mode == "lockstep"
     assert len(sync.reports) == STEPS + 1  # before the first step, then after each
-    assert all(r.max_abs_diff <= 1e-3 and r.replicas == 1 for r in sync.reports)
-    logged = [e for e in trainer.state.log_history if "push/max_abs_diff" in e]
-    assert len(logged) == STEPS and all(e["push/max_abs_diff"] <= 1e-3 for e in logged)
+    assert_verified([{"max_abs_diff": r.max_abs_diff, "verified_by": r.verified_by, "digest": r.digest,
+                      "replicas": r.replicas} for r in sync.reports])
+    logged = [e for e in trainer.state.log_history if "push/digest_verified" in e]
+    assert len(logged) == STEPS and all(e["push/digest_verified"] == 1.0 for e in logged)
+    assert logged[0]["push/max_abs_diff"] <= 1e-3  # the first push's probe lands in the first step's line
     assert all("qstar/ratio_mean" in e and "reward" in e for e in logged)
     # The server serves the trained weights (verified above), and training moved them.
     probes = [tokenizer(r["prompt"])["input_ids"] for r in ROWS]
@@ -106,7 +119,7 @@ def test_accelerate_runs_two_processes_that_sample_their_own_prompts_and_one_pus
     assert len(main["prompts_sampled"]) == len(other["prompts_sampled"]) == DDP_STEPS * 2
     # Only the main process pushed: before the first step and after each, every push verified.
     assert other["pushes"] == [] and len(main["pushes"]) == DDP_STEPS + 1
-    assert all(p["max_abs_diff"] <= 1e-3 and p["replicas"] == 1 for p in main["pushes"])
-    logged = [e for e in main["log_history"] if "push/max_abs_diff" in e]
+    assert_verified(main["pushes"])
+    logged = [e for e in main["log_history"] if "push/digest_verified" in e]
     assert [e["step"] for e in logged] == list(range(1, DDP_STEPS + 1))
-    assert all("reward" in e and "loss" in e and e["push/max_abs_diff"] <= 1e-3 for e in logged)
+    assert all("reward" in e and "loss" in e and e["push/digest_verified"] == 1.0 for e in logged)

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from dualvllm.common.errors import WeightSyncError
+from dualvllm.common.errors import InvalidInputError, WeightSyncError
 from dualvllm.engines.vllm_client import VLLMClient
 from tests.fake_vllm import FakeModel, FakeVLLM, tokenize
 
@@ -84,6 +84,11 @@ async def test_a_push_whose_digest_matches_runs_no_probe_after_the_first(fake_th
             assert (report.verified_by, report.digest, report.max_abs_diff, report.probes) == (
                 "digest", script.digest(), None, 0)
     assert probes_run(fake_theta) == 1 and script.expected_computed == 1  # the probe's copy was never built again
+
+
+def test_a_negative_probe_interval_is_refused_with_what_to_pass():
+    with pytest.raises(InvalidInputError, match=r"probe_every=-1; probe every N >= 1 pushes, or 0"):
+        BasePusher(VLLMClient("http://127.0.0.1:9"), PROBES, probe_every=-1)
 
 
 async def test_probes_run_at_the_first_push_and_every_nth(fake_theta, script, tmp_path):
