@@ -136,7 +136,10 @@ class QStarWeightSync(TrainerCallback):
                     "ZeRO-3 each rank holds a shard: push via the disk"
                 )
             self._pusher = BasePusher(
-                self.rollouts.coordinator.base_engine, probes, tolerance=self.tolerance, via=via,
+                self.rollouts.coordinator.base_engine,
+                probes,
+                tolerance=self.tolerance,
+                via=via,
                 probe_every=self.probe_every,
             )
         if state_dict is None:  # in memory when the servers can take it (BasePusher.push)
