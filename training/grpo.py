@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
+from dualvllm.common.clock import PhaseClock
 from dualvllm.common.errors import InvalidInputError
 from dualvllm.common.tasks import stop
 from dualvllm.engines.transformers_engine import TransformersEngine
@@ -43,7 +43,7 @@ from dualvllm.training.forgetting import state_kl
 from dualvllm.training.learner import Learner, Objective, pack
 from dualvllm.training.regimes import NEVER, Regimes
 from dualvllm.training.recipe import held_out, prepare
-from dualvllm.training.rollouts import Rollout, Sampled, ScoredBatch, Task, produce, sample_batch
+from dualvllm.training.rollouts import Lead, Rollout, Sampled, ScoredBatch, Task, produce, sample_batch
 from dualvllm.training.serving import serving
 from dualvllm.training.verifiers import verifier_pool
 from dualvllm.training.weight_sync import BasePusher, new_push_dir, prune_pushed, push_metrics
@@ -195,6 +195,8 @@ class GRPORecipe:
         if newest is not None:
             log.info("resuming from %s (step %d)", newest, self.state.step)
         self._chooser = _chooser(config, self.state, len(self.problems.train))
+        # The in-process engine samples every update's weights at once: a push per update.
+        self._lead = Lead(config.max_staleness, 1 if config.engine == "transformers" else config.push_every)
         if newest is not None:  # what was logged after the checkpoint is done again: logged once
             _keep_metrics_until(self.metrics_path, self.state.step)
         self.pool = self._stack.enter_context(verifier_pool())
@@ -338,6 +340,7 @@ class GRPORecipe:
                 prompts_per_step=self.config.prompts_per_step,
                 policy_version=lambda: self.state.policy_version,
                 chooser=self._chooser,
+                lead=self._lead,
             ),
             name="dualvllm-sampler",
         )
@@ -372,15 +375,21 @@ class GRPORecipe:
                 },
             )
             return None
-        started = time.perf_counter()
+        clock = PhaseClock()
         async with self._live.updating() if self._live is not None else contextlib.nullcontext():
             metrics = await asyncio.to_thread(self._update, batch)
+        clock.lap("update")
         step, version = state.step + 1, state.policy_version
         if self._live is not None:  # the next forward pass samples the new weights
             version += 1
         elif step % config.push_every == 0 or step == config.steps:
+            # Where an update's push costs more than BasePusher's own seconds: holding the sampler
+            # (lockstep takes its sequences off the servers) and letting it go again.
             async with self.coordinator.paused():  # lockstep sequences resume on the new weights
+                clock.lap("pause")
                 push = await self.pusher.push(self.learner.model, self.tokenizer, new_push_dir(self.out, step))
+                clock.lap("push")
+            clock.lap("resume")
             version += 1
             metrics.update(
                 # Only where a probe ran: a push its digests prove compares no logprobs.
@@ -402,6 +411,7 @@ class GRPORecipe:
             self.state,
             config.keep_checkpoints,
         )
+        clock.lap("checkpoint")
         alphas = [a for g in batch.groups for r in g for a in r.alphas]
         metrics.update({f"reward/{name}": mean for name, mean in batch.reward_means.items()})
         metrics.update(batch.curriculum_stats)
@@ -414,7 +424,8 @@ class GRPORecipe:
             dropped_stale_batches=self.dropped,
             mean_alpha=sum(alphas) / max(len(alphas), 1),
             sample_tokens_per_s=batch.tokens / max(batch.sample_seconds, 1e-9),
-            step_seconds=time.perf_counter() - started,
+            step_seconds=clock.total(),
+            **{f"step_seconds/{phase}": round(seconds, 4) for phase, seconds in clock.laps.items()},
         )
         return metrics
 
@@ -449,6 +460,7 @@ class GRPORecipe:
         ) as bar:
             while self.state.step < config.steps:
                 metrics = await self.train_step(await _next_batch(queue, self._sampler))
+                self._lead.trained()  # its push is done: the sampler may start the next batch
                 if metrics is None:
                     continue
                 step = self.state.step
