@@ -25,6 +25,7 @@ import contextlib
 import logging
 import signal
 import sys
+import tempfile
 import types
 import typing
 from pathlib import Path
@@ -79,6 +80,7 @@ SERVICE_FLAGS = (
     "max_body_bytes",
     "default_max_tokens",
     "scoring_call_tokens",
+    "workers",
 )
 # Server fields exposed as flags; the model directories are --base/--teacher, and the options
 # `train` and `eval` share (placement per role, dtype, context, KV cache) are ServerOptions'.
@@ -154,6 +156,7 @@ async def _serve(args: argparse.Namespace) -> int:
     from dualvllm.serve import serve_endpoint, serve_servers
     from dualvllm.service.app import listening_socket
     from dualvllm.service.config import ServiceConfig
+    from dualvllm.service.workers import started_workers
 
     if args.dry_run:
         print(_dry_run(args, default_local=True))
@@ -163,10 +166,22 @@ async def _serve(args: argparse.Namespace) -> int:
         return 0
     # bad flags fail before servers start; --dev-mode opens the servers' dev routes and the service's
     config = ServiceConfig(**_given(args, ServiceConfig, SERVICE_FLAGS), dev_mode=bool(args.dev_mode))
+    if config.workers > 1 and args.engine == "transformers":
+        raise InvalidInputError(
+            f"--workers {config.workers} with --engine transformers: each worker would load both models "
+            "again; serve the in-process engines with one worker, or serve vLLM servers"
+        )
     launched: list[Any] = []
     with listening_socket(config) as sock:  # a port in use fails before the servers start, too
         async with _coordinator(args, default_local=True, launched=launched) as coordinator:
-            await serve_endpoint(coordinator, config, launched, sock)
+            if config.workers == 1:
+                await serve_endpoint(coordinator, config, launched, sock)
+                return 0
+            log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="dualvllm-workers-"))
+            async with started_workers(
+                coordinator.config, config, count=config.workers, port=sock.getsockname()[1], log_dir=log_dir
+            ) as workers:
+                await serve_endpoint(coordinator, config, launched, sock, workers=workers)
     return 0
 
 

@@ -13,6 +13,7 @@ from dualvllm.coordinator.core import DualVLLMCoordinator
 from dualvllm.engines.launcher import ServerConfig, VLLMServer, launch_replicas
 from dualvllm.service.app import serve
 from dualvllm.service.config import ServiceConfig
+from dualvllm.service.workers import Worker
 
 # How often to check that both servers are still alive while serving.
 LIVENESS_POLL_S = 2.0
@@ -53,15 +54,22 @@ async def serve_endpoint(
     config: ServiceConfig,
     servers: Sequence[VLLMServer],
     sock: socket.socket | None = None,
+    workers: Sequence[Worker] = (),
 ) -> None:
     """Serve the q* endpoint until interrupted, or until a server started for it exits: with
-    replica pools, until every replica of a role has (the pool fails over until then).
+    replica pools, until every replica of a role has (the pool fails over until then), or until
+    one of its other `workers` (dualvllm.service.workers) exits.
     `sock`: the endpoint's socket, bound before the servers started (dualvllm.service.app.listening_socket)."""
 
     def ready(url: str, model: str) -> None:
         if servers:
             _print_servers(*servers)
         print(f"q* endpoint: {url}/v1  (model {model!r}, mode {coordinator.mode})")
+        if workers:
+            print(
+                f"  {config.workers} worker processes, each with its own coordinator; logs: "
+                + ", ".join(str(w.log_path) for w in workers)
+            )
         print(
             f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
             f'-d \'{{"model": "{model}", "prompt": "12+34=", '
@@ -69,7 +77,8 @@ async def serve_endpoint(
         )
         print("Ctrl-C stops it" + (" and the servers." if servers else "."), flush=True)
 
-    endpoint = asyncio.create_task(serve(coordinator, config, ready=ready, sock=sock))
+    worker = (0, config.workers) if workers else None
+    endpoint = asyncio.create_task(serve(coordinator, config, ready=ready, sock=sock, worker=worker))
     try:
         while not endpoint.done():
             dead = _role_lost(servers)
@@ -78,6 +87,9 @@ async def serve_endpoint(
                     f"{dead.name} server exited while serving; the endpoint was stopped. "
                     f"Log {dead.log_path}:\n{dead.log_tail()}"
                 )
+            gone = next(filter(None, (w.exit_problem() for w in workers)), None)
+            if gone is not None:
+                raise ServerStartupError(f"{gone}\nThe endpoint was stopped.")
             await asyncio.wait([endpoint], timeout=LIVENESS_POLL_S)
         endpoint.result()
     finally:

@@ -674,10 +674,11 @@ def listening_socket(config: ServiceConfig) -> socket.socket:
     """The endpoint's socket, bound and listening: taken before anything slow starts, so that a
     port in use fails in one line instead of after the servers' start (~40 s on CPU), and no
     other process can take the port meanwhile. Port 0 picks a free one. Connections that arrive
-    before `serve` answers wait in the backlog."""
+    before `serve` answers wait in the backlog. With several workers the port is shared with
+    them (SO_REUSEPORT; dualvllm.service.workers)."""
     where = f"{config.service_host}:{config.service_port}"
     try:
-        return socket.create_server((config.service_host, config.service_port))
+        return socket.create_server((config.service_host, config.service_port), reuse_port=config.workers > 1)
     except OSError as err:
         if err.errno == errno.EADDRINUSE:
             raise InvalidInputError(
@@ -695,16 +696,26 @@ async def serve(
     *,
     ready: Callable[[str, str], None] | None = None,
     sock: socket.socket | None = None,
+    worker: tuple[int, int] | None = None,
 ) -> None:
     """Serve until cancelled; `ready(url, model name)` is called once the socket listens.
     `sock`: a socket from `listening_socket(config)`, taken over (closed when serving ends);
-    else one is bound here."""
+    else one is bound here. `worker` (index, count): this process is one of an endpoint's
+    workers (dualvllm.service.workers), named in each response's X-DualVLLM-Worker header."""
     sock = listening_socket(config) if sock is None else sock
     service = QStarService(coordinator, config)
     coordinator.observe_server_calls(service.metrics.server_call)
+    app = service.app()
+    if worker is not None:
+        name = f"{worker[0]}/{worker[1]}"
+
+        async def name_worker(request: web.Request, response: web.StreamResponse) -> None:
+            response.headers["X-DualVLLM-Worker"] = name
+
+        app.on_response_prepare.append(name_worker)
     # handler_cancellation: a client that disconnects cancels its handler, so its
     # sequences stop instead of generating for nobody.
-    runner = web.AppRunner(service.app(), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     try:
         await web.SockSite(runner, sock).start()

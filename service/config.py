@@ -57,6 +57,23 @@ class ServiceConfig(RaisesInvalidInput, BaseSettings):
         description="Serve vLLM's dev routes (server_info, the weight-transfer phases, reset_prefix_cache), forwarded to the base servers, so a trainer written for vLLM (TRL) can push weights through the service (dualvllm.service.dev_routes). Off loopback the API key guards them, as every route.",
     )
 
+    workers: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Processes serving the endpoint, each with its own coordinator (a core each) on the same servers and port: for more q* tokens per second than one coordinator decides. Each keeps its own batch (max_batch_size is per worker), metrics and statistics; responses name theirs in X-DualVLLM-Worker (dualvllm.service.workers).",
+    )
+
+    @model_validator(mode="after")
+    def _one_worker_in_dev_mode(self) -> ServiceConfig:
+        if self.dev_mode and self.workers > 1:
+            raise ValueError(
+                f"dev_mode with workers={self.workers}: a weight push through one worker would pause its own "
+                "sequences and not the others', which would then decode across the push. Serve dev mode with "
+                "one worker"
+            )
+        return self
+
     @model_validator(mode="after")
     def _key_off_loopback(self) -> ServiceConfig:
         if self.api_key is None and not is_loopback(self.service_host):

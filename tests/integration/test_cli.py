@@ -184,6 +184,59 @@ def test_serve_on_given_servers_stops_on_ctrl_c_and_leaves_them_serving(vllm_pai
     assert answers(theta.url) and answers(t.url), "serve stopped servers it did not start"
 
 
+def serving_worker(endpoint: str, model: str, seed: int) -> str:
+    """A completion on a new connection -> the worker that answered (its X-DualVLLM-Worker)."""
+    request = urllib.request.Request(
+        endpoint + "/completions", headers={"Content-Type": "application/json"},
+        data=json.dumps({"model": model, "prompt": "12+34=", "max_tokens": 2, "seed": seed}).encode())
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        assert answer.status == 200 and json.load(answer)["choices"][0]["finish_reason"] in ("stop", "length")
+        return answer.headers["X-DualVLLM-Worker"]
+
+
+def start_workers(vllm_pair, tmp_path: Path) -> tuple[subprocess.Popen, str, str, list[psutil.Process]]:
+    """`serve --workers 2` on the module's pair -> (it, its endpoint, model, its worker process)."""
+    theta, t = vllm_pair
+    run = dualvllm("serve", "--theta-url", theta.url, "--t-url", t.url, "--top-k", "10", "--service-port", "0",
+                   "--workers", "2", "--log-dir", str(tmp_path))
+    _, endpoint, model = read_endpoint(run)
+    workers = psutil.Process(run.pid).children()
+    assert len(workers) == 1 and "dualvllm.service.workers" in " ".join(workers[0].cmdline()), workers
+    return run, endpoint, model, workers
+
+
+def test_serve_spreads_connections_over_its_workers_and_ctrl_c_stops_them_all(vllm_pair, tmp_path):
+    theta, t = vllm_pair
+    run, endpoint, model, workers = start_workers(vllm_pair, tmp_path)
+    try:
+        # The kernel spreads connections over the two sockets by address: 24 connections all on
+        # one worker would happen once in 8 million runs.
+        answered = {serving_worker(endpoint, model, seed) for seed in range(24)}
+        assert answered == {"0/2", "1/2"}, answered
+        run.send_signal(signal.SIGINT)
+        assert run.wait(timeout=120) == 130
+    finally:
+        run.kill()
+        run.wait()
+    assert_all_exit(workers)
+    assert not answers(endpoint.removesuffix("/v1")), "the endpoint still answers after Ctrl-C"
+    assert answers(theta.url) and answers(t.url), "serve stopped servers it did not start"
+    assert "endpoint worker 1/2 serving" in (tmp_path / "worker-1.log").read_text()
+
+
+def test_a_worker_that_dies_stops_the_endpoint_with_its_log(vllm_pair, tmp_path):
+    run, endpoint, _, workers = start_workers(vllm_pair, tmp_path)
+    try:
+        workers[0].kill()
+        assert run.wait(timeout=120) == 2  # dualvllm's error exit
+        stderr = run.stderr.read()
+    finally:
+        run.kill()
+        run.wait()
+    assert "endpoint worker 1 exited with status -9" in stderr and "worker-1.log" in stderr, stderr[-3000:]
+    assert not answers(endpoint.removesuffix("/v1"))
+
+
 def train_args(out: Path, lora_rank: str, mode: str) -> list[str]:
     return ["train", "--config", str(TINY_ARITH), "--output-dir", str(out), "--steps", "4", "--prompts-per-step", "2",
             "--group-size", "4", "--eval-every", "2", "--eval-prompts", "16", "--lora-rank", lora_rank, mode]
