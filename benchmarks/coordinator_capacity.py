@@ -4,6 +4,7 @@
     python benchmarks/coordinator_capacity.py --batch 256 --tokens 64 --top-k 20
     python benchmarks/coordinator_capacity.py --floor --batch 1       # also the messaging alone
     python benchmarks/coordinator_capacity.py --batch 256 --step-threads 4   # the step on 4 threads
+    python benchmarks/coordinator_capacity.py --batch 256 --processes 1 2     # 1, then 2 coordinators at once
 
 The coordinator's side is the real one: `LockstepScheduler` (coordinator/lockstep/) with
 its TCP channel, merge, alpha* and sampling. The servers are synthetic plugin clients, one
@@ -410,6 +411,41 @@ def measure_machine_floor(count: int = 2000) -> dict:
     return {"round_trips": counted, "cpu_us_per_round_trip": 1e6 * cpu / counted}
 
 
+def _measure_here(results: multiprocessing.queues.Queue, start: multiprocessing.synchronize.Barrier,
+                  kwargs: dict) -> None:
+    """One coordinator process of `--processes N` (with its own two clients): its row, or its error."""
+    try:
+        start.wait(600)  # every coordinator's clients are up: the rounds overlap
+        results.put(loop.run(measure(**kwargs)))
+    except Exception as exc:  # noqa: BLE001 - reported by the parent
+        results.put({"error": repr(exc)})
+
+
+def measure_processes(processes: int, **kwargs) -> dict:
+    """`processes` coordinators at once, one pair of synthetic servers each (the "one per pair" of
+    `dualvllm serve --workers`), each measured as `measure` does -> their rows and the sum of
+    their tokens over the longest one's wall time."""
+    spawn = multiprocessing.get_context("spawn")
+    results, start = spawn.Queue(), spawn.Barrier(processes)
+    # Not daemonic: each starts its own client processes.
+    runs = [spawn.Process(target=_measure_here, args=(results, start, kwargs)) for _ in range(processes)]
+    for run in runs:
+        run.start()
+    try:
+        rows = [results.get(timeout=1800) for _ in runs]
+    finally:
+        for run in runs:
+            run.join(60)
+            if run.is_alive():
+                run.kill()
+    failed = [row["error"] for row in rows if "error" in row]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {processes} coordinators failed, e.g. {failed[0]}")
+    wall = max(row["tokens"] / row["tokens_per_s"] for row in rows)
+    return {"processes": processes, "batch": kwargs["batch"], "tokens_per_s": sum(r["tokens"] for r in rows) / wall,
+            "tokens_per_cpu_s": [r["tokens_per_cpu_s"] for r in rows], "rows": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256, 1024])
@@ -422,6 +458,9 @@ def main() -> None:
     parser.add_argument("--no-freeze", action="store_true",
                         help="leave the start-up heap to the garbage collector (the coordinator freezes it: "
                              "CoordinatorConfig.freeze_gc_heap)")
+    parser.add_argument("--processes", type=int, nargs="+", default=[1],
+                        help="coordinator processes at once, each with its own pair of synthetic servers "
+                             "(`dualvllm serve --workers`): their tokens/s together, per count")
     parser.add_argument("--floor", action="store_true",
                         help="also measure the messaging alone (a report in, its reply out, per round trip)")
     args = parser.parse_args()
@@ -438,8 +477,18 @@ def main() -> None:
             print(f"batch {batch:>5}: messaging alone {row['cpu_us_per_round_trip']:7.1f} µs of coordinator CPU "
                   f"per report and reply, {100 * row['calling_thread_share']:.0f}% of it in the calling thread "
                   f"({row['round_trips']:,} round trips; a step has two)", flush=True)
+    together = []
+    for processes in (n for n in args.processes if n > 1):
+        for batch in args.batch:
+            group = measure_processes(processes, batch=batch, tokens=args.tokens, top_k=args.top_k,
+                                      rounds=args.rounds, freeze=not args.no_freeze, vocab=args.vocab,
+                                      step_threads=args.step_threads)
+            together.append(group)
+            print(f"batch {batch:>5}, {processes} coordinator processes at once: {group['tokens_per_s']:>9,.0f} "
+                  f"tokens/s together; each {', '.join(f'{c:,.0f}' for c in group['tokens_per_cpu_s'])} tokens "
+                  f"per coordinator CPU-second", flush=True)
     rows = []
-    for batch in args.batch:
+    for batch in (args.batch if 1 in args.processes else []):
         row = loop.run(measure(batch, args.tokens, args.top_k, args.rounds, freeze=not args.no_freeze,
                                      vocab=args.vocab, step_threads=args.step_threads))
         rows.append(row)
@@ -456,7 +505,7 @@ def main() -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "event_loop": loop.chosen(),
                                        "cpu": harness.machine(),
-                                       "floor": floors, "rows": rows}, indent=2))
+                                       "floor": floors, "rows": rows, "processes": together}, indent=2))
     print(f"wrote {args.output}")
 
 
