@@ -342,6 +342,14 @@ class StreamingTrainConfig(TrainConfig):
         "(a forward pass on each side) also checks the first push, every Nth push after it, and every push "
         "a digest cannot prove. 0: the first push only.",
     )
+    checkpoint_every: int = Field(
+        10,
+        ge=1,
+        description="Save a checkpoint (the model, the optimizer's state, the RNGs) every N updates and after the "
+        "last: a killed run resumes from the newest, redoing at most N-1 updates (each logged once). A checkpoint "
+        "writes the model and the optimizer's two moments, three times the float32 model: every update, it took "
+        "0.8 s of a 2.7 s update at 41.8M parameters on CPU.",
+    )
     keep_checkpoints: int = Field(
         3, ge=1, description="Checkpoints kept on disk (newest first); older ones are deleted."
     )

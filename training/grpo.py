@@ -190,14 +190,18 @@ class GRPORecipe:
             data_parallel=self.data_parallel,
         )
         self.state = checkpoint.load_state(newest, self.learner.optimizer) if newest is not None else RunState(0, 0, 0)
+        self._saved_step = self.state.step  # the newest checkpoint's (0: none needed to start again)
         if not self.main:  # the other ranks: the learner alone
             return
         if newest is not None:
             log.info("resuming from %s (step %d)", newest, self.state.step)
+        elif self.resume and self.metrics_path.exists():
+            log.info("resuming a run killed before its first checkpoint (--checkpoint-every): from step 0")
         self._chooser = _chooser(config, self.state, len(self.problems.train))
         # The in-process engine samples every update's weights at once: a push per update.
         self._lead = Lead(config.max_staleness, 1 if config.engine == "transformers" else config.push_every)
-        if newest is not None:  # what was logged after the checkpoint is done again: logged once
+        if self.resume and self.metrics_path.exists():  # what was logged after the checkpoint (or, without
+            # one, after the first evaluation) is done again: logged once
             _keep_metrics_until(self.metrics_path, self.state.step)
         self.pool = self._stack.enter_context(verifier_pool())
         batch_size = config.prompts_per_step * config.group_size
@@ -402,15 +406,8 @@ class GRPORecipe:
         self.state = RunState(
             step=step, data_position=batch.data_position, policy_version=version, curriculum=batch.curriculum_state
         )
-        await asyncio.to_thread(
-            checkpoint.save,
-            self.out,
-            self.learner.model,
-            self.tokenizer,
-            self.learner.optimizer,
-            self.state,
-            config.keep_checkpoints,
-        )
+        if step % config.checkpoint_every == 0 or step == config.steps:
+            await self._checkpoint()
         clock.lap("checkpoint")
         alphas = [a for g in batch.groups for r in g for a in r.alphas]
         metrics.update({f"reward/{name}": mean for name, mean in batch.reward_means.items()})
@@ -428,6 +425,21 @@ class GRPORecipe:
             **{f"step_seconds/{phase}": round(seconds, 4) for phase, seconds in clock.laps.items()},
         )
         return metrics
+
+    async def _checkpoint(self) -> None:
+        """Save the run as it stands (training/checkpoint.py), unless its step is saved already."""
+        if self._saved_step == self.state.step:
+            return
+        await asyncio.to_thread(
+            checkpoint.save,
+            self.out,
+            self.learner.model,
+            self.tokenizer,
+            self.learner.optimizer,
+            self.state,
+            self.config.keep_checkpoints,
+        )
+        self._saved_step = self.state.step
 
     def _update(self, batch: ScoredBatch) -> dict[str, float]:
         """The learner's update on `batch`; with several learner processes, theirs too."""
@@ -501,6 +513,7 @@ class GRPORecipe:
                     log.info("every group of the first %d updates had zero advantage: no signal; stopping", step)
                     break
         await self._stop_sampler()
+        await self._checkpoint()  # a run that stopped early (accuracy reached, no signal) between checkpoints
         after = final if final is not None else await self.evaluate()  # a resumed run that was done
         _log_metrics(self.metrics_path, {"step": self.state.step, "event": "eval", **after})
         return TrainReport(

@@ -258,7 +258,7 @@ def test_train_pushes_verified_weights_and_resumes_after_a_kill(tmp_path):
     """Full fine-tuning rolls out in lockstep (weight pushes fence the base's lockstep
     sequences with /pause); killed mid-run, resumed without training a step twice."""
     out = tmp_path / "run"
-    args = train_args(out, "0", "--lockstep")
+    args = [*train_args(out, "0", "--lockstep"), "--checkpoint-every", "2"]
     first = dualvllm(*args)
     try:
         wait_for((out / "checkpoints" / "step-000002").exists, first, "checkpoint step-000002")

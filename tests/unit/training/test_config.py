@@ -47,6 +47,7 @@ DENSE_METHODS = ("sft", "rft", "opd", "distill")
 # The fields added since: the coordinator's options, the learner's memory options, how pushes go, and
 # what the evaluation reports besides overall accuracy.
 NEW_FIELDS = {"coordinator", "micro_batch_size", "gradient_checkpointing", "weights_via", "push_probe_every", "eval_group_by",
+              "checkpoint_every",
               "retained_dataset", "kl_from_start_prompts", "kl_from", "learner_device", "mixed_precision",
               # --method adaptive's own (training/regimes.py)
               "guided_alpha", "probe_rollouts", "pass_rate_decay", "never_enter", "never_exit", "always_enter",

@@ -159,12 +159,32 @@ async def test_the_adaptive_recipe_guides_the_prompts_its_base_never_solves(tmp_
         == updates[-1]["regime/never"]
 
 
-async def test_a_run_killed_after_its_last_metrics_resumes_without_duplicates(tmp_path):
+async def test_checkpoints_are_written_every_n_updates_and_after_the_last(tmp_path):
+    from dualvllm.training import checkpoint
+
+    fields = {"output_dir": tmp_path / "run", "engine": "transformers", "steps": 5, "checkpoint_every": 2,
+              "keep_checkpoints": 5, "prompts_per_step": 2, "group_size": 2, "eval_every": 5, "eval_prompts": 2,
+              "max_tokens": 4, "seed": 0}
+    await train_grpo(TrainConfig.parse(config_file=TINY_ARITH, **fields), show_progress=False)
+    saved = [p.name for p in checkpoint.all_checkpoints(tmp_path / "run")]
+    assert saved == ["step-000002", "step-000004", "step-000005"]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    updates = [r for r in records if "event" not in r]
+    # An update without a checkpoint spends (next to) nothing on one.
+    assert [r["step_seconds/checkpoint"] < 0.01 for r in updates] == [True, False, True, False, False]
+
+
+# checkpoint_every 1: the resumed run starts at update 2's checkpoint (and evaluates there);
+# 10: killed before any checkpoint it keeps, it starts again from update 0, whose evaluation is logged.
+@pytest.mark.parametrize(("checkpoint_every", "evaluated_at"), [(1, [0, 2, 3]), (10, [0, 3])])
+async def test_a_run_killed_after_its_last_metrics_resumes_without_duplicates(tmp_path, checkpoint_every,
+                                                                              evaluated_at):
     import shutil
 
     from dualvllm.training import checkpoint
 
     fields = {"output_dir": tmp_path / "run", "engine": "transformers", "method": "adaptive", "steps": 3,
+              "checkpoint_every": checkpoint_every,
               "prompts_per_step": 2, "group_size": 3, "probe_rollouts": 1, "eval_every": 3, "eval_prompts": 4,
               "max_tokens": 4, "seed": 0}
     await train_grpo(TrainConfig.parse(config_file=TINY_ARITH, **fields), show_progress=False)
@@ -177,5 +197,5 @@ async def test_a_run_killed_after_its_last_metrics_resumes_without_duplicates(tm
 
     records = [json.loads(line) for line in report.metrics_path.read_text().splitlines()]
     assert [r["step"] for r in records if "event" not in r] == [1, 2, 3]
-    assert [r["step"] for r in records if r.get("event") == "eval"] == [0, 2, 3]  # + the resumed run's start
+    assert [r["step"] for r in records if r.get("event") == "eval"] == evaluated_at  # + the resumed run's start
     assert report.steps_done == 3
