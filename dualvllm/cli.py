@@ -162,6 +162,10 @@ async def _serve(args: argparse.Namespace) -> int:
         print(_dry_run(args, default_local=True))
         return 0
     if args.servers_only:
+        if getattr(args, "workers", None) not in (None, 1):
+            raise InvalidInputError(
+                f"--workers {args.workers} runs endpoint processes, and --servers-only starts no endpoint; drop one"
+            )
         await serve_servers(_server_configs(args))
         return 0
     # bad flags fail before servers start; --dev-mode opens the servers' dev routes and the service's

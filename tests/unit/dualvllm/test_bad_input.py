@@ -72,6 +72,8 @@ OTHER_COMMANDS = [
     ("serve-workers-in-process", "serve --workers 2 --engine transformers",
      r"--workers 2 with --engine transformers: each worker would load both models again"),
     ("serve-no-workers", "serve --workers 0", r"workers=0: Input should be greater than or equal to 1"),
+    ("serve-workers-without-an-endpoint", "serve --servers-only --workers 2",
+     r"--workers 2 runs endpoint processes, and --servers-only starts no endpoint"),
     ("serve-replicas-speculative", "serve --replicas 2 --speculative-gamma 4", r"replica pools .* not speculative"),
     ("train-replicas-and-urls", "train --replicas 2 --theta-urls http://127.0.0.1:9 --t-urls http://127.0.0.1:8",
      r"--replicas starts servers and --theta-urls names running ones"),
