@@ -7,6 +7,7 @@ import ctypes.util
 import os
 import signal
 import sys
+from pathlib import Path
 
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
@@ -25,3 +26,12 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> None:
     libc.prctl(PR_SET_PDEATHSIG, sig)
     if os.getppid() != parent_pid:
         os.kill(os.getpid(), sig)
+
+
+def log_tail(path: Path | None, lines: int) -> str:
+    """The last `lines` lines of a child's log, for an error that says why it died."""
+    try:
+        text = path.read_text(errors="replace") if path is not None else ""
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:])

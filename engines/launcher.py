@@ -36,7 +36,7 @@ import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from dualvllm.common.errors import InvalidInputError, LifecycleError, ServerStartupError
-from dualvllm.common.process import die_with_parent
+from dualvllm.common.process import die_with_parent, log_tail
 from dualvllm.common.validation import RaisesInvalidInput
 from dualvllm.engines import placement, weight_transfer
 from dualvllm.engines.vllm_plugin import spin
@@ -464,11 +464,7 @@ class VLLMServer:
                 await asyncio.sleep(HEALTH_POLL_INTERVAL_S)
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace") if self.log_path else ""
-        except OSError:
-            return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
+        return log_tail(self.log_path, lines)
 
     def stop(self) -> None:
         """Stop the server's whole process group: SIGTERM, then SIGKILL after a grace period."""

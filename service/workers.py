@@ -42,6 +42,7 @@ import numpy as np
 from pydantic import SecretStr
 
 from dualvllm.common.errors import DualVLLMError, ServerStartupError
+from dualvllm.common.process import log_tail
 from dualvllm.coordinator.config import CoordinatorConfig
 from dualvllm.service.config import ServiceConfig
 
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 WORKER_START_S = 300.0
 WORKER_STOP_S = 30.0  # SIGTERM's grace: the coordinator's own close is bounded below this
 READY = b"ready\n"  # what a worker writes on its ready pipe once it listens
-HEADER = "X-DualVLLM-Worker"  # the response header naming the worker that answered: "i/N"
+LOG_TAIL_LINES = 40  # of a worker's log, in the error when it exits
 
 
 @dataclass
@@ -66,9 +67,7 @@ class Worker:
         code = self.process.poll()
         if code is None:
             return None
-        return (
-            f"endpoint worker {self.index} exited with status {code}; its log {self.log_path}:\n{_tail(self.log_path)}"
-        )
+        return f"endpoint worker {self.index} exited with status {code}; its log {self.log_path}:\n{log_tail(self.log_path, LOG_TAIL_LINES)}"
 
 
 def worker_seed(seed: int | None, index: int) -> int | None:
@@ -165,7 +164,7 @@ def _wait_ready(worker: Worker, read_end: int, deadline: float, abandon: threadi
         if left <= 0:
             raise ServerStartupError(
                 f"endpoint worker {worker.index} did not listen within {WORKER_START_S:g} s; its log "
-                f"{worker.log_path}:\n{_tail(worker.log_path)}"
+                f"{worker.log_path}:\n{log_tail(worker.log_path, LOG_TAIL_LINES)}"
             )
         readable, _, _ = select.select([read_end], [], [], min(left, 1.0))
         if readable:
@@ -194,13 +193,6 @@ def _stop_all(workers: list[Worker]) -> None:
             log.warning("endpoint worker %d ignored SIGTERM for %.0f s; killed", worker.index, WORKER_STOP_S)
             worker.process.kill()
             worker.process.wait(timeout=WORKER_STOP_S)
-
-
-def _tail(path: Path, size: int = 3000) -> str:
-    try:
-        return path.read_bytes()[-size:].decode(errors="replace")
-    except OSError as err:
-        return f"(unreadable: {err})"
 
 
 # -- a worker -----------------------------------------------------------------------------
