@@ -30,7 +30,8 @@ refused until `down` is cleared), and hooks on the request: `end_when` (the serv
 on its own, "length"), `fail_when` (the request fails with a ServerUnavailableError),
 `position_skew` (a wrong position in a report). `plugin=False` is a server without the
 plugin (it generates on its own and never reports); `flags` and `capacity` (the server's
-max_num_seqs) are put in every report. The admission policy is separate from `capacity`,
+max_num_seqs) are put in every report, with wire.FLAG_SHARED where the plugin would set it
+(several coordinators). The admission policy is separate from `capacity`,
 so a test can also simulate a server whose batch is full of other clients' work.
 """
 
@@ -47,6 +48,7 @@ from urllib.parse import urlsplit
 
 from dualvllm.common.errors import ServerConnectError, ServerUnavailableError
 from dualvllm.engines.vllm_plugin import wire
+from dualvllm.engines.vllm_plugin.link import shared
 
 VOCAB_SIZE = 32
 EOS_ID = 0  # also the stop token the scheduler forces to end a request
@@ -130,6 +132,7 @@ class _Link:
     def __init__(self, address: str) -> None:
         self.address = address
         self.step = 0
+        self.last_report = float("-inf")  # as the plugin's: what wire.FLAG_SHARED is told from
         self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
 
     async def send(self, message: bytes) -> None:
@@ -293,6 +296,8 @@ class FakeLockstepServer:
         for request in self.running:
             by_address.setdefault(request.address, []).append(request)
         asked = []
+        now = time.monotonic()
+        flags = self.flags | (wire.FLAG_SHARED if shared(self._links, by_address, now) else 0)
         for address, members in by_address.items():
             k = min(max(r.top_k for r in members), VOCAB_SIZE)
             positions = [r.offset + len(r.generated) + (self.position_skew(r) if self.position_skew else 0)
@@ -300,8 +305,9 @@ class FakeLockstepServer:
             tops = [self.model.topk(r.prompt + r.generated, k) for r in members]
             link = self._links.get(address) or self._links.setdefault(address, _Link(address))
             link.step += 1
+            link.last_report = now
             report = wire.encode_report(
-                link.step, self.flags, self.capacity, np.array([r.id for r in members], dtype=np.int64),
+                link.step, flags, self.capacity, np.array([r.id for r in members], dtype=np.int64),
                 np.array(positions, dtype=np.int64), np.stack([ids for ids, _ in tops]),
                 np.stack([logprobs for _, logprobs in tops]))
             if self.wire_version != wire.VERSION:  # the report header's first field

@@ -163,7 +163,7 @@ class Rows:
         if any(map(_CANCELLED, lives)):  # the rules fail it: undo, and go row by row
             self._row_report[role, slots] = NO_ROW
             return None
-        blocked.server = self._urls[self._server[role, slots[0]]]
+        blocked.server, blocked.role = self._urls[self._server[role, slots[0]]], role
         blocked.needs.update(map(self._urls.__getitem__, np.flatnonzero(waiting).tolist()))
         return list(itertools.compress(lives, ready.tolist()))
 

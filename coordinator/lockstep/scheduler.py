@@ -345,7 +345,11 @@ class LockstepScheduler:
             self._delivery.retire(seq)
         if (self.gate.armed or self._admission.held_rounds) and not self._table.closing:
             return
-        for identity, step, answers in self._table.replies(time.perf_counter()):
+        self._reply()
+
+    def _reply(self, only: list[bytes] | None = None) -> None:
+        """Send the replies of every decided report (of those from `only`)."""
+        for identity, step, answers in self._table.replies(time.perf_counter(), only):
             self._channel.reply(identity, step, answers)
 
     async def _watch_stalls(self) -> None:
@@ -353,12 +357,23 @@ class LockstepScheduler:
         sequences that wait for a replica that has since rejoined its pool (no report would)."""
         limit = self._config.lockstep_stall_timeout
         every = min(limit / 4, self._config.replica_probe_interval)
+        pause = every
         while True:
-            await asyncio.sleep(every)
+            await asyncio.sleep(pause)
             async with self.lock:
                 if not self._recovery.holding and self._admission.room():
                     self.settle()
-                waited = waits.park_stalled(self._table, time.perf_counter(), limit)
+                # Servers shared with other coordinators: a deadlock across them is broken here
+                # within a few steps (waits.py), not after `limit`; never while our own admission
+                # round holds the servers.
+                now = time.perf_counter()
+                shared = waits.any_shared(self._table)
+                shared_limit = waits.shared_stall_limit(self._table, limit) if shared else limit
+                pause = min(every, shared_limit / 2)
+                held = self._admission.held_rounds > 0
+                if shared and not held and self.gate.armed and (released := waits.held_too_long(self._table, now, shared_limit)):
+                    self._reply(released)  # the gate stays armed: it opens once both servers block here
+                waited = waits.park_stalled(self._table, now, limit, shared_limit if shared and not held else None)
                 for wait_s in waited:
                     log.info(
                         "a lockstep report waited %.2f s on rows the other server has not reached; parking them", wait_s

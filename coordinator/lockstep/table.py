@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections import Counter
+from collections import Counter, deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,7 @@ class Blocked:
     answers: np.ndarray  # int64 [n], UNSET until decided
     arrived: float
     server: str | None  # the server the rows belong to (None: no known rows)
+    role: int = -1  # its role (THETA or T) once `server` is known
     # The other server's reports whose rows were paired with these: more than one means that
     # server reported these sequences over several of its steps (one server ran ahead).
     partners: set[Blocked] = field(default_factory=set)
@@ -137,6 +139,8 @@ class Outbox:
 
 
 _FINISH = operator.attrgetter("seq.finish_reason")
+STEP_WINDOW = 64  # server steps remembered (LockstepTable.server_steps_s)
+MAX_CONNECTIONS = 4096  # replies remembered per connection before the memory is cleared
 
 
 class LockstepTable:
@@ -151,6 +155,10 @@ class LockstepTable:
         self.out = Outbox()
         self.closing = False  # every row gets END from now on
         self.rows = Rows(self.streams)  # where the rows wait (coordinator/lockstep/rows.py)
+        # How long servers took from a reply to their next report (their step, and any wait on
+        # other coordinators), the most recent first: what a normal wait on a server looks like.
+        self.server_steps_s: deque[float] = deque(maxlen=STEP_WINDOW)
+        self._replied_at: dict[bytes, float] = {}  # per connection: its last reply's time
 
     @property
     def live(self) -> list[Live]:
@@ -243,6 +251,9 @@ class LockstepTable:
     def report(self, identity: bytes, report: wire.Report, now: float) -> tuple[Blocked, list[Live]]:
         """Take in one server's step -> (its waiting report, the sequences now ready to decide)."""
         self.counters.reports += 1
+        replied = self._replied_at.pop(identity, None)
+        if replied is not None:
+            self.server_steps_s.appendleft(now - replied)
         n = len(report.ids)
         blocked = Blocked(identity, report, np.full(n, UNSET, dtype=np.int64), now, server=None)
         stale = self.blocked.pop(identity, None)
@@ -303,7 +314,7 @@ class LockstepTable:
         if ended:
             blocked.answers[ended] = wire.END
         if last is not None:  # a report's rows all come from one server
-            blocked.server = last.engine.url
+            blocked.server, blocked.role = last.engine.url, last.role
         return [live for live in ready if not live.done] if failed else ready
 
     def decided(self, ready: list[Live], tokens: list[int] | np.ndarray) -> None:
@@ -343,12 +354,16 @@ class LockstepTable:
             blocked.answers[blocked.answers == UNSET] = wire.END
         self.rows.end_all()
 
-    def replies(self, now: float) -> list[tuple[bytes, int, np.ndarray]]:
-        """(identity, step, answers) of every report whose rows are all decided; they leave the table."""
+    def replies(self, now: float, only: Collection[bytes] | None = None) -> list[tuple[bytes, int, np.ndarray]]:
+        """(identity, step, answers) of every report (of those from `only`) whose rows are all
+        decided; they leave the table."""
+        if len(self._replied_at) > MAX_CONNECTIONS:  # connections gone without a last report
+            self._replied_at.clear()
         out = []
         for identity, blocked in list(self.blocked.items()):
-            if (blocked.answers == UNSET).any():
+            if (only is not None and identity not in only) or (blocked.answers == UNSET).any():
                 continue
+            self._replied_at[identity] = now
             del self.blocked[identity]
             self.rows.drop_report(blocked)
             self.counters.replies += 1

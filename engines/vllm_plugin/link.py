@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Collection, Mapping
+from typing import Protocol
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -30,6 +32,7 @@ class CoordinatorLink:
         self.address = address
         self._host, self._port = parts.hostname, parts.port
         self.step = 0
+        self.last_report = float("-inf")  # time.monotonic() of the last report sent over it
         self.problem = ""  # why the last send or receive failed
         self._socket: socket.socket | None = None
         self._splitter = wire.Splitter()
@@ -89,3 +92,18 @@ def _left(deadline: float) -> float:
     """Seconds until `deadline`; a past deadline still gives a blocking call a moment (0 would
     make it non-blocking, None would make it wait forever)."""
     return max(deadline - time.monotonic(), 1e-3)
+
+
+class _Reported(Protocol):
+    last_report: float
+
+
+def shared(links: Mapping[str, _Reported], asking: Collection[str], now: float) -> bool:
+    """Whether a step that asks the coordinators at `asking` is shared: it asks more than one,
+    or another of `links` was sent a report within wire.SHARED_WINDOW_S (time.monotonic). A
+    coordinator's rows may then wait on a step that waits on another coordinator's: a
+    deadlock none of them sees whole (coordinator/lockstep/waits.py breaks it)."""
+    if len(asking) > 1:
+        return True
+    recent = now - wire.SHARED_WINDOW_S
+    return any(link.last_report > recent for address, link in links.items() if address not in asking)

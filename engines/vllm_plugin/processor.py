@@ -20,6 +20,11 @@ fires, that coordinator's rows are ended and the server goes on serving everyone
 raising here would kill the engine, and falling back to the model's own sampling would
 let the two servers' sequences diverge silently.
 
+Several coordinators (`serve --workers`, one per data-parallel rank) may share a server: a
+step then waits on all of them, and one coordinator's rows can wait on a step that waits on
+another's. Each report says so (wire.FLAG_SHARED) for the coordinator to break such a
+deadlock across coordinators (coordinator/lockstep/waits.py), which none of them sees whole.
+
 Positions are counted here, per request, from the offset the coordinator gave: never
 read from vLLM's output lists, which hold placeholders under async scheduling. A
 preempted request keeps its count when it comes back. Rows of a partially prefilled
@@ -51,7 +56,7 @@ from vllm.logger import init_logger
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from dualvllm.engines.vllm_plugin import wire
-from dualvllm.engines.vllm_plugin.link import CoordinatorLink
+from dualvllm.engines.vllm_plugin.link import CoordinatorLink, shared
 from dualvllm.engines.vllm_plugin.net import is_loopback
 
 log = init_logger("vllm.dualvllm_lockstep")  # under "vllm": the server's own log format and level
@@ -168,17 +173,20 @@ class LockstepSteps:
         for i, request in enumerate(requests):
             by_address.setdefault(request.address, []).append(i)
         vocab = logits.shape[-1]
-        deadline = time.monotonic() + self._timeout_s
+        now = time.monotonic()
+        deadline = now + self._timeout_s
+        flags = self._flags | (wire.FLAG_SHARED if shared(self._links, by_address, now) else 0)
         asked: list[tuple[CoordinatorLink, list[int]]] = []
         for address, members in by_address.items():
             k = min(max(requests[i].top_k for i in members), vocab)
             values, ids = row_topk(logits, [rows[i] for i in members], k)
             link = self._links.get(address) or self._links.setdefault(address, CoordinatorLink(address))
             link.step += 1
+            link.last_report = now
             link.send(
                 wire.encode_report(
                     link.step,
-                    self._flags,
+                    flags,
                     self._capacity,
                     np.fromiter((requests[i].id for i in members), np.int64, len(members)),
                     np.fromiter((self._position(requests[i]) for i in members), np.int64, len(members)),

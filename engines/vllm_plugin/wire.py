@@ -8,8 +8,8 @@ older spoke zmq, whose greeting starts 0xFF) and is refused at once.
 
 Report (plugin -> coordinator), one per decode step and coordinator, rows in batch order:
 
-    header     struct <IIIIII version, step, rows n, k, flags, capacity (the server's
-                              max_num_seqs: the most requests it runs at once)
+    header     struct <IIIIII version, step, rows n, k, flags (FLAG_*), capacity (the
+                              server's max_num_seqs: the most requests it runs at once)
     ids        int64 [n]      the request's lockstep id (the coordinator's stream id)
     positions  int64 [n]      the position whose token this row decides (0 = first generated)
     token_ids  int32 [n, k]   top-k token ids, best first
@@ -40,6 +40,13 @@ import numpy as np
 VERSION = 3  # 3: plain TCP with frame headers (2: one zmq frame per message, 1: one zmq frame per array)
 END = -1  # reply token: end this request (the plugin forces its stop token)
 FLAG_CHUNKED_PREFILL = 1  # the server may split prompts over steps: lockstep is unsafe there
+# The server has reported to another coordinator within SHARED_WINDOW_S: its steps also wait on
+# that one, so a wait here may be a deadlock across coordinators (coordinator/lockstep/waits.py).
+# Each coordinator's start-up check reports from both servers, so coordinators that start
+# together are known to share them from their first sequence; past the window, the first
+# deadlock waits the stall limit once.
+FLAG_SHARED = 2
+SHARED_WINDOW_S = 600.0
 
 # vllm_xargs keys of a lockstep request (values must be str, int or float for vLLM)
 ARG_ADDRESS = "dualvllm_address"  # the coordinator's address, tcp://host:port

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 
 from dualvllm.coordinator.sequence import SamplingParams
 from dualvllm.coordinator.lockstep import waits
@@ -49,14 +50,14 @@ class Rig:
     def stream_id(i: int, role: int) -> int:
         return 100 + 2 * i + role
 
-    def report(self, server: bytes, role: int, rows: list[tuple[int, int]], now: float = 0.0):
+    def report(self, server: bytes, role: int, rows: list[tuple[int, int]], now: float = 0.0, flags: int = 0):
         """`server` reports rows (sequence, position) of `role`'s streams."""
         ids = np.array([self.stream_id(i, role) for i, _ in rows], dtype=np.int64)
-        return self.report_ids(server, ids, np.array([p for _, p in rows], dtype=np.int64), now)
+        return self.report_ids(server, ids, np.array([p for _, p in rows], dtype=np.int64), now, flags)
 
-    def report_ids(self, server: bytes, ids: np.ndarray, positions: np.ndarray, now: float = 0.0):
+    def report_ids(self, server: bytes, ids: np.ndarray, positions: np.ndarray, now: float = 0.0, flags: int = 0):
         n = len(ids)
-        report = wire.Report(step=7, flags=0, capacity=64, ids=ids, positions=positions,
+        report = wire.Report(step=7, flags=flags, capacity=64, ids=ids, positions=positions,
                              token_ids=np.tile(np.arange(K, dtype=np.int32), (n, 1)),
                              logprobs=np.full((n, K), np.log(0.5), dtype=np.float32))
         return self.table.report(server, report, now)
@@ -325,3 +326,52 @@ def test_still_ready_drops_sequences_whose_row_a_later_report_of_the_batch_repla
     assert rig.table.rows.still_ready(ready) == [rig.lives[0]]
     rig.table.fail(rig.lives[0], "gone")
     assert rig.table.rows.still_ready(ready) == []
+
+
+def test_a_shared_base_waiting_on_a_teacher_that_waits_elsewhere_is_parked_within_a_few_steps():
+    """Servers shared with another coordinator (wire.FLAG_SHARED): the base's report is parked
+    after the shared limit, the teacher's only after the full one, so the two coordinators of
+    a deadlock across them do not both park (waits.py)."""
+    rig = Rig(2)
+    rig.report(b"theta", THETA, [(0, 0)], now=10.0, flags=wire.FLAG_SHARED)
+    rig.report(b"t", T, [(1, 0)], now=10.0, flags=wire.FLAG_SHARED)  # blocked here: the base's row needs it
+    assert waits.park_stalled(rig.table, now=10.5, limit_s=5.0, shared_limit_s=0.1) == []
+    rig.table.park(rig.table.blocked[b"t"])  # the teacher no longer waits here: it waits elsewhere
+    rig.table.replies(10.5)
+    assert waits.any_shared(rig.table)
+    assert waits.park_stalled(rig.table, now=10.5, limit_s=5.0, shared_limit_s=None) == []
+    assert waits.park_stalled(rig.table, now=10.5, limit_s=5.0, shared_limit_s=0.1) == [0.5]
+    assert rig.table.out.resubmit[-1] == (rig.lives[0], THETA)
+
+
+def test_a_shared_teacher_and_an_unshared_base_wait_the_full_limit():
+    for server, role, flags in ((b"t", T, wire.FLAG_SHARED), (b"theta", THETA, 0)):
+        rig = Rig(1)
+        rig.report(server, role, [(0, 0)], now=10.0, flags=flags)
+        assert waits.park_stalled(rig.table, now=12.0, limit_s=5.0, shared_limit_s=0.1) == []
+        assert waits.park_stalled(rig.table, now=15.5, limit_s=5.0, shared_limit_s=0.1) == [5.5]
+
+
+def test_the_shared_limit_is_a_few_of_the_servers_recent_steps():
+    rig = Rig(1)
+    assert waits.shared_stall_limit(rig.table, limit_s=5.0) == 5.0  # no step seen yet: the full limit
+    now = 100.0
+    for step_s in (0.01, 0.03, 0.02):  # a reply, then the server's next report
+        rig.report(b"theta", THETA, [], now=now)
+        rig.table.replies(now)
+        now += step_s
+    rig.report(b"theta", THETA, [], now=now)
+    assert list(rig.table.server_steps_s) == pytest.approx([0.02, 0.03, 0.01])
+    assert waits.shared_stall_limit(rig.table, limit_s=5.0) == pytest.approx(waits.SHARED_STALL_STEPS * 0.02)
+    assert waits.shared_stall_limit(rig.table, limit_s=0.05) == 0.05
+
+
+def test_the_gate_lets_go_of_a_decided_shared_base_that_its_partner_does_not_reach():
+    rig = Rig(1)
+    rig.report(b"theta", THETA, [(0, 0)], now=10.0, flags=wire.FLAG_SHARED)
+    _, ready = rig.report(b"t", T, [(0, 0)], now=10.0, flags=wire.FLAG_SHARED)
+    rig.decide(ready)
+    assert waits.held_too_long(rig.table, now=11.0, limit_s=0.1) == []  # the teacher waits here too
+    rig.table.replies(11.0, only=[b"t"])
+    assert waits.held_too_long(rig.table, now=10.05, limit_s=0.1) == []
+    assert waits.held_too_long(rig.table, now=11.0, limit_s=0.1) == [b"theta"]
