@@ -184,8 +184,8 @@ async def _serve(args: argparse.Namespace) -> int:
             log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="dualvllm-workers-"))
             async with started_workers(
                 coordinator.config, config, count=config.workers, port=sock.getsockname()[1], log_dir=log_dir
-            ) as workers:
-                await serve_endpoint(coordinator, config, launched, sock, workers=workers)
+            ) as (workers, place):
+                await serve_endpoint(coordinator, config, launched, sock, workers=workers, place=place)
     return 0
 
 

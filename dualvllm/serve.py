@@ -13,6 +13,7 @@ from dualvllm.coordinator.core import DualVLLMCoordinator
 from dualvllm.engines.launcher import ServerConfig, VLLMServer, launch_replicas
 from dualvllm.service.app import serve
 from dualvllm.service.config import ServiceConfig
+from dualvllm.service.worker_metrics import WorkerPlace
 from dualvllm.service.workers import Worker
 
 # How often to check that both servers are still alive while serving.
@@ -55,10 +56,11 @@ async def serve_endpoint(
     servers: Sequence[VLLMServer],
     sock: socket.socket | None = None,
     workers: Sequence[Worker] = (),
+    place: WorkerPlace | None = None,
 ) -> None:
     """Serve the q* endpoint until interrupted, or until a server started for it exits: with
     replica pools, until every replica of a role has (the pool fails over until then), or until
-    one of its other `workers` (dualvllm.service.workers) exits.
+    one of its other `workers` (dualvllm.service.workers) exits; `place`: this process's among them.
     `sock`: the endpoint's socket, bound before the servers started (dualvllm.service.app.listening_socket)."""
 
     def ready(url: str, model: str) -> None:
@@ -77,8 +79,7 @@ async def serve_endpoint(
         )
         print("Ctrl-C stops it" + (" and the servers." if servers else "."), flush=True)
 
-    worker = (0, config.workers) if workers else None
-    endpoint = asyncio.create_task(serve(coordinator, config, ready=ready, sock=sock, worker=worker))
+    endpoint = asyncio.create_task(serve(coordinator, config, ready=ready, sock=sock, worker=place))
     try:
         while not endpoint.done():
             dead = _role_lost(servers)

@@ -53,6 +53,7 @@ from dualvllm.service.errors import RequestError, error_body, error_of
 from dualvllm.service.formats import CHAT, COMPLETION, Format, TokenLogprobs
 from dualvllm.service.jobs import RequestQueue, Job
 from dualvllm.service.metrics import ServiceMetrics
+from dualvllm.service.worker_metrics import WorkerPlace, every_worker, serve_own
 from dualvllm.service.generate import generate_response, render_response
 from dualvllm.service.schema import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from dualvllm.service.batching import BatchedScoring
@@ -87,6 +88,7 @@ class QStarService:
         self.texts = TokenTexts(coordinator)
         self.created = int(time.time())
         self._scorers: tuple[BatchedScoring | PromptScoringEngine, BatchedScoring | PromptScoringEngine] | None = None
+        self.place: WorkerPlace | None = None  # one of several workers: /metrics holds every worker's
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._errors, self._auth])
@@ -195,7 +197,10 @@ class QStarService:
         return web.json_response({"object": "list", "data": [card, *aliases.values()]})
 
     async def prometheus(self, request: web.Request) -> web.Response:
-        body, content_type = self.metrics.render()
+        if self.place is None:
+            body, content_type = self.metrics.render()
+        else:
+            body, content_type = await every_worker(self.place, self.metrics.render)
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -696,18 +701,20 @@ async def serve(
     *,
     ready: Callable[[str, str], None] | None = None,
     sock: socket.socket | None = None,
-    worker: tuple[int, int] | None = None,
+    worker: WorkerPlace | None = None,
 ) -> None:
     """Serve until cancelled; `ready(url, model name)` is called once the socket listens.
     `sock`: a socket from `listening_socket(config)`, taken over (closed when serving ends);
-    else one is bound here. `worker` (index, count): this process is one of an endpoint's
-    workers (dualvllm.service.workers), named in each response's X-DualVLLM-Worker header."""
+    else one is bound here. `worker`: this process is one of an endpoint's workers
+    (dualvllm.service.workers), named in each response's X-DualVLLM-Worker header, whose
+    /metrics holds every worker's series (dualvllm.service.worker_metrics)."""
     sock = listening_socket(config) if sock is None else sock
     service = QStarService(coordinator, config)
+    service.place = worker
     coordinator.observe_server_calls(service.metrics.server_call)
     app = service.app()
     if worker is not None:
-        name = f"{worker[0]}/{worker[1]}"
+        name = worker.name
 
         async def name_worker(request: web.Request, response: web.StreamResponse) -> None:
             response.headers["X-DualVLLM-Worker"] = name
@@ -717,7 +724,10 @@ async def serve(
     # sequences stop instead of generating for nobody.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
+    own_metrics: web.AppRunner | None = None
     try:
+        if worker is not None:
+            own_metrics = await serve_own(worker, service.metrics.render)
         await web.SockSite(runner, sock).start()
         host, port = runner.addresses[0][:2]
         url = f"http://{host}:{port}"
@@ -726,5 +736,7 @@ async def serve(
             ready(url, service.model)
         await asyncio.Event().wait()
     finally:
+        if own_metrics is not None:
+            await own_metrics.cleanup()
         await runner.cleanup()
         sock.close()

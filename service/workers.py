@@ -9,7 +9,8 @@ the endpoint's port with SO_REUSEPORT and the kernel spreads connections over th
 address, so one API (and one URL) serves from N processes, as a pre-forked web server does.
 
 What each worker keeps to itself: its sequences, its batch (`--max-batch-size` is per worker:
-the servers see up to N times it), its /metrics and /v1/statistics. A request's tokens never
+the servers see up to N times it), its /v1/statistics. /metrics, on any worker, holds every
+worker's series, labelled by worker (dualvllm.service.worker_metrics). A request's tokens never
 cross workers. Weight pushes through the dev-mode routes would pause one worker's sequences
 and not the others', so `--dev-mode` takes one worker (ServiceConfig refuses both).
 
@@ -27,10 +28,12 @@ import json
 import logging
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -45,6 +48,7 @@ from dualvllm.common.errors import DualVLLMError, ServerStartupError
 from dualvllm.common.process import log_tail
 from dualvllm.coordinator.config import CoordinatorConfig
 from dualvllm.service.config import ServiceConfig
+from dualvllm.service.worker_metrics import WorkerPlace
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +82,7 @@ def worker_seed(seed: int | None, index: int) -> int | None:
     return int(np.random.SeedSequence([seed, index]).generate_state(1, np.uint64)[0] >> 1)
 
 
-def _spec(coordinator: CoordinatorConfig, service: ServiceConfig, index: int, count: int, port: int) -> bytes:
+def _spec(coordinator: CoordinatorConfig, service: ServiceConfig, index: int, place: WorkerPlace, port: int) -> bytes:
     """What a worker is told, on its stdin: both configs as given (secrets revealed), its place."""
 
     def given(config: CoordinatorConfig | ServiceConfig) -> dict[str, Any]:
@@ -92,7 +96,8 @@ def _spec(coordinator: CoordinatorConfig, service: ServiceConfig, index: int, co
             "coordinator": coordinator_fields,
             "service": service_fields,
             "index": index,
-            "count": count,
+            "count": place.count,
+            "metrics_dir": str(place.metrics_dir),
             "parent": os.getpid(),
         }
     ).encode()
@@ -101,24 +106,28 @@ def _spec(coordinator: CoordinatorConfig, service: ServiceConfig, index: int, co
 @contextlib.asynccontextmanager
 async def started_workers(
     coordinator: CoordinatorConfig, service: ServiceConfig, *, count: int, port: int, log_dir: Path
-) -> AsyncIterator[list[Worker]]:
-    """Workers 1..count-1 of an endpoint on `port`, each listening when this yields; stopped on exit."""
+) -> AsyncIterator[tuple[list[Worker], WorkerPlace]]:
+    """Workers 1..count-1 of an endpoint on `port`, each listening when this yields, and this
+    process's place among them (worker 0); stopped on exit, and their metrics sockets' directory
+    (this user's alone) removed."""
     workers: list[Worker] = []
     abandon = threading.Event()  # a start still waiting (Ctrl-C during start-up) stops its worker
+    place = WorkerPlace(0, count, Path(tempfile.mkdtemp(prefix="dualvllm-metrics-")))
     try:
         for index in range(1, count):
-            workers.append(await asyncio.to_thread(_start, coordinator, service, index, count, port, log_dir, abandon))
-        yield workers
+            workers.append(await asyncio.to_thread(_start, coordinator, service, index, place, port, log_dir, abandon))
+        yield workers, place
     finally:
         abandon.set()
         await asyncio.to_thread(_stop_all, workers)
+        shutil.rmtree(place.metrics_dir, ignore_errors=True)
 
 
 def _start(
     coordinator: CoordinatorConfig,
     service: ServiceConfig,
     index: int,
-    count: int,
+    place: WorkerPlace,
     port: int,
     log_dir: Path,
     abandon: threading.Event,
@@ -141,7 +150,7 @@ def _start(
         worker = Worker(index, process, log_path)
         try:
             assert process.stdin is not None
-            process.stdin.write(_spec(coordinator, service, index, count, port))
+            process.stdin.write(_spec(coordinator, service, index, place, port))
             process.stdin.close()
             _wait_ready(worker, read_end, time.monotonic() + WORKER_START_S, abandon)
         except BaseException:
@@ -219,7 +228,8 @@ async def _serve_worker(spec: dict[str, Any], ready_fd: int) -> None:
         os.write(ready_fd, READY)
 
     async with DualVLLMCoordinator(coordinator_config) as coordinator:
-        await serve(coordinator, service_config, ready=ready, sock=sock, worker=(spec["index"], spec["count"]))
+        place = WorkerPlace(spec["index"], spec["count"], Path(spec["metrics_dir"]))
+        await serve(coordinator, service_config, ready=ready, sock=sock, worker=place)
 
 
 def main(argv: list[str]) -> int:

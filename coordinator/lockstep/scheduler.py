@@ -371,7 +371,12 @@ class LockstepScheduler:
                 shared_limit = waits.shared_stall_limit(self._table, limit) if shared else limit
                 pause = min(every, shared_limit / 2)
                 held = self._admission.held_rounds > 0
-                if shared and not held and self.gate.armed and (released := waits.held_too_long(self._table, now, shared_limit)):
+                if (
+                    shared
+                    and not held
+                    and self.gate.armed
+                    and (released := waits.held_too_long(self._table, now, shared_limit))
+                ):
                     self._reply(released)  # the gate stays armed: it opens once both servers block here
                 waited = waits.park_stalled(self._table, now, limit, shared_limit if shared and not held else None)
                 for wait_s in waited:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.processes import dualvllm
 from tests.recipes import TINY_ARITH
@@ -211,8 +212,15 @@ def test_serve_spreads_connections_over_its_workers_and_ctrl_c_stops_them_all(vl
     try:
         # The kernel spreads connections over the two sockets by address: 24 connections all on
         # one worker would happen once in 8 million runs.
-        answered = {serving_worker(endpoint, model, seed) for seed in range(24)}
-        assert answered == {"0/2", "1/2"}, answered
+        answered = [serving_worker(endpoint, model, seed) for seed in range(24)]
+        assert set(answered) == {"0/2", "1/2"}, answered
+        # Either worker's /metrics holds both workers' series, labelled by worker.
+        with urllib.request.urlopen(endpoint.removesuffix("/v1") + "/metrics", timeout=30) as scraped:
+            families = {f.name: f for f in text_string_to_metric_families(scraped.read().decode())}
+        completions = {s.labels["worker"]: s.value for s in families["dualvllm_requests"].samples
+                       if s.name == "dualvllm_requests_total" and s.labels["route"] == "/v1/completions"}
+        assert completions == {"0": answered.count("0/2"), "1": answered.count("1/2")}, completions
+        assert families["dualvllm_workers_scraped"].samples[0].value == 2
         run.send_signal(signal.SIGINT)
         assert run.wait(timeout=120) == 130
     finally:

@@ -46,7 +46,7 @@ def test_theory_has_no_io_dependencies():
 # none needs TYPE_CHECKING or an import order to load (an errors <-> responses <-> scoring
 # circle once made `import dualvllm.service.errors` fail on its own).
 SERVICE_LAYERS = [{"errors", "schema", "config", "tokens", "batching"}, {"scoring"}, {"responses"}, {"formats"}, {"jobs"},
-                  {"metrics", "streaming", "dev_routes", "generate"}, {"app"}, {"workers"}]
+                  {"metrics", "streaming", "dev_routes", "generate", "worker_metrics"}, {"app"}, {"workers"}]
 
 
 def test_service_modules_import_one_way():

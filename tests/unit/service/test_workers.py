@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from dualvllm.common.errors import InvalidInputError, ServerStartupError
 from dualvllm.coordinator.config import CoordinatorConfig
 from dualvllm.service.config import ServiceConfig
+from dualvllm.service.worker_metrics import WorkerPlace
 from dualvllm.service.workers import _spec, started_workers, worker_seed
 
 
@@ -24,7 +26,8 @@ def test_a_worker_is_told_both_configs_as_given_with_secrets_and_the_bound_port(
     coordinator = CoordinatorConfig(theta_urls=("http://127.0.0.1:9000",), t_urls=("http://127.0.0.1:9001",),
                                     api_key="server-secret", top_k=10)
     service = ServiceConfig(service_port=0, api_key="client-secret", workers=3)
-    spec = json.loads(_spec(coordinator, service, index=2, count=3, port=43210))
+    place = WorkerPlace(0, 3, Path("/tmp/dualvllm-metrics-x"))
+    spec = json.loads(_spec(coordinator, service, index=2, place=place, port=43210))
     # Rebuilt in the worker, they equal the parent's (but the seed and the port).
     rebuilt = CoordinatorConfig(**spec["coordinator"])
     assert rebuilt.api_key is not None and rebuilt.api_key.get_secret_value() == "server-secret"
@@ -33,6 +36,7 @@ def test_a_worker_is_told_both_configs_as_given_with_secrets_and_the_bound_port(
     served = ServiceConfig(**spec["service"])
     assert served.api_key is not None and served.api_key.get_secret_value() == "client-secret"
     assert (served.service_port, served.workers, spec["index"], spec["count"]) == (43210, 3, 2, 3)
+    assert spec["metrics_dir"] == "/tmp/dualvllm-metrics-x"
 
 
 def test_dev_mode_takes_one_worker():
