@@ -690,6 +690,9 @@ async def test_steps_split_among_threads_give_the_per_token_steps_tokens(rig, mo
     from dualvllm.coordinator import kernel
 
     monkeypatch.setattr(kernel, "THREADED_MIN_ROWS", 1)  # these steps are small: thread them anyway
+    # Compiled here, as DualVLLMCoordinator does at start, not inside the outputs' wait: on a
+    # fresh clone under load the threaded step's first compile took longer than that wait.
+    kernel.warm_up(threads=2)
     theta, t = rig.servers()
     cfg = config(step_threads=2)
     scheduler = rig.scheduler(theta, t, cfg)
