@@ -15,14 +15,12 @@ NOT guard) is refused on any non-loopback host.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import importlib.metadata
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from dualvllm.common.errors import InvalidInputError, LifecycleError, ServerStartupError
 from dualvllm.common.process import die_with_parent, log_tail
 from dualvllm.common.validation import RaisesInvalidInput
-from dualvllm.engines import placement, weight_transfer
+from dualvllm.engines import placement, ports, weight_transfer
 from dualvllm.engines.vllm_plugin import spin
 from dualvllm.engines.vllm_plugin.net import is_loopback
 from dualvllm.engines.vllm_plugin.worker_extension import WORKER_EXTENSION
@@ -266,22 +264,16 @@ def parse_cores(cores: str) -> list[int]:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    """A free port, reserved against other launchers on this machine until a server started on it
+    answers (engines/ports.py)."""
+    return ports.reserve_port(host)
 
 
 def with_ports(pairs: list[tuple[ServerConfig, ServerConfig]]) -> list[tuple[ServerConfig, ServerConfig]]:
     """`pairs` with a free port in every config that has none, chosen now (so a dry run prints the
-    port a run uses): all sockets are held open together, so no two servers get the same one."""
+    port a run uses); each is reserved, so no two servers get the same one."""
     configs = [config for pair in pairs for config in pair]
-    with contextlib.ExitStack() as stack:
-        ports = []
-        for config in configs:
-            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            sock.bind((config.host, 0))
-            ports.append(sock.getsockname()[1])
-    resolved = [c if c.port else c.model_copy(update={"port": port}) for c, port in zip(configs, ports)]
+    resolved = [c if c.port else c.model_copy(update={"port": free_port(c.host)}) for c in configs]
     return [(resolved[2 * i], resolved[2 * i + 1]) for i in range(len(pairs))]
 
 
@@ -437,6 +429,8 @@ class VLLMServer:
         except BaseException:
             self.stop()
             raise
+        finally:
+            ports.release(self.port)  # it listens there now, or never will
 
     async def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.config.startup_timeout_s

@@ -46,7 +46,7 @@ install_with_uv() {
     cert=$(.venv/bin/python -m pip config get global.cert 2>/dev/null || true)
     .venv/bin/python -m pip install --quiet "uv==$UV_VERSION" &&
         SSL_CERT_FILE=${cert:-${SSL_CERT_FILE:-}} .venv/bin/python -m uv pip install --python .venv/bin/python \
-            --index-strategy unsafe-best-match "${args[@]}" -e "$EXTRAS" -c requirements/lock.txt &&
+            --index-strategy unsafe-best-match --compile-bytecode "${args[@]}" -e "$EXTRAS" -c requirements/lock.txt &&
         .venv/bin/python -m uv pip uninstall --python .venv/bin/python "${UNWANTED[@]}"
 }
 
