@@ -8,5 +8,5 @@ bash scripts/setup.sh
 bash scripts/check.sh
 # Two workers (pytest-xdist) by default: alone, the suite leaves a third of the machine's two cores
 # idle while tests wait on their servers. Tests that share servers stay on one worker
-# (tests/conftest.py, xdist_group), so each pair starts once. DUALVLLM_TEST_WORKERS=0: one process.
-exec .venv/bin/python -m pytest -n "${DUALVLLM_TEST_WORKERS:-2}" --dist loadgroup "$@"
+# (tests/conftest.py, shared_group), so each pair starts once. DUALVLLM_TEST_WORKERS=0: one process.
+exec .venv/bin/python -m pytest -n "${DUALVLLM_TEST_WORKERS:-2}" "$@"

@@ -1,6 +1,11 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
@@ -11,13 +16,16 @@ from tests.fake_vllm import FakeModel, FakeVLLM
 
 # Fixture scopes wider than a test, widest first: the group of a test that shares one.
 SHARED_SCOPES = ("session", "package", "module")
+# Where the first xdist worker writes each grouped test's group for the scheduler in the main
+# process, which collects nothing itself (set there, inherited by the workers).
+GROUPS_FILE_ENV = "DUALVLLM_TEST_GROUPS_FILE"
 
 
-def xdist_group(item: pytest.Item) -> str | None:
-    """The group a test runs in under `pytest -n N --dist loadgroup` (scripts/test.sh): its widest
-    shared fixture defined in tests/ (the session's vLLM pair, a package's servers, or its module
-    when it shares a module's), so each such fixture starts once, on one worker. None: a test that
-    shares none runs wherever a worker is free."""
+def shared_group(item: pytest.Item) -> str | None:
+    """The group a test runs in under xdist (scripts/test.sh): its widest shared fixture defined
+    in tests/ (the session's vLLM pair, a package's servers, or its module when it shares a
+    module's), so each such fixture starts once, on one worker. None: a test that shares none
+    runs wherever a worker is free."""
     info = getattr(item, "_fixtureinfo", None)
     if info is None:
         return None
@@ -33,14 +41,40 @@ def xdist_group(item: pytest.Item) -> str | None:
     return widest[1] if widest else None
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_configure(config):
+    if config.getoption("numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ:
+        os.environ[GROUPS_FILE_ENV] = str(Path(tempfile.mkdtemp(prefix="dualvllm-test-groups-")) / "groups.json")
+
+
+def pytest_unconfigure(config):
+    if "PYTEST_XDIST_WORKER" not in os.environ and (groups := os.environ.pop(GROUPS_FILE_ENV, None)):
+        shutil.rmtree(Path(groups).parent, ignore_errors=True)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scope scheduling over `shared_group`'s groups: a group goes to one worker whole.
+    (xdist's own `--dist loadgroup` renames node ids, which pytest 9 no longer lets it do.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedFixtureScheduling(LoadScopeScheduling):
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:  # written before the workers reported their collections
+                self.groups = json.loads(Path(os.environ[GROUPS_FILE_ENV]).read_text())
+            return self.groups.get(nodeid, nodeid)
+
+    return SharedFixtureScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests that share a fixture wider than a test are grouped for xdist (`xdist_group`). Every
-    `gpu`-marked test is skipped, with the reason, where torch sees no CUDA device (torch is
+    """Under xdist, the first worker writes the tests' groups (`shared_group`) for the scheduler.
+    Every `gpu`-marked test is skipped, with the reason, where torch sees no CUDA device (torch is
     imported only when such a test is collected)."""
-    for item in items:
-        if (group := xdist_group(item)) is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
+    if (groups := os.environ.get(GROUPS_FILE_ENV)) and os.environ.get("PYTEST_XDIST_WORKER") == "gw0":
+        grouped = {item.nodeid: group for item in items if (group := shared_group(item)) is not None}
+        Path(groups + ".part").write_text(json.dumps(grouped))
+        os.replace(groups + ".part", groups)
     marked = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not marked:
         return

@@ -7,6 +7,7 @@ tests/integration/test_weight_transfer.py.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 
@@ -19,8 +20,8 @@ pytest.importorskip("vllm")
 from vllm.distributed.weight_transfer.base import layerwise_groups  # noqa: E402
 
 from dualvllm.engines.weight_digest import PushDigest  # noqa: E402
-from dualvllm.engines.weight_transfer import SEGMENT_PREFIX, SHM_DIR, ShmInitInfo, ShmUpdateInfo, segment_path  # noqa: E402
-from dualvllm.training import lora  # noqa: E402
+from dualvllm.engines.weight_transfer import ShmInitInfo, ShmUpdateInfo, segment_path  # noqa: E402
+from dualvllm.training import lora, weight_transfer  # noqa: E402
 from dualvllm.training.weight_transfer import (  # noqa: E402
     LearnerSource,
     SharedMemoryTrainerEngine,
@@ -88,14 +89,31 @@ def push(model, receiver: Receiver, *, dtype=torch.bfloat16, chunk_bytes: int = 
     return engine.stats
 
 
-def leftover_segments() -> list[str]:
-    return [p.name for p in SHM_DIR.glob(SEGMENT_PREFIX + "*")]
+@pytest.fixture
+def segments_made(monkeypatch) -> list[str]:
+    """The names of the shared-memory segments this test's pushes make: whether they are gone
+    is asked of these alone, as other processes (parallel tests) may be pushing meanwhile."""
+    made: list[str] = []
+    make = weight_transfer._segment
+
+    @contextlib.contextmanager
+    def recorded(size):
+        with make(size) as (name, buffer):
+            made.append(name)
+            yield name, buffer
+
+    monkeypatch.setattr(weight_transfer, "_segment", recorded)
+    return made
+
+
+def left_behind(made: list[str]) -> list[str]:
+    assert made, "no segment was made"
+    return [name for name in made if segment_path(name).exists()]
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_every_weight_arrives_in_the_servers_dtype_in_chunks_of_whole_layers(tied):
+def test_every_weight_arrives_in_the_servers_dtype_in_chunks_of_whole_layers(tied, segments_made):
     model = small_model(tied)
-    before = set(leftover_segments())
     receiver = Receiver()
     stats = push(model, receiver, chunk_bytes=150_000)
     state = model.state_dict()
@@ -111,7 +129,7 @@ def test_every_weight_arrives_in_the_servers_dtype_in_chunks_of_whole_layers(tie
     groups = layerwise_groups([m.name for m in LearnerSource(model, torch.bfloat16).metadata()])
     for group in groups:  # no decoder layer is split between two chunks
         assert sum(any(name in chunk for name in group) for chunk in receiver.chunks) == 1, group
-    assert set(leftover_segments()) == before  # every segment unlinked
+    assert not left_behind(segments_made)  # every segment unlinked
     assert model.lm_head.weight.dtype == torch.float32  # the learner's weights are untouched
 
 
@@ -144,16 +162,15 @@ def test_the_trainer_digests_what_it_sends_as_the_server_digests_what_it_loads(d
     assert changed.digest != stats.digest and changed.digest == independent_digest(model, dtype)
 
 
-def test_a_chunk_the_server_fails_still_finishes_the_update_and_leaves_no_segment():
+def test_a_chunk_the_server_fails_still_finishes_the_update_and_leaves_no_segment(segments_made):
     model = small_model()
-    before = set(leftover_segments())
     receiver = Receiver(fail_on_chunk=1)
     with pytest.raises(RuntimeError, match="the server died"):
         push(model, receiver, chunk_bytes=150_000)
     # finish puts back the old tensors of the layers that got nothing; the server keeps serving
     assert receiver.calls == ["init", "start", "update", "update", "finish"]
     assert receiver.version is None  # the failed update is not tagged as a version
-    assert set(leftover_segments()) == before
+    assert not left_behind(segments_made)
 
 
 def test_a_lora_push_sends_merged_weights_and_can_be_limited_to_adapted_layers():
