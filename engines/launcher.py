@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from dualvllm.common.errors import InvalidInputError, LifecycleError, ServerStartupError
 from dualvllm.common.process import die_with_parent, log_tail
 from dualvllm.common.validation import RaisesInvalidInput
-from dualvllm.engines import placement, ports, weight_transfer
+from dualvllm.engines import kv_cache, placement, ports, weight_transfer
 from dualvllm.engines.vllm_plugin import spin
 from dualvllm.engines.vllm_plugin.net import is_loopback
 from dualvllm.engines.vllm_plugin.worker_extension import WORKER_EXTENSION
@@ -97,8 +97,10 @@ class ServerConfig(RaisesInvalidInput, BaseModel):
         "uni",
         description="CPU build: where the model runs. uni (the default): inside the engine-core process (VLLM_ENABLE_V1_MULTIPROCESSING=0, --distributed-executor-backend uni): no queue to a worker, no spin, but vLLM binds no threads there, so the launcher pins the server's OpenMP threads to cpu_cores itself (GOMP_CPU_AFFINITY, OMP_NUM_THREADS; also the API process's). mp (vLLM's own choice on CPU): in a worker process that vLLM binds to cpu_cores, which the engine core waits for on a shared-memory queue (the spin of lockstep_engine_spin_s). Side by side on an idle machine, uni was 1.4-1.8x faster in lockstep at batch 1 and 8 with 30-50% less server CPU per token, and tied at batch 64 (benchmarks/lockstep_spin.py, benchmarks/README.md).",
     )
-    kv_cache_space_gib: float = Field(
-        1.0, gt=0, description="CPU build: KV cache size (VLLM_CPU_KVCACHE_SPACE); keeps two servers within RAM."
+    kv_cache_space_gib: float | None = Field(
+        None,
+        gt=0,
+        description="CPU build: KV cache size in GiB (--kv-cache-memory-bytes); None = 1 GiB, or less when the model's config.json says a full batch of its longest sequences needs less (engines/kv_cache.py).",
     )
     gpu_memory_utilization: float = Field(
         0.45, gt=0, le=1, description="GPU build: share of GPU memory; 0.45 lets two servers share one GPU."
@@ -263,6 +265,10 @@ def parse_cores(cores: str) -> list[int]:
     return ids
 
 
+# vLLM's legacy CPU setting (whole GiB): inherited, it would override --kv-cache-memory-bytes.
+KV_CACHE_VARIABLE = "VLLM_CPU_KVCACHE_SPACE"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A free port, reserved against other launchers on this machine until a server started on it
     answers (engines/ports.py)."""
@@ -332,7 +338,7 @@ class VLLMServer:
         if self._on_cpu():
             # CUDA-graph capture is what makes CPU start-up slow (~100 s vs ~35 s) and
             # buys nothing for per-token requests.
-            cmd += ["--enforce-eager"]
+            cmd += ["--enforce-eager", "--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
             if c.cpu_executor == "uni":
                 cmd += ["--distributed-executor-backend", "uni"]
         else:
@@ -345,7 +351,9 @@ class VLLMServer:
         started this process as one of several learner ranks (accelerate launch / torchrun), with
         `launcher_environment()` over it."""
         inherited = {
-            k: v for k, v in os.environ.items() if k not in RANK_VARIABLES and not k.startswith("TORCHELASTIC_")
+            k: v
+            for k, v in os.environ.items()
+            if k not in RANK_VARIABLES and not k.startswith("TORCHELASTIC_") and k != KV_CACHE_VARIABLE
         }
         return {**inherited, **self.launcher_environment()}
 
@@ -358,7 +366,6 @@ class VLLMServer:
             # CUDA's own default order (fastest first) may differ from nvidia-smi's, which the plan uses.
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         if self._on_cpu():
-            env["VLLM_CPU_KVCACHE_SPACE"] = f"{c.kv_cache_space_gib:g}"
             env["VLLM_CPU_OMP_THREADS_BIND"] = c.cpu_cores or "nobind"
             if c.cpu_executor == "uni":
                 # Else platforms/cpu.py turns uni back into mp (OpenMP binding needs a worker process).
@@ -389,6 +396,14 @@ class VLLMServer:
     def _model_runner_v2(self) -> bool:
         """The user chose Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1) on a GPU build."""
         return not self._on_cpu() and os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1"
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """CPU build: the KV cache this server reserves at start (engines/kv_cache.py)."""
+        c = self.config
+        return kv_cache.cache_bytes(
+            c.model, dtype=c.dtype, max_model_len=c.max_model_len, given_gib=c.kv_cache_space_gib
+        )
 
     def _on_cpu(self) -> bool:
         return self.config.device == "cpu" or (self.config.device == "auto" and is_cpu_build())

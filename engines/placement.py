@@ -182,8 +182,8 @@ class ServerOptions(BaseModel):
     kv_cache_space_gib: float | None = Field(
         None,
         gt=0,
-        description="CPU build: each server's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE); None = 1, which keeps "
-        "two servers within RAM.",
+        description="CPU build: each server's KV cache in GiB, fractions allowed (--kv-cache-memory-bytes); "
+        "None = 1, or less when the model's config.json says a full batch of its longest sequences needs less.",
     )
 
     @field_validator("base_gpus", "teacher_gpus", mode="before")

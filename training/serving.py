@@ -56,9 +56,13 @@ def coordinator_config(config: TaskConfig, *, batch_size: int, **run_owned: obje
     request carries every active sequence, so it is at most what a request may carry."""
     coordinator = config.coordinator
     batch = min(max(MIN_BATCH, batch_size), coordinator.max_prompts_per_request)
+    # --lockstep / --no-lockstep decide the decoding mode on running servers too (--theta-urls),
+    # which `auto` would otherwise choose by whether they carry the plugin.
+    chosen = {"mode": "lockstep" if config.lockstep else "per_token"} if "lockstep" in config.model_fields_set else {}
     return CoordinatorConfig(
         **{
             "max_batch_size": batch,
+            **chosen,
             **coordinator.model_dump(include=coordinator.model_fields_set),
             "top_k": config.top_k,
             "seed": config.seed,

@@ -258,7 +258,7 @@ def assert_trained_and_pushed(out: Path, stdout: str, stderr: str, mode: str) ->
     steps = [r["step"] for r in records if "event" not in r]
     assert steps == sorted(set(steps)) and steps[-1] == 4, steps  # nothing trained twice
     assert all(r["push_max_abs_diff"] < 1e-3 for r in records if "push_max_abs_diff" in r)
-    assert all(r["push_via"] == "memory" for r in records if "push_via" in r)  # the servers it started can
+    assert all(r["push_via"] == "memory" for r in records if "push_via" in r)  # dev-mode servers on this machine
     assert [p.name for p in sorted((out / "checkpoints").iterdir())][-1] == "step-000004"
 
 
@@ -288,11 +288,13 @@ def test_train_pushes_verified_weights_and_resumes_after_a_kill(tmp_path):
     assert third.returncode == 2 and "--resume" in stderr
 
 
-def test_train_lora_per_token_pushes_verified_adapters(tmp_path):
-    """LoRA, per-token decoding, one uninterrupted run (a LoRA checkpoint's resume is
-    tests/unit/training/test_lora.py's; the kill and resume of a run, the test above)."""
+def test_train_lora_per_token_pushes_verified_adapters(dev_pair, tmp_path):
+    """LoRA, per-token decoding, one uninterrupted run on running servers (a LoRA checkpoint's
+    resume is tests/unit/training/test_lora.py's; the kill and resume of a run that starts its
+    servers, the test above)."""
+    theta, t = dev_pair
     out = tmp_path / "run"
-    run = dualvllm(*train_args(out, "4", "--no-lockstep"))
+    run = dualvllm(*train_args(out, "4", "--no-lockstep"), "--theta-urls", theta.url, "--t-urls", t.url)
     stdout, stderr = run.communicate(timeout=900)
     assert run.returncode == 0, stderr[-3000:]
     assert_trained_and_pushed(out, stdout, stderr, "--no-lockstep")

@@ -12,7 +12,8 @@
   pushing verified weights into the survivor.
 
 The servers run in dev mode (weight pushes) with the lockstep plugin; per-token runs ask
-for mode="per_token". The training test runs last: it leaves a base replica dead.
+for mode="per_token". Only the second pair's servers are killed (the first is the session's
+dev pair). The training test runs last: it leaves a base replica dead.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import transformers
 
 from dualvllm import tinymodels
 from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator
-from dualvllm.engines.launcher import VLLMServer, replica_configs
+from dualvllm.engines.launcher import VLLMServer, pair_configs
 from tests.integration.pairs import running_servers
 from tests.integration.test_cli import FILE_POLL_S, dualvllm
 from tests.recipes import TINY_ARITH
@@ -45,13 +46,17 @@ STATS_POLL_S = 0.1
 
 
 @pytest.fixture(scope="module")
-def pools(tmp_path_factory):
-    """[theta-0, t-0, theta-1, t-1]: two pairs of servers, the bases in dev mode."""
-    pairs = replica_configs(replicas=2, log_dir=tmp_path_factory.mktemp("vllm-pool-logs"), dev_mode=True,
-                            max_logprobs=20, lockstep=True)
-    with running_servers([(config, f"{role}-{i}") for i, pair in enumerate(pairs)
-                          for config, role in zip(pair, ("theta", "t"))]) as servers:
-        yield servers
+def pools(dev_servers, tmp_path_factory):
+    """[theta-0, t-0, theta-1, t-1]: two pairs of servers, the bases in dev mode. The first pair is
+    the session's dev pair; the second, started here, is the one whose servers the tests kill."""
+    theta, t = pair_configs(log_dir=tmp_path_factory.mktemp("vllm-pool-logs"), dev_mode=True, max_logprobs=100,
+                            lockstep=True, lockstep_timeout_s=15)
+    with running_servers([(theta, "theta-1"), (t, "t-1")]) as servers:
+        pool = [*dev_servers, *servers]
+        try:
+            yield pool
+        finally:
+            servers[:] = pool[2:]  # what the tests restarted in their place, stopped on the way out
 
 
 def pool_config(servers: list[VLLMServer], mode: str = "per_token") -> CoordinatorConfig:
@@ -83,7 +88,7 @@ def assert_lost_nothing(outputs, reference, stats: dict, role: str, atol: float)
     assert 1 <= stats[f"{role}_replica_moves"] <= SEQUENCES
 
 
-async def test_a_killed_base_replica_loses_no_token_and_rejoins_after_a_restart(pools, tmp_path):
+async def test_a_killed_base_replica_loses_no_token_and_rejoins_after_a_restart(pools, dev_pair, tmp_path):
     prompts = [p.prompt for p in problems("test", n=SEQUENCES, seed=12)]
     theta1 = restarted(pools[2], tmp_path)
     async with DualVLLMCoordinator(pool_config(pools)) as c:
@@ -110,6 +115,9 @@ async def test_a_killed_base_replica_loses_no_token_and_rejoins_after_a_restart(
         # and the same through the disk, the path of servers without a weight-transfer engine
         disk = await BasePusher(c.base_engine, probes, via="disk").push(learner, tokenizer, tmp_path / "on-disk")
         final = c.get_statistics()
+        # Both back on the bundled base, as the next tests expect of one pool's replicas.
+        base = transformers.AutoModelForCausalLM.from_pretrained(tinymodels.BASE_DIR)
+        await BasePusher(c.base_engine, probes).push(base, tokenizer, tmp_path / "restored")
 
     assert_lost_nothing(outputs, reference, after_kill, "theta", atol=1e-6)
     assert final["theta_replica_rejoins"] == 1
@@ -175,7 +183,7 @@ async def test_a_teacher_replica_restarted_with_chunked_prefill_stays_out_of_loc
     await plain.start()
 
 
-def test_training_goes_on_pushing_verified_weights_when_a_base_replica_dies(pools, tmp_path):
+def test_training_goes_on_pushing_verified_weights_when_a_base_replica_dies(pools, dev_pair, tmp_path):
     out, log = tmp_path / "run", tmp_path / "train.log"
     with open(log, "w") as stderr:  # a file, not a pipe: nobody reads it while the run goes on
         run = dualvllm("train", "--config", str(TINY_ARITH), "--output-dir", str(out), "--theta-urls", pools[0].url,

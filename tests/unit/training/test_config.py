@@ -359,3 +359,11 @@ def test_help_shows_the_defaults_for_a_real_model(capsys):
     assert "--share-cap SHARE_CAP correction=sequence" in text and "[--method grpo]" in text
     assert "--config RECIPE.yaml" in text
     assert "Default: distill." in text  # the method, chosen from the mixed task's table
+
+
+@pytest.mark.parametrize(("flag", "mode"), [({}, "auto"), ({"lockstep": False}, "per_token"), ({"lockstep": True}, "lockstep")])
+def test_lockstep_flags_choose_the_decoding_mode_on_running_servers_too(tmp_path, flag, mode):
+    """--no-lockstep with --theta-urls decodes per token, even on servers that carry the plugin."""
+    config = TrainConfig.parse(config_file=TINY_ARITH, output_dir=tmp_path, theta_urls=("http://127.0.0.1:9",),
+                               t_urls=("http://127.0.0.1:8",), **flag)
+    assert coordinator_config(config, batch_size=64, theta_urls=config.theta_urls, t_urls=config.t_urls).mode == mode
