@@ -7,7 +7,6 @@ The servers are the bundled tiny models in float32, so a push is verified to 1e-
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
@@ -21,7 +20,7 @@ from dualvllm.engines.launcher import ServerConfig, VLLMServer
 from dualvllm.engines.vllm_admin import VLLMAdmin
 from dualvllm.engines.vllm_client import VLLMClient
 from dualvllm.engines.weight_digest import PushDigest
-from dualvllm.engines.weight_transfer import segment_path
+from tests.segments import left_behind, record_segments
 from tests.waiting import eventually
 
 torch = pytest.importorskip("torch")
@@ -223,20 +222,13 @@ def test_a_server_killed_mid_transfer_fails_the_push_clearly_and_a_restarted_one
             await eventually(lambda: not servers[0].running, "the killed server's process is gone")
         return await original(self, update_info, timeout_s=timeout_s)
 
-    made = []  # the segments this push makes (other processes may push meanwhile)
-    make_segment = weight_transfer._segment
-
-    @contextlib.contextmanager
-    def recorded_segment(size):
-        with make_segment(size) as (name, buffer):
-            made.append(name)
-            yield name, buffer
+    made: list[list[str]] = []  # the names of the segments the push makes
 
     async def killed_mid_transfer():
         async with VLLMClient(servers[0].url, name="theta", request_timeout_s=30) as client:
             with monkeypatch.context() as patch:
                 patch.setattr(VLLMAdmin, "update_weights", kill_on_second_chunk)
-                patch.setattr(weight_transfer, "_segment", recorded_segment)
+                made.append(record_segments(patch))
                 with pytest.raises(WeightSyncError, match="failed in its update phase"):
                     await weight_transfer.transfer_and_verify(client, learner, probes(tokenizer), expected,
                                                               dtype="float32", top_k=20, tolerance=1e-3,
@@ -254,7 +246,7 @@ def test_a_server_killed_mid_transfer_fails_the_push_clearly_and_a_restarted_one
         assert len(chunks) == 2
         for name, tensor in learner.state_dict().items():  # the learner's weights are untouched
             assert torch.equal(tensor, before[name]), name
-        assert made and not [name for name in made if segment_path(name).exists()]  # no segment left behind
+        assert not left_behind(made[0])  # no segment left behind
         servers[0].stop()  # reaps it
         servers.append(VLLMServer(config.model_copy(update={"port": servers[0].port,
                                                             "log_path": tmp_path / "theta-restarted.log"}),

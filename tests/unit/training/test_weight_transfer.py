@@ -7,7 +7,6 @@ tests/integration/test_weight_transfer.py.
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 
@@ -21,7 +20,8 @@ from vllm.distributed.weight_transfer.base import layerwise_groups  # noqa: E402
 
 from dualvllm.engines.weight_digest import PushDigest  # noqa: E402
 from dualvllm.engines.weight_transfer import ShmInitInfo, ShmUpdateInfo, segment_path  # noqa: E402
-from dualvllm.training import lora, weight_transfer  # noqa: E402
+from dualvllm.training import lora  # noqa: E402
+from tests.segments import left_behind, record_segments  # noqa: E402
 from dualvllm.training.weight_transfer import (  # noqa: E402
     LearnerSource,
     SharedMemoryTrainerEngine,
@@ -91,24 +91,7 @@ def push(model, receiver: Receiver, *, dtype=torch.bfloat16, chunk_bytes: int = 
 
 @pytest.fixture
 def segments_made(monkeypatch) -> list[str]:
-    """The names of the shared-memory segments this test's pushes make: whether they are gone
-    is asked of these alone, as other processes (parallel tests) may be pushing meanwhile."""
-    made: list[str] = []
-    make = weight_transfer._segment
-
-    @contextlib.contextmanager
-    def recorded(size):
-        with make(size) as (name, buffer):
-            made.append(name)
-            yield name, buffer
-
-    monkeypatch.setattr(weight_transfer, "_segment", recorded)
-    return made
-
-
-def left_behind(made: list[str]) -> list[str]:
-    assert made, "no segment was made"
-    return [name for name in made if segment_path(name).exists()]
+    return record_segments(monkeypatch)
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
