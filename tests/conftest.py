@@ -67,14 +67,28 @@ def pytest_xdist_make_scheduler(config, log):
     return SharedFixtureScheduling(config, log)
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--run-slow",
+        action="store_true",
+        help="also run the tests marked slow: a minute or more each, on paths faster tests also cover "
+        "(run them when changing those paths)",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
     """Under xdist, the first worker writes the tests' groups (`shared_group`) for the scheduler.
-    Every `gpu`-marked test is skipped, with the reason, where torch sees no CUDA device (torch is
+    `slow` tests are skipped unless --run-slow. Every `gpu`-marked test is skipped, with the reason, where torch sees no CUDA device (torch is
     imported only when such a test is collected)."""
     if (groups := os.environ.get(GROUPS_FILE_ENV)) and os.environ.get("PYTEST_XDIST_WORKER") == "gw0":
         grouped = {item.nodeid: group for item in items if (group := shared_group(item)) is not None}
         Path(groups + ".part").write_text(json.dumps(grouped))
         os.replace(groups + ".part", groups)
+    if not config.getoption("--run-slow"):
+        slow = pytest.mark.skip(reason="slow: run with --run-slow (bash scripts/test.sh --run-slow)")
+        for item in items:
+            if item.get_closest_marker("slow") is not None:
+                item.add_marker(slow)
     marked = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not marked:
         return

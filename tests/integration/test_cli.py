@@ -300,6 +300,8 @@ def test_train_lora_per_token_pushes_verified_adapters(dev_pair, tmp_path):
     assert_trained_and_pushed(out, stdout, stderr, "--no-lockstep")
 
 
+# Slow (two pair starts, ~130 s): DPO's mining and step are tests/unit/training/test_dpo.py's.
+@pytest.mark.slow
 def test_train_dpo_mines_pairs_and_trains(tmp_path):
     """With LoRA; full fine-tuning's DPO step is tests/unit/training/test_dpo.py's (in process:
     a run here starts two pairs of servers, one to mine and one to evaluate the trained base)."""

@@ -150,6 +150,8 @@ async def test_a_killed_teacher_replica_in_lockstep_mode_loses_no_token_and_rejo
     assert all(o.ok for o in again) and c.get_statistics()["t_replica_rejoins"] == 1
 
 
+# Slow (two restarts, ~90 s): the refusal is tests/unit/coordinator/test_lockstep_pools.py's, over fake servers.
+@pytest.mark.slow
 async def test_a_teacher_replica_restarted_with_chunked_prefill_stays_out_of_lockstep(pools, tmp_path, caplog):
     """The rejoin check is the start-up probe's: a replica restarted with the plugin but with
     chunked prefill on (its plugin would count half-computed prompts as decode steps) answers

@@ -202,6 +202,9 @@ async def test_echoed_log_q_star_matches_the_exact_full_vocabulary_q_star(vllm_p
         assert np.abs(np.exp(served(name, "logprobs_q")) - np.exp(full[rows, tokens])).mean() <= 2 * 0.0021
 
 
+# Slow (three lm-eval runs, ~120 s): lm-eval against the service is also the test above's, and the
+# echoed loglikelihoods test_echoed_log_q_star_matches_the_exact_full_vocabulary_q_star's.
+@pytest.mark.slow
 async def test_lm_eval_multiple_choice_puts_q_star_between_the_base_and_the_teacher(vllm_pair, tmp_path):
     """benchmarks/lm_eval_loglikelihood.py: lm-eval's local-completions model scores the
     multiple-choice task (and the loglikelihood_rolling one) three times through one endpoint,

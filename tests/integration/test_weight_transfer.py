@@ -203,6 +203,8 @@ async def test_a_push_during_lockstep_decoding_keeps_its_sequences_and_they_cont
     assert switched == len(outputs), at_push  # every sequence went on, on the new weights
 
 
+# Slow (a start and a restart, ~100 s): a chunk the server fails is tests/unit/training/test_weight_transfer.py's.
+@pytest.mark.slow
 def test_a_server_killed_mid_transfer_fails_the_push_clearly_and_a_restarted_one_takes_the_next(tmp_path,
                                                                                                monkeypatch):
     config = ServerConfig(model=str(tinymodels.BASE_DIR), dev_mode=True, dtype=tinymodels.SERVER_DTYPE,
