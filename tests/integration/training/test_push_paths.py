@@ -3,7 +3,7 @@
 The server reads the path it is told to reload from its own working directory; a relative
 path from a trainer started elsewhere once made vLLM look for a hub repo, fail the reload
 halfway and die. Both trainers here run in a directory of their own with a relative output
-directory, against the package's dev-mode pair (started in the test session's directory),
+directory, against the session's dev-mode pair (started in the test session's directory),
 pushing through the disk (the path that sends a directory; a push in memory sends none), and
 every push must be sent absolute and verified.
 """

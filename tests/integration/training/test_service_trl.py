@@ -1,6 +1,6 @@
 """`dualvllm serve` as a drop-in vLLM server for TRL (issue 44), against real vLLM servers.
 
-The q* service runs in dev mode over the package's dev pair (conftest.py: the bundled base in
+The q* service runs in dev mode over the session's dev pair (integration/conftest.py: the bundled base in
 dev mode and the teacher, with the lockstep plugin), in a thread with its own event loop:
 TRL's `trl.generation.vllm_client.VLLMClient` is synchronous. Then, with TRL's own code:
 

@@ -1,6 +1,6 @@
 """TRL's GRPOTrainer on q* rollouts from real vLLM servers, its policy pushed back into the base server.
 
-Against the package's dev-mode pair (conftest.py: the bundled base in dev mode and the
+Against the session's dev-mode pair (integration/conftest.py: the bundled base in dev mode and the
 teacher, with the lockstep plugin; the session's shared pair takes no pushes). In this process: two
 optimizer steps, a push before the first and after each, every push verified by logprobs.
 Then `accelerate launch --multi_gpu --num_processes 2` runs examples/trl_grpo.py against the
