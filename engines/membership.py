@@ -5,7 +5,9 @@ may take them:
 - `take_out` marks a replica down (a request still failing after its retries, a failed push);
 - a prober asks every down replica for /health, then the checks added with
   `add_rejoin_check`, then the weights probe, and lets it rejoin when it answers with the
-  same weights as the others (`refresh_reference` after each push moves that reference);
+  same weights as the others (`refresh_reference` after each push moves that reference); a
+  replica refused there is checked again at doubling intervals, but asked /health at every
+  one, so that a restart (its /health failing for a while) ends the backoff;
 - `changing()` brackets a state change to every healthy replica (a weight push): a replica
   whose checks overlap one stays down and is probed again after it. A generation counter, not
   a lock: nothing is held across the change's I/O.
@@ -193,6 +195,9 @@ class Membership:
             await asyncio.sleep(self._probe_interval_s)
             for replica in [i for i, up in enumerate(self._up) if not up]:
                 if replica in self._refused and loop.time() < self._refused[replica][0]:
+                    # Waiting out its backoff, it is still asked /health: an operator who fixes it
+                    # restarts it, and what comes back is probed at once, not up to a minute later.
+                    await self._still_answers(replica)
                     continue
                 generation = self._generation
                 if self._changes_in_flight or not await self._passes(replica):
@@ -208,13 +213,20 @@ class Membership:
                 self.counters.rejoins += 1
                 log.warning("%s passed /health and the weights probe: it rejoins the pool", self.describe(replica))
 
+    async def _still_answers(self, replica: int) -> bool:
+        """/health of a down replica; one that fails it forgets its refusal: whatever answers next
+        (a restarted server) is probed afresh."""
+        try:
+            await self.replicas[replica].health()
+        except ServerError:
+            self._refused.pop(replica, None)
+            return False  # still down: no log line every probe interval
+        return True
+
     async def _passes(self, replica: int) -> bool:
         engine = self.replicas[replica]
-        try:
-            await engine.health()
-        except ServerError:
-            self._refused.pop(replica, None)  # down again: whatever comes back is probed afresh
-            return False  # still down: no log line every probe interval
+        if not await self._still_answers(replica):
+            return False
         try:
             for check in self._rejoin_checks:
                 await check(engine)

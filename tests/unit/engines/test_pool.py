@@ -108,6 +108,38 @@ async def test_a_replica_that_comes_back_with_other_weights_stays_out(caplog):
     assert len(warnings) == 1 and url in warnings[0].getMessage()
 
 
+async def test_a_refused_replica_that_restarts_is_probed_at_once_not_after_its_backoff():
+    """A replica refused at its rejoin waits out a backoff of up to a minute before its checks
+    run again, but /health is still asked at every probe interval: one that fails it has gone
+    down (an operator restarting it), and whatever comes back is checked at once."""
+    import asyncio
+
+    async with running_fakes(FakeModel(1), FakeModel(1), FakeModel(2)) as (a, b, t):
+        async with DualVLLMCoordinator(config([a, b], [t])) as c:
+            pool = c.base_engine
+            assert isinstance(pool, ReplicaPool)
+            broken = True
+
+            async def check(replica) -> None:  # as the lockstep check refuses a chunked-prefill server
+                if broken and replica.url == a.url:
+                    raise InvalidInputError("started with chunked prefill")
+
+            pool.membership.add_rejoin_check(check)
+            a.fail_next("/v1/completions", Failure(503))
+            await c.generate_batch(PROMPTS[:2], max_tokens=2, seed=1)
+            await eventually(lambda: c.get_statistics()["theta_replica_refusals"] >= 1, "a's rejoin refused")
+            # Deep in its backoff: the next check of its weights would be an hour away.
+            loop = asyncio.get_running_loop()
+            _, _, reason = pool.membership._refused[0]
+            pool.membership._refused[0] = (loop.time() + 3600, 3600, reason)
+            refusals = c.get_statistics()["theta_replica_refusals"]
+            broken = False  # fixed, and restarted: its /health fails once while it starts
+            a.fail_next("/health", Failure(503))
+            await eventually(lambda: c.get_statistics()["theta_replicas_up"] == 2, "the restarted replica rejoined")
+            stats = c.get_statistics()
+    assert stats["theta_replica_rejoins"] == 1 and stats["theta_replica_refusals"] == refusals
+
+
 async def test_replicas_with_different_weights_are_refused_by_url():
     async with running_fakes(FakeModel(1), FakeModel(5), FakeModel(2)) as (a, b, t):
         with pytest.raises(IncompatibleModelsError, match="serve different weights") as refused:
