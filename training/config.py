@@ -38,8 +38,8 @@ from pydantic import BaseModel, Field, TypeAdapter, ValidationError, model_valid
 from dualvllm.common.errors import InvalidInputError
 from dualvllm.coordinator.config import CoordinatorConfig
 from dualvllm.training.config_sources import Sources, flag
-from dualvllm.training.device import MixedPrecision, check_choice
-from dualvllm.training.losses import Correction, Normalization
+from dualvllm.training.choices import Correction, MixedPrecision, Normalization
+from dualvllm.training.device import check_choice
 from dualvllm.training.regimes import Regimes
 from dualvllm.training.task_config import TOY_LEARNING_RATE, TaskConfig, bundled
 

@@ -25,8 +25,6 @@ from typing import Any
 from collections.abc import Sequence
 
 import numpy as np
-from scipy.signal import find_peaks
-from scipy.stats import gaussian_kde
 
 from dualvllm.common.errors import InvalidInputError
 
@@ -84,6 +82,9 @@ def difficulty_buckets(emas: np.ndarray, grid: int = 256, min_depth: float = VAL
     if hi - lo <= EQUAL_RTOL * max(1.0, abs(lo), abs(hi)):
         return one_bucket
     xs = np.linspace(lo, hi, grid)  # [grid]
+    from scipy.signal import find_peaks  # here, not at the top: the training config imports this module
+    from scipy.stats import gaussian_kde
+
     log_density = gaussian_kde(emas).logpdf(xs)  # [grid], log space: far from the data the density underflows
     valleys, _ = find_peaks(-log_density, prominence=min_depth)
     cuts = xs[valleys]  # [K-1], ascending

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Literal
-
-import torch
+from typing import TYPE_CHECKING
 
 from dualvllm.common.errors import InvalidInputError
+from dualvllm.training.choices import MixedPrecision
 
-MixedPrecision = Literal["auto", "no", "bf16", "fp16"]
+# torch is imported where a device is resolved, not here: the training config reads this module,
+# and every `dualvllm` command builds its parser from that config (torch alone is 2-5 s to import).
+if TYPE_CHECKING:
+    import torch
 
 
 def check_choice(spec: str | None, precision: MixedPrecision) -> None:
@@ -37,6 +39,8 @@ def check_choice(spec: str | None, precision: MixedPrecision) -> None:
 def device_of(spec: str) -> torch.device:
     """`--learner-device` as a torch device the learner can run on (cpu, cuda, cuda:N; meta for plans and
     tests), without asking whether the hardware is there."""
+    import torch
+
     try:
         device = torch.device(spec)
     except RuntimeError as err:
@@ -50,6 +54,8 @@ def device_of(spec: str) -> torch.device:
 
 def learner_device(spec: str | None) -> torch.device:
     """The learner's device from `--learner-device` (None: the first CUDA device when there is one, else the CPU)."""
+    import torch
+
     if spec is None:
         return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     device = device_of(spec)
@@ -76,6 +82,8 @@ def autocast_dtype(device: torch.device, precision: MixedPrecision) -> torch.dty
     CPU, autocast to bf16 is slower than float32 on most cores, so auto keeps float32 there;
     asking for bf16 explicitly still works.
     """
+    import torch
+
     if precision == "no" or device.type == "meta":
         return None
     if precision == "auto":
@@ -97,6 +105,8 @@ def _precision_fits(device: torch.device, precision: MixedPrecision) -> None:
 @contextlib.contextmanager
 def autocast(device: torch.device, dtype: torch.dtype | None) -> Iterator[None]:
     """torch.autocast on `device` in `dtype`; a no-op for None (float32)."""
+    import torch
+
     if dtype is None:
         yield
         return

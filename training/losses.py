@@ -46,13 +46,12 @@ exp(ref - logp) - (ref - logp) - 1 >= 0 (Schulman 2020), per token, normalized t
 from __future__ import annotations
 
 import math
-from typing import Literal
 from collections.abc import Sequence
 
 import torch
 
-Normalization = Literal["grpo", "dr_grpo", "dapo"]
-Correction = Literal["sequence", "token", "vespo", "none"]
+from dualvllm.training.choices import Correction, Normalization
+
 # VESPO's Gamma shapes, TRL 1.16's defaults (vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg).
 VESPO_POSITIVE = (2.0, 3.0)
 VESPO_NEGATIVE = (3.0, 2.0)

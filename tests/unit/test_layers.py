@@ -31,6 +31,13 @@ def test_sampling_side_never_imports_torch_or_transformers(module):
     assert not {"torch", "transformers", "vllm"} & loaded, f"importing {module} pulled in heavy packages"
 
 
+def test_the_command_line_and_the_training_config_load_without_torch():
+    """Every `dualvllm` command builds its parser from the training config: torch (2-5 s to
+    import) loads only once a run resolves its learner's device, not for `--help` or a refused recipe."""
+    loaded = imported_after("dualvllm.cli; dualvllm.cli._parser(); import dualvllm.training.config")
+    assert not {"torch", "transformers"} & loaded
+
+
 def test_common_is_the_bottom_layer():
     loaded = imported_after("dualvllm.common.errors") | imported_after("dualvllm.common.validation")
     above = {m for m in loaded if m.startswith("dualvllm.") and m.split(".")[1] != "common"}
