@@ -1,8 +1,9 @@
 """Real vLLM servers on the bundled tiny models, shared by the integration tests.
 
-Two pairs, each started once per test session (~40-70 s on 2 CPU cores) at its first use and
-stopped at the session's end: `vllm_pair`, which never takes a weight push, and `dev_pair`,
-whose base takes them (dev mode), given back the bundled base's weights after every test.
+One pair, started once per test session (~40-70 s on 2 CPU cores) at its first use and stopped
+at the session's end, under two names: `vllm_pair` for the tests that push no weights, and
+`dev_pair`, whose base takes them (dev mode) and is given back the bundled base's weights after
+every test.
 """
 
 from __future__ import annotations
@@ -13,10 +14,8 @@ from pathlib import Path
 import pytest
 
 from dualvllm import tinymodels
-from dualvllm.engines.launcher import pair_configs
 from dualvllm.engines.vllm_client import VLLMClient
 from tests.integration import pairs
-from tests.integration.pairs import running_pair
 
 pytestmark = pytest.mark.integration
 
@@ -29,24 +28,22 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="session")
-def vllm_pair(tmp_path_factory):
-    """(theta_server, t_server): base and teacher tiny models, each on its own core.
-
-    They carry the lockstep plugin, so every test that does not choose a mode runs in
-    lockstep (the default wherever the plugin is); the plugin gives up on a silent
-    coordinator after 15 s instead of 60.
-    """
-    configs = pair_configs(log_dir=tmp_path_factory.mktemp("vllm-logs"), max_logprobs=100, lockstep=True,
-                           lockstep_timeout_s=15)
-    with running_pair(configs) as pair:
-        yield pair
-
-
-@pytest.fixture(scope="session")
 def dev_servers(tmp_path_factory):
     """`dev_pair`'s servers, started once per session (pairs.dev_pair)."""
     with pairs.dev_pair(tmp_path_factory.mktemp("dev-pair-logs")) as pair:
         yield pair
+
+
+@pytest.fixture
+def vllm_pair(dev_servers):
+    """(theta_server, t_server) for the tests that push no weights: the session's one pair (below).
+
+    They carry the lockstep plugin, so every test that does not choose a mode runs in
+    lockstep (the default wherever the plugin is); the plugin gives up on a silent
+    coordinator after 15 s instead of 60. The base is in dev mode, as `dualvllm train` starts
+    it; a test that pushes asks for `dev_pair`, which gives the base its weights back after.
+    """
+    return dev_servers
 
 
 @pytest.fixture

@@ -36,7 +36,7 @@ def running_servers(named: list[tuple[ServerConfig, str]]) -> Iterator[list[VLLM
 @contextlib.contextmanager
 def dev_pair(log_dir) -> Iterator[tuple[VLLMServer, VLLMServer]]:
     """(base in dev mode, teacher), with the lockstep plugin: the servers `dualvllm train` starts,
-    for tests that push weights (never into the session's `vllm_pair`). The plugin gives up on a
+    for tests that push weights, and the session's `vllm_pair`. The plugin gives up on a
     silent coordinator after 15 s."""
     with running_pair(pair_configs(log_dir=log_dir, dev_mode=True, max_logprobs=100, lockstep=True,
                                    lockstep_timeout_s=15)) as pair:

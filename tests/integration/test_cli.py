@@ -262,9 +262,12 @@ def assert_trained_and_pushed(out: Path, stdout: str, stderr: str, mode: str) ->
     assert [p.name for p in sorted((out / "checkpoints").iterdir())][-1] == "step-000004"
 
 
-def test_train_pushes_verified_weights_and_resumes_after_a_kill(tmp_path):
+def test_train_pushes_verified_weights_and_resumes_after_a_kill(dev_pair, tmp_path):
     """Full fine-tuning rolls out in lockstep (weight pushes fence the base's lockstep
-    sequences with /pause); killed mid-run, resumed without training a step twice."""
+    sequences with /pause); killed mid-run, its servers die with it, and the run resumes without
+    training a step twice. The resumed run is given running servers (the session's pair), as a
+    user who keeps servers up between runs would: its first push gives their base the checkpoint."""
+    theta, t = dev_pair
     out = tmp_path / "run"
     args = [*train_args(out, "0", "--lockstep"), "--checkpoint-every", "2"]
     first = dualvllm(*args)
@@ -278,7 +281,7 @@ def test_train_pushes_verified_weights_and_resumes_after_a_kill(tmp_path):
         first.kill()
         first.wait()
     assert_all_exit(descendants)
-    second = dualvllm(*args, "--resume")
+    second = dualvllm(*args, "--resume", "--theta-urls", theta.url, "--t-urls", t.url)
     stdout, stderr = second.communicate(timeout=900)
     assert second.returncode == 0, stderr[-3000:]
     assert_trained_and_pushed(out, stdout, stderr, "--lockstep")

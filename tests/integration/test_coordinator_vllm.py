@@ -77,6 +77,9 @@ async def test_start_up_refuses_a_top_k_above_the_vocabulary_and_the_servers_kee
     assert out.ok, out.error
 
 
+# Slow (vLLM's imports before it fails, ~50 s in CI): the launcher's report of a server that exits is
+# tests/unit/engines/test_launcher.py's; this holds it against what real vLLM prints.
+@pytest.mark.slow
 async def test_a_server_that_cannot_start_reports_its_log(tmp_path):
     model = tmp_path / "no-such-model"  # a directory vLLM cannot load: an unknown architecture
     model.mkdir()
@@ -139,17 +142,20 @@ async def test_first_token_follows_exact_q_star(vllm_pair, mode, batch):
 
 
 async def test_servers_without_tokenizers_generate_what_servers_with_them_generate(vllm_pair, tmp_path):
-    """--skip-tokenizer-init servers plus the coordinator's own tokenizers: same tokens, text, stops."""
+    """A --skip-tokenizer-init base (beside the session's teacher: the base's tokenizer is the one that
+    reads prompts and writes texts) plus the coordinator's own tokenizers: same tokens, text, stops."""
     from dualvllm.common.errors import ServerStatusError
-    from dualvllm.engines.launcher import launch_pair, pair_configs
+    from dualvllm.engines.launcher import VLLMServer, pair_configs
 
     prompts = [p.prompt for p in problems("test", n=16, seed=6)]
     kw = dict(max_tokens=6, temperature=0, stop=["+"])
     async with DualVLLMCoordinator(config(vllm_pair, top_k=20)) as c:
         assert c.mode == "lockstep"  # the shared servers carry the plugin
         expected = await c.generate_batch(prompts, **kw)
-    async with launch_pair(*pair_configs(log_dir=tmp_path, max_logprobs=20, skip_tokenizer_init=True, lockstep=False)) as bare:
-        async with VLLMClient(bare[0].url) as client:  # the flag took effect: no tokenizer on the server
+    base_config, _ = pair_configs(log_dir=tmp_path, max_logprobs=20, skip_tokenizer_init=True, lockstep=False)
+    async with VLLMServer(base_config, name="theta") as bare_base:
+        bare = (bare_base, vllm_pair[1])
+        async with VLLMClient(bare_base.url) as client:  # the flag took effect: no tokenizer on the server
             with pytest.raises(ServerStatusError):
                 await client.tokenize("12+34=")
         with pytest.raises(LockstepUnavailableError, match="no dualvllm lockstep plugin"):

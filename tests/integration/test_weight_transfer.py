@@ -260,9 +260,9 @@ def test_a_server_killed_mid_transfer_fails_the_push_clearly_and_a_restarted_one
 
 
 async def test_a_server_without_a_transfer_engine_is_pushed_through_the_disk(vllm_pair, tmp_path, caplog):
-    """The shared tiny pair is not in dev mode: `auto` falls back (logged), `memory` refuses."""
-    theta, _ = vllm_pair
-    async with VLLMClient(theta.url, name="theta") as client:
+    """The shared pair's teacher is not in dev mode: `auto` falls back (logged), `memory` refuses."""
+    _, t = vllm_pair
+    async with VLLMClient(t.url, name="t") as client:
         assert await client.admin.weight_transfer_backend() is None
         with pytest.raises(WeightSyncError, match="has no weight-transfer engine"):
             await BasePusher(client, [[1, 2, 3]], via="memory").in_memory()

@@ -195,6 +195,21 @@ async def test_start_up_timeout_reports_the_log_and_cleans_up(tmp_path):
         await gone(int(pid_file.read_text()))
 
 
+async def test_a_server_that_exits_at_start_reports_its_log_tail(tmp_path):
+    """What vLLM printed before it died (an unknown architecture, say) is in the error, at once:
+    no wait for the start-up timeout. (With real vLLM: tests/integration/test_coordinator_vllm.py,
+    slow.)"""
+    script = tmp_path / "dies.py"
+    script.write_text("import sys\nprint('ValueError: Model architectures [NoSuchModel] are not supported', "
+                      "file=sys.stderr)\nsys.exit(1)\n")
+    server = VLLMServer(ServerConfig(model="m", log_path=tmp_path / "log", startup_timeout_s=300), name="broken")
+    server.command = lambda: [sys.executable, str(script)]
+    with pytest.raises(ServerStartupError, match="broken vLLM server .* exited") as info:
+        await server.start()
+    assert "NoSuchModel" in str(info.value)
+    assert not server.running
+
+
 def test_a_gpu_server_sees_only_its_gpus_and_splits_its_model_over_them():
     server = VLLMServer(ServerConfig(model="m", port=1, device="gpu", gpus=(2, 3), tensor_parallel_size=2,
                                      gpu_memory_utilization=0.9))
