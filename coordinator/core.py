@@ -32,7 +32,7 @@ from dualvllm.common import heap
 from dualvllm.common.errors import InvalidInputError, LifecycleError, TopKUnsupportedError
 from dualvllm.engines.pool import as_pool, request_counts, vllm_members
 from dualvllm.engines.protocol import Engine
-from dualvllm.engines.vllm_client import CallObserver
+from dualvllm.engines.vllm_transport import CallObserver
 
 log = logging.getLogger("dualvllm.coordinator")
 
@@ -278,7 +278,7 @@ class DualVLLMCoordinator:
         session = self._require_open()
         for engine in (session.theta, session.t):
             for client in vllm_members(engine) or []:
-                client.observers.append(observer)
+                client.transport.observers.append(observer)
 
     @contextlib.asynccontextmanager
     async def paused(self) -> AsyncIterator[None]:

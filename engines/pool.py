@@ -206,7 +206,9 @@ def members(engine: Engine) -> list[Engine]:
 def request_counts(roles: Sequence[Engine]) -> dict[str, int]:
     """Requests, retries and request failures over every member of `roles` that counts them
     (vLLM clients, the in-process engine; a test's fake engine may not)."""
-    counting = [m for role in roles for m in members(role) if isinstance(m, RequestCounting)]
+    # A vLLM client's counts are its transport's (dualvllm.engines.vllm_transport).
+    counters = [m.transport if isinstance(m, VLLMClient) else m for role in roles for m in members(role)]
+    counting = [m for m in counters if isinstance(m, RequestCounting)]
     return {
         "requests": sum(m.requests for m in counting),
         "retries": sum(m.retries for m in counting),

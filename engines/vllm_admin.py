@@ -1,7 +1,7 @@
 """A vLLM server's admin routes: fencing, reloads, prefix-cache resets, native weight transfer.
 
-`VLLMClient.admin` holds one: the transport (retries, timeouts, error translation) is the
-client's, and the routes here change the server's state, so each is resent only where the
+`VLLMClient.admin` holds one over the client's transport (dualvllm.engines.vllm_transport:
+retries, timeouts, error translation), and the routes here change the server's state, so each is resent only where the
 table below says so. Every route here, /pause, /resume and /reset_prefix_cache included, needs a
 dev-mode server (VLLM_SERVER_DEV_MODE=1): vLLM 0.32 registers them, the weight-transfer and
 /collective_rpc routes and /server_info only under it (vllm/entrypoints/launchers/api_server/
@@ -14,17 +14,14 @@ import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-import aiohttp
 
 from dualvllm.common.errors import ServerRejectedError, ServerStatusError, ServerUnavailableError, WeightSyncError
 from dualvllm.engines.http import expect
 from dualvllm.engines.vllm_plugin.worker_extension import DIGEST_METHOD, WORKER_EXTENSION
+from dualvllm.engines.vllm_transport import ServerTransport
 from dualvllm.engines.weights_dir import checked_weights_dir
-
-if TYPE_CHECKING:
-    from dualvllm.engines.vllm_client import VLLMClient
 
 # vLLM refuses a prefix-cache reset (`success: false`) while running requests hold blocks;
 # inside a /pause fence they drain within a few decode steps (~25 ms each on CPU), so 50
@@ -76,18 +73,18 @@ class ServedDigest:
 
 
 class VLLMAdmin:
-    """The admin routes of the server `client` talks to; implements dualvllm.engines.protocol.WeightTransferServer."""
+    """The admin routes of the server behind `transport`; implements dualvllm.engines.protocol.WeightTransferServer."""
 
-    def __init__(self, client: VLLMClient) -> None:
-        self._client = client
+    def __init__(self, transport: ServerTransport) -> None:
+        self._transport = transport
 
     @property
     def name(self) -> str:
-        return self._client.name
+        return self._transport.name
 
     @property
     def url(self) -> str:
-        return self._client.url
+        return self._transport.url
 
     # -- admin: weight pushes (dualvllm.training.weight_sync); the reload needs a dev-mode server ---
     #
@@ -107,7 +104,7 @@ class VLLMAdmin:
         caller knows its reload is not fenced.
         """
         try:
-            await self._client.call("POST", f"/pause?mode={mode}", idempotent=True)
+            await self._transport.call("POST", f"/pause?mode={mode}", idempotent=True)
         except ServerRejectedError as err:
             if err.status == 404:
                 return False
@@ -116,7 +113,7 @@ class VLLMAdmin:
 
     async def resume(self) -> None:
         """Let the server schedule requests again after `pause`."""
-        await self._client.call("POST", "/resume", idempotent=True)
+        await self._transport.call("POST", "/resume", idempotent=True)
 
     async def reload_weights(self, weights_path: Path | str, *, timeout_s: float | None = None) -> None:
         """Load the HF-format checkpoint in `weights_path` into the running server, in place.
@@ -134,13 +131,9 @@ class VLLMAdmin:
         dev mode has no /collective_rpc: WeightSyncError says how to restart it.
         """
         weights_dir = checked_weights_dir(weights_path)
-        timeout = (
-            None
-            if timeout_s is None
-            else aiohttp.ClientTimeout(total=timeout_s, connect=self._client.connect_timeout_s)
-        )
+        timeout = None if timeout_s is None else self._transport.timeout(timeout_s)
         try:
-            await self._client.call(
+            await self._transport.call(
                 "POST",
                 "/collective_rpc",
                 {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}},
@@ -150,7 +143,7 @@ class VLLMAdmin:
         except ServerRejectedError as err:
             if err.status == 404:
                 raise WeightSyncError(
-                    f"{self._client.name} server at {self._client.url} has no /collective_rpc: it was started without dev "
+                    f"{self._transport.name} server at {self._transport.url} has no /collective_rpc: it was started without dev "
                     "mode. Restart it with VLLM_SERVER_DEV_MODE=1 (ServerConfig(dev_mode=True), or `dualvllm "
                     "serve --dev-mode`), on a loopback host only"
                 ) from err
@@ -171,8 +164,8 @@ class VLLMAdmin:
         dtype = str(model.get("dtype", "")) if isinstance(model, dict) else ""
         expect(
             dtype.removeprefix("torch.") in SERVED_DTYPES,
-            self._client.name,
-            self._client.url,
+            self._transport.name,
+            self._transport.url,
             f"/server_info names no model dtype among {sorted(SERVED_DTYPES)} (got {dtype!r})",
         )
         return dtype.removeprefix("torch.")
@@ -187,7 +180,7 @@ class VLLMAdmin:
     async def server_config(self) -> dict[str, Any] | None:
         """The server's vllm_config from GET /server_info (dev mode); None without that route."""
         try:
-            info = await self._client.call("GET", "/server_info?config_format=json")
+            info = await self._transport.call("GET", "/server_info?config_format=json")
         except ServerRejectedError as err:
             if err.status == 404:
                 return None
@@ -211,11 +204,11 @@ class VLLMAdmin:
         """
         path = "/reset_prefix_cache" + ("?reset_running_requests=true" if reset_running_requests else "")
         for attempt in range(attempts):
-            answer = await self._client.call("POST", path, idempotent=True)
+            answer = await self._transport.call("POST", path, idempotent=True)
             expect(
                 isinstance(answer, dict) and "success" in answer,
-                self._client.name,
-                self._client.url,
+                self._transport.name,
+                self._transport.url,
                 f"/reset_prefix_cache answered {answer!r}, not {{'success': bool}}",
             )
             if answer["success"]:
@@ -223,7 +216,7 @@ class VLLMAdmin:
             if attempt + 1 < attempts:
                 await asyncio.sleep(retry_delay_s)
         raise WeightSyncError(
-            f"{self._client.name} server at {self._client.url} refused to reset its prefix cache {attempts} times, and stale KV "
+            f"{self._transport.name} server at {self._transport.url} refused to reset its prefix cache {attempts} times, and stale KV "
             "blocks would give wrong logprobs; running requests hold blocks: reset inside pause(), and check "
             "that the server honours /pause"
         )
@@ -256,18 +249,18 @@ class VLLMAdmin:
 
     async def world_size(self, include_dp: bool = True) -> int:
         """The server's worker count (TP x PP, x DP with `include_dp`): GET /get_world_size (dev mode)."""
-        body = await self._client.call("GET", "/get_world_size" + ("" if include_dp else "?include_dp=false"))
+        body = await self._transport.call("GET", "/get_world_size" + ("" if include_dp else "?include_dp=false"))
         expect(
             isinstance(body, dict) and isinstance(body.get("world_size"), int),
-            self._client.name,
-            self._client.url,
+            self._transport.name,
+            self._transport.url,
             f"/get_world_size answered {body!r}, not {{'world_size': int}}",
         )
         return body["world_size"]
 
     async def weight_version(self) -> str | None:
         """The version the last finished update was tagged with (GET /weight_info)."""
-        body = await self._client.call("GET", "/weight_info")
+        body = await self._transport.call("GET", "/weight_info")
         return body.get("weight_version") if isinstance(body, dict) else None
 
     async def weight_digest(self) -> ServedDigest:
@@ -282,11 +275,15 @@ class VLLMAdmin:
         """
         try:
             try:
-                body = await self._client.call("POST", "/collective_rpc", {"method": DIGEST_METHOD}, idempotent=False)
+                body = await self._transport.call(
+                    "POST", "/collective_rpc", {"method": DIGEST_METHOD}, idempotent=False
+                )
             except ServerUnavailableError:
                 # uvicorn closes a connection after a 500 (a call's unhandled error, this one's included), and
                 # the next request on it is reset: this one is a read, so it is sent once more.
-                body = await self._client.call("POST", "/collective_rpc", {"method": DIGEST_METHOD}, idempotent=False)
+                body = await self._transport.call(
+                    "POST", "/collective_rpc", {"method": DIGEST_METHOD}, idempotent=False
+                )
         except ServerStatusError as err:
             if err.status == 404:
                 return ServedDigest(None, "it has no /collective_rpc (not in dev mode)")
@@ -300,14 +297,14 @@ class VLLMAdmin:
         results = body.get("results") if isinstance(body, dict) else None
         expect(
             isinstance(results, list) and bool(results) and all(r is None or isinstance(r, str) for r in results),
-            self._client.name,
-            self._client.url,
+            self._transport.name,
+            self._transport.url,
             f"/collective_rpc {DIGEST_METHOD} answered {body!r}, not {{'results': [digest or null, one per rank]}}",
         )
         assert isinstance(results, list)  # for mypy: expect() raised otherwise
         if len(set(results)) > 1:
             raise WeightSyncError(
-                f"{self._client.name} server at {self._client.url}: its ranks took different weights (digests by rank: "
+                f"{self._transport.name} server at {self._transport.url}: its ranks took different weights (digests by rank: "
                 f"{', '.join(str(r)[:12] for r in results)}); restart it and push again"
             )
         if results[0] is None:
@@ -315,13 +312,13 @@ class VLLMAdmin:
         return ServedDigest(results[0])
 
     async def _transfer_phase(self, path: str, payload: Any, timeout_s: float) -> None:
-        timeout = aiohttp.ClientTimeout(total=timeout_s, connect=self._client.connect_timeout_s)
+        timeout = self._transport.timeout(timeout_s)
         try:
-            await self._client.call("POST", path, payload, idempotent=False, timeout=timeout)
+            await self._transport.call("POST", path, payload, idempotent=False, timeout=timeout)
         except ServerRejectedError as err:
             if err.status == 404:
                 raise WeightSyncError(
-                    f"{self._client.name} server at {self._client.url} has no {path}: it was started without dev mode. Restart it "
+                    f"{self._transport.name} server at {self._transport.url} has no {path}: it was started without dev mode. Restart it "
                     "with VLLM_SERVER_DEV_MODE=1 (ServerConfig(dev_mode=True)), on a loopback host only"
                 ) from err
             raise

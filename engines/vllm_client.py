@@ -1,8 +1,8 @@
 """Async client for one vLLM OpenAI-compatible server.
 
-One `aiohttp.ClientSession` per server, opened by `async with` and closed once; a client
-cannot be reused after it closed. Every call has a timeout and goes through
-`dualvllm.engines.http.request_json`, which owns retries and error translation.
+The HTTP side (one `aiohttp.ClientSession` per server, opened by `async with` and closed once;
+retries, timeouts, the served model) is the client's `transport` (dualvllm.engines.vllm_transport),
+which its parts take as well; a client cannot be reused after it closed.
 
 Next-token top-k uses `/v1/completions` with token-id prompts (a list of lists batches
 all contexts into one request), `max_tokens: 1`, `temperature: 0` (so the sampled token
@@ -22,39 +22,24 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-from pathlib import Path
 from typing import Any
 from collections.abc import Callable, Mapping, Sequence
 
-import aiohttp
 
-from dualvllm.common.errors import (
-    LifecycleError,
-    ServerError,
-    ServerRejectedError,
-    TopKUnsupportedError,
-    UnknownModelError,
-)
+from dualvllm.common.errors import ServerError
 from dualvllm.engines import vllm_answers as answers
 from dualvllm.engines.http import (
     CONNECT_TIMEOUT_S,
     CONNECTION_POOL_SIZE,
-    KEEPALIVE_TIMEOUT_S,
     MAX_RETRIES,
     REQUEST_TIMEOUT_S,
     RETRY_DELAY_S,
-    RetryPolicy,
-    expect,
-    request_json,
 )
 from dualvllm.engines.protocol import Draft, ModelInfo, TopKBatch, score_by_prefixes
 from dualvllm.engines.vllm_admin import VLLMAdmin
-from dualvllm.engines.vllm_scoring import GENERATE_PATH, PromptScorer
+from dualvllm.engines.vllm_scoring import PromptScorer
 from dualvllm.engines.vllm_tokens import ServerTokenizer
-
-# observer(server name, path, seconds, ok): one finished call, retries included.
-CallObserver = Callable[[str, str, float, bool], None]
+from dualvllm.engines.vllm_transport import ServerTransport
 
 
 class VLLMClient:
@@ -74,121 +59,40 @@ class VLLMClient:
         retry_delay_s: float = RETRY_DELAY_S,
         local_tokenizer: bool = False,
     ) -> None:
-        self.url = url.rstrip("/")
-        self.name = name
-        self._model = model  # the served model name to use; None = the first one listed
-        self._api_key = api_key
-        self.connect_timeout_s = connect_timeout_s
-        self._timeout = aiohttp.ClientTimeout(total=request_timeout_s, connect=connect_timeout_s)
-        self._pool_size = connection_pool_size
-        self._retry = RetryPolicy(max_retries=max_retries, base_delay_s=retry_delay_s)
-        self._session: aiohttp.ClientSession | None = None
-        self._closed = False
-        self._model_info: ModelInfo | None = None
+        self.transport = ServerTransport(
+            url,
+            name=name,
+            model=model,
+            api_key=api_key,
+            request_timeout_s=request_timeout_s,
+            connect_timeout_s=connect_timeout_s,
+            connection_pool_size=connection_pool_size,
+            max_retries=max_retries,
+            retry_delay_s=retry_delay_s,
+        )
+        self.url, self.name = self.transport.url, name
         self._token_ids = answers.TokenIdCache()
         # Tokenize and detokenize here, with the served model's own tokenizer, instead of
         # over HTTP, with `local_tokenizer`: what a server started with --skip-tokenizer-init needs.
-        self.tokens = ServerTokenizer(self, local=local_tokenizer)
-        self.admin = VLLMAdmin(self)  # pause, resume, reloads, native weight transfer
-        self.scoring = PromptScorer(self)  # given prompts' top-k and logprobs
-        self.requests = 0  # HTTP requests sent, retries included
-        self.retries = 0
-        self.failures = 0  # calls that raised after their retries
-        self.observers: list[CallObserver] = []  # told of every call's outcome (metrics)
+        self.tokens = ServerTokenizer(self.transport, local=local_tokenizer)
+        self.admin = VLLMAdmin(self.transport)  # pause, resume, reloads, native weight transfer
+        self.scoring = PromptScorer(self.transport)  # given prompts' top-k and logprobs
 
     async def __aenter__(self) -> VLLMClient:
-        if self._session is not None or self._closed:
-            raise LifecycleError(
-                f"{self.name} client for {self.url} was already entered; create a new VLLMClient for each `async with`"
-            )
-        headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=self._pool_size, keepalive_timeout=KEEPALIVE_TIMEOUT_S),
-            timeout=self._timeout,
-            headers=headers,
-        )
+        self.transport.open()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-        self._session = None
-        self._closed = True
+        await self.transport.close()
 
     # -- raw calls -------------------------------------------------------------------
 
-    # POST routes that are safe to send twice, so dualvllm.engines.http retries them like reads.
-    # Every GET is. Any other POST counts as changing state and is resent only when
-    # nothing was sent: /collective_rpc runs an arbitrary worker method (reload_weights),
-    # and dualvllm.training.weight_sync checks what the server holds before it sends one again.
-    IDEMPOTENT_POSTS = frozenset(
-        {
-            "/tokenize",
-            "/detokenize",  # read the tokenizer
-            "/v1/completions",  # generation changes no model state, only costs compute
-            GENERATE_PATH,  # the same
-            "/reset_prefix_cache",  # emptying an empty cache changes nothing
-            "/pause",
-            "/resume",  # set a state; a second send sets the same state
-        }
-    )
-
-    async def call(
-        self,
-        method: str,
-        path: str,
-        payload: Any = None,
-        decode: Callable[[bytes], Any] = json.loads,
-        *,
-        idempotent: bool | None = None,
-        timeout: aiohttp.ClientTimeout | None = None,
-        on_headers: Callable[[], None] | None = None,
-    ) -> Any:
-        """One JSON request to `path`, with retries; the building block of every call.
-
-        Retried like a read if it is a GET or in IDEMPOTENT_POSTS (or `idempotent` says
-        so), else only when it never left (dualvllm.engines.http's table). `decode` parses a 2xx
-        body (default: any JSON); see dualvllm.engines.http.request_json. `timeout` replaces the
-        client's request timeout for this call; `on_headers` is called when a 2xx answer starts.
-        """
-        if self._session is None:
-            raise LifecycleError(
-                f"{self.name} client for {self.url} is not open; use `async with VLLMClient(...) as client:`"
-            )
-        if idempotent is None:
-            idempotent = method == "GET" or path.partition("?")[0] in self.IDEMPOTENT_POSTS
-        self.requests += 1
-
-        def count_retry(_: ServerError) -> None:
-            self.retries += 1
-            self.requests += 1
-
-        started, ok = time.perf_counter(), False
-        try:
-            answer = await request_json(
-                self._session,
-                method,
-                self.url + path,
-                server=self.name,
-                payload=payload,
-                retry=self._retry,
-                idempotent=idempotent,
-                on_retry=count_retry,
-                decode=decode,
-                timeout=timeout,
-                on_headers=on_headers,
-            )
-            ok = True
-            return answer
-        except ServerError:
-            self.failures += 1
-            raise
-        finally:
-            for observe in self.observers:
-                observe(self.name, path.partition("?")[0], time.perf_counter() - started, ok)
+    async def call(self, method: str, path: str, payload: Any = None, **kw: Any) -> Any:
+        """One JSON request to `path`, with retries: ServerTransport.call."""
+        return await self.transport.call(method, path, payload, **kw)
 
     async def health(self) -> None:
         """Raise a ServerError unless GET /health answers 200."""
@@ -209,21 +113,7 @@ class VLLMClient:
     # -- Engine protocol -------------------------------------------------------------
 
     async def model_info(self) -> ModelInfo:
-        if self._model_info is None:
-            body = await self.call("GET", "/v1/models")
-            data = body.get("data") if isinstance(body, dict) else None
-            expect(isinstance(data, list) and bool(data), self.name, self.url, "/v1/models lists no model")
-            assert isinstance(data, list)  # expect raised otherwise; says so to mypy
-            card = _pick_model(data, self._model, self.name, self.url)
-            root = card.get("root") or card["id"]
-            self._model_info = ModelInfo(
-                name=card["id"],
-                root=root,
-                max_model_len=int(card.get("max_model_len") or 0),
-                vocab_size=answers.config_int(Path(root), "vocab_size"),
-                pad_token_id=answers.config_int(Path(root), "pad_token_id", minimum=0),
-            )
-        return self._model_info
+        return await self.transport.model_info()
 
     async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return await self.tokens.tokenize(text, add_special_tokens=add_special_tokens)
@@ -252,7 +142,7 @@ class VLLMClient:
             "return_tokens_as_token_ids": True,
         }
         n, ids = len(contexts), self._token_ids
-        return await self.completions(
+        return await self.transport.completions(
             payload, k, decode=lambda raw: answers.next_token_rows(answers.decode_completion(raw), n, k, ids)
         )
 
@@ -261,24 +151,6 @@ class VLLMClient:
 
     async def prompt_logprobs(self, prompts: Sequence[Sequence[int]], k: int) -> list[list[dict[str, Any] | None]]:
         return await self.scoring.logprobs(prompts, k)
-
-    async def completions(
-        self,
-        payload: dict[str, Any],
-        k: int,
-        decode: Callable[[bytes], Any] = json.loads,
-        path: str = "/v1/completions",
-    ) -> Any:
-        """POST /v1/completions (or `path`); a refused logprob count becomes TopKUnsupportedError."""
-        try:
-            return await self.call("POST", path, payload, decode=decode)
-        except ServerRejectedError as err:
-            if "max_logprobs" in err.body or "max allowed" in err.body:
-                raise TopKUnsupportedError(
-                    f"{self.name} server at {self.url} refuses top_k={k}: {err.body[:200]}. "
-                    f"Restart it with `--max-logprobs {k}` (or more), or lower top_k."
-                ) from err
-            raise
 
     # -- lockstep (engines/vllm_plugin) ------------------------------------------------
 
@@ -322,7 +194,7 @@ class VLLMClient:
             decode=answers.streamed_finish_reason,
             idempotent=False,
             on_headers=on_accepted,
-            timeout=aiohttp.ClientTimeout(total=None, connect=self._timeout.connect),
+            timeout=self.transport.timeout(None),
         )
 
     # -- speculative rounds (dualvllm.engines.protocol.SpeculativeEngine) ------------------------
@@ -346,7 +218,9 @@ class VLLMClient:
             **answers.neutral_sampling(k),
         }
         ids = self._token_ids
-        (draft,) = await self.completions(payload, k, decode=lambda raw: answers.drafts(json.loads(raw), 1, k, ids))
+        (draft,) = await self.transport.completions(
+            payload, k, decode=lambda raw: answers.drafts(json.loads(raw), 1, k, ids)
+        )
         return draft
 
     async def draft_argmax(self, contexts: Sequence[Sequence[int]], *, max_tokens: int, k: int) -> list[Draft]:
@@ -362,7 +236,9 @@ class VLLMClient:
             "return_tokens_as_token_ids": True,
         }
         n, ids = len(contexts), self._token_ids
-        return await self.completions(payload, k, decode=lambda raw: answers.drafts(json.loads(raw), n, k, ids))
+        return await self.transport.completions(
+            payload, k, decode=lambda raw: answers.drafts(json.loads(raw), n, k, ids)
+        )
 
     async def score_continuations(
         self, contexts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]], k: int
@@ -377,16 +253,3 @@ class VLLMClient:
         logprobs are the same decode-step values too.
         """
         return await score_by_prefixes(self, contexts, continuations, k)
-
-
-def _pick_model(cards: list[dict[str, Any]], model: str | None, server: str, url: str) -> dict[str, Any]:
-    if model is None:
-        return cards[0]
-    for card in cards:
-        if card.get("id") == model:
-            return card
-    served = [card.get("id") for card in cards]
-    raise UnknownModelError(
-        f"{server} server at {url} does not serve a model named {model!r}; it "
-        f"serves {served}. Use one of those names (or none, to take the first)."
-    )

@@ -1,5 +1,6 @@
 """Given prompts scored by a vLLM server: the top-k before every prompt token, or vLLM's own
-prompt logprobs. `VLLMClient` delegates its prompt_topk and prompt_logprobs here.
+prompt logprobs. `VLLMClient` delegates its prompt_topk and prompt_logprobs here; a scorer takes the
+server's transport (dualvllm.engines.vllm_transport), not the client.
 
 The top-k has two routes that give the same rows. Where the server has /inference/v1/generate
 (vLLM's --enable-scale-out, which dualvllm's launcher passes), one request per prompt with
@@ -14,25 +15,22 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from collections.abc import Sequence
 
 from dualvllm.common.errors import ServerRejectedError
 from dualvllm.engines import vllm_answers as answers
 from dualvllm.engines.protocol import TopKBatch
+from dualvllm.engines.vllm_transport import GENERATE_PATH, ServerTransport
 
-if TYPE_CHECKING:
-    from dualvllm.engines.vllm_client import VLLMClient
-
-GENERATE_PATH = "/inference/v1/generate"  # vLLM's token-in token-out route (--enable-scale-out)
 ROUTE_ABSENT = frozenset({403, 404})  # disabled (vLLM's answer without the flag), or unknown
 
 
 class PromptScorer:
-    """Scores given prompts with the model `client`'s server serves."""
+    """Scores given prompts with the model the server behind `transport` serves."""
 
-    def __init__(self, client: VLLMClient) -> None:
-        self._client = client
+    def __init__(self, transport: ServerTransport) -> None:
+        self._transport = transport
         self._token_ids = answers.TokenIdCache()
         self.generate_route: bool | None = None  # the server answers GENERATE_PATH; None: not yet asked
 
@@ -64,7 +62,7 @@ class PromptScorer:
         top k and the position's own token at its true rank (k = -1: the whole vocabulary,
         if the server allows it). One batched request; a q* service passes them through
         when a request scores with one model alone, so vLLM's decoded tokens are kept."""
-        info = await self._client.model_info()
+        info = await self._transport.model_info()
         payload = {
             "model": info.name,
             "prompt": [list(p) for p in prompts],
@@ -72,23 +70,23 @@ class PromptScorer:
             "temperature": 0.0,
             "prompt_logprobs": k,
         }
-        return await self._client.completions(
+        return await self._transport.completions(
             payload, k, decode=lambda raw: answers.prompt_logprob_rows(json.loads(raw), prompts)
         )
 
     async def _generated(self, prompt: Sequence[int], k: int) -> TopKBatch:
-        info = await self._client.model_info()
+        info = await self._transport.model_info()
         payload = {
             "model": info.name,
             "token_ids": list(prompt),
             "sampling_params": {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": k, "detokenize": False},
         }
-        return await self._client.completions(
+        return await self._transport.completions(
             payload, k, decode=lambda raw: answers.generated_prompt_rows(raw, prompt, k), path=GENERATE_PATH
         )
 
     async def _echoed(self, prompts: Sequence[Sequence[int]], k: int) -> list[TopKBatch]:
-        info = await self._client.model_info()
+        info = await self._transport.model_info()
         payload = {
             "model": info.name,
             "prompt": [list(p) for p in prompts],
@@ -99,6 +97,6 @@ class PromptScorer:
             "return_tokens_as_token_ids": True,
         }
         ids = self._token_ids
-        return await self._client.completions(
+        return await self._transport.completions(
             payload, k, decode=lambda raw: answers.echoed_prompt_rows(json.loads(raw), prompts, k, ids)
         )

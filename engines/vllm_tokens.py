@@ -1,6 +1,7 @@
 """Tokens of a vLLM server's model: its /tokenize and /detokenize, or the same tokenizer loaded here.
 
-`VLLMClient` delegates its tokenize, tokenize_chat, detokenize and eos_token_ids here. With
+`VLLMClient` delegates its tokenize, tokenize_chat, detokenize and eos_token_ids here (a
+tokenizer takes the server's transport, dualvllm.engines.vllm_transport, not the client). With
 `local` the tokenizer is the transformers one vLLM loads, from the model directory the
 server reports (`root` in /v1/models): what a server started with --skip-tokenizer-init needs.
 """
@@ -9,23 +10,21 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from collections.abc import Mapping, Sequence
 
 from dualvllm.common.errors import InvalidInputError, ServerRejectedError
 from dualvllm.engines.chat import render_chat
 from dualvllm.engines.http import expect
 from dualvllm.engines.vllm_answers import eos_ids_from_model_dir
-
-if TYPE_CHECKING:
-    from dualvllm.engines.vllm_client import VLLMClient
+from dualvllm.engines.vllm_transport import ServerTransport
 
 
 class ServerTokenizer:
-    """The tokenizer of the model `client`'s server serves."""
+    """The tokenizer of the model the server behind `transport` serves."""
 
-    def __init__(self, client: VLLMClient, *, local: bool) -> None:
-        self._client, self._local = client, local
+    def __init__(self, transport: ServerTransport, *, local: bool) -> None:
+        self._transport, self._local = transport, local
         self._tokenizer: Any = None
         self._eos_ids: frozenset[int] | None = None
 
@@ -40,8 +39,8 @@ class ServerTokenizer:
         if self._local:
             tokenizer = await self._load_tokenizer()
             return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
-        info = await self._client.model_info()
-        body = await self._client.call(
+        info = await self._transport.model_info()
+        body = await self._transport.call(
             "POST",
             "/tokenize",
             {
@@ -52,8 +51,8 @@ class ServerTokenizer:
         )
         expect(
             isinstance(body, dict) and "tokens" in body,
-            self._client.name,
-            self._client.url,
+            self._transport.name,
+            self._transport.url,
             "/tokenize answer has no 'tokens'",
         )
         return [int(t) for t in body["tokens"]]
@@ -64,16 +63,16 @@ class ServerTokenizer:
         """A chat rendered with the model's chat template, up to the assistant's turn: the
         server's /tokenize with `messages`, or the local tokenizer's apply_chat_template."""
         if self._local:
-            return render_chat(await self._load_tokenizer(), messages, self._client.name, template_kwargs)
-        info = await self._client.model_info()
+            return render_chat(await self._load_tokenizer(), messages, self._transport.name, template_kwargs)
+        info = await self._transport.model_info()
         request: dict[str, Any] = {"model": info.name, "messages": list(messages), "add_generation_prompt": True}
         if template_kwargs:
             request["chat_template_kwargs"] = dict(template_kwargs)
-        body = await self._client.call("POST", "/tokenize", request)
+        body = await self._transport.call("POST", "/tokenize", request)
         expect(
             isinstance(body, dict) and "tokens" in body,
-            self._client.name,
-            self._client.url,
+            self._transport.name,
+            self._transport.url,
             "/tokenize answer has no 'tokens'",
         )
         return [int(t) for t in body["tokens"]]
@@ -81,22 +80,22 @@ class ServerTokenizer:
     async def detokenize(self, token_ids: Sequence[int]) -> str:
         if self._local:
             return (await self._load_tokenizer()).decode(list(token_ids))
-        info = await self._client.model_info()
-        body = await self._client.call("POST", "/detokenize", {"model": info.name, "tokens": list(token_ids)})
+        info = await self._transport.model_info()
+        body = await self._transport.call("POST", "/detokenize", {"model": info.name, "tokens": list(token_ids)})
         expect(
             isinstance(body, dict) and "prompt" in body,
-            self._client.name,
-            self._client.url,
+            self._transport.name,
+            self._transport.url,
             "/detokenize answer has no 'prompt'",
         )
         return body["prompt"]
 
     async def _load_tokenizer(self) -> Any:
         if self._tokenizer is None:
-            root = Path((await self._client.model_info()).root)
+            root = Path((await self._transport.model_info()).root)
             if not (root / "tokenizer_config.json").is_file() and not (root / "tokenizer.json").is_file():
                 raise InvalidInputError(
-                    f"local_tokenizer: the {self._client.name} server's model directory {root} has no tokenizer "
+                    f"local_tokenizer: the {self._transport.name} server's model directory {root} has no tokenizer "
                     "files readable here; run the coordinator where the model directory is, or turn "
                     "local tokenizers off (and start the server without --skip-tokenizer-init)."
                 )
@@ -114,7 +113,7 @@ class ServerTokenizer:
         """EOS ids, from the model directory if the server's `root` is readable here,
         else from `/tokenizer_info` (vLLM `--enable-tokenizer-info-endpoint`), else empty."""
         if self._eos_ids is None:
-            info = await self._client.model_info()
+            info = await self._transport.model_info()
             ids = eos_ids_from_model_dir(Path(info.root))
             if not ids:
                 ids = await self._eos_ids_from_tokenizer_info()
@@ -123,7 +122,7 @@ class ServerTokenizer:
 
     async def _eos_ids_from_tokenizer_info(self) -> frozenset[int]:
         try:
-            body = await self._client.call("GET", "/tokenizer_info")
+            body = await self._transport.call("GET", "/tokenizer_info")
         except ServerRejectedError:  # 404: endpoint not enabled on this server
             return frozenset()
         eos = body.get("eos_token") if isinstance(body, dict) else None

@@ -17,8 +17,8 @@ reloaded in place into logprobs that matched neither the old nor the new checkpo
 while the same model with untied embeddings matched a freshly started server exactly.
 Only a logprob comparison notices.
 
-A reload changes state, so it is never resent blindly: VLLMClient.reload_weights is not
-retried once it may have reached the server (the client's pause, resume and prefix-cache
+A reload changes state, so it is never resent blindly: VLLMAdmin.reload_weights (`client.admin`) is not
+retried once it may have reached the server (the admin's pause, resume and prefix-cache
 reset are, like reads). What happens after each outcome:
 
     checkpoint missing or corrupt  -> WeightSyncError before anything is sent

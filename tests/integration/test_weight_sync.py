@@ -113,11 +113,11 @@ async def test_a_corrupt_checkpoint_is_never_sent_and_the_next_push_works(dev_pa
     shard.write_bytes(shard.read_bytes()[:-1024])
     async with VLLMClient(dev_pair[0].url, name="theta") as client:
         before = await client.next_token_topk(probes(tokenizer), 5)
-        sent = client.requests
+        sent = client.transport.requests
         with pytest.raises(WeightSyncError, match="step-000001 cannot be pushed: model.safetensors is not a readable "
                                                   "safetensors file .*Nothing was sent"):
             await reload_and_verify(client, corrupt, probes(tokenizer), expected)
-        assert client.requests == sent
+        assert client.transport.requests == sent
         after = await client.next_token_topk(probes(tokenizer), 5)
         assert np.array_equal(after.token_ids, before.token_ids) and np.allclose(after.logprobs, before.logprobs)
         monkeypatch.chdir(tmp_path)

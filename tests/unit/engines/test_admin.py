@@ -98,11 +98,11 @@ async def test_only_calls_that_set_a_state_are_resent_after_they_may_have_acted(
     async with client(fake_theta.url, max_retries=3) as c:
         if resent:
             await call(c, weights)
-            assert c.retries == 1 and len(fake_theta.calls[route]) == 2
+            assert c.transport.retries == 1 and len(fake_theta.calls[route]) == 2
         else:
             with pytest.raises(error):
                 await call(c, weights)
-            assert c.retries == 0 and len(fake_theta.calls[route]) == 1
+            assert c.transport.retries == 0 and len(fake_theta.calls[route]) == 1
 
 
 @pytest.mark.parametrize("route, call", [c[1:3] for c in CALLS], ids=[c[0] for c in CALLS])
@@ -127,7 +127,7 @@ async def test_a_refused_cache_reset_is_asked_again_until_it_succeeds(fake_theta
     fake_theta.fail_next("/reset_prefix_cache", REFUSED, REFUSED)
     async with client(fake_theta.url) as c:
         await c.admin.reset_prefix_cache(retry_delay_s=0.0)
-        assert c.retries == 0  # answered refusals are asked again by the method, not resent by the transport
+        assert c.transport.retries == 0  # answered refusals are asked again by the method, not resent by the transport
     assert len(fake_theta.calls["/reset_prefix_cache"]) == 3
 
 

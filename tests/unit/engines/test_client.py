@@ -54,7 +54,7 @@ async def test_5xx_is_retried_then_succeeds_and_is_counted(fake_theta):
     async with client(fake_theta.url, max_retries=3) as c:
         batch = await c.next_token_topk([[1]], k=2)
         assert batch.token_ids.shape == (1, 3)
-        assert (c.retries, c.failures, c.requests) == (2, 0, 4)  # /v1/models + 3 tries
+        assert (c.transport.retries, c.transport.failures, c.transport.requests) == (2, 0, 4)  # /v1/models + 3 tries
 
 
 async def test_5xx_gives_up_after_max_retries_with_typed_error(fake_theta):
@@ -62,7 +62,7 @@ async def test_5xx_gives_up_after_max_retries_with_typed_error(fake_theta):
     async with client(fake_theta.url, max_retries=2) as c:
         with pytest.raises(ServerInternalError, match=r"theta .*HTTP 500: engine dead"):
             await c.next_token_topk([[1]], k=2)
-        assert (c.retries, c.failures) == (2, 1)
+        assert (c.transport.retries, c.transport.failures) == (2, 1)
 
 
 async def test_4xx_is_never_retried(fake_theta):
@@ -70,7 +70,7 @@ async def test_4xx_is_never_retried(fake_theta):
     async with client(fake_theta.url, max_retries=5) as c:
         with pytest.raises(ServerRejectedError) as info:
             await c.next_token_topk([[1]], k=2)
-        assert info.value.status == 422 and c.retries == 0
+        assert info.value.status == 422 and c.transport.retries == 0
     assert len(fake_theta.calls["/v1/completions"]) == 1
 
 
@@ -84,7 +84,7 @@ async def test_timeouts_are_retried_then_typed(fake_theta):
     fake_theta.fail_next("/tokenize", Failure(0, delay_s=1.0))
     async with client(fake_theta.url, request_timeout_s=0.3, max_retries=1) as c:
         assert await c.tokenize("abc") == [1, 2, 3]  # the retry succeeds
-        assert c.retries == 1
+        assert c.transport.retries == 1
         fake_theta.fail_next("/tokenize", Failure(0, delay_s=1.0), Failure(0, delay_s=1.0))
         with pytest.raises(ServerTimeoutError, match="request_timeout"):
             await c.tokenize("abc")
@@ -94,7 +94,7 @@ async def test_unreachable_server_is_typed_and_says_what_to_check():
     async with client("http://127.0.0.1:9", max_retries=1) as c:
         with pytest.raises(ServerUnavailableError, match="is it running"):
             await c.health()
-        assert c.retries == 1
+        assert c.transport.retries == 1
 
 
 async def test_malformed_answer_is_reported_not_misparsed(fake_theta):
@@ -168,7 +168,7 @@ async def test_a_model_name_the_server_rejects_is_a_4xx_not_a_retry(fake_theta):
     async with client(fake_theta.url, max_retries=3) as c:
         with pytest.raises(ServerRejectedError, match="does not exist") as info:
             await c.call("POST", "/tokenize", {"model": "other", "prompt": "x"})
-        assert info.value.status == 404 and c.retries == 0
+        assert info.value.status == 404 and c.transport.retries == 0
 
 
 async def test_api_key_is_sent_as_bearer_token(fake_theta):
@@ -196,7 +196,7 @@ async def test_eos_comes_from_a_readable_model_dir(fake_theta, tmp_path, monkeyp
     (tmp_path / "config.json").write_text('{"eos_token_id": 7}')
     async with client(fake_theta.url) as c:
         info = await c.model_info()
-        monkeypatch.setattr(c, "_model_info", type(info)(info.name, str(tmp_path), info.max_model_len))
+        monkeypatch.setattr(c.transport, "_model_info", type(info)(info.name, str(tmp_path), info.max_model_len))
         assert await c.eos_token_ids() == frozenset({7, 9})
 
 
@@ -244,7 +244,7 @@ async def test_a_local_tokenizer_needs_the_model_directory_here(fake_theta):
             await client.tokenize("ab")
 
 
-# -- which calls are resent: dualvllm.engines.http's table, VLLMClient.IDEMPOTENT_POSTS --------
+# -- which calls are resent: dualvllm.engines.http's table, ServerTransport.IDEMPOTENT_POSTS --------
 
 ROUTES = [  # (method, path, payload, idempotent)
     ("GET", "/health", None, True),
@@ -274,11 +274,11 @@ async def test_a_call_that_changes_state_is_not_resent_after_it_may_have_acted(
     async with client(fake_theta.url, request_timeout_s=STALL_TEST_TIMEOUT_S, max_retries=3) as c:
         if idempotent:
             await c.call(method, path, payload)
-            assert c.retries == 1 and len(fake_theta.calls[route]) == 2
+            assert c.transport.retries == 1 and len(fake_theta.calls[route]) == 2
         else:
             with pytest.raises(error):
                 await c.call(method, path, payload)
-            assert c.retries == 0 and len(fake_theta.calls[route]) == 1
+            assert c.transport.retries == 0 and len(fake_theta.calls[route]) == 1
 
 
 def _closed_port() -> int:
@@ -292,7 +292,7 @@ async def test_a_refused_connection_is_retried_for_every_call(method, path):
     async with client(f"http://127.0.0.1:{_closed_port()}", max_retries=2) as c:
         with pytest.raises(ServerConnectError, match="nothing was sent; is it running"):
             await c.call(method, path, {"method": "reload_weights"} if method == "POST" else None)
-        assert c.retries == 2
+        assert c.transport.retries == 2
 
 
 @pytest.mark.parametrize("idempotent", [True, False])
