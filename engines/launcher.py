@@ -30,16 +30,16 @@ from pathlib import Path
 from typing import Any, Literal
 from collections.abc import AsyncIterator
 
-import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from dualvllm.common.errors import InvalidInputError, LifecycleError, ServerStartupError
+from dualvllm.common.errors import InvalidInputError, LifecycleError, ServerError, ServerStartupError
 from dualvllm.common.process import die_with_parent, log_tail
 from dualvllm.common.validation import RaisesInvalidInput
 from dualvllm.engines import kv_cache, placement, ports, weight_transfer
 from dualvllm.engines.vllm_plugin import spin
 from dualvllm.engines.vllm_plugin.net import is_loopback
 from dualvllm.engines.vllm_plugin.worker_extension import WORKER_EXTENSION
+from dualvllm.engines.vllm_transport import ServerTransport
 
 HEALTH_POLL_INTERVAL_S = 0.5
 # What torchrun (under `accelerate launch`) sets for each learner process: a vLLM server started by
@@ -448,9 +448,12 @@ class VLLMServer:
             ports.release(self.port)  # it listens there now, or never will
 
     async def _wait_healthy(self) -> None:
+        """Ask /health until it answers 200, through the transport every client uses (no retries: the
+        loop is the retry), failing at once if the process exits and after startup_timeout_s."""
         deadline = time.monotonic() + self.config.startup_timeout_s
-        timeout = aiohttp.ClientTimeout(total=5)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        transport = ServerTransport(self.url, name=self.name, request_timeout_s=5.0, max_retries=0)
+        transport.open()
+        try:
             while True:
                 assert self._process is not None
                 if self._process.poll() is not None:
@@ -459,10 +462,9 @@ class VLLMServer:
                         f"{self._process.returncode} during start-up. Log {self.log_path}:\n{self.log_tail()}"
                     )
                 try:
-                    async with session.get(self.url + "/health") as response:
-                        if response.status == 200:
-                            return
-                except (TimeoutError, aiohttp.ClientError):
+                    await transport.call("GET", "/health", decode=bytes)
+                    return
+                except ServerError:
                     pass  # not listening yet
                 if time.monotonic() > deadline:
                     raise ServerStartupError(
@@ -471,6 +473,8 @@ class VLLMServer:
                         f"machine is slow. Log {self.log_path}:\n{self.log_tail()}"
                     )
                 await asyncio.sleep(HEALTH_POLL_INTERVAL_S)
+        finally:
+            await transport.close()
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         return log_tail(self.log_path, lines)
