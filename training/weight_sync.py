@@ -102,6 +102,9 @@ SERVER_LOG_HINT = (
 # - float16 (10 mantissa bits to bf16's 7): bf16's bounds / 8, derived, not measured here.
 PUSH_TOLERANCE = {"float32": 1e-3, "bfloat16": 1.5, "float16": 0.2}
 MEDIAN_SHARE = 0.1
+# The probe compares the server's and the learner's logprobs of their top-20 next tokens on each
+# probe context: the bounds above were measured at 20, and every server dualvllm starts allows it.
+PROBE_TOP_K = 20
 
 
 @dataclass(frozen=True)
@@ -198,7 +201,7 @@ async def push_weights(
     out_dir: Path,
     probes: Sequence[Sequence[int]],
     *,
-    top_k: int = 20,
+    top_k: int = PROBE_TOP_K,
     tolerance: float | None = None,
 ) -> PushReport:
     """Save `model` in the server's dtype to the new directory `out_dir`, reload it into the
@@ -345,7 +348,7 @@ class BasePusher:
         base: Engine,
         probes: Sequence[Sequence[int]],
         *,
-        top_k: int = 20,
+        top_k: int = PROBE_TOP_K,
         tolerance: float | None = None,
         via: WeightsVia = "auto",
         probe_every: int = 0,
@@ -649,7 +652,7 @@ async def reload_and_verify(
     probes: Sequence[Sequence[int]],
     expected: np.ndarray,
     *,
-    top_k: int = 20,
+    top_k: int = PROBE_TOP_K,
     tolerance: float = 1e-3,
     health_wait_s: float = HEALTH_WAIT_S,
     reload_timeout_s: float = RELOAD_TIMEOUT_S,
