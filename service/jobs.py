@@ -1,7 +1,7 @@
 """What a validated request becomes (Job) and the service's bounded queue (RequestQueue).
 
 A leaf of service/: it imports the request schema and the two response formats, nothing
-that serves. The handlers (dualvllm.service.app) build Jobs; streaming, metrics and the handlers
+that serves. dualvllm.service.building builds Jobs from requests; dualvllm.service.running, streaming and metrics
 read them.
 """
 
