@@ -117,7 +117,7 @@ async def test_a_missing_or_corrupt_checkpoint_is_refused_before_any_request(fak
         with pytest.raises(WeightSyncError, match=f"checkpoint {weights.resolve()} \\(given as 'step-000001'\\) "
                                                   f"cannot be pushed: (its )?{problem}.*Nothing was sent"):
             await reload_and_verify(c, Path("step-000001"), PROBES, learner(NEW_SEED), top_k=5)
-        assert c.requests == 0
+        assert c.transport.requests == 0
     assert fake_theta.order == [] and fake_theta.model.seed == 1
 
 
